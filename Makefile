@@ -1,0 +1,23 @@
+# Shardline: the two commands of the README are `make demo` and `make test`.
+PYTHON ?= python3
+PIP_FLAGS ?= --disable-pip-version-check
+
+.PHONY: install test demo test-fast gpu-check
+
+install:
+	$(PYTHON) -m pip install $(PIP_FLAGS) -e '.[dev]'
+
+## The whole suite: unit, runtime, serving, operator, chart, cluster and e2e tiers.
+test: install
+	$(PYTHON) -m pytest tests
+
+## Everything but the local-cluster tiers (no Go build needed).
+test-fast: install
+	$(PYTHON) -m pytest tests -m "not cluster and not e2e"
+
+## The main job: local Kubernetes, kubectl apply, serve, roll weights, tear down.
+demo: install
+	$(PYTHON) hack/demo.py
+
+gpu-check:
+	bash bench/gpu_check.sh

@@ -1,0 +1,216 @@
+"""Tiny checkpoints for tests, benchmarks and the demo.
+
+No model can be downloaded here, so everything that needs a model (the test suite, the
+benchmarks, ``make demo``) builds one: a byte-level BPE tokenizer trained on a small built-in
+corpus, and a randomly initialised HuggingFace model of a supported architecture written with
+``save_pretrained`` as safetensors. The files are exactly what a real HuggingFace checkpoint
+directory holds (``config.json``, ``model.safetensors`` or shards plus
+``model.safetensors.index.json``, ``tokenizer.json``, ``tokenizer_config.json`` with a chat
+template), so the runtime loads them through its real loading path.
+
+Command line::
+
+    python -m shardline_runtime.tiny_checkpoint OUT_DIR --arch llama --seed 0 [--set key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_WORDS = (
+    "the model serves tokens over a tensor parallel group of pods each rank holds a shard of "
+    "every weight matrix and the scheduler batches requests continuously while the cache keeps "
+    "keys and values for every layer kubernetes restarts the whole group when one member fails "
+    "weights roll in place from disk and graphs are captured again before the pod is ready "
+    "hello world how are you today the quick brown fox jumps over the lazy dog again and again "
+    "one two three four five six seven eight nine ten eleven twelve a b c d e f g h i j k"
+).split()
+
+_EXTRA_TEXT = [
+    "机器学习 模型 推理 服务 张量 并行 你好 世界 今天 天气 很好",
+    "東京 大阪 日本語 テキスト こんにちは ありがとう",
+    "emoji 🙂 🚀 🎉 ✨ 🔥 👍 🤖 😀 — naïve café résumé Ωμέγα Привет",
+    "def forward(self, x): return self.linear(x) + 1  # code {json: [1, 2, 3]}",
+]
+
+
+def _corpus(lines: int = 2000, seed: int = 0) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        n = rng.randint(4, 24)
+        out.append(" ".join(rng.choice(_WORDS) for _ in range(n)).capitalize() + ".")
+    out.extend(_EXTRA_TEXT * 20)
+    return out
+
+
+def train_tokenizer(out_dir: str | Path, vocab_size: int = 512):
+    """Train a byte-level BPE tokenizer and save it as a HuggingFace fast tokenizer.
+
+    Args:
+        out_dir: directory to write ``tokenizer.json`` and ``tokenizer_config.json`` into.
+        vocab_size: total vocabulary size including the special tokens (ids 0..4 are
+            ``<|pad|> <|bos|> <|eos|> <|im_start|> <|im_end|>``).
+
+    Returns:
+        The ``transformers.PreTrainedTokenizerFast`` that was saved.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any):
+    """Return a small ``transformers`` config of ``arch`` (one of ``ARCHITECTURES``).
+
+    Defaults: hidden 64, 2 layers, 4 heads, 2 KV heads, intermediate 128, 512 positions,
+    float32. ``overrides`` are passed to the config class (e.g. ``num_key_value_heads=1``,
+    ``rope_scaling={...}``, ``tie_word_embeddings=True``).
+
+    Raises:
+        ValueError: ``arch`` is not one of ``ARCHITECTURES``.
+    """
+    import transformers
+
+    classes = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "mistral": transformers.MistralConfig,
+    }
+    if arch not in classes:
+        raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        torch_dtype="float32",
+    )
+    if arch == "qwen3":
+        kwargs["head_dim"] = 16
+    if arch == "mistral":
+        kwargs["sliding_window"] = None
+    kwargs.update(overrides)
+    return classes[arch](**kwargs)
+
+
+def make_tiny_checkpoint(
+    out_dir: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    vocab_size: int = 512,
+    max_shard_size: str | None = None,
+    tokenizer: bool = True,
+    **overrides: Any,
+) -> Path:
+    """Write a randomly initialised checkpoint of ``arch`` into ``out_dir``.
+
+    Args:
+        out_dir: target directory (created).
+        arch: one of ``ARCHITECTURES``.
+        seed: ``torch.manual_seed`` for the weights; two seeds give two "revisions".
+        vocab_size: model vocabulary (>= the tokenizer's 512 entries).
+        max_shard_size: e.g. ``"20KB"`` to force several safetensors shards plus
+            ``model.safetensors.index.json``.
+        tokenizer: also train and save the tokenizer into ``out_dir``.
+        overrides: passed to :func:`tiny_config`.
+
+    Returns:
+        ``Path(out_dir)``.
+    """
+    import torch
+    import transformers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(arch, vocab_size=vocab_size, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.eval()
+    kwargs: dict[str, Any] = {"safe_serialization": True}
+    if max_shard_size:
+        kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(str(out), **kwargs)
+    if tokenizer:
+        train_tokenizer(out, vocab_size=min(512, vocab_size))
+    return out
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--arch", default="llama", choices=ARCHITECTURES)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--max-shard-size", default=None)
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=JSON",
+        help="config override, e.g. --set num_hidden_layers=4 --set hidden_size=128",
+    )
+    args = parser.parse_args(argv)
+    overrides = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        overrides[key] = _parse_value(value)
+    path = make_tiny_checkpoint(
+        args.out_dir, arch=args.arch, seed=args.seed, vocab_size=args.vocab_size,
+        max_shard_size=args.max_shard_size, **overrides,
+    )
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
