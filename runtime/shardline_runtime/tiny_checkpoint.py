@@ -130,7 +130,7 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any):
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
-        torch_dtype="float32",
+        dtype="float32",
     )
     if arch == "qwen3":
         kwargs["head_dim"] = 16
@@ -171,7 +171,7 @@ def make_tiny_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     config = tiny_config(arch, vocab_size=vocab_size, **overrides)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
     kwargs: dict[str, Any] = {"safe_serialization": True}
     if max_shard_size:
