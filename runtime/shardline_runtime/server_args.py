@@ -1,0 +1,210 @@
+"""Server arguments: the one command-line parser of ``shardline-runtime serve``.
+
+Flag names follow ``sglang.launch_server`` where the concept is the same (``--model-path``,
+``--tp-size``, ``--nnodes``, ``--node-rank``, ``--dist-init-addr``, ``--mem-fraction-static``,
+``--max-total-tokens``, ``--chunked-prefill-size``, ``--cuda-graph-max-bs`` ...), so a user of
+SGLang can read a Shardline pod spec without a table. The operator renders its container
+arguments with one function and a contract test parses them with :func:`make_parser`.
+
+Validation happens in two places: per-flag ranges in the argparse ``type`` functions (so
+``--port 0`` fails with ``argument --port: must be in [1, 65535], got 0``) and cross-field rules
+in :meth:`ServerArgs.__post_init__` (raising :class:`ServerArgsError`, a ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cuda", "cpu")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOAD_FORMATS = ("auto", "safetensors")
+
+
+class ServerArgsError(ValueError):
+    """A server argument (or a combination of them) is invalid; the message names the flag."""
+
+
+def _int_range(flag: str, low: int | None = None, high: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if (low is not None and value < low) or (high is not None and value > high):
+            lo = "-inf" if low is None else low
+            hi = "inf" if high is None else high
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {value}")
+        return value
+
+    parse.__name__ = flag
+    return parse
+
+
+def _float_range(flag: str, low: float, high: float, low_open: bool) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        too_low = value <= low if low_open else value < low
+        if too_low or value > high or value != value:
+            bracket = "(" if low_open else "["
+            raise argparse.ArgumentTypeError(f"must be in {bracket}{low}, {high}], got {text}")
+        return value
+
+    parse.__name__ = flag
+    return parse
+
+
+def _host_port(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"must be HOST:PORT with PORT in [1, 65535] (e.g. name-g0-0.name-g0-ranks.ns.svc:29500), got {text!r}"
+        )
+    return text
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Validated arguments of one runtime process group (one pod).
+
+    Units: ports are TCP ports, ``dist_timeout`` and ``watchdog_timeout`` and
+    ``drain_timeout`` are seconds, token counts are tokens. ``None`` means "derive it":
+    ``max_total_tokens`` from the memory budget, ``context_length`` from the model config,
+    ``served_model_name`` from ``model_path``, ``tokenizer_path`` = ``model_path``.
+
+    Raises:
+        ServerArgsError: a cross-field rule is broken (e.g. ``tp_size`` not divisible by
+            ``nnodes``, ``node_rank >= nnodes``, ``nnodes > 1`` without ``dist_init_addr``).
+    """
+
+    model_path: str
+    served_model_name: str | None = None
+    revision: str | None = None
+    tokenizer_path: str | None = None
+    load_format: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    mem_fraction_static: float = 0.85
+    max_total_tokens: int | None = None
+    max_running_requests: int = 256
+    chunked_prefill_size: int = 8192
+    max_prefill_tokens: int = 16384
+    context_length: int | None = None
+    disable_radix_cache: bool = False
+    cuda_graph_max_bs: int = 160
+    disable_cuda_graph: bool = False
+    random_seed: int = 0
+    log_level: str = "info"
+    dist_timeout: int = 600
+    watchdog_timeout: int = 300
+    drain_timeout: int = 30
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ServerArgsError("--model-path is required and must be a non-empty directory path")
+        if self.tp_size % self.nnodes != 0:
+            raise ServerArgsError(
+                f"--tp-size ({self.tp_size}) must be divisible by --nnodes ({self.nnodes}): "
+                "every node runs tp_size / nnodes ranks"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ServerArgsError(
+                f"--node-rank must be in [0, {self.nnodes - 1}] for --nnodes {self.nnodes}, got {self.node_rank}"
+            )
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ServerArgsError("--dist-init-addr HOST:PORT is required when --nnodes > 1")
+        if self.chunked_prefill_size > self.max_prefill_tokens and self.max_prefill_tokens > 0:
+            object.__setattr__(self, "max_prefill_tokens", self.chunked_prefill_size)
+
+    @property
+    def tp_size_per_node(self) -> int:
+        """Number of TP ranks (scheduler processes) this node runs."""
+        return self.tp_size // self.nnodes
+
+    @property
+    def model_name(self) -> str:
+        """The OpenAI ``model`` name: ``served_model_name`` or ``model_path``."""
+        return self.served_model_name or self.model_path
+
+    @classmethod
+    def from_cli(cls, argv: Sequence[str] | None = None) -> "ServerArgs":
+        """Parse ``argv`` (without the ``serve`` subcommand) into validated ``ServerArgs``.
+
+        Raises:
+            SystemExit: (code 2) a flag is unknown or out of range (argparse prints why).
+            ServerArgsError: a cross-field rule is broken.
+        """
+        namespace = make_parser().parse_args(argv)
+        return cls.from_namespace(namespace)
+
+    @classmethod
+    def from_namespace(cls, namespace: argparse.Namespace) -> "ServerArgs":
+        """Build ``ServerArgs`` from the namespace returned by :func:`make_parser`."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(namespace).items() if k in names})
+
+
+def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    """Return the argument parser of ``shardline-runtime serve`` (flags only, no subcommand)."""
+    p = argparse.ArgumentParser(
+        prog="shardline-runtime serve",
+        description="Serve a model with Shardline's tensor-parallel runtime (OpenAI-compatible HTTP API).",
+        add_help=add_help,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d = ServerArgs.__dataclass_fields__
+
+    def default(name: str):
+        return d[name].default
+
+    m = p.add_argument_group("model")
+    m.add_argument("--model-path", required=True, help="Directory with config.json, *.safetensors and the tokenizer.")
+    m.add_argument("--served-model-name", default=None, help="Name clients pass as the OpenAI 'model' field (default: --model-path).")
+    m.add_argument("--revision", default=None, help="Label of the checkpoint revision, reported by /get_server_info and /metrics.")
+    m.add_argument("--tokenizer-path", default=None, help="Tokenizer directory (default: --model-path).")
+    m.add_argument("--load-format", default=default("load_format"), choices=LOAD_FORMATS, help="Checkpoint format.")
+    m.add_argument("--dtype", default=default("dtype"), choices=DTYPES, help="Weight and activation dtype; auto takes config.json's torch_dtype (float32 on CPU for half types).")
+    m.add_argument("--context-length", type=_int_range("--context-length", 1), default=None, help="Maximum tokens per request (prompt + output); default: the model's max_position_embeddings.")
+
+    h = p.add_argument_group("HTTP server")
+    h.add_argument("--host", default=default("host"), help="Address to bind exactly (in a pod: $(POD_IP)).")
+    h.add_argument("--port", type=_int_range("--port", 1, 65535), default=default("port"), help="HTTP port (rank>0 nodes serve /health and /ready on it).")
+
+    d_ = p.add_argument_group("parallelism")
+    d_.add_argument("--tp-size", type=_int_range("--tp-size", 1), default=default("tp_size"), help="Tensor-parallel size across all nodes.")
+    d_.add_argument("--nnodes", type=_int_range("--nnodes", 1), default=default("nnodes"), help="Number of nodes (pods) of the TP group.")
+    d_.add_argument("--node-rank", type=_int_range("--node-rank", 0), default=default("node_rank"), help="This node's rank in [0, nnodes); rank 0 serves the API.")
+    d_.add_argument("--dist-init-addr", type=_host_port, default=None, help="HOST:PORT of node 0 for the torch.distributed rendezvous (required when --nnodes > 1).")
+    d_.add_argument("--device", default=default("device"), choices=DEVICES, help="auto picks cuda when available, else cpu (gloo).")
+    d_.add_argument("--dist-timeout", type=_int_range("--dist-timeout", 1), default=default("dist_timeout"), help="Seconds to wait for rendezvous and collectives before failing.")
+
+    mem = p.add_argument_group("memory and scheduling")
+    mem.add_argument("--mem-fraction-static", type=_float_range("--mem-fraction-static", 0.0, 1.0, True), default=default("mem_fraction_static"), help="Fraction of GPU memory for weights + KV cache.")
+    mem.add_argument("--max-total-tokens", type=_int_range("--max-total-tokens", 1), default=None, help="KV cache size in tokens (default: from the memory budget).")
+    mem.add_argument("--max-running-requests", type=_int_range("--max-running-requests", 1), default=default("max_running_requests"), help="Maximum requests in the running batch.")
+    mem.add_argument("--chunked-prefill-size", type=_int_range("--chunked-prefill-size", -1), default=default("chunked_prefill_size"), help="Maximum prompt tokens of one request per step; -1 or 0 disables chunking.")
+    mem.add_argument("--max-prefill-tokens", type=_int_range("--max-prefill-tokens", 1), default=default("max_prefill_tokens"), help="Maximum prompt tokens of all requests in one prefill step.")
+    mem.add_argument("--disable-radix-cache", action="store_true", help="Disable the prefix (radix) cache.")
+
+    g = p.add_argument_group("CUDA graphs")
+    g.add_argument("--cuda-graph-max-bs", type=_int_range("--cuda-graph-max-bs", 1), default=default("cuda_graph_max_bs"), help="Largest decode batch size captured as a CUDA graph.")
+    g.add_argument("--disable-cuda-graph", action="store_true", help="Run decode eagerly (always the case on CPU).")
+
+    o = p.add_argument_group("operation")
+    o.add_argument("--random-seed", type=_int_range("--random-seed", 0), default=default("random_seed"), help="Seed of the sampler for requests without their own seed.")
+    o.add_argument("--log-level", default=default("log_level"), choices=LOG_LEVELS, help="Log level.")
+    o.add_argument("--watchdog-timeout", type=_int_range("--watchdog-timeout", 1), default=default("watchdog_timeout"), help="Seconds a forward step (or a peer rank) may stall before the process exits with an error.")
+    o.add_argument("--drain-timeout", type=_int_range("--drain-timeout", 0), default=default("drain_timeout"), help="On SIGTERM: seconds to let running requests finish before aborting them.")
+    return p

@@ -1,0 +1,71 @@
+"""ServerArgs / make_parser: the flags the operator renders parse, bad values name the flag."""
+
+import subprocess
+import sys
+
+import pytest
+
+from shardline_runtime.server_args import ServerArgs, ServerArgsError, make_parser
+
+
+def test_operator_style_arguments_parse():
+    argv = [
+        "--model-path", "/var/lib/shardline/models/tiny-llama/rev-a", "--served-model-name", "tiny",
+        "--revision", "rev-a", "--host", "127.0.0.7", "--port", "8000", "--tp-size", "4",
+        "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "d-g0-0.d-g0-ranks.ns.svc:29500",
+        "--dtype", "auto", "--mem-fraction-static", "0.85", "--cuda-graph-max-bs", "160",
+        "--disable-cuda-graph",
+    ]
+    args = ServerArgs.from_cli(argv)
+    assert args.host == "127.0.0.7" and args.node_rank == 1 and args.tp_size_per_node == 2
+    assert args.disable_cuda_graph and args.model_name == "tiny"
+    assert make_parser().parse_args(argv).dist_init_addr.endswith(":29500")
+
+
+@pytest.mark.parametrize(
+    "flag,value,fragment",
+    [
+        ("--port", "0", "--port: must be in [1, 65535], got 0"),
+        ("--tp-size", "0", "--tp-size: must be in [1, inf]"),
+        ("--dtype", "int8", "--dtype: invalid choice"),
+        ("--mem-fraction-static", "1.5", "--mem-fraction-static: must be in (0.0, 1.0]"),
+        ("--dist-init-addr", "nohostport", "--dist-init-addr: must be HOST:PORT"),
+        ("--node-rank", "x", "--node-rank: must be an integer"),
+    ],
+)
+def test_bad_flag_values_name_the_flag(flag, value, fragment, capsys):
+    with pytest.raises(SystemExit) as exc:
+        ServerArgs.from_cli(["--model-path", "/m", flag, value])
+    assert exc.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "h:1"], "divisible by --nnodes"),
+        (["--nnodes", "2", "--node-rank", "2", "--tp-size", "2", "--dist-init-addr", "h:1"], "--node-rank must be in [0, 1]"),
+        (["--nnodes", "2", "--tp-size", "2"], "--dist-init-addr HOST:PORT is required"),
+    ],
+)
+def test_cross_field_rules(argv, fragment):
+    with pytest.raises(ServerArgsError, match=None) as exc:
+        ServerArgs.from_cli(["--model-path", "/m", *argv])
+    assert fragment in str(exc.value)
+
+
+def test_frozen():
+    args = ServerArgs(model_path="/m")
+    with pytest.raises(Exception):
+        args.port = 1  # type: ignore[misc]
+
+
+def test_cli_writes_termination_log(tmp_path):
+    log = tmp_path / "termination-log"
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardline_runtime", "serve", "--model-path", "/m", "--nnodes", "2", "--tp-size", "2"],
+        env={"SHARDLINE_TERMINATION_LOG": str(log), "PYTHONPATH": "runtime", "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "--dist-init-addr" in log.read_text()
