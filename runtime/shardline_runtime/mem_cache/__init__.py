@@ -1,0 +1,1 @@
+"""KV-cache memory: request/token pools and the prefix (radix) cache."""

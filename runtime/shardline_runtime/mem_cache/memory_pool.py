@@ -1,0 +1,189 @@
+"""KV-cache memory pools: request rows, per-layer K/V buffers and a free-slot allocator.
+
+Two-level mapping as in SGLang: ``ReqToTokenPool.req_to_token[row, i]`` is the KV slot of token
+``i`` of the request that owns ``row``; ``TokenToKVPool`` holds, per layer, K and V for every
+slot. Slot 0 is the dummy slot: padded rows of a captured CUDA graph write their K/V there, so
+the allocator never hands it out and the buffers have ``size + 1`` rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DUMMY_SLOT = 0
+
+
+class ReqToTokenPool:
+    """Rows mapping each running request's token positions to KV slots.
+
+    Args:
+        size: number of request rows (maximum concurrently running requests).
+        max_context_len: tokens per row (the longest request, prompt + output).
+        device: where ``req_to_token`` lives.
+
+    Attributes:
+        req_to_token: (size, max_context_len) int64; unused entries are ``DUMMY_SLOT``.
+
+    Raises:
+        ValueError: ``size`` or ``max_context_len`` < 1.
+    """
+
+    def __init__(self, size: int, max_context_len: int, device: torch.device | str = "cpu"):
+        if size < 1 or max_context_len < 1:
+            raise ValueError(f"ReqToTokenPool needs size >= 1 and max_context_len >= 1, got {size}, {max_context_len}")
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = torch.device(device)
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=self.device)
+        self.free_slots: list[int] = list(range(size))
+
+    def available_size(self) -> int:
+        """Number of free request rows."""
+        return len(self.free_slots)
+
+    def alloc(self, need_size: int) -> list[int] | None:
+        """Take ``need_size`` free rows; ``None`` (nothing taken) when fewer are free."""
+        if need_size < 0:
+            raise ValueError(f"need_size must be >= 0, got {need_size}")
+        if need_size > len(self.free_slots):
+            return None
+        rows, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
+        return rows
+
+    def free(self, indices: int | list[int]) -> None:
+        """Return rows to the pool.
+
+        Raises:
+            ValueError: a row is out of range or already free (double free).
+        """
+        rows = [indices] if isinstance(indices, int) else [int(i) for i in indices]
+        free = set(self.free_slots)
+        for row in rows:
+            if not 0 <= row < self.size or row in free:
+                raise ValueError(f"cannot free request row {row}: out of [0, {self.size}) or already free")
+            free.add(row)
+        self.free_slots.extend(rows)
+
+    def write(self, indices, values: torch.Tensor) -> None:
+        """``req_to_token[indices] = values`` (any index expression torch accepts)."""
+        self.req_to_token[indices] = values.to(self.req_to_token.device, torch.int64)
+
+    def clear(self) -> None:
+        """Free every row."""
+        self.free_slots = list(range(self.size))
+
+
+class TokenToKVPool:
+    """Per-layer K and V buffers indexed by KV slot.
+
+    Args:
+        size: usable slots (tokens); buffers have ``size + 1`` rows, row 0 being the dummy slot.
+        num_layers: transformer layers.
+        num_kv_heads_per_rank: KV heads this TP rank holds.
+        head_dim: per-head dimension.
+        dtype: element dtype of the cache (the model dtype).
+        device: where the buffers live.
+
+    Attributes:
+        k_buffer, v_buffer: lists of ``num_layers`` tensors (size + 1, num_kv_heads_per_rank, head_dim).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        num_layers: int,
+        num_kv_heads_per_rank: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        if size < 1 or num_layers < 1 or num_kv_heads_per_rank < 1 or head_dim < 1:
+            raise ValueError(
+                "TokenToKVPool needs size, num_layers, num_kv_heads_per_rank, head_dim >= 1, got "
+                f"{size}, {num_layers}, {num_kv_heads_per_rank}, {head_dim}"
+            )
+        self.size = size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads_per_rank
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (size + 1, num_kv_heads_per_rank, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads_per_rank: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of K + V cache one token takes across all layers on one rank."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads_per_rank * head_dim * itemsize
+
+    def mem_usage_bytes(self) -> int:
+        """Bytes held by all K and V buffers."""
+        return sum(b.numel() * b.element_size() for b in self.k_buffer + self.v_buffer)
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffer[layer_id]
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K/V of new tokens.
+
+        Args:
+            layer_id: layer index.
+            loc: (T,) int64 slots.
+            k, v: (T, num_kv_heads_per_rank, head_dim), cast to the cache dtype.
+        """
+        self.k_buffer[layer_id][loc] = k.to(self.dtype)
+        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+
+
+class TokenToKVPoolAllocator:
+    """Free-list allocator of KV slots ``1..size`` (slot 0 is the dummy slot, never handed out).
+
+    Args:
+        size: number of usable slots.
+        device: device of the returned index tensors.
+    """
+
+    def __init__(self, size: int, device: torch.device | str = "cpu"):
+        if size < 1:
+            raise ValueError(f"TokenToKVPoolAllocator size must be >= 1, got {size}")
+        self.size = size
+        self.device = torch.device(device)
+        self.clear()
+
+    def clear(self) -> None:
+        """Free every slot."""
+        self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
+
+    def available_size(self) -> int:
+        """Number of free slots."""
+        return int(self.free_slots.shape[0])
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """Take ``need_size`` slots: (need_size,) int64, or ``None`` (nothing taken) when short."""
+        if need_size < 0:
+            raise ValueError(f"need_size must be >= 0, got {need_size}")
+        if need_size > self.free_slots.shape[0]:
+            return None
+        out, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
+        return out
+
+    def free(self, indices: torch.Tensor) -> None:
+        """Return slots to the free list.
+
+        Raises:
+            ValueError: an index is the dummy slot 0 or beyond ``size``.
+        """
+        if indices.numel() == 0:
+            return
+        indices = indices.to(self.device, torch.int64).flatten()
+        if int(indices.min()) < 1 or int(indices.max()) > self.size:
+            raise ValueError(f"KV slots to free must be in [1, {self.size}], got min {int(indices.min())} max {int(indices.max())}")
+        self.free_slots = torch.cat((self.free_slots, indices))

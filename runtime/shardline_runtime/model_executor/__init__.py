@@ -1,0 +1,1 @@
+"""Model executor: ForwardMode/ForwardBatch, ModelRunner, CudaGraphRunner."""

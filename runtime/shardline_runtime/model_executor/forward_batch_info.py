@@ -1,0 +1,214 @@
+"""ForwardMode and ForwardBatch: the tensors one model step runs on.
+
+A ``ScheduleBatch`` (scheduler side, CPU) decides which requests run and allocates their request
+rows and KV slots; it then builds a :class:`ForwardBatch`, which is what ``ModelRunner.forward``,
+the models and the attention backend read. The batch is passed explicitly through every call
+(never through a global), following SGLang's ``ForwardBatch``.
+
+Token layout: tokens of all requests are packed one after another (no padding), request ``i``
+contributing ``extend_seq_lens[i]`` tokens in EXTEND mode and exactly one token in DECODE mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum, auto
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+
+
+class ForwardMode(IntEnum):
+    """What kind of step a batch runs.
+
+    EXTEND: prefill of new tokens (possibly after a cached prefix, possibly one chunk of a
+    chunked prefill). DECODE: one new token per request. IDLE: no tokens on this rank (keeps
+    the ranks' collectives in step). SPLIT_PREFILL: EXTEND over a range of layers only.
+    """
+
+    EXTEND = auto()
+    DECODE = auto()
+    IDLE = auto()
+    SPLIT_PREFILL = auto()
+
+    def is_extend(self) -> bool:
+        """True for EXTEND and SPLIT_PREFILL (both write prompt tokens into the KV cache)."""
+        return self in (ForwardMode.EXTEND, ForwardMode.SPLIT_PREFILL)
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+    def is_split_prefill(self) -> bool:
+        return self == ForwardMode.SPLIT_PREFILL
+
+
+def _as_int64(name: str, value: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"ForwardBatch.{name} must be an integer tensor, got dtype {value.dtype}")
+        return value.to(device=device, dtype=torch.int64)
+    return torch.as_tensor(list(value), dtype=torch.int64, device=device)
+
+
+@dataclass
+class ForwardBatch:
+    """All inputs of one model step.
+
+    Shapes (``bs`` = batch size, ``T`` = tokens this step: ``sum(extend_seq_lens)`` in EXTEND,
+    ``bs`` in DECODE, 0 in IDLE); every index tensor is int64 on the model's device:
+
+    - ``input_ids`` (T,), ``positions`` (T,): token ids and their absolute positions.
+    - ``req_pool_indices`` (bs,): rows of ``req_to_token_pool.req_to_token``.
+    - ``seq_lens`` (bs,): total length of each request after this step (cached + new).
+    - ``out_cache_loc`` (T,): KV-pool slots the new tokens' K/V are written to.
+    - ``extend_seq_lens`` / ``extend_prefix_lens`` (bs,): new tokens / cached prefix length
+      (``cached_len``) per request, EXTEND only; ``*_cpu`` are the same as Python lists.
+    - ``extend_logprob_start_lens_cpu``: per request, the offset inside this step's new tokens
+      from which prompt logprobs are returned (only read when ``return_logprob``).
+    - ``top_logprobs_nums``: per request, how many top prompt logprobs per position (0 = none).
+    - ``split_forward_start_layer`` / ``split_forward_end_layer``: layer range [start, end) of a
+      SPLIT_PREFILL step.
+    """
+
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    extend_seq_lens: torch.Tensor | None = None
+    extend_prefix_lens: torch.Tensor | None = None
+    extend_seq_lens_cpu: list[int] | None = None
+    extend_prefix_lens_cpu: list[int] | None = None
+    seq_lens_cpu: list[int] | None = None
+    req_to_token_pool: "ReqToTokenPool | None" = None
+    token_to_kv_pool: "TokenToKVPool | None" = None
+    attn_backend: Any = None
+    return_logprob: bool = False
+    top_logprobs_nums: list[int] | None = None
+    extend_logprob_start_lens_cpu: list[int] | None = None
+    sampling_info: Any = None
+    split_forward_start_layer: int | None = None
+    split_forward_end_layer: int | None = None
+    # Hidden states carried between SPLIT_PREFILL calls: (T, hidden_size) and the residual.
+    split_hidden_states: torch.Tensor | None = None
+    split_residual: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of tokens run this step (``input_ids.shape[0]``)."""
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def init_new(
+        cls,
+        *,
+        forward_mode: ForwardMode,
+        input_ids: torch.Tensor | Sequence[int],
+        req_pool_indices: torch.Tensor | Sequence[int],
+        seq_lens: torch.Tensor | Sequence[int],
+        out_cache_loc: torch.Tensor | Sequence[int],
+        model_runner: Any = None,
+        extend_prefix_lens: torch.Tensor | Sequence[int] | None = None,
+        positions: torch.Tensor | Sequence[int] | None = None,
+        return_logprob: bool = False,
+        top_logprobs_nums: list[int] | None = None,
+        extend_logprob_start_lens: list[int] | None = None,
+        sampling_info: Any = None,
+        split_forward_start_layer: int | None = None,
+        split_forward_end_layer: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> "ForwardBatch":
+        """Build a ForwardBatch from plain tensors or lists and fill the derived fields.
+
+        Derived: ``batch_size``; ``extend_seq_lens = seq_lens - extend_prefix_lens`` (EXTEND,
+        ``extend_prefix_lens`` defaults to zeros); ``positions`` (default: ``prefix..seq_len-1``
+        per request in EXTEND, ``seq_len - 1`` in DECODE); the ``*_cpu`` lists. Pools and the
+        attention backend come from ``model_runner`` (attributes ``req_to_token_pool``,
+        ``token_to_kv_pool``, ``attn_backend``, ``device``) when given.
+
+        Raises:
+            ValueError: lengths disagree (the message names the fields and their sizes).
+            TypeError: an index tensor is not an integer tensor.
+        """
+        if device is None:
+            device = getattr(model_runner, "device", "cpu")
+        device = torch.device(device)
+        input_ids = _as_int64("input_ids", input_ids, device)
+        req_pool_indices = _as_int64("req_pool_indices", req_pool_indices, device)
+        seq_lens = _as_int64("seq_lens", seq_lens, device)
+        out_cache_loc = _as_int64("out_cache_loc", out_cache_loc, device)
+        bs = int(req_pool_indices.shape[0])
+        if seq_lens.shape[0] != bs:
+            raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries but req_pool_indices has {bs}")
+        if out_cache_loc.shape[0] != input_ids.shape[0]:
+            raise ValueError(
+                f"out_cache_loc has {out_cache_loc.shape[0]} slots but input_ids has {input_ids.shape[0]} tokens"
+            )
+        seq_lens_cpu = seq_lens.tolist()
+        extend_seq_lens = extend_seq_lens_cpu = extend_prefix_lens_cpu = None
+        if forward_mode.is_extend():
+            if extend_prefix_lens is None:
+                extend_prefix_lens = torch.zeros(bs, dtype=torch.int64, device=device)
+            extend_prefix_lens = _as_int64("extend_prefix_lens", extend_prefix_lens, device)
+            if extend_prefix_lens.shape[0] != bs:
+                raise ValueError(f"extend_prefix_lens has {extend_prefix_lens.shape[0]} entries, batch size is {bs}")
+            extend_seq_lens = seq_lens - extend_prefix_lens
+            extend_seq_lens_cpu = extend_seq_lens.tolist()
+            extend_prefix_lens_cpu = extend_prefix_lens.tolist()
+            if any(n <= 0 for n in extend_seq_lens_cpu):
+                raise ValueError(f"every request must extend by >= 1 token; extend_seq_lens = {extend_seq_lens_cpu}")
+            if sum(extend_seq_lens_cpu) != input_ids.shape[0]:
+                raise ValueError(
+                    f"sum(seq_lens - extend_prefix_lens) = {sum(extend_seq_lens_cpu)} but input_ids has "
+                    f"{input_ids.shape[0]} tokens"
+                )
+            if positions is None:
+                positions = torch.cat(
+                    [torch.arange(p, s, dtype=torch.int64) for p, s in zip(extend_prefix_lens_cpu, seq_lens_cpu)]
+                ) if bs else torch.zeros(0, dtype=torch.int64)
+        elif forward_mode.is_decode():
+            extend_prefix_lens = None
+            if input_ids.shape[0] != bs:
+                raise ValueError(f"DECODE runs one token per request: input_ids has {input_ids.shape[0]}, batch size {bs}")
+            if positions is None:
+                positions = seq_lens - 1
+        else:
+            extend_prefix_lens = None
+            if positions is None:
+                positions = torch.zeros(0, dtype=torch.int64)
+        positions = _as_int64("positions", positions, device)
+        if positions.shape[0] != input_ids.shape[0]:
+            raise ValueError(f"positions has {positions.shape[0]} entries but input_ids has {input_ids.shape[0]}")
+        if forward_mode.is_split_prefill() and (split_forward_start_layer is None or split_forward_end_layer is None):
+            raise ValueError("SPLIT_PREFILL needs split_forward_start_layer and split_forward_end_layer")
+        return cls(
+            forward_mode=forward_mode,
+            batch_size=bs,
+            input_ids=input_ids,
+            positions=positions,
+            req_pool_indices=req_pool_indices,
+            seq_lens=seq_lens,
+            out_cache_loc=out_cache_loc,
+            extend_seq_lens=extend_seq_lens,
+            extend_prefix_lens=extend_prefix_lens,
+            extend_seq_lens_cpu=extend_seq_lens_cpu,
+            extend_prefix_lens_cpu=extend_prefix_lens_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+            req_to_token_pool=getattr(model_runner, "req_to_token_pool", None),
+            token_to_kv_pool=getattr(model_runner, "token_to_kv_pool", None),
+            attn_backend=getattr(model_runner, "attn_backend", None),
+            return_logprob=return_logprob,
+            top_logprobs_nums=top_logprobs_nums,
+            extend_logprob_start_lens_cpu=extend_logprob_start_lens,
+            sampling_info=sampling_info,
+            split_forward_start_layer=split_forward_start_layer,
+            split_forward_end_layer=split_forward_end_layer,
+        )
