@@ -1,0 +1,147 @@
+"""Typed messages between the HTTP process and the schedulers (pickled over ZMQ and gloo).
+
+Direction and meaning:
+
+- HTTP -> rank-0 scheduler (and broadcast by rank 0 to every rank): ``TokenizedGenerateReqInput``,
+  ``AbortReq``, ``FlushCacheReqInput``, ``UpdateWeightsFromDiskReqInput``,
+  ``GetSchedulerStatsReqInput``.
+- Rank-0 scheduler -> HTTP: ``BatchTokenIDOut`` (new token ids of many requests per step),
+  ``FlushCacheReqOutput``, ``UpdateWeightsFromDiskReqOutput``, ``SchedulerStats``.
+
+Token ids are Python ints; logprobs are natural-log floats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardline_runtime.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenizedGenerateReqInput:
+    """One generation request, already tokenized and validated by the HTTP process.
+
+    ``logprob_start_len``: prompt position from which prompt logprobs are returned, or -1 for
+    none. ``top_logprobs_num``: number of alternatives per position (0 for none).
+    """
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    stream: bool = False
+
+
+@dataclass
+class AbortReq:
+    """Abort ``rid`` (or every request when ``rid`` is None); ``finish_reason`` is reported.
+
+    ``finish_reason`` is a dict like ``{"type": "abort", "message": ...}`` or, when the HTTP
+    process matched a stop string, ``{"type": "stop", "matched": "..."}``: the scheduler frees
+    the request either way.
+    """
+
+    rid: str | None
+    finish_reason: dict[str, Any] = field(default_factory=lambda: {"type": "abort", "message": "aborted"})
+
+
+@dataclass
+class FlushCacheReqInput:
+    """Drop every prefix-cache entry (only when no request runs)."""
+
+
+@dataclass
+class FlushCacheReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class UpdateWeightsFromDiskReqInput:
+    """DESIGN 2.4: reload weights from ``model_path`` on every rank, in place."""
+
+    model_path: str
+    load_format: str | None = None
+    revision: str | None = None
+    recapture_cuda_graph: bool = True
+    abort_all_requests: bool = False
+
+
+@dataclass
+class UpdateWeightsFromDiskReqOutput:
+    success: bool
+    message: str
+    revision: str | None = None
+    model_path: str | None = None
+
+
+@dataclass
+class WeightsPhaseOut:
+    """Rank 0 reports a weights phase change (``serving``, ``loading``, ``recapturing``, ``failed``)."""
+
+    phase: str
+
+
+@dataclass
+class GetSchedulerStatsReqInput:
+    """Ask the rank-0 scheduler for :class:`SchedulerStats`."""
+
+
+@dataclass
+class SchedulerStats:
+    """Load and memory of the rank-0 scheduler (token counts are KV slots)."""
+
+    num_running_reqs: int
+    num_queued_reqs: int
+    kv_used_tokens: int
+    kv_evictable_tokens: int
+    max_total_num_tokens: int
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction in [0, 1] of KV slots held by requests (prefix-cache entries not counted)."""
+        return self.kv_used_tokens / max(1, self.max_total_num_tokens)
+
+
+@dataclass
+class SchedulerInfo:
+    """Sent once by each scheduler when ready: the limits the HTTP process validates against."""
+
+    tp_rank: int
+    max_total_num_tokens: int
+    max_req_len: int
+    max_req_input_len: int
+    context_len: int
+    vocab_size: int
+    max_running_requests: int
+    weights_revision: str | None
+    model_path: str
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class BatchTokenIDOut:
+    """New tokens of several requests after one scheduler step (rank 0 -> HTTP).
+
+    Per request ``i``: ``output_ids[i]`` are the tokens generated since the last message;
+    ``finished_reasons[i]`` is None while running, else ``{"type": "stop", "matched": id}``,
+    ``{"type": "length", "length": n}`` or ``{"type": "abort", "message": ...}``.
+    ``output_token_logprobs[i]`` pairs ``(logprob, token_id)`` with ``output_ids[i]``;
+    ``output_top_logprobs[i][j]`` is a list of ``(logprob, token_id)`` for that position.
+    ``input_token_logprobs[i]`` is set once (first message) when prompt logprobs were asked.
+    """
+
+    rids: list[str]
+    output_ids: list[list[int]]
+    finished_reasons: list[dict[str, Any] | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    output_token_logprobs: list[list[tuple[float, int]] | None]
+    output_top_logprobs: list[list[list[tuple[float, int]]] | None]
+    input_token_logprobs: list[list[tuple[float | None, int]] | None]
+    input_top_logprobs: list[list[list[tuple[float, int]]] | None]
