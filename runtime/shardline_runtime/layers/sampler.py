@@ -1,0 +1,166 @@
+"""Sampler: next-token ids (and logprobs) from the last-position logits of a batch.
+
+Order of operations per step (as vLLM / SGLang):
+  1. drop padded vocabulary columns (TP pads the LM head; padded ids are never sampled);
+  2. logprobs, when asked, of the *unprocessed* distribution ``log_softmax(logits)``: before
+     penalties, temperature and truncation (vLLM's default ``raw_logprobs``; SGLang's default);
+  3. penalties (repetition / frequency / presence);
+  4. greedy rows take the argmax; other rows: ``softmax(logits / temperature)``, then top-k,
+     top-p and min-p truncation (the most likely token always survives, so no row is ever empty
+     and no NaN can appear), then one draw.
+
+The draw is the exponential race ``argmax(p / q)`` with ``q ~ Exp(1)``, which samples exactly from
+``p``. A seeded request fills its ``q`` row from its own ``torch.Generator``, so its tokens do not
+depend on which other requests share the batch; unseeded rows use the global generator (seeded
+identically on every TP rank by ``TpModelWorker``). Token ids are additionally broadcast from TP
+rank 0 when a ``broadcast`` function is given, so ranks can never diverge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardline_runtime.sampling.sampling_batch_info import SamplingBatchInfo
+
+
+@dataclass
+class SamplerOutput:
+    """Result of one sampling step for ``bs`` rows.
+
+    Attributes:
+        next_token_ids: (bs,) int64.
+        next_token_logprobs: (bs,) float32 logprob of the chosen token, or ``None``.
+        top_logprobs_val / top_logprobs_idx: per row, the ``top_logprobs_nums[i]`` best
+            (logprob, token id) pairs as Python lists, or ``None``.
+    """
+
+    next_token_ids: torch.Tensor
+    next_token_logprobs: torch.Tensor | None = None
+    top_logprobs_val: list[list[float]] | None = None
+    top_logprobs_idx: list[list[int]] | None = None
+
+
+def top_k_top_p_min_p_renorm(
+    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
+    need_top_k: bool = True, need_top_p: bool = True, need_min_p: bool = True,
+) -> torch.Tensor:
+    """Zero the probabilities outside top-k / top-p / min-p; rows are not renormalised (the
+    exponential race does not need it).
+
+    Args:
+        probs: (bs, vocab) float32, rows summing to 1.
+        top_ks: (bs,) int64 in [1, vocab]. top_ps: (bs,) float32 in (0, 1]. min_ps: (bs,) in [0, 1].
+
+    Returns:
+        (bs, vocab) float32; the most likely token of each row is always kept.
+    """
+    sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
+    drop = torch.zeros_like(sorted_probs, dtype=torch.bool)
+    if need_top_k:
+        ranks = torch.arange(probs.shape[-1], device=probs.device)
+        drop |= ranks[None, :] >= top_ks[:, None]
+    if need_top_p:
+        # keep a token when the mass strictly before it is below top_p (the first is always kept)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop |= mass_before >= top_ps[:, None]
+    if need_min_p:
+        drop |= sorted_probs < min_ps[:, None] * sorted_probs[:, :1]
+    drop[:, 0] = False
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs)
+
+
+class Sampler(nn.Module):
+    """Turns last-position logits into next-token ids.
+
+    Args:
+        broadcast: optional ``fn(tensor)`` that overwrites the tensor in place with TP rank 0's
+            copy (e.g. a ``torch.distributed.broadcast`` over the TP group); ``None`` at tp_size 1.
+    """
+
+    def __init__(self, broadcast: Callable[[torch.Tensor], None] | None = None):
+        super().__init__()
+        self.broadcast = broadcast
+
+    def forward(
+        self,
+        logits: torch.Tensor,
+        sampling_info: SamplingBatchInfo,
+        return_logprob: bool = False,
+        top_logprobs_nums: Sequence[int] | None = None,
+    ) -> SamplerOutput:
+        """Sample one token per row.
+
+        Args:
+            logits: (bs, vocab_padded) float32 logits of each row's last position.
+            sampling_info: the batch's parameters; ``sampling_info.batch_size == bs``.
+            return_logprob: also return the chosen token's logprob.
+            top_logprobs_nums: per row, how many top logprobs to return (0 for none).
+
+        Returns:
+            :class:`SamplerOutput`.
+
+        Raises:
+            ValueError: ``logits`` rows do not match the batch, or the vocabulary is too small.
+        """
+        bs = logits.shape[0]
+        if bs != sampling_info.batch_size:
+            raise ValueError(f"logits have {bs} rows but the batch has {sampling_info.batch_size} requests")
+        if logits.shape[-1] < sampling_info.vocab_size:
+            raise ValueError(f"logits have {logits.shape[-1]} columns < vocab_size {sampling_info.vocab_size}")
+        logits = logits[:, : sampling_info.vocab_size].float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if return_logprob or top_logprobs_nums else None
+        if sampling_info.penalties is not None:
+            logits = sampling_info.penalties.apply(logits)
+
+        if sampling_info.all_greedy:
+            next_ids = logits.argmax(dim=-1)
+        else:
+            next_ids = self._sample(logits, sampling_info)
+        if self.broadcast is not None:
+            self.broadcast(next_ids)
+
+        out = SamplerOutput(next_token_ids=next_ids)
+        if raw_logprobs is not None:
+            out.next_token_logprobs = raw_logprobs.gather(-1, next_ids[:, None]).squeeze(-1)
+            if top_logprobs_nums and max(top_logprobs_nums) > 0:
+                out.top_logprobs_val, out.top_logprobs_idx = top_logprobs(raw_logprobs, top_logprobs_nums)
+        return out
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        greedy_ids = logits.argmax(dim=-1)
+        probs = torch.softmax(logits / info.temperatures, dim=-1)
+        if info.need_top_k or info.need_top_p or info.need_min_p:
+            probs = top_k_top_p_min_p_renorm(
+                probs, info.top_ks, info.top_ps, info.min_ps, info.need_top_k, info.need_top_p, info.need_min_p
+            )
+        race = torch.empty_like(probs)
+        seeded = [i for i, g in enumerate(info.generators) if g is not None]
+        if len(seeded) < len(info.generators):
+            race.exponential_()
+        for row in seeded:
+            race[row].exponential_(generator=info.generators[row])
+        sampled_ids = (probs / race).argmax(dim=-1)
+        return torch.where(info.is_greedy, greedy_ids, sampled_ids)
+
+
+def top_logprobs(
+    logprobs: torch.Tensor, nums: Sequence[int]
+) -> tuple[list[list[float]], list[list[int]]]:
+    """Per row ``i`` the ``nums[i]`` largest (logprob, token id) pairs, best first.
+
+    Args:
+        logprobs: (n, vocab) float32.  nums: n non-negative ints (clamped to the vocabulary).
+    """
+    k = min(max(nums), logprobs.shape[-1])
+    values, indices = logprobs.topk(k, dim=-1)
+    values, indices = values.tolist(), indices.tolist()
+    return (
+        [v[: min(n, k)] for v, n in zip(values, nums)],
+        [i[: min(n, k)] for i, n in zip(indices, nums)],
+    )
