@@ -1,0 +1,156 @@
+"""Req: one generation request as the scheduler tracks it (tokens, KV row, logprobs, finish)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shardline_runtime.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class FinishReason:
+    """Why a request ended: ``type`` is ``"stop"`` (EOS / stop token; ``matched`` is the id),
+    ``"length"`` (max_new_tokens or the context limit) or ``"abort"`` (``message`` says why)."""
+
+    type: str
+    matched: int | str | None = None
+    message: str | None = None
+
+
+class Req:
+    """One generation request as the scheduler tracks it.
+
+    Args:
+        rid: request id.
+        origin_input_ids: prompt token ids (non-empty).
+        sampling_params: validated :class:`SamplingParams`.
+        eos_token_ids: ids that end generation unless ``ignore_eos``.
+        return_logprob: return logprobs of output tokens (and prompt tokens from
+            ``logprob_start_len``).
+        top_logprobs_num: top logprobs per position (0 for none).
+        logprob_start_len: first prompt position whose logprob is returned; -1 for none.
+
+    Attributes:
+        output_ids: generated ids so far.
+        fill_ids: the tokens whose KV this round ends with (prompt + output, possibly cut to a
+            chunk by the scheduler before ``prepare_for_extend``).
+        prefix_indices: (cached_len,) int64 KV slots of an already computed prefix.
+        req_pool_idx: row in ``req_to_token`` (``None`` until the first extend).
+        kv_len: tokens whose K/V are written in the row.
+        finished_reason: ``None`` while running.
+    """
+
+    def __init__(
+        self,
+        rid: str,
+        origin_input_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: Sequence[int] = (),
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+    ):
+        if len(origin_input_ids) == 0:
+            raise ValueError(f"request {rid}: origin_input_ids must not be empty")
+        self.rid = rid
+        self.origin_input_ids = list(origin_input_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = set(eos_token_ids)
+        self.return_logprob = return_logprob
+        self.top_logprobs_num = top_logprobs_num
+        self.logprob_start_len = logprob_start_len
+        self.output_ids: list[int] = []
+        self.fill_ids: list[int] = list(self.origin_input_ids)
+        self.prefix_indices = torch.zeros(0, dtype=torch.int64)
+        self.req_pool_idx: int | None = None
+        self.kv_len = 0
+        self.finished_reason: FinishReason | None = None
+        self.input_token_logprobs: list[float] = []
+        self.output_token_logprobs: list[float] = []
+        self.output_top_logprobs: list[tuple[list[float], list[int]]] = []
+        self._generator: torch.Generator | None = None
+
+    @property
+    def cached_len(self) -> int:
+        """Length of the prefix whose KV is reused this round: the tokens already in the
+        request's row when it has one (later chunks, decode), else ``prefix_indices``."""
+        if self.req_pool_idx is not None:
+            return self.kv_len
+        return int(self.prefix_indices.shape[0])
+
+    @property
+    def extend_input_len(self) -> int:
+        return len(self.fill_ids) - self.cached_len
+
+    @property
+    def is_chunked(self) -> bool:
+        """True when this round computes only part of the sequence (no token is sampled)."""
+        return len(self.fill_ids) < len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def wants_token(self) -> bool:
+        """True when the coming forward should sample a token for this request."""
+        return not self.is_chunked and self.sampling_params.max_new_tokens != 0
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def init_next_round_input(self, prefix_indices: torch.Tensor | None = None, max_extend_len: int | None = None) -> None:
+        """Set ``fill_ids`` / ``prefix_indices`` for the next EXTEND.
+
+        Args:
+            prefix_indices: KV slots of a reusable prefix (e.g. a prefix-cache match); when the
+                request already holds a row, the tokens it computed earlier are reused instead.
+            max_extend_len: cut the new tokens to this many (a chunked-prefill chunk).
+        """
+        full = self.origin_input_ids + self.output_ids
+        if self.req_pool_idx is not None:
+            pass  # a later chunk: the prefix is what this request's row already holds
+        elif prefix_indices is not None:
+            # at least one token must be computed to produce logits
+            self.prefix_indices = prefix_indices[: len(full) - 1].to(torch.int64).cpu()
+        else:
+            self.prefix_indices = torch.zeros(0, dtype=torch.int64)
+        end = len(full) if max_extend_len is None else min(len(full), self.cached_len + max_extend_len)
+        self.fill_ids = full[:end]
+
+    def sampling_generator(self, device: torch.device | str) -> torch.Generator | None:
+        """The request's own generator when seeded (created once, then advanced every step)."""
+        seed = self.sampling_params.seed
+        if seed is None:
+            return None
+        if self._generator is None:
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(seed)
+        return self._generator
+
+    def append_output(self, token_id: int, logprob: float | None = None, top: tuple | None = None) -> None:
+        """Record a sampled token (and its logprob / top logprobs when asked)."""
+        self.output_ids.append(int(token_id))
+        if logprob is not None:
+            self.output_token_logprobs.append(float(logprob))
+        if top is not None:
+            self.output_top_logprobs.append(top)
+
+    def check_finished(self, max_req_len: int) -> None:
+        """Set ``finished_reason`` from the last token and the limits.
+
+        Args:
+            max_req_len: the worker's limit on prompt + output tokens.
+        """
+        if self.finished_reason is not None:
+            return
+        params = self.sampling_params
+        if params.max_new_tokens is not None and len(self.output_ids) >= params.max_new_tokens:
+            self.finished_reason = FinishReason("length", params.max_new_tokens)
+            return
+        if not self.output_ids:
+            return
+        last = self.output_ids[-1]
+        if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
+            self.finished_reason = FinishReason("stop", last)
+        elif len(self.origin_input_ids) + len(self.output_ids) >= max_req_len:
+            self.finished_reason = FinishReason("length", max_req_len)

@@ -1,0 +1,251 @@
+"""ScheduleBatch: the scheduler-side (CPU) view of a batch, after SGLang (``Req`` is in ``req.py``).
+
+A ``ScheduleBatch`` owns the bookkeeping of one step: it takes request rows from
+``ReqToTokenPool`` and KV slots from ``TokenToKVPoolAllocator``, writes ``req_to_token`` and then
+produces the ``ForwardBatch`` the model runs on (:meth:`ScheduleBatch.get_forward_batch`).
+
+Life of a batch:
+  1. ``ScheduleBatch.init_new(reqs, ...)`` then ``prepare_for_extend()``: each request's new
+     tokens ``fill_ids[cached_len:]`` get KV slots; a cached prefix (``req.prefix_indices``, from
+     the prefix cache or an earlier chunk) is reused, not recomputed.
+  2. Optionally ``mix_with_running(running_batch)``: the running requests join this EXTEND step
+     with one new token each (an extend of length 1 after their whole sequence), so prefill and
+     decode share one forward.  The mixed batch then *is* the running batch.
+  3. After sampling, the caller appends tokens (``Req.append_output``), calls
+     ``Req.check_finished``, frees finished requests (:meth:`release_kv`) and drops them
+     (:meth:`filter_batch`); ``merge_batch`` adds a freshly prefilled batch to the running one.
+  4. ``prepare_for_decode()`` each later step: one slot per request, ``seq_lens += 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from shardline_runtime.managers.req import FinishReason, Req
+from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from shardline_runtime.sampling.sampling_batch_info import SamplingBatchInfo
+
+
+class KVCacheFullError(RuntimeError):
+    """The pool has fewer free request rows or KV slots than a step needs; the scheduler should
+    have checked ``available_size()`` first (or retract requests)."""
+
+
+__all__ = ["FinishReason", "KVCacheFullError", "Req", "ScheduleBatch"]
+
+
+class ScheduleBatch:
+    """Requests that run one step together, and the KV bookkeeping for that step.
+
+    Per-row state (``len == batch_size``): ``reqs``, ``req_pool_indices``, ``seq_lens``,
+    ``prefix_lens`` / ``extend_lens`` (EXTEND), and ``sampling_info`` (prepared once when the batch
+    is formed, then filtered and merged with it). Per-token state: ``input_ids``,
+    ``out_cache_loc``.
+
+    Args:
+        reqs: the requests.
+        req_to_token_pool / token_to_kv_pool_allocator: the runner's pools.
+        vocab_size: real vocabulary size (for sampling).
+        device: where sampling tensors live (the model device).
+    """
+
+    def __init__(
+        self,
+        reqs: list[Req],
+        req_to_token_pool: ReqToTokenPool,
+        token_to_kv_pool_allocator: TokenToKVPoolAllocator,
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ):
+        self.reqs = reqs
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.forward_mode = ForwardMode.IDLE
+        self.input_ids: list[int] = []
+        self.out_cache_loc = torch.zeros(0, dtype=torch.int64)
+        self.req_pool_indices: list[int] = []
+        self.seq_lens: list[int] = []
+        self.prefix_lens: list[int] = []
+        self.extend_lens: list[int] = []
+        self.sampling_info: SamplingBatchInfo | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    @property
+    def return_logprob(self) -> bool:
+        return any(r.return_logprob for r in self.reqs)
+
+    def _alloc_slots(self, n: int) -> torch.Tensor:
+        slots = self.token_to_kv_pool_allocator.alloc(n)
+        if slots is None:
+            raise KVCacheFullError(
+                f"need {n} KV slots, {self.token_to_kv_pool_allocator.available_size()} free"
+            )
+        return slots.cpu()
+
+    def _alloc_rows(self, reqs: list[Req]) -> None:
+        new = [r for r in reqs if r.req_pool_idx is None]
+        rows = self.req_to_token_pool.alloc(len(new))
+        if rows is None:
+            raise KVCacheFullError(
+                f"need {len(new)} request rows, {self.req_to_token_pool.available_size()} free"
+            )
+        for req, row in zip(new, rows):
+            req.req_pool_idx = row
+            self.req_to_token_pool.write((row, slice(0, req.cached_len)), req.prefix_indices)
+            req.kv_len = req.cached_len
+
+    def prepare_for_extend(self) -> None:
+        """Allocate rows and KV slots for each request's ``fill_ids[cached_len:]`` (EXTEND).
+
+        Raises:
+            KVCacheFullError: not enough request rows or KV slots (nothing is allocated then).
+            ValueError: a request has nothing new to compute.
+        """
+        self.forward_mode = ForwardMode.EXTEND
+        prefix_lens = [r.cached_len for r in self.reqs]
+        extend_lens = [len(r.fill_ids) - p for r, p in zip(self.reqs, prefix_lens)]
+        for req, n in zip(self.reqs, extend_lens):
+            if n <= 0:
+                raise ValueError(f"request {req.rid}: nothing to extend (fill {len(req.fill_ids)}, cached {req.cached_len})")
+        if sum(extend_lens) > self.token_to_kv_pool_allocator.available_size():
+            raise KVCacheFullError(
+                f"need {sum(extend_lens)} KV slots, {self.token_to_kv_pool_allocator.available_size()} free"
+            )
+        self._alloc_rows(self.reqs)
+        out_cache_loc = self._alloc_slots(sum(extend_lens))
+        offset = 0
+        for req, prefix, n in zip(self.reqs, prefix_lens, extend_lens):
+            self.req_to_token_pool.write((req.req_pool_idx, slice(prefix, prefix + n)), out_cache_loc[offset : offset + n])
+            req.kv_len = prefix + n
+            offset += n
+        self.input_ids = [t for r, p in zip(self.reqs, prefix_lens) for t in r.fill_ids[p:]]
+        self.out_cache_loc = out_cache_loc
+        self.req_pool_indices = [r.req_pool_idx for r in self.reqs]
+        self.seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
+        self.prefix_lens = prefix_lens
+        self.extend_lens = extend_lens
+        self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs, self.vocab_size, self.device)
+
+    def _next_decode_slots(self, reqs: list[Req]) -> torch.Tensor:
+        """One new KV slot per request, written at position ``kv_len``; advances ``kv_len``."""
+        slots = self._alloc_slots(len(reqs))
+        for req, slot in zip(reqs, slots):
+            if not req.output_ids:
+                raise ValueError(f"request {req.rid} has no output token to decode from")
+            self.req_to_token_pool.write((req.req_pool_idx, req.kv_len), slot)
+            req.kv_len += 1
+        return slots
+
+    def prepare_for_decode(self) -> None:
+        """One new token per request: the last output id, at position ``kv_len`` (DECODE).
+
+        Raises:
+            KVCacheFullError: fewer free KV slots than requests (nothing is allocated then).
+        """
+        self.forward_mode = ForwardMode.DECODE
+        self.out_cache_loc = self._next_decode_slots(self.reqs)
+        self.input_ids = [r.output_ids[-1] for r in self.reqs]
+        self.req_pool_indices = [r.req_pool_idx for r in self.reqs]
+        self.seq_lens = [r.kv_len for r in self.reqs]
+        self.prefix_lens = []
+        self.extend_lens = []
+
+    def mix_with_running(self, running: "ScheduleBatch") -> None:
+        """Append the running (decoding) requests to this prepared EXTEND batch, each as an
+        extend of one token after its cached sequence. ``running``'s sampling state moves here.
+
+        Raises:
+            KVCacheFullError: fewer free KV slots than running requests.
+        """
+        if not self.forward_mode.is_extend():
+            raise ValueError("mix_with_running needs a batch prepared with prepare_for_extend()")
+        prefix_lens = [r.kv_len for r in running.reqs]
+        slots = self._next_decode_slots(running.reqs)
+        self.input_ids += [r.output_ids[-1] for r in running.reqs]
+        self.out_cache_loc = torch.cat([self.out_cache_loc, slots])
+        self.req_pool_indices += [r.req_pool_idx for r in running.reqs]
+        self.seq_lens += [r.kv_len for r in running.reqs]
+        self.prefix_lens += prefix_lens
+        self.extend_lens += [1] * len(running.reqs)
+        self.reqs = self.reqs + running.reqs
+        self.sampling_info.merge_batch(running.sampling_info)
+
+    def filter_batch(self, keep_indices: Sequence[int] | None = None) -> None:
+        """Keep rows ``keep_indices`` (default: unfinished requests), in order; per-token state
+        is cleared (the next step prepares it again)."""
+        if keep_indices is None:
+            keep_indices = [i for i, r in enumerate(self.reqs) if not r.finished()]
+        keep_indices = list(keep_indices)
+        if keep_indices == list(range(self.batch_size)):
+            return
+        self.reqs = [self.reqs[i] for i in keep_indices]
+        self.req_pool_indices = [r.req_pool_idx for r in self.reqs]
+        self.seq_lens = [r.kv_len for r in self.reqs]
+        self.input_ids, self.prefix_lens, self.extend_lens = [], [], []
+        self.out_cache_loc = torch.zeros(0, dtype=torch.int64)
+        if self.sampling_info is not None:
+            self.sampling_info.filter_batch(keep_indices)
+
+    def merge_batch(self, other: "ScheduleBatch") -> None:
+        """Append ``other``'s requests (e.g. a finished prefill joining the running batch)."""
+        if other.is_empty():
+            return
+        if self.is_empty() or self.sampling_info is None:
+            self.reqs, self.sampling_info = list(other.reqs), other.sampling_info
+        else:
+            self.reqs = self.reqs + other.reqs
+            self.sampling_info.merge_batch(other.sampling_info)
+        self.req_pool_indices = [r.req_pool_idx for r in self.reqs]
+        self.seq_lens = [r.kv_len for r in self.reqs]
+
+    def release_kv(self, req: Req, keep_prefix_len: int = 0) -> None:
+        """Free ``req``'s KV slots from ``keep_prefix_len`` on and its request row.
+
+        Args:
+            keep_prefix_len: leading tokens whose slots another owner keeps (the prefix cache).
+        """
+        if req.req_pool_idx is None:
+            return
+        row = req.req_pool_idx
+        slots = self.req_to_token_pool.req_to_token[row, keep_prefix_len : req.kv_len]
+        self.token_to_kv_pool_allocator.free(slots.clone())
+        self.req_to_token_pool.free(row)
+        req.req_pool_idx, req.kv_len = None, 0
+        req.prefix_indices = torch.zeros(0, dtype=torch.int64)
+
+    def get_forward_batch(self, model_runner=None) -> ForwardBatch:
+        """The ``ForwardBatch`` of the prepared step (pools and attention backend from
+        ``model_runner``)."""
+        reqs = self.reqs
+        extend = self.forward_mode.is_extend()
+        logprob_starts = None
+        if extend and self.return_logprob:
+            logprob_starts = [
+                min(max(r.logprob_start_len - p, 0), n) if r.return_logprob and r.logprob_start_len >= 0 else n
+                for r, p, n in zip(reqs, self.prefix_lens, self.extend_lens)
+            ]
+        return ForwardBatch.init_new(
+            forward_mode=self.forward_mode,
+            input_ids=self.input_ids,
+            req_pool_indices=self.req_pool_indices,
+            seq_lens=self.seq_lens,
+            out_cache_loc=self.out_cache_loc,
+            model_runner=model_runner,
+            extend_prefix_lens=self.prefix_lens if extend else None,
+            return_logprob=self.return_logprob,
+            top_logprobs_nums=[r.top_logprobs_num for r in reqs] if self.return_logprob else None,
+            extend_logprob_start_lens=logprob_starts,
+            sampling_info=self.sampling_info,
+            device=self.device,
+        )
