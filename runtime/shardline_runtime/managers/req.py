@@ -87,12 +87,14 @@ class Req:
 
     @property
     def is_chunked(self) -> bool:
-        """True when this round computes only part of the sequence (no token is sampled)."""
-        return len(self.fill_ids) < len(self.origin_input_ids) + len(self.output_ids)
+        """After ``prepare_for_extend``: True when this round's KV stops short of the whole
+        sequence (an intermediate chunk of a chunked prefill; no token is sampled)."""
+        return self.kv_len < len(self.origin_input_ids) + len(self.output_ids)
 
     @property
     def wants_token(self) -> bool:
-        """True when the coming forward should sample a token for this request."""
+        """After the step is prepared: True when its forward should sample a token for this
+        request (the whole sequence is in the KV cache and ``max_new_tokens != 0``)."""
         return not self.is_chunked and self.sampling_params.max_new_tokens != 0
 
     def finished(self) -> bool:

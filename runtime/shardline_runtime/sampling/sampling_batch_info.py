@@ -109,3 +109,22 @@ class SamplingBatchInfo:
             self.penalties = mine
         self.generators = self.generators + other.generators
         self._refresh_flags()
+
+    def copy_rows(self, rows: Sequence[int]) -> "SamplingBatchInfo":
+        """A new info holding only ``rows`` (this one is unchanged; penalty tensors are copied,
+        generators shared). Used when only some rows of a step sample (chunked prefill)."""
+        keep = torch.tensor(list(rows), dtype=torch.int64, device=self.temperatures.device)
+        penalties = None
+        if self.penalties is not None:
+            p = self.penalties
+            penalties = BatchedPenalties(
+                p.frequency[keep], p.presence[keep], p.repetition[keep], p.output_counts[keep], p.seen_mask[keep]
+            )
+        out = SamplingBatchInfo(
+            temperatures=self.temperatures[keep], top_ps=self.top_ps[keep], top_ks=self.top_ks[keep],
+            min_ps=self.min_ps[keep], is_greedy=self.is_greedy[keep],
+            generators=[self.generators[i] for i in rows], penalties=penalties, vocab_size=self.vocab_size,
+            all_greedy=True, need_top_k=False, need_top_p=False, need_min_p=False,
+        )
+        out._refresh_flags()
+        return out

@@ -1,0 +1,199 @@
+"""CudaGraphRunner: decode steps replayed from captured CUDA graphs, after SGLang.
+
+A decode step of batch size ``bs`` runs the graph captured for the smallest captured size
+``padded_bs >= bs``. Inputs are copied into static buffers (fixed addresses the graph reads);
+rows ``bs..padded_bs-1`` are padding: token 0 at position 0, request row ``dummy_req_row``
+(a ``req_to_token`` row this runner keeps, all pointing at the dummy KV slot 0), sequence length
+1 and output slot 0. So padded rows read and write only the dummy slot and never touch a real
+request's KV; their logits are dropped.
+
+On CPU (or with ``capture=False``) the very same static-buffer path runs eagerly, so the
+padding and buffer logic is exercised by CI without a GPU; the real capture is a ``gpu`` test.
+
+Because the graph reads the weights at fixed addresses, a weight update must copy new weights
+into the existing parameter storage (``weight_update.py`` does) or call :meth:`capture` again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from shardline_runtime.mem_cache.memory_pool import DUMMY_SLOT
+from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+logger = logging.getLogger(__name__)
+
+
+def get_batch_sizes_to_capture(cuda_graph_max_bs: int, max_running_requests: int | None = None) -> list[int]:
+    """Batch sizes to capture: 1, 2, 4, 8, then every 8 up to the limit, plus the limit itself.
+
+    Args:
+        cuda_graph_max_bs: largest batch size to capture (>= 1).
+        max_running_requests: optional cap (no batch is ever larger).
+
+    Raises:
+        ValueError: ``cuda_graph_max_bs`` < 1.
+    """
+    if cuda_graph_max_bs < 1:
+        raise ValueError(f"cuda_graph_max_bs must be >= 1, got {cuda_graph_max_bs}")
+    limit = cuda_graph_max_bs if max_running_requests is None else min(cuda_graph_max_bs, max_running_requests)
+    sizes = {bs for bs in (1, 2, 4, 8) if bs <= limit} | set(range(16, limit + 1, 8)) | {limit}
+    return sorted(sizes)
+
+
+class CudaGraphRunner:
+    """Captures and replays decode steps of a ``ModelRunner``.
+
+    Args:
+        model_runner: provides ``model``, ``device``, ``req_to_token_pool``,
+            ``token_to_kv_pool``, ``attn_backend`` and ``config`` (``cuda_graph_max_bs``,
+            ``max_running_requests``).
+        capture: capture real CUDA graphs; default: when the model runs on CUDA.
+        batch_sizes: override the captured sizes (default :func:`get_batch_sizes_to_capture`).
+
+    Attributes:
+        capture_bs: sorted captured batch sizes. max_bs: the largest.
+        dummy_req_row: ``req_to_token`` row used by padded rows.
+
+    Raises:
+        RuntimeError: no free ``req_to_token`` row for the padding row.
+    """
+
+    def __init__(self, model_runner: Any, capture: bool | None = None, batch_sizes: list[int] | None = None):
+        self.model_runner = model_runner
+        self.device = torch.device(model_runner.device)
+        self.use_graphs = self.device.type == "cuda" if capture is None else capture
+        config = model_runner.config
+        self.capture_bs = sorted(batch_sizes) if batch_sizes else get_batch_sizes_to_capture(
+            config.cuda_graph_max_bs, config.max_running_requests
+        )
+        self.max_bs = self.capture_bs[-1]
+        rows = model_runner.req_to_token_pool.alloc(1)
+        if rows is None:
+            raise RuntimeError("CudaGraphRunner needs one free req_to_token row for padded graph rows")
+        self.dummy_req_row = rows[0]
+        model_runner.req_to_token_pool.req_to_token[self.dummy_req_row] = DUMMY_SLOT
+        def zeros():
+            return torch.zeros(self.max_bs, dtype=torch.int64, device=self.device)
+
+        self.input_ids, self.positions, self.out_cache_loc = zeros(), zeros(), zeros()
+        self.req_pool_indices = zeros()
+        self.seq_lens = zeros()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, Any] = {}
+        self.graph_pool = None
+        if self.use_graphs:
+            self.capture()
+
+    # ---- buffers ------------------------------------------------------------------------------
+
+    def _fill_padding(self, start: int, end: int) -> None:
+        self.input_ids[start:end] = 0
+        self.positions[start:end] = 0
+        self.out_cache_loc[start:end] = DUMMY_SLOT
+        self.req_pool_indices[start:end] = self.dummy_req_row
+        self.seq_lens[start:end] = 1
+
+    def _static_batch(self, bs: int, seq_lens_cpu: list[int] | None) -> ForwardBatch:
+        """A DECODE ForwardBatch whose tensors are views of the first ``bs`` buffer rows."""
+        runner = self.model_runner
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs],
+            out_cache_loc=self.out_cache_loc[:bs],
+            seq_lens_cpu=seq_lens_cpu,
+            req_to_token_pool=runner.req_to_token_pool,
+            token_to_kv_pool=runner.token_to_kv_pool,
+            attn_backend=runner.attn_backend,
+        )
+
+    def _run_model(self, forward_batch: ForwardBatch):
+        return self.model_runner.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    # ---- capture / replay ---------------------------------------------------------------------
+
+    def capture(self) -> None:
+        """(Re)capture one graph per size in ``capture_bs``, largest first (sharing one memory
+        pool). Called at start-up and after a weight update that asks for recapture."""
+        if not self.use_graphs:
+            return
+        self.graphs.clear()
+        self.outputs.clear()
+        backend = self.model_runner.attn_backend
+        stream = torch.cuda.Stream(device=self.device)
+        with torch.inference_mode():
+            for bs in reversed(self.capture_bs):
+                self._fill_padding(0, bs)
+                batch = self._static_batch(bs, [1] * bs)
+                if hasattr(backend, "init_forward_metadata_capture_cuda_graph"):
+                    backend.init_forward_metadata_capture_cuda_graph(batch)
+                else:
+                    backend.init_forward_metadata(batch)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # warm up: lazy inits and allocator state happen outside the graph
+                        self._run_model(batch)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.graph_pool, stream=stream):
+                    output = self._run_model(batch)
+                if self.graph_pool is None:
+                    self.graph_pool = graph.pool()
+                self.graphs[bs] = graph
+                self.outputs[bs] = output
+        torch.cuda.synchronize(self.device)
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.capture_bs)
+
+    def can_run(self, forward_batch: ForwardBatch) -> bool:
+        """True for a DECODE batch of at most ``max_bs`` requests."""
+        return forward_batch.forward_mode.is_decode() and 0 < forward_batch.batch_size <= self.max_bs
+
+    def padded_batch_size(self, bs: int) -> int:
+        """Smallest captured size >= ``bs``.
+
+        Raises:
+            ValueError: ``bs`` is not in [1, max_bs].
+        """
+        if not 1 <= bs <= self.max_bs:
+            raise ValueError(f"batch size must be in [1, {self.max_bs}] for graph replay, got {bs}")
+        return self.capture_bs[bisect.bisect_left(self.capture_bs, bs)]
+
+    def replay(self, forward_batch: ForwardBatch):
+        """Run a DECODE batch through its padded graph (or the same static path eagerly).
+
+        Returns:
+            The model's ``LogitsProcessorOutput`` with ``next_token_logits`` cut to the real
+            ``bs`` rows ((bs, vocab) float32, a copy, so the next replay cannot overwrite it).
+        """
+        bs = forward_batch.batch_size
+        padded = self.padded_batch_size(bs)
+        self.input_ids[:bs].copy_(forward_batch.input_ids)
+        self.positions[:bs].copy_(forward_batch.positions)
+        self.out_cache_loc[:bs].copy_(forward_batch.out_cache_loc)
+        self.req_pool_indices[:bs].copy_(forward_batch.req_pool_indices)
+        self.seq_lens[:bs].copy_(forward_batch.seq_lens)
+        self._fill_padding(bs, padded)
+        seq_lens_cpu = None
+        if forward_batch.seq_lens_cpu is not None:
+            seq_lens_cpu = list(forward_batch.seq_lens_cpu) + [1] * (padded - bs)
+        batch = self._static_batch(padded, seq_lens_cpu)
+        backend = self.model_runner.attn_backend
+        if self.use_graphs:
+            if hasattr(backend, "init_forward_metadata_replay_cuda_graph"):
+                backend.init_forward_metadata_replay_cuda_graph(batch)
+            self.graphs[padded].replay()
+            output = self.outputs[padded]
+        else:
+            backend.init_forward_metadata(batch)
+            with torch.inference_mode():
+                output = self._run_model(batch)
+        return dataclasses.replace(output, next_token_logits=output.next_token_logits[:bs].clone())

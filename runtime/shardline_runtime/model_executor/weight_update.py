@@ -1,0 +1,181 @@
+"""In-place weight update from disk (DESIGN 2.4), for one TP rank of a running ModelRunner.
+
+Steps, each rank:
+  1. ``loading``: parse the new ``config.json``; build a complete copy of this rank's shard of
+     the new model on the CPU through the normal loader (which checks every shard file is there
+     and every parameter is written exactly once); compare it with the live model: same
+     architecture, same parameter names and shapes (the first mismatch is reported with old
+     and new shapes), same dtype, and the same non-weight config (RoPE, norms, heads...), since
+     only weights are replaced. Live weights are not touched.
+  2. All ranks agree: ``all_reduce_min`` of a success flag. Any failure on any rank -> every
+     rank keeps its old weights and returns ``(False, message)``.
+  3. Copy each new tensor into the existing parameter storage (``param.data.copy_``), so every
+     ``data_ptr`` stays the same and captured CUDA graphs read the new weights.
+  4. ``recapturing`` (when asked and graphs exist): capture the decode graphs again.
+  5. ``serving``; a failed update leaves ``failed`` (the old weights keep serving).
+
+Peak extra memory is one CPU copy of this rank's weights; device memory does not grow.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shardline_runtime.distributed import all_reduce_min_int
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "safetensors")
+
+# Config fields that change behaviour without changing any parameter shape: they must match.
+_BEHAVIOUR_FIELDS = (
+    "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings",
+    "rope_parameters", "hidden_act", "qk_norm", "qkv_bias", "o_proj_bias", "mlp_bias",
+    "sliding_windows", "max_position_embeddings", "context_len",
+)
+
+
+class WeightsPhase(str, enum.Enum):
+    """What a rank's weights are doing (``/get_server_info`` ``weights_phase``)."""
+
+    SERVING = "serving"
+    LOADING = "loading"
+    RECAPTURING = "recapturing"
+    FAILED = "failed"
+
+
+class WeightUpdateError(ValueError):
+    """The new checkpoint cannot replace the live weights (the message says why)."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def load_candidate(model_runner: Any, model_path: str, load_format: str = "auto"):
+    """Parse and load the new checkpoint for this rank on the CPU, without touching live weights.
+
+    Returns:
+        ``(new_model_config, new_model)``.
+
+    Raises:
+        WeightUpdateError: bad ``load_format``, or the architecture differs.
+        ModelConfigError / CheckpointError / OSError: from the config parser and the loader.
+    """
+    from shardline_runtime.configs.model_config import ModelConfig
+    from shardline_runtime.model_loader.loader import load_model
+
+    if load_format not in LOAD_FORMATS:
+        raise WeightUpdateError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    live = model_runner.model_config
+    new_config = ModelConfig.from_pretrained(
+        model_path, dtype=_dtype_name(live.dtype), context_length=model_runner.config.context_length,
+        device_type=torch.device(model_runner.device).type,
+    )
+    if new_config.architecture != live.architecture:
+        raise WeightUpdateError(
+            f"config field architectures: old {live.architecture!r}, new {new_config.architecture!r}"
+        )
+    new_config.check_tp_size(model_runner.tp_size)
+    return new_config, load_model(new_config, model_path, torch.device("cpu"))
+
+
+def compare_models(live_config: Any, live_model: torch.nn.Module, new_config: Any, new_model: torch.nn.Module) -> None:
+    """Check that ``new_model`` can be copied into ``live_model`` parameter by parameter.
+
+    Raises:
+        WeightUpdateError: naming the first mismatching parameter (with old and new shapes or
+            dtypes), a missing or unexpected parameter, or a differing config field.
+    """
+    new_params = dict(new_model.named_parameters())
+    live_params = dict(live_model.named_parameters())
+    for name, old in live_params.items():
+        new = new_params.get(name)
+        if new is None:
+            raise WeightUpdateError(f"parameter {name} (old shape {tuple(old.shape)}) is missing from the new checkpoint")
+        if new.shape != old.shape:
+            raise WeightUpdateError(
+                f"parameter {name}: old shape {tuple(old.shape)}, new shape {tuple(new.shape)}"
+            )
+        if new.dtype != old.dtype:
+            raise WeightUpdateError(f"parameter {name}: old dtype {old.dtype}, new dtype {new.dtype}")
+    for name, new in new_params.items():
+        if name not in live_params:
+            raise WeightUpdateError(
+                f"unexpected parameter {name} (new shape {tuple(new.shape)}) not in the serving model"
+            )
+    for field_name in _BEHAVIOUR_FIELDS:
+        old_value, new_value = getattr(live_config, field_name, None), getattr(new_config, field_name, None)
+        if old_value != new_value:
+            raise WeightUpdateError(f"config field {field_name}: old {old_value!r}, new {new_value!r}")
+
+
+@torch.no_grad()
+def copy_weights_in_place(live_model: torch.nn.Module, new_model: torch.nn.Module) -> int:
+    """Copy every parameter of ``new_model`` into the same-named parameter's storage.
+
+    Returns:
+        Number of bytes copied.
+    """
+    new_params = dict(new_model.named_parameters())
+    copied = 0
+    for name, param in live_model.named_parameters():
+        param.data.copy_(new_params[name].data, non_blocking=True)
+        copied += param.numel() * param.element_size()
+    if param.device.type == "cuda":
+        torch.cuda.synchronize(param.device)
+    return copied
+
+
+def update_weights_from_disk(
+    model_runner: Any,
+    model_path: str,
+    load_format: str = "auto",
+    recapture_cuda_graph: bool = False,
+    on_phase: Callable[[WeightsPhase], None] | None = None,
+) -> tuple[bool, str]:
+    """Replace ``model_runner``'s weights by those in ``model_path``, in place, on every rank.
+
+    Every TP rank must call this together (it runs one collective).
+
+    Args:
+        model_runner: the live ``ModelRunner`` (``model``, ``model_config``, ``config``,
+            ``device``, ``tp_size``, ``cuda_graph_runner``).
+        model_path: directory with ``config.json`` and safetensors.
+        load_format: ``auto`` or ``safetensors``.
+        recapture_cuda_graph: capture the decode graphs again after the copy (when captured).
+        on_phase: called with each :class:`WeightsPhase` as the update progresses.
+
+    Returns:
+        ``(True, message)`` after the new weights are live, or ``(False, reason)`` with the
+        old weights untouched on every rank.
+    """
+    phase = on_phase or (lambda _phase: None)
+    phase(WeightsPhase.LOADING)
+    reason = ""
+    new_config = new_model = None
+    try:
+        new_config, new_model = load_candidate(model_runner, model_path, load_format)
+        compare_models(model_runner.model_config, model_runner.model, new_config, new_model)
+    except Exception as exc:  # any failure here must leave the live weights alone
+        reason = f"{type(exc).__name__}: {exc}"
+        logger.warning("[tp %d] new checkpoint %s rejected: %s", model_runner.tp_rank, model_path, reason)
+    all_ok = all_reduce_min_int(0 if reason else 1) == 1
+    if not all_ok:
+        phase(WeightsPhase.FAILED)
+        if not reason:
+            reason = "the new checkpoint was rejected on another tensor-parallel rank (see its log)"
+        return False, f"update_weights_from_disk({model_path}) failed; old weights kept. {reason}"
+    copied = copy_weights_in_place(model_runner.model, new_model)
+    del new_model
+    runner = getattr(model_runner, "cuda_graph_runner", None)
+    if recapture_cuda_graph and runner is not None:
+        phase(WeightsPhase.RECAPTURING)
+        runner.capture()
+    phase(WeightsPhase.SERVING)
+    return True, f"loaded {model_path} in place ({copied / 2**20:.1f} MiB on tp rank {model_runner.tp_rank})"
