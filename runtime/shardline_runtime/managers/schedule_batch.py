@@ -101,9 +101,9 @@ class ScheduleBatch:
                 f"need {len(new)} request rows, {self.req_to_token_pool.available_size()} free"
             )
         for req, row in zip(new, rows):
-            req.req_pool_idx = row
-            self.req_to_token_pool.write((row, slice(0, req.cached_len)), req.prefix_indices)
-            req.kv_len = req.cached_len
+            cached = req.cached_len
+            self.req_to_token_pool.write((row, slice(0, cached)), req.prefix_indices)
+            req.req_pool_idx, req.kv_len = row, cached
 
     def prepare_for_extend(self) -> None:
         """Allocate rows and KV slots for each request's ``fill_ids[cached_len:]`` (EXTEND).

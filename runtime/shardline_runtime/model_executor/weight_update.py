@@ -173,6 +173,7 @@ def update_weights_from_disk(
         return False, f"update_weights_from_disk({model_path}) failed; old weights kept. {reason}"
     copied = copy_weights_in_place(model_runner.model, new_model)
     del new_model
+    model_runner.model_config = new_config  # same shapes and behaviour; reports the new path
     runner = getattr(model_runner, "cuda_graph_runner", None)
     if recapture_cuda_graph and runner is not None:
         phase(WeightsPhase.RECAPTURING)
