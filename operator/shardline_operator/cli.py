@@ -1,0 +1,50 @@
+"""``shardline-operator``: run the Kopf operator with a liveness endpoint.
+
+Works in a pod (in-cluster service account) and outside one (``KUBECONFIG``); Kopf logs in
+with the same order of preference through the ``kubernetes`` package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from typing import Sequence
+
+import kopf
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardline-operator", description=__doc__.splitlines()[0])
+    parser.add_argument("--namespace", "-n", action="append", default=[],
+                        help="Watch only this namespace (repeatable); default: all namespaces.")
+    parser.add_argument("--liveness-endpoint", default=os.environ.get("SHARDLINE_LIVENESS_ENDPOINT",
+                                                                        "http://127.0.0.1:8080/healthz"),
+                        help="URL the liveness endpoint listens on (in a pod: http://$(POD_IP):8080/healthz).")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                        help="Log level.")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run until interrupted; returns the process exit status."""
+    args = make_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from . import handlers  # noqa: F401  (registers the handlers)
+
+    try:
+        asyncio.run(kopf.operator(
+            clusterwide=not args.namespace,
+            namespaces=args.namespace or None,
+            standalone=True,
+            liveness_endpoint=args.liveness_endpoint,
+        ))
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Kopf handler registration only: every handler runs one reconcile pass (level-based).
+
+Create/update/resume react at once; the timer re-runs the pass every few seconds, which is
+what watches pods, group health and rollouts (their progress lives in status and in the
+StatefulSets, never in this process).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import kopf
+
+from . import labels
+from .kube import KubeClient, KubeError
+from .reconcile import Context, reconcile
+from .runtime_client import HttpLeaderClient
+
+RESOURCE = (labels.API_GROUP, labels.API_VERSION, labels.PLURAL)
+TIMER_INTERVAL_SECONDS = 3.0
+_context: Context | None = None
+_locks: dict[str, threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def _lock_for(uid: str) -> threading.Lock:
+    with _locks_guard:
+        return _locks.setdefault(uid, threading.Lock())
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    """Kopf progress and diff-base in annotations (status holds only our declared fields)."""
+    global _context
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=labels.API_GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=labels.API_GROUP, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{labels.API_GROUP}/finalizer"
+    settings.posting.level = 20  # logging.INFO: Events for Normal transitions too
+    _context = Context(kube=KubeClient(), leaders=HttpLeaderClient())
+
+
+def _run(body: kopf.Body, logger: kopf.Logger) -> None:
+    if _context is None:
+        raise kopf.TemporaryError("operator is starting", delay=1)
+    with _lock_for(body.metadata.uid or ""):
+        try:
+            result = reconcile(_context, body)
+        except KubeError as exc:
+            if exc.status == 404:  # the object was deleted meanwhile
+                return
+            raise kopf.TemporaryError(f"API request failed: {exc}", delay=5) from exc
+    for kind, reason, message in result.events:
+        kopf.event(body, type=kind, reason=reason, message=message[:1024])
+    logger.debug("reconciled: phase=%s", result.status.get("phase"))
+
+
+@kopf.on.resume(*RESOURCE)
+@kopf.on.create(*RESOURCE)
+@kopf.on.update(*RESOURCE, field="spec")
+def on_change(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+    """Spec created or changed (or the operator restarted): reconcile now."""
+    _run(body, logger)
+
+
+@kopf.timer(*RESOURCE, interval=TIMER_INTERVAL_SECONDS, initial_delay=TIMER_INTERVAL_SECONDS)
+def periodic(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+    """Follow pods, group health and rollouts."""
+    _run(body, logger)

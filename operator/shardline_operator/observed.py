@@ -1,0 +1,135 @@
+"""What the operator sees of a deployment's children, parsed from API objects (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from . import labels
+from .runtime_args import ServedModel
+from .spec import CudaGraphSpec
+
+
+@dataclass(frozen=True)
+class PodObservation:
+    """One runtime pod: ``rank`` is the StatefulSet ordinal; ``restart_count`` sums its containers."""
+
+    name: str
+    uid: str
+    rank: int | None
+    ip: str | None
+    phase: str
+    ready: bool
+    deleting: bool
+    restart_count: int
+    terminated: bool
+    error_message: str | None
+    restart_hash: str | None
+
+    @classmethod
+    def from_api(cls, pod: Mapping[str, Any]) -> "PodObservation":
+        """Parse a ``v1.Pod`` dict (as returned by the API, camelCase keys)."""
+        meta, status = pod.get("metadata", {}), pod.get("status") or {}
+        pod_labels, annotations = meta.get("labels") or {}, meta.get("annotations") or {}
+        index = pod_labels.get(labels.LABEL_POD_INDEX)
+        if index is None:
+            index = meta.get("name", "").rsplit("-", 1)[-1]
+        statuses = status.get("containerStatuses") or []
+        conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
+        return cls(
+            name=meta.get("name", ""),
+            uid=meta.get("uid", ""),
+            rank=int(index) if str(index).isdigit() else None,
+            ip=status.get("podIP"),
+            phase=status.get("phase", "Pending"),
+            ready=conditions.get("Ready") == "True",
+            deleting=meta.get("deletionTimestamp") is not None,
+            restart_count=sum(int(s.get("restartCount") or 0) for s in statuses),
+            terminated=any("terminated" in (s.get("state") or {}) for s in statuses),
+            error_message=_first_error_line(statuses),
+            restart_hash=annotations.get(labels.ANNOTATION_RESTART_HASH),
+        )
+
+    @property
+    def broken(self) -> bool:
+        """The pod failed or one of its containers exited or restarted."""
+        return self.phase in ("Failed", "Succeeded") or self.terminated or self.restart_count > 0
+
+
+def _first_error_line(statuses: Iterable[Mapping[str, Any]]) -> str | None:
+    """First non-empty line of a container's termination message (current state, then last state)."""
+    for key in ("state", "lastState"):
+        for container in statuses:
+            terminated = (container.get(key) or {}).get("terminated") or {}
+            for line in (terminated.get("message") or "").splitlines():
+                if line.strip():
+                    return line.strip()
+    return None
+
+
+@dataclass(frozen=True)
+class GroupObservation:
+    """One TP group: its StatefulSet (``None`` before creation) and its current pods by rank."""
+
+    index: int
+    size: int
+    statefulset: Mapping[str, Any] | None
+    pods: tuple[PodObservation, ...]
+
+    @property
+    def live_pods(self) -> tuple[PodObservation, ...]:
+        """Pods not being deleted."""
+        return tuple(p for p in self.pods if not p.deleting)
+
+    @property
+    def ready_pods(self) -> int:
+        return sum(1 for p in self.live_pods if p.ready)
+
+    @property
+    def ready(self) -> bool:
+        """Every rank exists and is Ready."""
+        return len(self.live_pods) == self.size and self.ready_pods == self.size
+
+    @property
+    def leader(self) -> PodObservation | None:
+        """The rank-0 pod (runs the HTTP server), if it exists."""
+        return next((p for p in self.live_pods if p.rank == 0), None)
+
+    @property
+    def served(self) -> ServedModel | None:
+        """What the group's StatefulSet says it serves (its annotations), or None without one."""
+        if self.statefulset is None:
+            return None
+        annotations = self.statefulset.get("metadata", {}).get("annotations") or {}
+        path = annotations.get(labels.ANNOTATION_MODEL_PATH)
+        revision = annotations.get(labels.ANNOTATION_MODEL_REVISION)
+        if path is None or revision is None:
+            return None
+        return ServedModel(path=path, revision=revision, cuda_graph=parse_cuda_graph_key(
+            annotations.get(labels.ANNOTATION_CUDA_GRAPH, "")))
+
+    @property
+    def restart_hash(self) -> str | None:
+        if self.statefulset is None:
+            return None
+        return (self.statefulset.get("metadata", {}).get("annotations") or {}).get(labels.ANNOTATION_RESTART_HASH)
+
+
+def parse_cuda_graph_key(text: str) -> CudaGraphSpec:
+    """Inverse of :meth:`CudaGraphSpec.key`; unknown or malformed text gives the defaults."""
+    fields = dict(part.split("=", 1) for part in text.split(",") if "=" in part)
+    size = fields.get("maxBatchSize", "")
+    return CudaGraphSpec(enabled=fields.get("enabled", "true") == "true",
+                         max_batch_size=int(size) if size.isdigit() else CudaGraphSpec.max_batch_size)
+
+
+def group_pods(pods: Iterable[Mapping[str, Any]]) -> dict[int, list[PodObservation]]:
+    """Pods by group index (from the ``shardline.dev/group`` label), each sorted by rank."""
+    grouped: dict[int, list[PodObservation]] = {}
+    for pod in pods:
+        group = (pod.get("metadata", {}).get("labels") or {}).get(labels.LABEL_GROUP, "")
+        if group.isdigit():
+            grouped.setdefault(int(group), []).append(PodObservation.from_api(pod))
+    for members in grouped.values():
+        members.sort(key=lambda p: (p.rank is None, p.rank or 0, p.name))
+    return grouped

@@ -1,0 +1,107 @@
+"""The runtime pod template of one TP group (pure)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .. import labels
+from ..runtime_args import RUNTIME_COMMAND, ServedModel, runtime_args
+from ..spec import GPU_RESOURCE, DeploymentSpec
+
+PROBE_PERIOD_SECONDS = 10
+MODEL_VOLUME = "model"
+SHM_VOLUME = "dshm"
+
+
+def _field_env(name: str, field_path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": field_path}}}
+
+
+def _env(spec: DeploymentSpec) -> list[dict[str, Any]]:
+    return [
+        _field_env("POD_IP", "status.podIP"),
+        _field_env("POD_NAME", "metadata.name"),
+        _field_env("POD_NAMESPACE", "metadata.namespace"),
+        _field_env("POD_INDEX", f"metadata.labels['{labels.LABEL_POD_INDEX}']"),
+        *[dict(item) for item in spec.runtime.env],
+    ]
+
+
+def _resources(spec: DeploymentSpec) -> dict[str, Any]:
+    """User resources plus ``nvidia.com/gpu = gpusPerPod`` in limits and requests."""
+    gpus = str(spec.parallelism.gpus_per_pod)
+    resources = {section: dict(values) for section, values in spec.runtime.resources.items()}
+    resources.setdefault("limits", {})[GPU_RESOURCE] = gpus
+    resources.setdefault("requests", {})[GPU_RESOURCE] = gpus
+    return resources
+
+
+def _probe(path: str, failure_threshold: int, period: int = PROBE_PERIOD_SECONDS) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failure_threshold,
+    }
+
+
+def _volumes(spec: DeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
+    mounts: list[dict[str, Any]] = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+    if spec.model.volume is not None:
+        volumes.append({"name": MODEL_VOLUME, **dict(spec.model.volume)})
+        mounts.append({"name": MODEL_VOLUME, "mountPath": spec.model.mount_path, "readOnly": True})
+    return volumes, mounts
+
+
+def build_pod_template(spec: DeploymentSpec, group: int, served: ServedModel) -> dict[str, Any]:
+    """Pod template of group ``group`` serving ``served``.
+
+    Probes (DESIGN 3.2): startup ``GET /health`` with a budget of
+    ``spec.runtime.startupTimeoutSeconds`` for weight loading and graph capture; liveness
+    ``GET /health``; readiness ``GET /ready`` (503 while weights load or graphs recapture).
+    """
+    volumes, mounts = _volumes(spec)
+    container = {
+        "name": "runtime",
+        "image": spec.runtime.image,
+        "imagePullPolicy": spec.runtime.image_pull_policy,
+        "command": list(RUNTIME_COMMAND),
+        "args": runtime_args(spec, group, served),
+        "env": _env(spec),
+        "ports": [
+            {"name": "http", "containerPort": labels.HTTP_PORT, "protocol": "TCP"},
+            {"name": "dist", "containerPort": labels.DIST_PORT, "protocol": "TCP"},
+        ],
+        "resources": _resources(spec),
+        "volumeMounts": mounts,
+        "startupProbe": _probe("/health", math.ceil(spec.runtime.startup_timeout_seconds / PROBE_PERIOD_SECONDS)),
+        "livenessProbe": _probe("/health", 6),
+        "readinessProbe": _probe("/ready", 3, period=5),
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "restartPolicy": "Always",
+        "terminationGracePeriodSeconds": 60,
+    }
+    sched = spec.scheduling
+    if sched.node_selector:
+        pod_spec["nodeSelector"] = dict(sched.node_selector)
+    if sched.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in sched.tolerations]
+    if sched.affinity:
+        pod_spec["affinity"] = dict(sched.affinity)
+    if sched.priority_class_name:
+        pod_spec["priorityClassName"] = sched.priority_class_name
+    return {
+        "metadata": {
+            "labels": labels.group_labels(spec.name, group, served.revision),
+            "annotations": {labels.ANNOTATION_RESTART_HASH: spec.restart_hash()},
+        },
+        "spec": pod_spec,
+    }

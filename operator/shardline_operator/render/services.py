@@ -1,0 +1,46 @@
+"""Services: a headless rank Service per group and one client Service (pure)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import labels
+from ..spec import DeploymentSpec
+from .meta import child_metadata
+
+
+def build_rank_service(spec: DeploymentSpec, group: int) -> dict[str, Any]:
+    """Headless ``<name>-g<group>-ranks``: pod DNS names for the rendezvous.
+
+    ``publishNotReadyAddresses`` is essential: ranks must resolve rank 0 before any of them is
+    Ready (field case K1), since readiness needs the group to have formed.
+    """
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": child_metadata(spec, labels.rank_service_name(spec.name, group),
+                                   {**labels.common_labels(spec.name), labels.LABEL_GROUP: str(group)}),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": labels.group_selector_labels(spec.name, group),
+            "ports": [
+                {"name": "dist", "port": labels.DIST_PORT, "targetPort": "dist", "protocol": "TCP"},
+                {"name": "http", "port": labels.HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def build_client_service(spec: DeploymentSpec) -> dict[str, Any]:
+    """Client Service ``<name>`` over the rank-0 pod (the HTTP server) of every group."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": child_metadata(spec, spec.name, labels.common_labels(spec.name)),
+        "spec": {
+            "type": spec.service.type,
+            "selector": {**labels.selector_labels(spec.name), labels.LABEL_POD_INDEX: "0"},
+            "ports": [{"name": "http", "port": spec.service.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }

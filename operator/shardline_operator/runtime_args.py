@@ -1,0 +1,60 @@
+"""The one function that renders the runtime container's command line.
+
+A contract test (``tests/contract``) expands the ``$(VAR)`` references as kubelet does and
+parses the result with ``shardline_runtime.server_args.make_parser()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import labels
+from .spec import CudaGraphSpec, DeploymentSpec
+
+RUNTIME_COMMAND = ("shardline-runtime", "serve")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What one group's pods load at start: checkpoint directory, its revision label, graph setup.
+
+    It differs from ``spec.model`` while an in-place rollout has not reached the group yet.
+    """
+
+    path: str
+    revision: str
+    cuda_graph: CudaGraphSpec
+
+    @classmethod
+    def desired(cls, spec: DeploymentSpec) -> "ServedModel":
+        """The model the spec asks every group to serve."""
+        return cls(path=spec.model.path, revision=spec.model.revision, cuda_graph=spec.runtime.cuda_graph)
+
+
+def runtime_args(spec: DeploymentSpec, group: int, served: ServedModel) -> list[str]:
+    """Arguments of ``shardline-runtime serve`` for every pod of TP group ``group``.
+
+    ``$(POD_IP)`` and ``$(POD_INDEX)`` are expanded by kubelet from the downward-API env of the
+    same names, so all pods of a group share one template and the rank is the pod ordinal.
+    User ``spec.runtime.args`` come last (reserved flags are rejected by ``parse_spec``).
+    """
+    args = [
+        "--model-path", served.path,
+        "--served-model-name", spec.model.name,
+        "--revision", served.revision,
+        "--host", "$(POD_IP)",
+        "--port", str(labels.HTTP_PORT),
+        "--tp-size", str(spec.parallelism.tensor),
+        "--nnodes", str(spec.parallelism.pods_per_group),
+        "--node-rank", "$(POD_INDEX)",
+        "--dist-init-addr", labels.dist_init_addr(spec.name, spec.namespace, group),
+        "--dtype", spec.runtime.dtype,
+        "--mem-fraction-static", repr(spec.runtime.mem_fraction_static),
+    ]
+    if spec.runtime.max_total_tokens is not None:
+        args += ["--max-total-tokens", str(spec.runtime.max_total_tokens)]
+    if served.cuda_graph.enabled:
+        args += ["--cuda-graph-max-bs", str(served.cuda_graph.max_batch_size)]
+    else:
+        args.append("--disable-cuda-graph")
+    return args + list(spec.runtime.args)

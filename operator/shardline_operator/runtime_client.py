@@ -1,0 +1,72 @@
+"""HTTP calls to a group leader's admin API (``/update_weights_from_disk``, ``/get_server_info``).
+
+An update can take minutes (weight load + graph recapture) and the runtime answers only when
+it is done, so the POST runs on a background thread and the reconciler polls it by key.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Mapping
+
+import httpx
+
+INFO_TIMEOUT_SECONDS = 3.0
+
+
+class HttpLeaderClient:
+    """Implements ``rollout.LeaderClient`` over HTTP with a small thread pool."""
+
+    def __init__(self, max_workers: int = 4) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="leader-update")
+        self._futures: dict[str, Future] = {}
+        self._lock = threading.Lock()
+
+    def start_update(self, key: str, url: str, body: Mapping[str, Any], timeout_seconds: float) -> None:
+        """Start ``POST {url}/update_weights_from_disk``; a previous request under ``key`` is forgotten."""
+        with self._lock:
+            self._futures[key] = self._pool.submit(_post_update, url, dict(body), timeout_seconds)
+
+    def poll(self, key: str) -> tuple[str, str]:
+        """``(state, message)``: ``pending``, ``success``, ``failure`` or ``unknown`` (no request under key)."""
+        with self._lock:
+            future = self._futures.get(key)
+            if future is None:
+                return "unknown", ""
+            if not future.done():
+                return "pending", ""
+            del self._futures[key]
+        success, message = future.result()
+        return ("success" if success else "failure"), message
+
+    def server_info(self, url: str) -> Mapping[str, Any] | None:
+        """``GET {url}/get_server_info`` as a dict, or None when unreachable or not JSON."""
+        try:
+            response = httpx.get(f"{url}/get_server_info", timeout=INFO_TIMEOUT_SECONDS)
+            response.raise_for_status()
+            info = response.json()
+        except (httpx.HTTPError, ValueError):
+            return None
+        return info if isinstance(info, dict) else None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _post_update(url: str, body: dict[str, Any], timeout_seconds: float) -> tuple[bool, str]:
+    """Send the update and return ``(success, message)``; transport errors count as failures."""
+    try:
+        response = httpx.post(f"{url}/update_weights_from_disk", json=body, timeout=timeout_seconds)
+    except httpx.HTTPError as exc:
+        return False, f"request to {url} failed: {exc.__class__.__name__}: {exc}"
+    try:
+        reply = response.json()
+    except ValueError:
+        return False, f"HTTP {response.status_code} from {url}: {response.text[:200]}"
+    if not isinstance(reply, dict):
+        return False, f"HTTP {response.status_code} from {url}: unexpected reply {reply!r:.200}"
+    if response.status_code >= 400 or not reply.get("success", False):
+        message = reply.get("message") or (reply.get("error") or {}).get("message") or str(reply)[:200]
+        return False, str(message)
+    return True, str(reply.get("message", ""))

@@ -1,0 +1,322 @@
+"""Parse and validate ``InferenceDeployment.spec`` into frozen dataclasses.
+
+The CRD schema (``crds/inferencedeployment.yaml``) rejects most bad input at the API server;
+this module repeats those checks (the operator must also be safe against objects created
+before a schema change, and unit tests run without an API server) and adds what a schema
+cannot express. Defaults here equal the CRD defaults. Every error names the field path and the
+allowed values: ``SpecError("spec.parallelism: tensor (3) must be a multiple of gpusPerPod (2)")``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+STRATEGIES = ("InPlace", "Restart")
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+MAX_NAME_LENGTH = 40  # "<name>-g99-ranks" and the pods' controller-revision-hash label stay <= 63
+MAX_REPLICAS = 100
+# Flags the operator renders itself; a user repeating one in runtime.args would contradict it.
+RESERVED_FLAGS = (
+    "--model-path", "--served-model-name", "--revision", "--host", "--port", "--tp-size",
+    "--nnodes", "--node-rank", "--dist-init-addr", "--dtype", "--mem-fraction-static",
+    "--max-total-tokens", "--cuda-graph-max-bs", "--disable-cuda-graph",
+)
+RESERVED_ENV = ("POD_IP", "POD_NAME", "POD_NAMESPACE", "POD_INDEX")
+GPU_RESOURCE = "nvidia.com/gpu"
+_LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
+_DNS_LABEL = re.compile(r"^[a-z]([a-z0-9-]*[a-z0-9])?$")
+
+
+class SpecError(ValueError):
+    """The spec is invalid; the message names the field path and the allowed values."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """``spec.model``: ``name`` is the OpenAI model name, ``path`` an absolute directory in the pod."""
+
+    name: str
+    path: str
+    revision: str
+    mount_path: str
+    volume: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class ParallelismSpec:
+    """``spec.parallelism``: ``tensor`` TP ranks per group, ``gpus_per_pod`` ranks per pod."""
+
+    tensor: int = 1
+    gpus_per_pod: int = 1
+
+    @property
+    def pods_per_group(self) -> int:
+        """Pods (= TP nodes, the runtime's ``--nnodes``) of one group."""
+        return self.tensor // self.gpus_per_pod
+
+
+@dataclass(frozen=True)
+class CudaGraphSpec:
+    """``spec.runtime.cudaGraph``: decode graphs for batch sizes up to ``max_batch_size``."""
+
+    enabled: bool = True
+    max_batch_size: int = 160
+
+    def key(self) -> str:
+        """Stable text form stored in an annotation, e.g. ``enabled=true,maxBatchSize=160``."""
+        return f"enabled={str(self.enabled).lower()},maxBatchSize={self.max_batch_size}"
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """``spec.runtime``: container image and runtime flags; times in seconds."""
+
+    image: str
+    image_pull_policy: str = "IfNotPresent"
+    dtype: str = "auto"
+    mem_fraction_static: float = 0.85
+    max_total_tokens: int | None = None
+    cuda_graph: CudaGraphSpec = field(default_factory=CudaGraphSpec)
+    args: tuple[str, ...] = ()
+    env: tuple[Mapping[str, Any], ...] = ()
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    startup_timeout_seconds: int = 1800
+
+
+@dataclass(frozen=True)
+class WeightUpdateSpec:
+    """``spec.weightUpdate``: how a ``spec.model`` change reaches running groups."""
+
+    strategy: str = "InPlace"
+    timeout_seconds: int = 900
+    rollback_on_failure: bool = True
+
+
+@dataclass(frozen=True)
+class RestartPolicySpec:
+    """``spec.restartPolicy``: whole-group restarts allowed, and the first backoff (seconds)."""
+
+    max_group_restarts: int = 5
+    backoff_seconds: int = 10
+
+
+@dataclass(frozen=True)
+class SchedulingSpec:
+    """``spec.scheduling``: copied into the pod spec as is."""
+
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] | None = None
+    priority_class_name: str | None = None
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """``spec.service``: the client Service over the group leaders."""
+
+    type: str = "ClusterIP"
+    port: int = 8000
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    """A validated ``InferenceDeployment``: identity (name, namespace, uid) plus its spec."""
+
+    name: str
+    namespace: str
+    uid: str
+    replicas: int
+    model: ModelSpec
+    parallelism: ParallelismSpec
+    runtime: RuntimeSpec
+    weight_update: WeightUpdateSpec = field(default_factory=WeightUpdateSpec)
+    restart_policy: RestartPolicySpec = field(default_factory=RestartPolicySpec)
+    scheduling: SchedulingSpec = field(default_factory=SchedulingSpec)
+    service: ServiceSpec = field(default_factory=ServiceSpec)
+
+    def restart_hash(self) -> str:
+        """Hash (12 hex chars) of every field whose change needs a pod restart.
+
+        Excluded: ``model.path``/``model.revision`` (rolled in place with ``InPlace``),
+        ``runtime.cudaGraph`` (recaptured in place), replicas, weightUpdate, restartPolicy and
+        service (they never touch a running pod).
+        """
+        relevant = {
+            "modelName": self.model.name,
+            "mountPath": self.model.mount_path,
+            "volume": self.model.volume,
+            "parallelism": asdict(self.parallelism),
+            "runtime": {k: v for k, v in asdict(self.runtime).items() if k != "cuda_graph"},
+            "scheduling": asdict(self.scheduling),
+        }
+        text = json.dumps(relevant, sort_keys=True, default=list)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _get(obj: Mapping[str, Any], key: str, path: str, kind: type | tuple[type, ...], default: Any = None,
+         required: bool = False) -> Any:
+    value = obj.get(key, default)
+    if value is None:
+        if required:
+            raise SpecError(f"{path}.{key} is required")
+        return default
+    # bool is an int subclass: never accept True where a number is meant.
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
+        raise SpecError(f"{path}.{key} must be of type {_type_names(kind)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _type_names(kind: type | tuple[type, ...]) -> str:
+    names = {int: "integer", float: "number", str: "string", bool: "boolean", dict: "object", list: "array"}
+    return " or ".join(names.get(k, k.__name__) for k in _as_tuple(kind))
+
+
+def _int_in(obj: Mapping[str, Any], key: str, path: str, default: int | None, low: int, high: int,
+            required: bool = False) -> int | None:
+    value = _get(obj, key, path, int, default, required)
+    if value is not None and not low <= value <= high:
+        raise SpecError(f"{path}.{key} must be in [{low}, {high}], got {value}")
+    return value
+
+
+def _one_of(obj: Mapping[str, Any], key: str, path: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = _get(obj, key, path, str, default)
+    if value not in allowed:
+        raise SpecError(f"{path}.{key} must be one of {', '.join(allowed)}; got {value!r}")
+    return value
+
+
+def parse_model(raw: Mapping[str, Any]) -> ModelSpec:
+    """Parse ``spec.model``. Raises :class:`SpecError`."""
+    path = "spec.model"
+    name = _get(raw, "name", path, str, required=True)
+    model_path = _get(raw, "path", path, str, required=True)
+    if not name.strip():
+        raise SpecError(f"{path}.name must be a non-empty string")
+    if not posixpath.isabs(model_path):
+        raise SpecError(f"{path}.path must be an absolute directory path in the pod, got {model_path!r}")
+    revision = _get(raw, "revision", path, str, posixpath.basename(posixpath.normpath(model_path)))
+    if not _LABEL_VALUE.match(revision):
+        raise SpecError(f"{path}.revision must be 1-63 characters [A-Za-z0-9._-], starting and ending "
+                        f"alphanumeric (it becomes a label value), got {revision!r}")
+    mount_path = _get(raw, "mountPath", path, str, "/var/lib/shardline/models")
+    volume = _get(raw, "volume", path, dict)
+    if volume is not None:
+        if len(volume) != 1:
+            raise SpecError(f"{path}.volume must hold exactly one volume source (e.g. hostPath, "
+                            f"persistentVolumeClaim), got {sorted(volume)}")
+        inside = posixpath.normpath(model_path).startswith(posixpath.normpath(mount_path).rstrip("/") + "/")
+        if not inside:
+            raise SpecError(f"{path}.path ({model_path}) must be inside {path}.mountPath ({mount_path}) "
+                            "where the volume is mounted")
+    return ModelSpec(name=name, path=model_path, revision=revision, mount_path=mount_path, volume=volume)
+
+
+def parse_runtime(raw: Mapping[str, Any]) -> RuntimeSpec:
+    """Parse ``spec.runtime``. Raises :class:`SpecError`."""
+    path = "spec.runtime"
+    image = _get(raw, "image", path, str, required=True)
+    if not image.strip():
+        raise SpecError(f"{path}.image must be a non-empty image reference")
+    fraction = _get(raw, "memFractionStatic", path, (int, float), 0.85)
+    if not 0.0 < float(fraction) <= 1.0:
+        raise SpecError(f"{path}.memFractionStatic must be in (0, 1], got {fraction}")
+    graph_raw = _get(raw, "cudaGraph", path, dict, {})
+    cuda_graph = CudaGraphSpec(
+        enabled=_get(graph_raw, "enabled", f"{path}.cudaGraph", bool, True),
+        max_batch_size=_int_in(graph_raw, "maxBatchSize", f"{path}.cudaGraph", 160, 1, 4096),
+    )
+    args = tuple(_get(raw, "args", path, list, []))
+    for arg in args:
+        if not isinstance(arg, str):
+            raise SpecError(f"{path}.args must be a list of strings, got {arg!r}")
+        if arg.split("=", 1)[0] in RESERVED_FLAGS:
+            raise SpecError(f"{path}.args must not set {arg.split('=', 1)[0]}: the operator renders it "
+                            f"from the spec (reserved: {', '.join(RESERVED_FLAGS)})")
+    env = tuple(_get(raw, "env", path, list, []))
+    for item in env:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise SpecError(f"{path}.env items must be objects with a string 'name', got {item!r}")
+        if item["name"] in RESERVED_ENV:
+            raise SpecError(f"{path}.env must not set {item['name']} (reserved: {', '.join(RESERVED_ENV)})")
+    resources = _get(raw, "resources", path, dict, {})
+    for section in ("limits", "requests"):
+        if GPU_RESOURCE in (resources.get(section) or {}):
+            raise SpecError(f"{path}.resources.{section} must not set {GPU_RESOURCE}: "
+                            "GPUs come from spec.parallelism.gpusPerPod")
+    return RuntimeSpec(
+        image=image,
+        image_pull_policy=_one_of(raw, "imagePullPolicy", path, "IfNotPresent", PULL_POLICIES),
+        dtype=_one_of(raw, "dtype", path, "auto", DTYPES),
+        mem_fraction_static=float(fraction),
+        max_total_tokens=_int_in(raw, "maxTotalTokens", path, None, 1, 2**31 - 1),
+        cuda_graph=cuda_graph,
+        args=args,
+        env=env,
+        resources=resources,
+        startup_timeout_seconds=_int_in(raw, "startupTimeoutSeconds", path, 1800, 10, 86400),
+    )
+
+
+def parse_spec(name: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> DeploymentSpec:
+    """Validate ``spec`` of the object ``namespace/name`` into a :class:`DeploymentSpec`.
+
+    Raises:
+        SpecError: naming the first invalid field, its value and the allowed values.
+    """
+    if len(name) > MAX_NAME_LENGTH or not _DNS_LABEL.match(name):
+        raise SpecError(f"metadata.name must be a DNS-1035 label of at most {MAX_NAME_LENGTH} characters "
+                        f"(lowercase letters, digits, '-'; starting with a letter), got {name!r}")
+    if not isinstance(spec, Mapping):
+        raise SpecError(f"spec must be an object, got {type(spec).__name__}")
+    parallel_raw = _get(spec, "parallelism", "spec", dict, {})
+    parallelism = ParallelismSpec(
+        tensor=_int_in(parallel_raw, "tensor", "spec.parallelism", 1, 1, 1024),
+        gpus_per_pod=_int_in(parallel_raw, "gpusPerPod", "spec.parallelism", 1, 1, 64),
+    )
+    if parallelism.tensor % parallelism.gpus_per_pod != 0:
+        raise SpecError(f"spec.parallelism: tensor ({parallelism.tensor}) must be a multiple of "
+                        f"gpusPerPod ({parallelism.gpus_per_pod})")
+    update_raw = _get(spec, "weightUpdate", "spec", dict, {})
+    restart_raw = _get(spec, "restartPolicy", "spec", dict, {})
+    sched_raw = _get(spec, "scheduling", "spec", dict, {})
+    service_raw = _get(spec, "service", "spec", dict, {})
+    return DeploymentSpec(
+        name=name,
+        namespace=namespace,
+        uid=uid,
+        replicas=_int_in(spec, "replicas", "spec", 1, 0, MAX_REPLICAS),
+        model=parse_model(_get(spec, "model", "spec", dict, required=True)),
+        parallelism=parallelism,
+        runtime=parse_runtime(_get(spec, "runtime", "spec", dict, required=True)),
+        weight_update=WeightUpdateSpec(
+            strategy=_one_of(update_raw, "strategy", "spec.weightUpdate", "InPlace", STRATEGIES),
+            timeout_seconds=_int_in(update_raw, "timeoutSeconds", "spec.weightUpdate", 900, 1, 86400),
+            rollback_on_failure=_get(update_raw, "rollbackOnFailure", "spec.weightUpdate", bool, True),
+        ),
+        restart_policy=RestartPolicySpec(
+            max_group_restarts=_int_in(restart_raw, "maxGroupRestarts", "spec.restartPolicy", 5, 0, 1000),
+            backoff_seconds=_int_in(restart_raw, "backoffSeconds", "spec.restartPolicy", 10, 1, 3600),
+        ),
+        scheduling=SchedulingSpec(
+            node_selector=_get(sched_raw, "nodeSelector", "spec.scheduling", dict, {}),
+            tolerations=tuple(_get(sched_raw, "tolerations", "spec.scheduling", list, [])),
+            affinity=_get(sched_raw, "affinity", "spec.scheduling", dict),
+            priority_class_name=_get(sched_raw, "priorityClassName", "spec.scheduling", str),
+        ),
+        service=ServiceSpec(
+            type=_one_of(service_raw, "type", "spec.service", "ClusterIP", SERVICE_TYPES),
+            port=_int_in(service_raw, "port", "spec.service", 8000, 1, 65535),
+        ),
+    )
