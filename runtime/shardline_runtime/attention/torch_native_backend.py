@@ -1,0 +1,128 @@
+"""Torch-native attention backend (CPU and GPU), reading K/V through ``req_to_token``.
+
+Every call first writes the step's K/V at ``out_cache_loc`` into the layer's KV buffers, then
+attends over each request's whole sequence gathered from the pool via
+``req_to_token[req_pool_indices, :seq_len]`` (so a cached prefix is read, not recomputed).
+
+EXTEND loops over requests (variable lengths) using the ``*_cpu`` lists. DECODE is one batched
+computation whose lengths and indices come from tensors (``seq_lens``, ``req_pool_indices``):
+it gathers a fixed ``kv_len_bound`` columns of ``req_to_token`` and masks positions
+``>= seq_len``, so a CUDA graph captured with a bound replays correctly for any shorter lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class ForwardMetadata:
+    """Per-step data shared by all layers. ``kv_len_bound``: KV columns gathered in DECODE."""
+
+    kv_len_bound: int = 0
+
+
+class TorchNativeAttnBackend:
+    """Attention over the paged KV pool with plain torch ops.
+
+    Args:
+        model_runner: supplies ``req_to_token_pool`` and ``token_to_kv_pool`` (the pools of
+            the ForwardBatch are used when it carries its own).
+    """
+
+    def __init__(self, model_runner):
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.max_context_len = self.req_to_token_pool.req_to_token.shape[1]
+        self.forward_metadata = ForwardMetadata()
+
+    # ---- metadata ----------------------------------------------------------------------------
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        """Eager step: the DECODE bound is the longest ``seq_len`` of the batch."""
+        if forward_batch.forward_mode.is_decode():
+            lens = forward_batch.seq_lens_cpu
+            bound = max(lens) if lens else int(forward_batch.seq_lens.max()) if forward_batch.batch_size else 0
+            self.forward_metadata = ForwardMetadata(kv_len_bound=bound)
+
+    def init_forward_metadata_capture_cuda_graph(self, kv_len_bound: int | None = None) -> None:
+        """Graph capture: use a fixed bound (default: the whole ``req_to_token`` row)."""
+        self.forward_metadata = ForwardMetadata(kv_len_bound=kv_len_bound or self.max_context_len)
+
+    def init_forward_metadata_replay_cuda_graph(self, kv_len_bound: int | None = None) -> None:
+        """Graph replay: the same fixed bound as at capture (nothing else is read from Python)."""
+        self.init_forward_metadata_capture_cuda_graph(kv_len_bound)
+
+    # ---- compute -----------------------------------------------------------------------------
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, forward_batch) -> torch.Tensor:
+        """q (T, Hq*D), k/v (T, Hkv*D) -> (T, Hq*D); writes k/v into the pool first."""
+        kv_pool = forward_batch.token_to_kv_pool or self.token_to_kv_pool
+        q = q.view(-1, layer.tp_q_head_num, layer.head_dim)
+        k = k.view(-1, layer.tp_k_head_num, layer.head_dim)
+        v = v.view(-1, layer.tp_k_head_num, layer.head_dim)
+        if q.shape[0]:
+            kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        if forward_batch.forward_mode.is_decode():
+            out = self.forward_decode(q, layer, forward_batch, kv_pool)
+        else:
+            out = self.forward_extend(q, layer, forward_batch, kv_pool)
+        return out.reshape(-1, layer.tp_q_head_num * layer.head_dim)
+
+    def _req_to_token(self, forward_batch) -> torch.Tensor:
+        pool = forward_batch.req_to_token_pool or self.req_to_token_pool
+        return pool.req_to_token
+
+    def forward_extend(self, q: torch.Tensor, layer, forward_batch, kv_pool) -> torch.Tensor:
+        """q (T, Hq, D) -> (T, Hq, D); causal within each request, after its cached prefix."""
+        out = torch.empty_like(q)
+        if q.shape[0] == 0:
+            return out
+        req_to_token = self._req_to_token(forward_batch)
+        k_buf, v_buf = kv_pool.get_kv_buffer(layer.layer_id)
+        group = layer.tp_q_head_num // layer.tp_k_head_num
+        start = 0
+        for i, (prefix, ext) in enumerate(zip(forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu)):
+            seq_len = prefix + ext
+            slots = req_to_token[forward_batch.req_pool_indices[i], :seq_len]
+            k_all = k_buf[slots].to(q.dtype).repeat_interleave(group, dim=1)  # (L, Hq, D)
+            v_all = v_buf[slots].to(q.dtype).repeat_interleave(group, dim=1)
+            q_pos = torch.arange(prefix, seq_len, device=q.device)[:, None]  # (ext, 1)
+            k_pos = torch.arange(seq_len, device=q.device)[None, :]  # (1, L)
+            mask = k_pos <= q_pos
+            if layer.sliding_window is not None:
+                mask &= k_pos > q_pos - layer.sliding_window
+            o = F.scaled_dot_product_attention(
+                q[start:start + ext].transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1),
+                attn_mask=mask, scale=layer.scaling,
+            )  # (Hq, ext, D)
+            out[start:start + ext] = o.transpose(0, 1)
+            start += ext
+        return out
+
+    def forward_decode(self, q: torch.Tensor, layer, forward_batch, kv_pool) -> torch.Tensor:
+        """q (bs, Hq, D) -> (bs, Hq, D); one query per request over ``seq_lens`` keys."""
+        bs = q.shape[0]
+        bound = self.forward_metadata.kv_len_bound
+        if bs == 0 or bound == 0:
+            return torch.zeros_like(q)
+        req_to_token = self._req_to_token(forward_batch)
+        k_buf, v_buf = kv_pool.get_kv_buffer(layer.layer_id)
+        slots = req_to_token[forward_batch.req_pool_indices, :bound]  # (bs, bound)
+        k = k_buf[slots].to(q.dtype)  # (bs, bound, Hkv, D)
+        v = v_buf[slots].to(q.dtype)
+        hkv, group = layer.tp_k_head_num, layer.tp_q_head_num // layer.tp_k_head_num
+        qg = q.view(bs, hkv, group, layer.head_dim)
+        scores = torch.einsum("bhgd,bnhd->bhgn", qg.float(), k.float()) * layer.scaling  # (bs, Hkv, G, bound)
+        pos = torch.arange(bound, device=q.device)[None, :]
+        seq_lens = forward_batch.seq_lens[:, None]
+        valid = pos < seq_lens
+        if layer.sliding_window is not None:
+            valid &= pos >= seq_lens - layer.sliding_window
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.einsum("bhgn,bnhd->bhgd", probs, v.float())
+        return o.reshape(bs, layer.tp_q_head_num, layer.head_dim).to(q.dtype)

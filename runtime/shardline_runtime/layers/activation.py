@@ -1,0 +1,15 @@
+"""SwiGLU activation of gated MLPs (Shazeer 2020): ``silu(gate) * up``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """(T, 2 * d) ``[gate | up]`` -> (T, d) ``silu(gate) * up``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]

@@ -1,0 +1,37 @@
+"""RMSNorm (Zhang & Sennrich 2019) computed as transformers' ``LlamaRMSNorm``: in float32, then
+cast back before the weight multiply, optionally fused with the residual add."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * (x / sqrt(mean(x^2) + eps))`` over the last dim (size ``hidden_size``)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.variance_epsilon = eps
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        from shardline_runtime.layers.linear import _check_shape
+
+        _check_shape(loaded, tuple(param.shape), "RMSNorm")
+        param.data.copy_(loaded)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without ``residual``: the normalised ``x``. With it: ``(norm(x + residual), x + residual)``."""
+        if residual is None:
+            return self._norm(x)
+        x = residual + x
+        return self._norm(x), x

@@ -1,0 +1,289 @@
+"""ModelRunner: one TP rank's model, KV pools and attention backend, and one step of it.
+
+Life (after SGLang's ``ModelRunner``): parse the config and refuse impossible TP layouts before
+reading any weight -> join the TP process group -> load the weights (this rank's shards) ->
+size the KV cache from what memory is left -> build the attention backend -> capture CUDA
+graphs (``CudaGraphRunner``, GPU only). ``forward`` then runs one :class:`ForwardBatch`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardline_runtime.configs.model_config import ModelConfig
+from shardline_runtime import distributed
+from shardline_runtime.layers.logits_processor import LogitsProcessorOutput
+from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
+from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+logger = logging.getLogger(__name__)
+
+DEVICES = ("auto", "cuda", "cpu")
+
+
+class KVCacheMemoryError(RuntimeError):
+    """There is no room for a KV cache of at least one request (names the knob to change)."""
+
+
+@dataclass(frozen=True)
+class ModelRunnerConfig:
+    """What a ModelRunner needs from the server arguments, for one TP rank.
+
+    Units: ``mem_fraction_static`` is a fraction of total GPU memory (weights + KV cache),
+    ``max_total_tokens`` is KV-cache tokens, ``cpu_kv_cache_bytes`` bytes (CPU budget when
+    ``max_total_tokens`` is None), ``dist_timeout`` seconds.
+    """
+
+    model_path: str
+    dtype: str = "auto"
+    device: str = "auto"
+    tp_rank: int = 0
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout: int = 600
+    mem_fraction_static: float = 0.85
+    max_total_tokens: int | None = None
+    cpu_kv_cache_bytes: int = 256 << 20
+    max_running_requests: int = 256
+    context_length: int | None = None
+    cuda_graph_max_bs: int = 160
+    disable_cuda_graph: bool = False
+    random_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+
+    @classmethod
+    def from_server_args(cls, server_args: Any, tp_rank: int) -> "ModelRunnerConfig":
+        """Take the same-named fields of a ``ServerArgs`` (or any object with them)."""
+        names = cls.__dataclass_fields__.keys() - {"tp_rank"}
+        values = {n: getattr(server_args, n) for n in names if hasattr(server_args, n)}
+        return cls(tp_rank=tp_rank, **values)
+
+    @property
+    def local_rank(self) -> int:
+        """Index of this rank's GPU on its node."""
+        return self.tp_rank % (self.tp_size // self.nnodes)
+
+
+def resolve_device(device: str, local_rank: int) -> torch.device:
+    """``auto`` -> ``cuda:<local_rank>`` when CUDA is available, else ``cpu``."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device 'cuda' was asked for but torch.cuda.is_available() is False")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+class ModelRunner:
+    """Runs the model of one TP rank.
+
+    Attributes set by the constructor: ``model_config``, ``device``, ``dtype``, ``tp_rank``,
+    ``tp_size``, ``model``, ``max_total_num_tokens``, ``req_to_token_pool``,
+    ``token_to_kv_pool``, ``token_to_kv_pool_allocator``, ``attn_backend``,
+    ``cuda_graph_runner`` (None unless graphs were captured), ``sampler``.
+
+    Raises (from the constructor):
+        ModelConfigError: config.json is invalid or the head count does not fit ``tp_size``
+            (before any weight is read).
+        CheckpointError: a shard is missing/short or a parameter is missing/unexpected.
+        KVCacheMemoryError: no memory is left for the KV cache.
+    """
+
+    def __init__(self, config: ModelRunnerConfig, model_config: ModelConfig | None = None):
+        self.config = config
+        self.tp_rank = config.tp_rank
+        self.tp_size = config.tp_size
+        self.device = resolve_device(config.device, config.local_rank)
+        if model_config is None:
+            model_config = ModelConfig.from_pretrained(
+                config.model_path, dtype=config.dtype, context_length=config.context_length,
+                device_type=self.device.type,
+            )
+        self.model_config = model_config
+        self.model_config.check_tp_size(self.tp_size)
+        self.dtype = self.model_config.dtype
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        distributed.init_distributed_environment(
+            tp_rank=self.tp_rank, tp_size=self.tp_size, device=self.device,
+            dist_init_addr=config.dist_init_addr, timeout_s=config.dist_timeout,
+        )
+        torch.manual_seed(config.random_seed)
+        self.load_model()
+        self.init_memory_pool()
+        self.init_attention_backend()
+        self.sampler = self._make_sampler()
+        self.cuda_graph_runner = None
+        self.init_cuda_graphs()
+
+    # ---- construction -------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        """Build the model for this rank's shard and load its weights from ``model_path``."""
+        from shardline_runtime.model_loader.loader import load_model
+
+        before = self._memory_available()
+        self.model = load_model(self.model_config, self.model_config.model_path, self.device)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info(
+            "[tp %d] loaded %s: %.1f MiB of weights on this rank (available %.1f MiB before)",
+            self.tp_rank, self.model_config.architecture, self.weight_bytes / 2**20, before / 2**20,
+        )
+
+    def _memory_available(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.device)[0]
+        return self.config.cpu_kv_cache_bytes
+
+    def profile_max_num_token(self) -> int:
+        """KV-cache tokens that fit on this rank (minimum over ranks).
+
+        GPU: ``free - total * (1 - mem_fraction_static)`` bytes after loading, as in SGLang.
+        CPU: ``cpu_kv_cache_bytes``. Either is divided by the bytes one token takes on a rank.
+        """
+        mc = self.model_config
+        per_token = TokenToKVPool.bytes_per_token(
+            mc.num_hidden_layers, mc.get_num_kv_heads(self.tp_size), mc.head_dim, self.dtype
+        )
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            rest = free - total * (1.0 - self.config.mem_fraction_static)
+        else:
+            rest = self.config.cpu_kv_cache_bytes
+        tokens = int(max(rest, 0) // per_token)
+        return distributed.all_reduce_min_int(tokens)
+
+    def init_memory_pool(self) -> None:
+        """Create ``req_to_token_pool``, ``token_to_kv_pool`` and its allocator.
+
+        Raises:
+            KVCacheMemoryError: fewer than 1 token fits (names ``--mem-fraction-static`` /
+                ``--max-total-tokens``).
+        """
+        mc = self.model_config
+        if self.config.max_total_tokens is not None:
+            tokens = self.config.max_total_tokens
+            if self.device.type == "cuda":
+                tokens = min(tokens, self.profile_max_num_token())
+        else:
+            tokens = self.profile_max_num_token()
+        if tokens < 1:
+            raise KVCacheMemoryError(
+                f"no memory left for the KV cache after loading {self.weight_bytes / 2**20:.1f} MiB of weights "
+                f"on tp rank {self.tp_rank}: raise --mem-fraction-static (now {self.config.mem_fraction_static}) "
+                "or set --max-total-tokens"
+            )
+        self.max_total_num_tokens = tokens
+        self.req_to_token_pool = ReqToTokenPool(
+            size=self.config.max_running_requests + 1, max_context_len=mc.context_len + 4, device=self.device
+        )
+        self.token_to_kv_pool = TokenToKVPool(
+            tokens, mc.num_hidden_layers, mc.get_num_kv_heads(self.tp_size), mc.head_dim, self.dtype, self.device
+        )
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(tokens, device=self.device)
+        logger.info(
+            "[tp %d] KV cache: %d tokens, %.1f MiB", self.tp_rank, tokens, self.token_to_kv_pool.mem_usage_bytes() / 2**20
+        )
+
+    def init_attention_backend(self) -> None:
+        """Create the attention backend (torch-native: CPU and GPU)."""
+        from shardline_runtime.attention.torch_native_backend import TorchNativeAttnBackend
+
+        self.attn_backend = TorchNativeAttnBackend(self)
+
+    def init_cuda_graphs(self) -> None:
+        """Capture decode graphs with ``CudaGraphRunner`` (GPU, unless disabled)."""
+        self.cuda_graph_runner = None
+        if self.device.type != "cuda" or self.config.disable_cuda_graph:
+            return
+        from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner
+
+        self.cuda_graph_runner = CudaGraphRunner(self)
+
+    def _make_sampler(self):
+        try:
+            from shardline_runtime.layers.sampler import Sampler
+        except ImportError:
+            return None
+        return Sampler()
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput | None:
+        """Run one step; dispatches on ``forward_batch.forward_mode``.
+
+        Returns the logits of the last token of each request (``None`` from a SPLIT_PREFILL
+        call that does not reach the last layer).
+        """
+        mode = forward_batch.forward_mode
+        if mode.is_decode() and self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
+            return self.cuda_graph_runner.replay(forward_batch)
+        if mode == ForwardMode.DECODE:
+            return self.forward_decode(forward_batch)
+        if mode == ForwardMode.EXTEND:
+            return self.forward_extend(forward_batch)
+        if mode == ForwardMode.SPLIT_PREFILL:
+            return self.forward_split_prefill(forward_batch)
+        if mode == ForwardMode.IDLE:
+            return self.forward_idle(forward_batch)
+        raise ValueError(f"unknown forward_mode {mode!r}; allowed: {[m.name for m in ForwardMode]}")
+
+    def _run(self, forward_batch: ForwardBatch):
+        self._attach(forward_batch)
+        self.attn_backend.init_forward_metadata(forward_batch)
+        with torch.inference_mode():
+            return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    def _attach(self, forward_batch: ForwardBatch) -> None:
+        if forward_batch.req_to_token_pool is None:
+            forward_batch.req_to_token_pool = self.req_to_token_pool
+        if forward_batch.token_to_kv_pool is None:
+            forward_batch.token_to_kv_pool = self.token_to_kv_pool
+        if forward_batch.attn_backend is None:
+            forward_batch.attn_backend = self.attn_backend
+
+    def forward_decode(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        """One token per request, eagerly."""
+        return self._run(forward_batch)
+
+    def forward_extend(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        """Prefill (or one chunk of it) after each request's cached prefix."""
+        return self._run(forward_batch)
+
+    def forward_idle(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        """No tokens on this rank; still runs the layers so TP collectives stay in step."""
+        return self._run(forward_batch)
+
+    def forward_split_prefill(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput | None:
+        """Layers ``[split_forward_start_layer, split_forward_end_layer)`` of an EXTEND step.
+
+        Hidden states are carried in ``forward_batch.split_hidden_states`` between calls; the
+        call that reaches the last layer returns the logits, earlier calls return ``None``.
+        """
+        return self._run(forward_batch)
+
+    def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Next token ids (bs,) int64 from ``layers/sampler.py: Sampler``."""
+        if self.sampler is None:
+            raise RuntimeError("shardline_runtime.layers.sampler.Sampler is not available")
+        return self.sampler(logits_output, forward_batch)
+
+    def update_weights_from_disk(self, model_path: str, load_format: str = "auto") -> tuple[bool, str]:
+        """Load new weights in place; see ``model_executor/weight_update.py``."""
+        from shardline_runtime.model_executor.weight_update import update_weights_from_disk
+
+        return update_weights_from_disk(self, model_path, load_format=load_format)

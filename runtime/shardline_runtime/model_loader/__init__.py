@@ -1,0 +1,1 @@
+"""Checkpoint discovery, validation and weight loading."""

@@ -1,0 +1,1 @@
+"""Model definitions (compositions of parallel layers) and their registry."""

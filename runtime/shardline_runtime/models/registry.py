@@ -1,0 +1,32 @@
+"""Model classes by ``config.json`` ``architectures[0]``."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shardline_runtime.configs.model_config import ModelConfigError
+from shardline_runtime.models.llama import LlamaForCausalLM
+from shardline_runtime.models.mistral import MistralForCausalLM
+from shardline_runtime.models.qwen2 import Qwen2ForCausalLM
+from shardline_runtime.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    """The model class of ``architecture``.
+
+    Raises:
+        ModelConfigError: unknown architecture (lists the supported ones).
+    """
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ModelConfigError(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(MODEL_REGISTRY)}"
+        ) from None

@@ -1,0 +1,65 @@
+"""Checkpoint tensors -> model parameters, checking every parameter is written exactly once.
+
+Stacked parameters (``qkv_proj``, ``gate_up_proj``) count as written when each of their shards
+(q, k, v / 0, 1) was loaded once.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from shardline_runtime.layers.linear import ShardShapeError
+from shardline_runtime.model_loader.errors import CheckpointError
+
+
+def load_named_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked_params_mapping: Iterable[tuple[str, str, object]],
+    ignored: Iterable[str] = (),
+) -> None:
+    """Copy ``weights`` (checkpoint name, full tensor) into ``model`` via each ``weight_loader``.
+
+    Raises:
+        CheckpointError: a name matches no parameter, a (parameter, shard) is written twice, a
+            shape is wrong, or a parameter is never written; the message names it.
+    """
+    params = dict(model.named_parameters(remove_duplicate=True))
+    ignored = tuple(ignored)
+    expected: dict[str, set] = {name: {None} for name in params}
+    for name in params:
+        for _, stacked, shard_id in stacked_params_mapping:
+            if stacked in name:
+                expected[name] = {s for _, st, s in stacked_params_mapping if st == stacked}
+    written: dict[str, set] = {name: set() for name in params}
+    for ckpt_name, tensor in weights:
+        if any(ckpt_name.endswith(i) for i in ignored):
+            continue
+        target, shard_id = ckpt_name, None
+        for fragment, stacked, sid in stacked_params_mapping:
+            if fragment in ckpt_name:
+                target, shard_id = ckpt_name.replace(fragment, stacked), sid
+                break
+        if target not in params:
+            raise CheckpointError(f"unexpected parameter {ckpt_name!r} in the checkpoint (no such parameter in {type(model).__name__})")
+        if shard_id in written[target]:
+            raise CheckpointError(f"parameter {ckpt_name!r} is written twice (it appears in more than one shard)")
+        if not tensor.dtype.is_floating_point:
+            raise CheckpointError(f"parameter {ckpt_name!r} has dtype {tensor.dtype}; a floating-point dtype is expected")
+        param = params[target]
+        try:
+            if shard_id is None:
+                param.weight_loader(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard_id)
+        except ShardShapeError as e:
+            raise CheckpointError(f"parameter {ckpt_name!r}: {e}") from None
+        written[target].add(shard_id)
+    for name in params:
+        missing = expected[name] - written[name]
+        if missing:
+            what = name if missing == {None} else f"{name} (shards {sorted(map(str, missing))})"
+            raise CheckpointError(f"parameter {what} was never written: the checkpoint lacks it")

@@ -1,0 +1,104 @@
+"""Test harness: run prompts through a ModelRunner without a scheduler.
+
+Allocates request rows and KV slots from the runner's pools, fills ``req_to_token`` and
+builds the ForwardBatch of an EXTEND (optionally after a cached prefix) or a DECODE step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+
+@dataclass
+class Seq:
+    """One request's state in the harness: its row, tokens so far and their KV slots."""
+
+    row: int
+    tokens: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+
+
+def new_seqs(runner, n: int) -> list[Seq]:
+    rows = runner.req_to_token_pool.alloc(n)
+    assert rows is not None, "out of request rows"
+    return [Seq(row=r) for r in rows]
+
+
+def _alloc(runner, n: int) -> list[int]:
+    slots = runner.token_to_kv_pool_allocator.alloc(n)
+    assert slots is not None, "out of KV slots"
+    return slots.tolist()
+
+
+def extend(runner, seqs: list[Seq], new_tokens: list[list[int]], return_logprob: bool = False,
+           logprob_starts: list[int] | None = None, top_logprobs_nums: list[int] | None = None):
+    """Run an EXTEND step adding ``new_tokens[i]`` after each seq's existing tokens (its cached
+    prefix). Returns the LogitsProcessorOutput."""
+    input_ids, out_loc, prefix_lens, seq_lens = [], [], [], []
+    for seq, toks in zip(seqs, new_tokens):
+        slots = _alloc(runner, len(toks))
+        prefix_lens.append(len(seq.tokens))
+        seq.tokens += list(toks)
+        seq.slots += slots
+        runner.req_to_token_pool.write((seq.row, slice(0, len(seq.slots))), torch.tensor(seq.slots))
+        input_ids += list(toks)
+        out_loc += slots
+        seq_lens.append(len(seq.tokens))
+    fb = ForwardBatch.init_new(
+        forward_mode=ForwardMode.EXTEND, input_ids=input_ids, req_pool_indices=[s.row for s in seqs],
+        seq_lens=seq_lens, extend_prefix_lens=prefix_lens, out_cache_loc=out_loc, model_runner=runner,
+        return_logprob=return_logprob, extend_logprob_start_lens=logprob_starts, top_logprobs_nums=top_logprobs_nums,
+    )
+    return runner.forward(fb)
+
+
+def decode(runner, seqs: list[Seq], tokens: list[int]):
+    """Run one DECODE step feeding ``tokens[i]`` to seq ``i``. Returns the LogitsProcessorOutput."""
+    slots = _alloc(runner, len(seqs))
+    for seq, tok, slot in zip(seqs, tokens, slots):
+        seq.tokens.append(tok)
+        seq.slots.append(slot)
+        runner.req_to_token_pool.write((seq.row, len(seq.slots) - 1), torch.tensor(slot))
+    fb = ForwardBatch.init_new(
+        forward_mode=ForwardMode.DECODE, input_ids=tokens, req_pool_indices=[s.row for s in seqs],
+        seq_lens=[len(s.tokens) for s in seqs], out_cache_loc=slots, model_runner=runner,
+    )
+    return runner.forward(fb)
+
+
+def release(runner, seqs: list[Seq]) -> None:
+    """Free the seqs' KV slots and rows."""
+    for seq in seqs:
+        if seq.slots:
+            runner.token_to_kv_pool_allocator.free(torch.tensor(seq.slots))
+        runner.req_to_token_pool.free(seq.row)
+        seq.slots, seq.tokens = [], []
+
+
+def greedy_generate(runner, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Greedy tokens for each prompt (batched extend, then ``steps - 1`` batched decodes)."""
+    seqs = new_seqs(runner, len(prompts))
+    out = extend(runner, seqs, prompts)
+    nxt = out.next_token_logits.argmax(-1).tolist()
+    generated = [[t] for t in nxt]
+    for _ in range(steps - 1):
+        out = decode(runner, seqs, nxt)
+        nxt = out.next_token_logits.argmax(-1).tolist()
+        for g, t in zip(generated, nxt):
+            g.append(t)
+    release(runner, seqs)
+    return generated
+
+
+def make_runner(path, tp_rank: int = 0, tp_size: int = 1, dist_init_addr: str | None = None, **kwargs):
+    """A CPU float32 ModelRunner with a small KV pool."""
+    from shardline_runtime.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+
+    cfg = dict(model_path=str(path), device="cpu", dtype="float32", max_total_tokens=2048, max_running_requests=8,
+               tp_rank=tp_rank, tp_size=tp_size, dist_init_addr=dist_init_addr, dist_timeout=60)
+    cfg.update(kwargs)
+    return ModelRunner(ModelRunnerConfig(**cfg))
