@@ -7,6 +7,8 @@ import os
 
 import pytest
 
+pytest_plugins = ["tests.kube_fixtures"]
+
 
 def pytest_collection_modifyitems(config, items):
     try:

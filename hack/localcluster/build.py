@@ -1,0 +1,233 @@
+"""Build (or reuse) the local control-plane binaries: etcd, kube-apiserver,
+kube-controller-manager, kube-scheduler at Kubernetes v1.37.2, and the helm 3 CLI.
+
+Nothing built here is committed. Binaries go to a versioned cache outside the repository,
+``~/.cache/shardline/k8s-v1.37.2/bin/`` (override the root with ``SHARDLINE_CACHE``), and are
+built only when one is missing. Usable from the shell (``python3 -m hack.localcluster build``) and from
+Python (``ensure_binaries()``) for the test fixture and the demo.
+
+Why a wrapper module: ``go install k8s.io/kubernetes/cmd/...@v1.37.2`` is refused because the
+module's go.mod has ``replace`` directives (its staging modules point at ``./staging``). A small
+wrapper module requires ``k8s.io/kubernetes v1.37.2`` and replaces every staging module
+``k8s.io/X`` with the published ``k8s.io/X v0.37.2``; the list of staging modules is derived from
+the module's own go.mod as the module proxy serves it, so it cannot drift. etcd is a five-line
+``main`` in the same module, so it builds at the version the Kubernetes module graph selects.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+K8S_VERSION = "v1.37.2"
+HELM_VERSION = "v3.22.0"
+CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+ALL_BINARIES = CONTROL_PLANE + ("helm",)
+# Used only when the machine's Go is older than the module's go directive.
+FALLBACK_TOOLCHAIN = "go1.27.3"
+
+ETCD_MAIN = """package main
+
+import (
+\t"os"
+
+\t"go.etcd.io/etcd/server/v3/etcdmain"
+)
+
+func main() { etcdmain.Main(os.Args) }
+"""
+
+
+def cache_root() -> Path:
+    """Root of Shardline's build cache (``$SHARDLINE_CACHE`` or ``~/.cache/shardline``)."""
+    return Path(os.environ.get("SHARDLINE_CACHE", Path.home() / ".cache" / "shardline"))
+
+
+def bin_dir(version: str = K8S_VERSION) -> Path:
+    """Directory holding the cached binaries for one Kubernetes version."""
+    return cache_root() / f"k8s-{version}" / "bin"
+
+
+def missing_binaries(version: str = K8S_VERSION) -> list[str]:
+    """Names of the binaries not yet present (and executable) in the cache."""
+    d = bin_dir(version)
+    return [b for b in ALL_BINARIES if not os.access(d / b, os.X_OK)]
+
+
+def _log(msg: str) -> None:
+    print(f"[k8s-build {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str], what: str,
+         quiet_lines: bool = False) -> str:
+    """Run a Go command. Output lines are echoed (or, with ``quiet_lines``, counted: ``go
+    build -v`` names each package it compiles), and a heartbeat is printed every 30 s so a
+    long build never looks like a hang."""
+    _log(f"{what}: {' '.join(cmd)}")
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    out_lines: list[str] = []
+    finished = threading.Event()
+
+    def heartbeat() -> None:
+        while not finished.wait(30):
+            _log(f"{what}: still running ({time.monotonic() - started:.0f} s, "
+                 f"{len(out_lines)} packages/lines so far)")
+
+    threading.Thread(target=heartbeat, daemon=True).start()
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        out_lines.append(line)
+        if not quiet_lines:
+            print("    " + line.rstrip(), flush=True)
+    rc = proc.wait()
+    finished.set()
+    _log(f"{what}: finished in {time.monotonic() - started:.0f} s (exit {rc})")
+    if rc != 0:
+        tail = "".join(out_lines[-40:])
+        raise RuntimeError(f"{what} failed (exit {rc}): {' '.join(cmd)}\n{tail}")
+    return "".join(out_lines)
+
+
+def _go_env(work: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("GOFLAGS", "-buildvcs=false")
+    env["GOWORK"] = "off"
+    env["CGO_ENABLED"] = env.get("CGO_ENABLED", "0")
+    return env
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
+
+
+def _staging_modules(gomod_text: str) -> list[str]:
+    """Every ``k8s.io/X => ./staging/src/k8s.io/X`` line of the kubernetes go.mod."""
+    return sorted(set(re.findall(r"^\s*(k8s\.io/[\w.\-/]+)\s+=>\s+\./staging/", gomod_text,
+                                 flags=re.M)))
+
+
+def _prepare_module(work: Path, env: dict[str, str], version: str) -> None:
+    """Write the wrapper go.mod (requires + derived staging replaces) and the etcd main."""
+    work.mkdir(parents=True, exist_ok=True)
+    text = _run(["go", "mod", "download", "-json", f"k8s.io/kubernetes@{version}"],
+                work, env, "download kubernetes go.mod")
+    info = json.loads(text[text.index("{"):text.rindex("}") + 1])
+    gomod = Path(info["GoMod"]).read_text()
+    staging = _staging_modules(gomod)
+    if len(staging) < 20:
+        raise RuntimeError(f"found only {len(staging)} staging modules in {info['GoMod']}")
+    go_directive = re.search(r"^go\s+(\S+)", gomod, flags=re.M).group(1)
+    local = subprocess.run(["go", "env", "GOVERSION"], env=env, capture_output=True,
+                           text=True, check=True).stdout.strip()
+    if _version_tuple(local) < _version_tuple(go_directive):
+        _log(f"local {local} < go {go_directive}: using GOTOOLCHAIN={FALLBACK_TOOLCHAIN}")
+        env["GOTOOLCHAIN"] = FALLBACK_TOOLCHAIN
+    staging_version = "v0." + version.lstrip("v").split(".", 1)[1]
+    lines = ["module shardline.local/k8sbins", "", f"go {go_directive}", "",
+             f"require k8s.io/kubernetes {version}", ""]
+    lines += [f"replace {m} => {m} {staging_version}" for m in staging]
+    (work / "go.mod").write_text("\n".join(lines) + "\n")
+    (work / "etcd").mkdir(exist_ok=True)
+    (work / "etcd" / "main.go").write_text(ETCD_MAIN)
+    _log(f"wrapper module at {work}: {len(staging)} staging replaces -> {staging_version}")
+    pkgs = [f"k8s.io/kubernetes/cmd/{b}@{version}" for b in CONTROL_PLANE if b != "etcd"]
+    _run(["go", "get"] + pkgs, work, env, "resolve kubernetes commands")
+    # Pin etcd to the version the Kubernetes module graph already selected, so adding the
+    # etcd main upgrades nothing the control-plane binaries link.
+    etcd_version = subprocess.run(
+        ["go", "list", "-m", "-f", "{{.Version}}", "go.etcd.io/etcd/server/v3"], cwd=work,
+        env=env, capture_output=True, text=True, check=True).stdout.strip()
+    _run(["go", "get", f"go.etcd.io/etcd/server/v3/etcdmain@{etcd_version}"], work, env,
+         f"resolve etcd {etcd_version}")
+
+
+def _k8s_ldflags(version: str) -> str:
+    major, minor = version.lstrip("v").split(".")[:2]
+    x = {
+        "k8s.io/component-base/version.gitMajor": major,
+        "k8s.io/component-base/version.gitMinor": minor,
+        "k8s.io/component-base/version.gitVersion": version,
+        "k8s.io/component-base/version.gitTreeState": "clean",
+        "k8s.io/client-go/pkg/version.gitMajor": major,
+        "k8s.io/client-go/pkg/version.gitMinor": minor,
+        "k8s.io/client-go/pkg/version.gitVersion": version,
+        "k8s.io/client-go/pkg/version.gitTreeState": "clean",
+    }
+    return "-s -w " + " ".join(f"-X {k}={v}" for k, v in x.items())
+
+
+def build(version: str = K8S_VERSION, helm_version: str = HELM_VERSION,
+          force: bool = False) -> Path:
+    """Build whatever is missing into ``bin_dir(version)``; return that directory.
+
+    Raises RuntimeError with the failing command and its output tail when a build fails.
+    """
+    out = bin_dir(version)
+    todo = ALL_BINARIES if force else tuple(missing_binaries(version))
+    if not todo:
+        return out
+    if shutil.which("go") is None:
+        raise RuntimeError("the Go toolchain ('go') is required to build the local cluster")
+    started = time.monotonic()
+    _log(f"building {', '.join(todo)} into {out} (cold: 10-20 min on 2 cores)")
+    out.mkdir(parents=True, exist_ok=True)
+    work = out.parent / "src"
+    env = _go_env(work)
+    k8s_todo = [b for b in todo if b in CONTROL_PLANE]
+    if k8s_todo:
+        _prepare_module(work, env, version)
+        ldflags = _k8s_ldflags(version)
+        for name in k8s_todo:
+            pkg = "./etcd" if name == "etcd" else f"k8s.io/kubernetes/cmd/{name}"
+            tmp = out / f".{name}.partial"
+            _run(["go", "build", "-v", "-trimpath", "-ldflags", ldflags, "-o", str(tmp), pkg],
+                 work, env, f"build {name}", quiet_lines=True)
+            tmp.replace(out / name)
+    if "helm" in todo:
+        minor = version.lstrip("v").split(".")[1]
+        henv = dict(env, GOBIN=str(out / ".helm-gobin"))
+        flags = (f"-s -w -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1"
+                 f" -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor={minor}")
+        _run(["go", "install", "-v", "-trimpath", "-ldflags", flags,
+              f"helm.sh/helm/v3/cmd/helm@{helm_version}"], out.parent, henv, "build helm",
+             quiet_lines=True)
+        (out / ".helm-gobin" / "helm").replace(out / "helm")
+        shutil.rmtree(out / ".helm-gobin", ignore_errors=True)
+    elapsed = time.monotonic() - started
+    (out.parent / "build-time.txt").write_text(f"{elapsed:.0f} s for {', '.join(todo)}\n")
+    _log(f"done in {elapsed:.0f} s")
+    return out
+
+
+def ensure_binaries(version: str = K8S_VERSION) -> Path:
+    """Return the cache bin directory, building on a miss (prints progress)."""
+    if missing_binaries(version):
+        return build(version)
+    return bin_dir(version)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--force", action="store_true", help="rebuild even when cached")
+    p.add_argument("--print-bin-dir", action="store_true", help="print the bin dir and exit")
+    args = p.parse_args(argv)
+    if args.print_bin_dir:
+        print(bin_dir())
+        return 0
+    d = build(force=args.force)
+    for b in ALL_BINARIES:
+        print(d / b)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""pytest plugin: the session-scoped ``kube_cluster`` fixture (marker ``cluster``).
+
+It builds (on a cache miss, 10-20 min cold) and starts etcd, kube-apiserver,
+kube-controller-manager and kube-scheduler 1.37.2 on loopback, creates fake GPU nodes and
+starts the node agent; at the end of the session every process is stopped by PID.
+
+Set ``SHARDLINE_CLUSTER_DIR`` to the state directory of a cluster started with
+``python3 -m hack.localcluster up --dir DIR`` to reuse it (it is then left running).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from hack.localcluster import LocalCluster
+
+
+@pytest.fixture(scope="session")
+def kube_cluster(tmp_path_factory) -> LocalCluster:
+    """A running local cluster: ``.kubeconfig`` (Path), ``.server`` (URL), ``.env`` (dict with
+    KUBECONFIG), ``.kubectl(*args, input=None, check=True)``, ``.helm(*args)``."""
+    existing = os.environ.get("SHARDLINE_CLUSTER_DIR")
+    if existing:
+        yield LocalCluster.load(Path(existing))
+        return
+    cluster = LocalCluster(state_dir=tmp_path_factory.mktemp("kube"))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
