@@ -86,7 +86,8 @@ class TpModelWorker:
                 f"max_total_num_tokens {self.max_total_num_tokens} / context length {self.model_config.context_len} "
                 "leave no room for a prompt; raise --max-total-tokens or --context-length"
             )
-        self.max_running_requests = model_runner.req_to_token_pool.available_size()
+        rows_free = model_runner.req_to_token_pool.available_size()
+        self.max_running_requests = min(int(getattr(server_args, "max_running_requests", rows_free)), rows_free)
         self.model_path = self.model_config.model_path
         self.weights_revision = getattr(server_args, "revision", None)
         self.weights_phase = WeightsPhase.SERVING

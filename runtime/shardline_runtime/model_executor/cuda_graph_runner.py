@@ -78,6 +78,7 @@ class CudaGraphRunner:
             raise RuntimeError("CudaGraphRunner needs one free req_to_token row for padded graph rows")
         self.dummy_req_row = rows[0]
         model_runner.req_to_token_pool.req_to_token[self.dummy_req_row] = DUMMY_SLOT
+
         def zeros():
             return torch.zeros(self.max_bs, dtype=torch.int64, device=self.device)
 
@@ -99,8 +100,9 @@ class CudaGraphRunner:
         self.req_pool_indices[start:end] = self.dummy_req_row
         self.seq_lens[start:end] = 1
 
-    def _static_batch(self, bs: int, seq_lens_cpu: list[int] | None) -> ForwardBatch:
-        """A DECODE ForwardBatch whose tensors are views of the first ``bs`` buffer rows."""
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        """A DECODE ForwardBatch whose tensors are views of the first ``bs`` buffer rows; it
+        carries no ``*_cpu`` lists, so nothing in the step can depend on Python-side lengths."""
         runner = self.model_runner
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE,
@@ -110,7 +112,6 @@ class CudaGraphRunner:
             req_pool_indices=self.req_pool_indices[:bs],
             seq_lens=self.seq_lens[:bs],
             out_cache_loc=self.out_cache_loc[:bs],
-            seq_lens_cpu=seq_lens_cpu,
             req_to_token_pool=runner.req_to_token_pool,
             token_to_kv_pool=runner.token_to_kv_pool,
             attn_backend=runner.attn_backend,
@@ -133,11 +134,8 @@ class CudaGraphRunner:
         with torch.inference_mode():
             for bs in reversed(self.capture_bs):
                 self._fill_padding(0, bs)
-                batch = self._static_batch(bs, [1] * bs)
-                if hasattr(backend, "init_forward_metadata_capture_cuda_graph"):
-                    backend.init_forward_metadata_capture_cuda_graph(batch)
-                else:
-                    backend.init_forward_metadata(batch)
+                batch = self._static_batch(bs)
+                backend.init_forward_metadata_capture_cuda_graph()
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # warm up: lazy inits and allocator state happen outside the graph
@@ -182,18 +180,12 @@ class CudaGraphRunner:
         self.req_pool_indices[:bs].copy_(forward_batch.req_pool_indices)
         self.seq_lens[:bs].copy_(forward_batch.seq_lens)
         self._fill_padding(bs, padded)
-        seq_lens_cpu = None
-        if forward_batch.seq_lens_cpu is not None:
-            seq_lens_cpu = list(forward_batch.seq_lens_cpu) + [1] * (padded - bs)
-        batch = self._static_batch(padded, seq_lens_cpu)
-        backend = self.model_runner.attn_backend
+        # Same metadata as at capture (a fixed KV bound read from no Python int of this batch).
+        self.model_runner.attn_backend.init_forward_metadata_replay_cuda_graph()
         if self.use_graphs:
-            if hasattr(backend, "init_forward_metadata_replay_cuda_graph"):
-                backend.init_forward_metadata_replay_cuda_graph(batch)
             self.graphs[padded].replay()
             output = self.outputs[padded]
         else:
-            backend.init_forward_metadata(batch)
             with torch.inference_mode():
-                output = self._run_model(batch)
+                output = self._run_model(self._static_batch(padded))
         return dataclasses.replace(output, next_token_logits=output.next_token_logits[:bs].clone())

@@ -1,0 +1,92 @@
+"""Test support: drive a TpModelWorker like a minimal scheduler, and transformers references.
+
+``run_engine`` admits one new request per step, so steps mix EXTEND (the newcomer) and DECODE
+(the running requests) in one forward via ``ScheduleBatch.mix_with_running``; optional chunked
+prefill keeps a long prompt's intermediate chunks from sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardline_runtime.managers.schedule_batch import Req
+from shardline_runtime.managers.tp_worker import TpModelWorker
+from shardline_runtime.sampling import SamplingParams
+from shardline_runtime.server_args import ServerArgs
+
+
+def make_worker(model_path, max_total_tokens: int = 4096, max_running_requests: int = 16, **kwargs) -> TpModelWorker:
+    args = ServerArgs(
+        model_path=str(model_path), device="cpu", max_total_tokens=max_total_tokens,
+        max_running_requests=max_running_requests, **kwargs,
+    )
+    return TpModelWorker(args, 0)
+
+
+def run_engine(worker, prompts, params, mixed: bool = True, chunk: int | None = None, eos_token_ids=()):
+    """Generate for every prompt together; returns each request's output ids (in order).
+
+    Args:
+        prompts: lists of token ids.  params: one ``SamplingParams`` per prompt (or one for all).
+        mixed: new requests join the running decode batch in one EXTEND step.
+        chunk: chunked-prefill size (None: whole prompts).
+    """
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    reqs = [Req(f"r{i}", p, sp, eos_token_ids=eos_token_ids) for i, (p, sp) in enumerate(zip(prompts, params))]
+    waiting, running = list(reqs), None
+    base_free = worker.token_to_kv_pool_allocator.available_size()
+    while waiting or running is not None:
+        if waiting:
+            req = waiting.pop(0)
+            req.init_next_round_input(max_extend_len=chunk)
+            batch = worker.new_batch([req])
+            batch.prepare_for_extend()
+            if running is not None and mixed:
+                batch.mix_with_running(running)
+                running = None
+        else:
+            batch = running
+            batch.prepare_for_decode()
+        result = worker.forward_batch_generation(batch)
+        keep = []
+        for i, r in enumerate(batch.reqs):
+            token = int(result.next_token_ids[i])
+            if token >= 0:
+                r.append_output(token, result.next_token_logprobs[i], result.next_token_top_logprobs[i])
+            elif r.is_chunked:
+                waiting.insert(0, r)  # its next chunk runs next step
+                continue
+            r.check_finished(worker.max_req_len)
+            if r.finished():
+                batch.release_kv(r)
+            else:
+                keep.append(i)
+        batch.filter_batch(keep)
+        if batch is running:
+            pass
+        elif running is None:
+            running = batch
+        else:
+            running.merge_batch(batch)
+        if running is not None and running.is_empty():
+            running = None
+    assert worker.token_to_kv_pool_allocator.available_size() == base_free, "KV slots leaked"
+    return [r.output_ids for r in reqs]
+
+
+def hf_greedy(model_path, prompts, max_new_tokens: int):
+    """transformers ``generate`` (greedy, no EOS stop) for each prompt, in float32."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )
+            outs.append(gen[0, len(p):].tolist())
+    return outs
