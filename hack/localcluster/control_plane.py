@@ -247,6 +247,7 @@ class LocalCluster:
             pid = self.pids.pop(name, None)
             if pid is not None:
                 processes.stop(pid, grace_s=20 if name == "node-agent" else 10)
+        self._stop_orphaned_pods()
         marker = self.state_dir / "etcd-data-dir"
         if marker.exists():
             shutil.rmtree(marker.read_text().strip(), ignore_errors=True)
@@ -256,6 +257,20 @@ class LocalCluster:
             self._slot_fd = -1
         if self.state_dir.exists():
             self._save()
+
+    def _stop_orphaned_pods(self) -> None:
+        """Stop pod processes the node agent left behind (e.g. it was killed): each container
+        wrote ``<pod dir>/<container>.pid``; a PID counts only if that process's environment
+        still names the container's termination-log file (so a reused PID is never hit)."""
+        for pid_file in (self.state_dir / "pods").glob("*/*.pid"):
+            try:
+                pid = int(pid_file.read_text())
+                environ = Path(f"/proc/{pid}/environ").read_bytes()
+            except (OSError, ValueError):
+                continue
+            log = pid_file.with_suffix(".termination-log")
+            if f"SHARDLINE_TERMINATION_LOG={log}".encode() in environ.split(b"\0"):
+                processes.stop(pid, grace_s=2)
 
     @classmethod
     def load(cls, state_dir: Path) -> "LocalCluster":

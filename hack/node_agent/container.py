@@ -69,6 +69,8 @@ class Container:
                 self.proc = None
                 self._terminated(128, "StartError", f"failed to start {argv[0]!r}: {e}")
                 return
+        # Lets the cluster's stop() find a process the agent could not end (by PID, checked).
+        (self.workdir / f"{self.name}.pid").write_text(str(self.proc.pid))
         self.started_at = now_rfc3339()
         self.start_mono = time.monotonic()
         self.state = {"running": {"startedAt": self.started_at}}

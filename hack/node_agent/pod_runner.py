@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 TICK_S = 0.25
 MAX_GRACE_S = 15.0
+SHUTDOWN_GRACE_S = 5.0  # agent stopping: the cluster is going away
 
 
 class PodRunner(threading.Thread):
@@ -201,7 +202,8 @@ class PodRunner(threading.Thread):
         meta = self.pod["metadata"]
         grace = meta.get("deletionGracePeriodSeconds",
                          self.pod["spec"].get("terminationGracePeriodSeconds", 30))
-        grace = 0.0 if self.gone else min(float(grace), MAX_GRACE_S)
+        grace = 0.0 if self.gone else min(float(grace), SHUTDOWN_GRACE_S if self.stopping
+                                          else MAX_GRACE_S)
         for c in self.init + self.containers:
             c.kill(grace)
         if delete:

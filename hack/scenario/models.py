@@ -1,0 +1,55 @@
+"""Tiny model revisions under the hostPath ``/var/lib/shardline/models`` that examples mount.
+
+Checkpoints are written to a temporary sibling and renamed into place, so concurrent sessions
+(and a checkpoint half-written by an interrupted run) never expose a partial directory.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MODELS_ROOT = Path(os.environ.get("SHARDLINE_MODELS_ROOT", "/var/lib/shardline/models"))
+
+
+def write_tiny_model(path: Path, seed: int, arch: str = "llama",
+                     overrides: dict[str, str] | None = None) -> Path:
+    """Write a tiny checkpoint + tokenizer (``python -m shardline_runtime.tiny_checkpoint``)
+    at ``path`` unless one is there. ``overrides`` are ``--set KEY=JSON`` config values.
+
+    Raises RuntimeError with the command's output if the writer fails.
+    """
+    if (path / "config.json").exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    cmd = [sys.executable, "-m", "shardline_runtime.tiny_checkpoint", str(tmp),
+           "--arch", arch, "--seed", str(seed)]
+    for key, value in (overrides or {}).items():
+        cmd += ["--set", f"{key}={value}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
+    tmp.chmod(0o755)
+    try:
+        tmp.rename(path)
+    except OSError:  # another session won the race; its copy is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def write_revisions(root: Path = MODELS_ROOT) -> dict[str, Path]:
+    """The three revisions the demo and e2e use: ``rev-a`` (seed 1), ``rev-b`` (seed 2) and
+    ``rev-broken`` (same architecture, hidden size 128 instead of 64: every parameter shape
+    differs, so an in-place update must be refused)."""
+    base = root / "tiny-llama"
+    return {
+        "rev-a": write_tiny_model(base / "rev-a", seed=1),
+        "rev-b": write_tiny_model(base / "rev-b", seed=2),
+        "rev-broken": write_tiny_model(base / "rev-broken", seed=3,
+                                       overrides={"hidden_size": "128"}),
+    }

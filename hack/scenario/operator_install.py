@@ -1,0 +1,36 @@
+"""Install and remove the Shardline chart with the real helm CLI; the node agent then runs the
+operator's Deployment pod as a local process with a ServiceAccount-token kubeconfig, so the
+chart's RBAC is what the operator really gets."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from hack.localcluster import LocalCluster
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CHART = REPO_ROOT / "charts" / "shardline"
+RELEASE = "shardline"
+OPERATOR_NAMESPACE = "shardline-system"
+
+
+def install_operator(cluster: LocalCluster, namespace: str = OPERATOR_NAMESPACE,
+                     release: str = RELEASE, timeout: str = "5m") -> str:
+    """``helm upgrade --install`` the chart and wait for the operator Deployment to be Ready;
+    returns helm's output. Raises RuntimeError (with helm's output) on failure."""
+    proc = cluster.helm("upgrade", "--install", release, str(CHART), "--namespace", namespace,
+                        "--create-namespace", "--wait", "--timeout", timeout, timeout=600)
+    return proc.stdout
+
+
+def uninstall_operator(cluster: LocalCluster, namespace: str = OPERATOR_NAMESPACE,
+                       release: str = RELEASE) -> None:
+    cluster.helm("uninstall", release, "--namespace", namespace, "--wait", check=False)
+
+
+def operator_logs(cluster: LocalCluster, namespace: str = OPERATOR_NAMESPACE) -> str:
+    """Logs of the operator pod as the node agent recorded them (for failure reports)."""
+    pods_dir = cluster.state_dir / "pods"
+    out = []
+    for log in sorted(pods_dir.glob(f"{namespace}_*/*.log")):
+        out.append(f"== {log}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-60:]))
+    return "\n".join(out)

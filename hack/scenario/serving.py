@@ -1,0 +1,36 @@
+"""Reach a TP group leader (rank-0 pod ``<name>-g<group>-0``) at ``http://<podIP>:8000``, as
+the operator does, and talk to it with the OpenAI client."""
+from __future__ import annotations
+
+import httpx
+
+from hack.localcluster.rest import RestClient
+
+HTTP_PORT = 8000
+
+
+def leader_ip(client: RestClient, namespace: str, name: str, group: int = 0) -> str:
+    """podIP of group ``group``'s rank-0 pod. Raises RuntimeError if it has none yet."""
+    pod = client.get(f"/api/v1/namespaces/{namespace}/pods/{name}-g{group}-0")
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip:
+        raise RuntimeError(f"pod {namespace}/{name}-g{group}-0 has no podIP yet")
+    return ip
+
+
+def chat(ip: str, model: str, prompt: str, max_tokens: int = 12) -> str:
+    """Greedy chat completion (temperature 0) from the leader at ``ip``; returns the text."""
+    from openai import OpenAI
+
+    api = OpenAI(base_url=f"http://{ip}:{HTTP_PORT}/v1", api_key="unused", timeout=120,
+                 max_retries=0)
+    resp = api.chat.completions.create(model=model, temperature=0, max_tokens=max_tokens,
+                                       messages=[{"role": "user", "content": prompt}])
+    return resp.choices[0].message.content or ""
+
+
+def server_info(ip: str) -> dict:
+    """The leader's ``/get_server_info`` (weights_phase, weights_revision, model_path, ...)."""
+    r = httpx.get(f"http://{ip}:{HTTP_PORT}/get_server_info", timeout=10)
+    r.raise_for_status()
+    return r.json()

@@ -1,0 +1,181 @@
+"""Shardline's main job end to end on the local cluster (issue 5, item 3).
+
+helm installs the chart (the operator runs as the chart's Deployment pod under its own
+ServiceAccount), ``kubectl apply -f examples/<tp2>.yaml`` serves a tiny model over two pods,
+then: roll to revision B in place, roll to a broken checkpoint, kill rank 1, scale to two
+groups, delete. The tests run in order and share one deployment.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import yaml
+
+from hack.scenario.models import write_revisions
+from hack.scenario.operator_install import install_operator, operator_logs
+from hack.scenario.serving import chat, leader_ip
+from hack.scenario.status_watch import StatusWatcher
+
+from hack.scenario.examples import tp2_example
+
+pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.slow]
+
+PROMPTS = ["Hello, who are you?", "Count to five.", "The capital of France is"]
+READY_TIMEOUT = 420
+
+
+class Job:
+    """State shared by the ordered tests: the cluster, the CR and its status watcher."""
+
+    def __init__(self, kube, namespace: str, name: str, model: str, revisions: dict):
+        self.kube, self.namespace, self.name, self.model = kube, namespace, name, model
+        self.revisions = revisions
+        self.client = kube.client()
+        self.watch = StatusWatcher(self.client, namespace, name).start()
+        self.answers: dict[str, list[str]] = {}
+
+    def kubectl(self, *args, **kw):
+        return self.kube.kubectl(*args, "-n", self.namespace, **kw)
+
+    def patch_model(self, revision: str) -> None:
+        body = {"spec": {"model": {"path": str(self.revisions[revision]), "revision": revision}}}
+        self.kubectl("patch", "infd", self.name, "--type", "merge", "-p", json.dumps(body))
+
+    def ask(self, group: int = 0) -> list[str]:
+        ip = leader_ip(self.client, self.namespace, self.name, group)
+        return [chat(ip, self.model, p) for p in PROMPTS]
+
+    def wait_ready(self, revision: str, since: int, replicas: int = 1):
+        return self.watch.wait(
+            lambda s: s.phase == "Ready" and s.served_revision == revision
+            and s.ready_replicas == replicas and s.observed_generation == s.generation,
+            READY_TIMEOUT, f"Ready serving {revision} with {replicas} group(s)", since)
+
+    def diagnostics(self) -> str:
+        phases = "\n".join(s.line() for s in self.watch.history[-30:])
+        pods = self.kubectl("get", "pods", "-o", "wide", check=False).stdout
+        return f"status history:\n{phases}\npods:\n{pods}\n{operator_logs(self.kube)}"
+
+
+@pytest.fixture(scope="module")
+def job(kube_cluster, request):
+    revisions = write_revisions()
+    install_operator(kube_cluster)
+    path, doc = tp2_example()
+    ns = doc["metadata"].get("namespace") or "e2e-main"
+    kube_cluster.kubectl("create", "namespace", ns, check=False)
+    job = Job(kube_cluster, ns, doc["metadata"]["name"], doc["spec"]["model"]["name"], revisions)
+    job.example_path = path
+    yield job
+    job.watch.stop()
+    kube_cluster.kubectl("delete", "infd", "--all", "-n", ns, "--wait=false", check=False)
+
+
+@pytest.fixture(autouse=True)
+def _report_on_failure(request, job):
+    yield
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        print(job.diagnostics())
+
+
+def test_a_apply_example_serves_chat(job):
+    mark = job.watch.mark()
+    job.kubectl("apply", "-f", str(job.example_path))
+    job.wait_ready("rev-a", mark)
+    out = job.kubectl("get", "infd", job.name).stdout.splitlines()
+    header, row = out[0].split(), out[1].split()
+    assert header == ["NAME", "MODEL", "TP", "REPLICAS", "READY", "PHASE", "REVISION", "AGE"]
+    assert row[:7] == [job.name, job.model, "2", "1", "1", "Ready", "rev-a"]
+    pods = json.loads(job.kubectl("get", "pods", "-o", "json").stdout)["items"]
+    assert sorted(p["metadata"]["name"] for p in pods) == [f"{job.name}-g0-0", f"{job.name}-g0-1"]
+    job.answers["rev-a"] = job.ask()
+    assert all(isinstance(a, str) and a for a in job.answers["rev-a"])
+
+
+def test_b_roll_to_revision_b_in_place(job):
+    mark = job.watch.mark()
+    uids = _pod_uids(job)
+    job.patch_model("rev-b")
+    job.wait_ready("rev-b", mark)
+    phases = job.watch.phases_since(mark)
+    assert "UpdatingWeights" in phases and "RecapturingGraphs" in phases, phases
+    assert phases.index("UpdatingWeights") < phases.index("RecapturingGraphs")
+    assert _pod_uids(job) == uids, "an in-place update must not restart pods"
+    job.answers["rev-b"] = job.ask()
+    assert job.answers["rev-b"] != job.answers["rev-a"], "revision B must change the answers"
+    # A cold start on B gives the same greedy answers.
+    cold = dict(yaml.safe_load(job.example_path.read_text()))
+    cold["metadata"] = {"name": f"{job.name}-coldb", "namespace": job.namespace}
+    cold["spec"]["model"].update(path=str(job.revisions["rev-b"]), revision="rev-b")
+    job.kubectl("apply", "-f", "-", input=yaml.safe_dump(cold))
+    cold_watch = StatusWatcher(job.client, job.namespace, cold["metadata"]["name"]).start()
+    try:
+        cold_watch.wait(lambda s: s.phase == "Ready" and s.ready_replicas == 1,
+                        READY_TIMEOUT, "cold start on rev-b Ready")
+        ip = leader_ip(job.client, job.namespace, cold["metadata"]["name"])
+        assert [chat(ip, job.model, p) for p in PROMPTS] == job.answers["rev-b"]
+    finally:
+        cold_watch.stop()
+        job.kubectl("delete", "infd", cold["metadata"]["name"], "--wait=false")
+
+
+def test_c_broken_checkpoint_keeps_serving_b(job):
+    mark = job.watch.mark()
+    job.patch_model("rev-broken")
+    snap = job.watch.wait(lambda s: s.conditions.get("WeightsUpdated", ("",))[0] == "False",
+                          READY_TIMEOUT, "WeightsUpdated=False", mark)
+    status, reason, message = snap.conditions["WeightsUpdated"]
+    assert reason and message, snap.conditions
+    job.watch.wait(lambda s: s.phase in ("Ready", "Degraded") and s.served_revision == "rev-b",
+                   120, "settled on rev-b after the failed update", mark)
+    assert job.ask() == job.answers["rev-b"]
+    # Point the spec back at what is served, as a user would after a failed rollout.
+    mark = job.watch.mark()
+    job.patch_model("rev-b")
+    job.wait_ready("rev-b", mark)
+
+
+def test_d_kill_rank1_restarts_whole_group(job):
+    uids = _pod_uids(job)
+    pod = json.loads(job.kubectl("get", "pod", f"{job.name}-g0-1", "-o", "json").stdout)
+    container_id = pod["status"]["containerStatuses"][0]["containerID"]
+    assert container_id.startswith("local://"), container_id
+    mark = job.watch.mark()
+    os.kill(int(container_id.removeprefix("local://")), signal.SIGKILL)
+    job.watch.wait(lambda s: s.phase != "Ready", 120, "the group to leave Ready", mark)
+    job.wait_ready("rev-b", mark)
+    new = _pod_uids(job)
+    assert new[f"{job.name}-g0-0"] != uids[f"{job.name}-g0-0"], "rank 0 must be restarted too"
+    assert new[f"{job.name}-g0-1"] != uids[f"{job.name}-g0-1"]
+    assert job.ask() == job.answers["rev-b"]
+
+
+def test_e_scale_to_two_groups(job):
+    mark = job.watch.mark()
+    job.kubectl("scale", "infd", job.name, "--replicas", "2")
+    job.wait_ready("rev-b", mark, replicas=2)
+    assert job.ask(group=0) == job.answers["rev-b"]
+    assert job.ask(group=1) == job.answers["rev-b"]
+
+
+def test_f_delete_removes_all_children(job):
+    job.kubectl("delete", "infd", job.name, "--timeout=120s", timeout=180)
+    deadline = time.monotonic() + 180
+    while True:
+        left = job.kubectl("get", "statefulsets,services,pods,poddisruptionbudgets", "-o",
+                           "name", "-l", f"shardline.dev/deployment={job.name}").stdout.split()
+        if not left:
+            break
+        assert time.monotonic() < deadline, f"children left after delete: {left}"
+        time.sleep(1)
+
+
+def _pod_uids(job) -> dict[str, str]:
+    pods = json.loads(job.kubectl("get", "pods", "-o", "json").stdout)["items"]
+    return {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods
+            if p["metadata"]["name"].startswith(f"{job.name}-g")}
