@@ -149,8 +149,9 @@ def advance(state: RolloutState | None, desired: ServedModel, groups: list[Group
         if state is None:
             return RolloutOutcome(None)
         if state.phase == ROLLING_BACK:
-            return RolloutOutcome(replace(state, phase=FAILED, group=None, started_at=None),
-                                  events=[("Warning", "RolledBack", state.message)])
+            message = f"{state.message}; rolled back to {target.revision}"
+            return RolloutOutcome(replace(state, phase=FAILED, group=None, started_at=None, message=message),
+                                  events=[("Warning", "RolledBack", message)])
         return RolloutOutcome(None, events=[("Normal", "RolloutComplete", f"all groups serve {target.revision}")])
     if state is None:
         state = RolloutState(phase=UPDATING, target=desired)
@@ -164,25 +165,30 @@ def advance(state: RolloutState | None, desired: ServedModel, groups: list[Group
                 return RolloutOutcome(state, apply={index: target})
             return RolloutOutcome(replace(state, message=f"waiting for group {index} to be Ready"))
         client.start_update(key, url, update_body(group.served, target), policy.timeout_seconds)
-        started = replace(state, group=index, started_at=now, message=f"updating group {index} to {target.revision}")
+        progress = f"updating group {index} to {target.revision}"
+        # While rolling back, the message keeps the failure that caused it.
+        started = replace(state, group=index, started_at=now,
+                          message=progress if state.phase == UPDATING else state.message)
         return RolloutOutcome(started, group_phases={index: "UpdatingWeights"},
-                              events=[("Normal", "UpdatingWeights", started.message)])
+                              events=[("Normal", "UpdatingWeights", progress)])
     result, message = client.poll(key)
     if result == "unknown":
         result, message = _result_from_info(client.server_info(url) if url else None, target)
         if result == "unknown":
             client.start_update(key, url, update_body(group.served, target), policy.timeout_seconds)
             result = "pending"
-    if result == "pending" and now - (state.started_at or now) > policy.timeout_seconds:
+    started_at = state.started_at if state.started_at is not None else now
+    if result == "pending" and now - started_at > policy.timeout_seconds:
         result, message = "failure", f"timed out after {policy.timeout_seconds}s"
     if result == "pending":
         info = client.server_info(url) if url else None
         phase = PHASE_BY_WEIGHTS_PHASE.get((info or {}).get("weights_phase", ""), "UpdatingWeights")
         return RolloutOutcome(state, group_phases={index: phase})
     if result == "success":
-        done = replace(state, group=None, started_at=None, message=f"group {index} serves {target.revision}")
-        return RolloutOutcome(done, apply={index: target},
-                              events=[("Normal", "GroupUpdated", done.message)])
+        progress = f"group {index} serves {target.revision}"
+        done = replace(state, group=None, started_at=None,
+                       message=progress if state.phase == UPDATING else state.message)
+        return RolloutOutcome(done, apply={index: target}, events=[("Normal", "GroupUpdated", progress)])
     reason = f"group {index}: update to {target.revision} failed: {message}"
     updated = [g.index for g in groups if g.index != index and g.served == target]
     if state.phase == UPDATING and policy.rollback_on_failure and updated:

@@ -1,0 +1,79 @@
+"""Contract: the operator's rendered runtime arguments parse with the runtime's own parser.
+
+Kubelet expands ``$(VAR)`` in args from the container env before exec; the test does the same
+with the values a pod would have, then parses with ``shardline_runtime.server_args``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from shardline_operator.render import render_children
+from shardline_operator.spec import parse_spec
+
+server_args = pytest.importorskip("shardline_runtime.server_args", reason="the runtime's server_args.py is not there yet")
+
+SPECS = {
+    "single-pod": {"model": {"name": "tiny", "path": "/models/tiny/rev-a"}, "runtime": {"image": "r:1"}},
+    "tp2-two-pods": {
+        "replicas": 2,
+        "model": {"name": "tiny", "path": "/var/lib/shardline/models/tiny/rev-a", "revision": "rev-a",
+                  "volume": {"hostPath": {"path": "/var/lib/shardline/models"}}},
+        "parallelism": {"tensor": 2, "gpusPerPod": 1},
+        "runtime": {"image": "r:1", "dtype": "float32", "memFractionStatic": 0.5, "maxTotalTokens": 2048,
+                    "cudaGraph": {"enabled": False}, "args": ["--log-level", "debug"]},
+    },
+    "tp8-two-pods": {"model": {"name": "big", "path": "/models/big/v1"}, "parallelism": {"tensor": 8, "gpusPerPod": 4},
+                     "runtime": {"image": "r:1", "cudaGraph": {"maxBatchSize": 32}}},
+}
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubelet's ``$(VAR)`` expansion (``$$`` escapes; unknown references stay as written)."""
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+
+
+def pods(spec_name: str):
+    spec = parse_spec("llama", "serving", "uid", SPECS[spec_name])
+    for child in render_children(spec):
+        if child["kind"] != "StatefulSet":
+            continue
+        group = int(child["metadata"]["name"].rsplit("-g", 1)[1])
+        container = child["spec"]["template"]["spec"]["containers"][0]
+        for rank in range(child["spec"]["replicas"]):
+            env = {"POD_IP": f"127.0.0.{10 + rank}", "POD_INDEX": str(rank),
+                   "POD_NAME": f"{child['metadata']['name']}-{rank}", "POD_NAMESPACE": "serving"}
+            yield spec, group, rank, container, [expand(a, env) for a in container["args"]]
+
+
+@pytest.mark.parametrize("spec_name", sorted(SPECS))
+def test_rendered_args_parse_with_the_runtime_parser(spec_name):
+    seen = 0
+    for spec, group, rank, container, argv in pods(spec_name):
+        assert container["command"] == ["shardline-runtime", "serve"]
+        args = server_args.ServerArgs.from_cli(argv)
+        seen += 1
+        assert args.model_path == spec.model.path
+        assert args.served_model_name == spec.model.name
+        assert args.revision == spec.model.revision
+        assert args.tp_size == spec.parallelism.tensor
+        assert args.nnodes == spec.parallelism.pods_per_group
+        assert args.node_rank == rank
+        assert args.host == f"127.0.0.{10 + rank}"
+        assert args.port == 8000
+        assert args.dist_init_addr == f"llama-g{group}-0.llama-g{group}-ranks.serving.svc:29500"
+        assert args.dtype == spec.runtime.dtype
+        assert args.mem_fraction_static == spec.runtime.mem_fraction_static
+        assert args.max_total_tokens == spec.runtime.max_total_tokens
+        assert args.disable_cuda_graph == (not spec.runtime.cuda_graph.enabled)
+        if spec.runtime.cuda_graph.enabled:
+            assert args.cuda_graph_max_bs == spec.runtime.cuda_graph.max_batch_size
+    assert seen == spec.replicas * spec.parallelism.pods_per_group
+
+
+def test_user_args_reach_the_runtime():
+    *_, argv = next(pods("tp2-two-pods"))
+    assert server_args.ServerArgs.from_cli(argv).log_level == "debug"
