@@ -156,6 +156,36 @@ class LlamaForCausalLM(nn.Module):
         (".up_proj.", ".gate_up_proj.", 1),
     )
 
+    @classmethod
+    def checkpoint_shapes(cls, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Name -> full (unsharded) shape of every tensor a checkpoint of ``config`` must hold."""
+        h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+        q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            shapes.update({
+                p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+                p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            })
+            if config.qkv_bias:
+                shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                               p + "self_attn.v_proj.bias": (kv,)})
+            if config.o_proj_bias:
+                shapes[p + "self_attn.o_proj.bias"] = (h,)
+            if config.mlp_bias:
+                shapes.update({p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,),
+                               p + "mlp.down_proj.bias": (h,)})
+            if config.qk_norm:
+                shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+        shapes["model.norm.weight"] = (h,)
+        if not config.tie_word_embeddings:
+            shapes["lm_head.weight"] = (config.vocab_size, h)
+        return shapes
+
     def ignored_checkpoint_names(self) -> tuple[str, ...]:
         """Checkpoint names that are not parameters (skipped silently)."""
         names = ("rotary_emb.inv_freq",)
