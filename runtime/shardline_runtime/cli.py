@@ -29,7 +29,11 @@ def termination_log_path() -> str | None:
 
 
 def write_termination_log(message: str) -> None:
-    """Write ``message``'s first line to the termination log, once per process; never raises."""
+    """Write ``message``'s first line to the termination log; never raises.
+
+    Only the first fatal error counts: nothing is written when this process already wrote one
+    or the file already holds a line (e.g. from a scheduler process of the same pod).
+    """
     global _written
     if _written:
         return
@@ -39,6 +43,8 @@ def write_termination_log(message: str) -> None:
         return
     line = (message.strip().splitlines() or ["fatal error"])[0][:4000]
     try:
+        if os.path.exists(path) and os.path.getsize(path) > 0 and path != DEFAULT_TERMINATION_LOG:
+            return
         with open(path, "w", encoding="utf-8") as f:
             f.write(line + "\n")
     except OSError:

@@ -1,0 +1,188 @@
+"""OpenAI requests -> choices: validation, tokenization, sampling params, and running them.
+
+Each (prompt, choice) pair runs as one scheduler request through ``TokenizerManager.generate``;
+:func:`run_choices` merges their chunks in arrival order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from shardline_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from shardline_runtime.managers.tokenizer_manager import GenerateChunk, RequestValidationError, TokenizerManager
+from shardline_runtime.sampling.sampling_params import SamplingParams, SamplingParamsError
+
+_SEED_MAX = 2**63 - 1
+
+
+@dataclass
+class ChoiceSpec:
+    index: int
+    input_ids: list[int]
+    params: SamplingParams
+    prompt_index: int = 0
+    echo_text: str = ""
+
+
+@dataclass
+class ChoiceResult:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: dict | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    prompt_index: int = 0
+
+
+def finish_reason_name(reason: dict | None) -> str | None:
+    """OpenAI ``finish_reason``: ``stop``, ``length`` or ``abort`` (None while running)."""
+    return None if reason is None else reason.get("type", "abort")
+
+
+def build_params(req, max_new_tokens: int | None, choice: int) -> SamplingParams:
+    """SamplingParams of choice ``choice`` (seed + choice when seeded).
+
+    Raises:
+        RequestValidationError: a sampling field is out of range (names the field).
+    """
+    values = req.sampling_dict(max_new_tokens)
+    if "seed" in values and choice:
+        if isinstance(values["seed"], int) and values["seed"] >= 0:
+            values["seed"] = (values["seed"] + choice) % (_SEED_MAX + 1)
+    try:
+        return SamplingParams(**values)
+    except SamplingParamsError as exc:
+        raise RequestValidationError(str(exc), exc.field) from None
+
+
+def _check_common(req, tm: TokenizerManager) -> None:
+    if req.logit_bias:
+        raise RequestValidationError("logit_bias is not supported", "logit_bias")
+    if req.stop_token_ids:
+        bad = [t for t in req.stop_token_ids if not 0 <= t < tm.info.vocab_size]
+        if bad:
+            raise RequestValidationError(f"stop_token_ids must be in [0, {tm.info.vocab_size}), got {bad[0]}", "stop_token_ids")
+
+
+def _max_tokens(value: int | None, name: str) -> int | None:
+    if value is not None and value < 1:
+        raise RequestValidationError(f"{name} must be >= 1, got {value}", name)
+    return value
+
+
+def completion_choices(req: CompletionRequest, tm: TokenizerManager) -> list[ChoiceSpec]:
+    """Tokenize and validate a completion request into ``len(prompts) * n`` choices."""
+    _check_common(req, tm)
+    if req.suffix:
+        raise RequestValidationError("suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise RequestValidationError(f"best_of must equal n ({req.n}) when set, got {req.best_of}", "best_of")
+    prompt = req.prompt
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise RequestValidationError("prompt must not be empty", "prompt")
+    max_tokens = _max_tokens(req.max_tokens, "max_tokens")
+    specs = []
+    for k, p in enumerate(prompts):
+        ids = tm.tokenize(p, "prompt")
+        budget = tm.check_lengths(ids, max_tokens)
+        echo = (p if isinstance(p, str) else tm.tokenizer.decode(ids)) if req.echo else ""
+        for j in range(req.n):
+            specs.append(ChoiceSpec(len(specs), ids, build_params(req, budget, j), k, echo))
+    return specs
+
+
+def chat_prompt_ids(req: ChatCompletionRequest, tm: TokenizerManager) -> list[int]:
+    """Apply the tokenizer's chat template to ``messages``."""
+    messages = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise RequestValidationError(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+                parts.append(part["text"])
+            content = "".join(parts)
+        messages.append({"role": m.role, "content": content or ""})
+    if getattr(tm.tokenizer, "chat_template", None) is None:
+        raise RequestValidationError("this model's tokenizer has no chat template; use /v1/completions", "messages")
+    text = tm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt)
+    ids = tm.tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise RequestValidationError("messages produce an empty prompt", "messages")
+    return ids
+
+
+def chat_choices(req: ChatCompletionRequest, tm: TokenizerManager) -> list[ChoiceSpec]:
+    _check_common(req, tm)
+    if req.top_logprobs and not req.logprobs:
+        raise RequestValidationError("top_logprobs needs logprobs: true", "top_logprobs")
+    max_tokens = _max_tokens(req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens, "max_tokens")
+    ids = chat_prompt_ids(req, tm)
+    budget = tm.check_lengths(ids, max_tokens)
+    return [ChoiceSpec(j, ids, build_params(req, budget, j)) for j in range(req.n)]
+
+
+async def run_choices(
+    tm: TokenizerManager, specs: list[ChoiceSpec], return_logprob: bool, top_logprobs: int, include_stop: bool
+) -> AsyncIterator[tuple[int, GenerateChunk]]:
+    """Run every choice; yield ``(index, chunk)`` in arrival order. Leaving early aborts them all."""
+    tm.check_ready()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(spec: ChoiceSpec) -> None:
+        try:
+            async for chunk in tm.generate(spec.input_ids, spec.params, return_logprob=return_logprob,
+                                           top_logprobs_num=top_logprobs, include_stop_str_in_output=include_stop):
+                queue.put_nowait((spec.index, chunk))
+        except Exception as exc:  # surfaced to the consumer below
+            queue.put_nowait((spec.index, exc))
+
+    tasks = [asyncio.create_task(pump(s)) for s in specs]
+    remaining = len(specs)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item.finish_reason is not None:
+                remaining -= 1
+            yield index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def usage_dict(results: list[ChoiceResult]) -> dict[str, Any]:
+    """OpenAI ``usage``: each distinct prompt counted once (its ``n`` choices share it)."""
+    first: dict[int, ChoiceResult] = {}
+    for r in results:
+        first.setdefault(r.prompt_index, r)
+    prompt = sum(r.prompt_tokens for r in first.values())
+    cached = sum(r.cached_tokens for r in first.values())
+    completion = sum(r.completion_tokens for r in results)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def now_seconds() -> int:
+    return int(time.time())

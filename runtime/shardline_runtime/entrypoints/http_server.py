@@ -1,0 +1,179 @@
+"""FastAPI app of the rank-0 HTTP process: OpenAI API, SGLang-style native API, health, metrics.
+
+Every error a client can cause is an OpenAI-style error object
+``{"error": {"message", "type", "param", "code"}}``: 400 naming the field and the allowed range,
+404 for an unknown model, 503 while the server is not ready (loading, updating weights,
+draining). Pydantic's 422 is turned into 400.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError as FastAPIValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from shardline_runtime.entrypoints.generate import serve_generate
+from shardline_runtime.entrypoints.openai_serving import ClientDisconnected, serve_chat, serve_completion
+from shardline_runtime.entrypoints.protocol import (
+    AbortRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    UpdateWeightsRequest,
+)
+from shardline_runtime.managers.io_struct import UpdateWeightsFromDiskReqInput
+from shardline_runtime.managers.tokenizer_manager import RequestValidationError, ServerNotReadyError, TokenizerManager
+from shardline_runtime.sampling.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def error_response(status: int, message: str, param: str | None = None, err_type: str | None = None) -> JSONResponse:
+    """An OpenAI-style error object with HTTP ``status``."""
+    if err_type is None:
+        err_type = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}.get(status, "server_error")
+    return JSONResponse(
+        {"error": {"message": message, "type": err_type, "param": param, "code": status}, "object": "error"},
+        status_code=status,
+    )
+
+
+def _pydantic_message(exc: FastAPIValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {msg}", None
+    return (f"{param}: {msg}" if param else msg), param
+
+
+def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any]) -> FastAPI:
+    """The app. ``state`` is shared with the launcher: ``healthy`` (bool), ``ready`` (bool)."""
+    app = FastAPI(title="Shardline runtime", version="0.1.0")
+    model_name = server_args.model_name
+
+    @app.exception_handler(FastAPIValidationError)
+    async def _validation(_: Request, exc: FastAPIValidationError):
+        message, param = _pydantic_message(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(_: Request, exc: RequestValidationError):
+        return error_response(400, str(exc), exc.param)
+
+    @app.exception_handler(ServerNotReadyError)
+    async def _not_ready(_: Request, exc: ServerNotReadyError):
+        return error_response(503, str(exc))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, exc: ClientDisconnected):
+        return error_response(499, "client disconnected", err_type="client_closed_request")
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model not in (model_name, server_args.model_path):
+            raise RequestValidationError(f"model {model!r} is not served here; available: [{model_name!r}]", "model")
+
+    @app.get("/health")
+    async def health():
+        if not state.get("healthy", True):
+            return error_response(503, state.get("fatal", "unhealthy"))
+        return PlainTextResponse("OK")
+
+    @app.get("/ready")
+    async def ready():
+        if not state.get("healthy", True) or tm.draining or tm.weights_phase in ("loading", "recapturing"):
+            return error_response(503, f"not ready (weights_phase {tm.weights_phase}, draining {tm.draining})")
+        return PlainTextResponse("OK")
+
+    @app.get("/health_generate")
+    async def health_generate():
+        tm.check_ready()
+        params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        async for chunk in tm.generate([tm.info.eos_token_ids[0] if tm.info.eos_token_ids else 1], params):
+            if chunk.finish_reason is not None and chunk.finish_reason.get("type") == "abort":
+                return error_response(503, f"generation failed: {chunk.finish_reason.get('message')}")
+        return PlainTextResponse("OK")
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": model_name, "object": "model", "created": int(state.get("started", time.time())),
+            "owned_by": "shardline", "root": tm.model_path, "max_model_len": tm.info.context_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/get_model_info")
+    async def model_info():
+        return {"model_path": tm.model_path, "tokenizer_path": server_args.tokenizer_path or server_args.model_path,
+                "served_model_name": model_name, "is_generation": True, "vocab_size": tm.info.vocab_size,
+                "context_length": tm.info.context_len}
+
+    @app.get("/get_server_info")
+    async def server_info():
+        s = tm.stats
+        return {
+            "weights_phase": tm.weights_phase, "weights_revision": tm.weights_revision, "model_path": tm.model_path,
+            "served_model_name": model_name, "tp_size": server_args.tp_size, "nnodes": server_args.nnodes,
+            "max_total_num_tokens": tm.info.max_total_num_tokens, "max_req_input_len": tm.info.max_req_input_len,
+            "max_req_len": tm.info.max_req_len, "context_length": tm.info.context_len,
+            "max_running_requests": tm.info.max_running_requests,
+            "chunked_prefill_size": server_args.chunked_prefill_size,
+            "num_running_reqs": s.num_running_reqs, "num_queued_reqs": s.num_queued_reqs,
+            "kv_used_tokens": s.kv_used_tokens, "kv_evictable_tokens": s.kv_evictable_tokens,
+            "draining": tm.draining, "version": "0.1.0",
+        }
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        check_model(body.model)
+        return await serve_completion(body, tm, model_name, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, raw: Request):
+        check_model(body.model)
+        return await serve_chat(body, tm, model_name, raw)
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, raw: Request):
+        return await serve_generate(body, tm, raw)
+
+    @app.post("/flush_cache")
+    async def flush_cache():
+        out = await tm.flush_cache()
+        status = 200 if out.success else 400
+        return JSONResponse({"success": out.success, "message": out.message}, status_code=status)
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights(body: UpdateWeightsRequest):
+        if tm.weights_phase in ("loading", "recapturing"):
+            return error_response(503, f"a weight update is already running (phase {tm.weights_phase})")
+        req = UpdateWeightsFromDiskReqInput(body.model_path, body.load_format, body.revision,
+                                            body.recapture_cuda_graph, body.abort_all_requests)
+        out = await tm.update_weights_from_disk(req)
+        if metrics is not None and out.success:
+            metrics.set_weights(tm.weights_revision, tm.model_path)
+        return JSONResponse({"success": out.success, "message": out.message, "revision": tm.weights_revision,
+                             "model_path": tm.model_path}, status_code=200 if out.success else 400)
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortRequest):
+        if body.rid is None and not body.abort_all:
+            raise RequestValidationError("give rid, or abort_all: true", "rid")
+        found = await tm.abort(None if body.abort_all else body.rid)
+        return {"success": found}
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        if metrics is None:
+            return error_response(404, "metrics are disabled")
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

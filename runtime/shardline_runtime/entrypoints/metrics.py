@@ -1,0 +1,83 @@
+"""Prometheus metrics of the HTTP process (``GET /metrics``), named like vLLM's / SGLang's.
+
+Counters and histograms are observed as tokens arrive; gauges (running / queued requests, KV
+usage) mirror the latest ``SchedulerStats`` the rank-0 scheduler pushed. All names carry the
+``shardline:`` prefix; times are seconds.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+class ServingMetrics:
+    """The server's metrics, in their own registry (so tests can build several servers)."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        self._labels = labels
+        r = self.registry
+        self.requests = Counter(
+            "shardline:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"], registry=r
+        )
+        self.prompt_tokens = Counter("shardline:prompt_tokens", "Prompt tokens of finished requests.", ["model_name"], registry=r)
+        self.generation_tokens = Counter("shardline:generation_tokens", "Generated tokens.", ["model_name"], registry=r)
+        self.cached_tokens = Counter("shardline:cached_tokens", "Prompt tokens served from the prefix cache.", ["model_name"], registry=r)
+        self.ttft = Histogram(
+            "shardline:time_to_first_token_seconds", "Time to first token.", ["model_name"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "shardline:inter_token_latency_seconds", "Time between consecutive output tokens.", ["model_name"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "shardline:e2e_request_latency_seconds", "Request latency, arrival to last token.", ["model_name"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.running = Gauge("shardline:num_requests_running", "Requests in the running batch.", ["model_name"], registry=r)
+        self.waiting = Gauge("shardline:num_requests_waiting", "Requests waiting for admission.", ["model_name"], registry=r)
+        self.kv_usage = Gauge(
+            "shardline:kv_cache_usage_perc", "Fraction of KV slots held by requests (0..1).", ["model_name"], registry=r
+        )
+        self.kv_used = Gauge("shardline:kv_cache_used_tokens", "KV slots held by requests.", ["model_name"], registry=r)
+        self.weights = Gauge(
+            "shardline:weights_info", "1 for the weights revision being served.", ["model_name", "revision", "model_path"], registry=r
+        )
+        for metric in (self.prompt_tokens, self.generation_tokens, self.cached_tokens, self.running, self.waiting, self.kv_usage, self.kv_used):
+            metric.labels(**labels)
+
+    def set_weights(self, revision: str | None, model_path: str) -> None:
+        self.weights.clear()
+        self.weights.labels(revision=revision or "", model_path=model_path, **self._labels).set(1)
+
+    def observe_stats(self, stats) -> None:
+        self.running.labels(**self._labels).set(stats.num_running_reqs)
+        self.waiting.labels(**self._labels).set(stats.num_queued_reqs)
+        self.kv_usage.labels(**self._labels).set(stats.kv_usage)
+        self.kv_used.labels(**self._labels).set(stats.kv_used_tokens)
+
+    def observe_tokens(self, state, now: float, count: int) -> None:
+        """``count`` new output tokens of a request arrived at ``now`` (monotonic seconds)."""
+        self.generation_tokens.labels(**self._labels).inc(count)
+        gaps = count
+        if state.last_token_time is None:
+            self.ttft.labels(**self._labels).observe(now - state.created)
+            gaps -= 1
+        elif gaps > 0:
+            gap = (now - state.last_token_time) / gaps
+            for _ in range(gaps):
+                self.itl.labels(**self._labels).observe(gap)
+        state.last_token_time = now
+
+    def observe_finish(self, state, now: float, chunk) -> None:
+        reason = (chunk.finish_reason or {}).get("type", "abort")
+        self.requests.labels(finished_reason=reason, **self._labels).inc()
+        self.prompt_tokens.labels(**self._labels).inc(chunk.prompt_tokens)
+        self.cached_tokens.labels(**self._labels).inc(chunk.cached_tokens)
+        self.e2e.labels(**self._labels).observe(now - state.created)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

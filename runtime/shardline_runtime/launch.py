@@ -1,0 +1,208 @@
+"""Process layout of one pod: scheduler processes per local TP rank, plus the HTTP server.
+
+Node rank 0: spawns the schedulers of its ranks, starts uvicorn on ``--host:--port`` at once
+(``/health`` and ``/ready`` answer 503 while the weights load), and swaps in the full API when
+every local rank reported ready. Node rank > 0: spawns its schedulers and serves only
+``/health`` and ``/ready``. Either way a dead scheduler process makes the pod unhealthy and the
+launcher exits with status 1 (writing the first error line to the termination log); SIGTERM
+drains (no new connections, in-flight requests get ``--drain-timeout`` seconds) and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import tempfile
+import time
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from shardline_runtime.cli import write_termination_log
+from shardline_runtime.managers.scheduler_process import configure_logging, run_scheduler_process
+from shardline_runtime.server_args import ServerArgs
+
+logger = logging.getLogger("shardline_runtime.launch")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class _SwitchApp:
+    """ASGI app that answers 503 (``/health``, ``/ready`` and everything else) until the real
+    app is installed; then delegates to it."""
+
+    def __init__(self, fallback: FastAPI):
+        self.target: Any = fallback
+
+    async def __call__(self, scope, receive, send):
+        await self.target(scope, receive, send)
+
+
+def _status_app(state: dict) -> FastAPI:
+    """``/health`` and ``/ready`` from the launcher's state (node rank > 0, and while loading)."""
+    app = FastAPI(title="Shardline runtime (status)")
+
+    def status(ok: bool, what: str):
+        if ok:
+            return PlainTextResponse("OK")
+        message = state.get("fatal") or f"{what}: scheduler processes are starting (loading weights)"
+        return JSONResponse({"error": {"message": message, "type": "service_unavailable", "code": 503}}, status_code=503)
+
+    @app.get("/health")
+    async def health():
+        return status(state["healthy"] and state["ready"], "not healthy")
+
+    @app.get("/ready")
+    async def ready():
+        return status(state["healthy"] and state["ready"] and not state["draining"], "not ready")
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def other(path: str):
+        return status(False, "not ready")
+
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn server that records SIGTERM/SIGINT in ``state`` (readiness drops at once)."""
+
+    def __init__(self, config: uvicorn.Config, state: dict):
+        super().__init__(config)
+        self._state = state
+
+    def handle_exit(self, sig, frame) -> None:
+        self._state["draining"] = True
+        if self._state.get("tm") is not None:
+            self._state["tm"].draining = True
+        super().handle_exit(sig, frame)
+
+
+def _spawn_schedulers(args: ServerArgs, input_addr: str, output_addr: str):
+    from shardline_runtime.distributed.parallel_state import tp_ranks_of_node
+
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank in tp_ranks_of_node(args.tp_size, args.nnodes, args.node_rank):
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=run_scheduler_process, args=(args, rank, input_addr, output_addr, writer),
+                           name=f"shardline-scheduler-tp{rank}")
+        proc.start()
+        writer.close()
+        procs.append((rank, proc, reader))
+    return procs
+
+
+def _wait_ready(procs) -> tuple[list, str | None]:
+    """Block until every scheduler reported (ready infos, or the first error message)."""
+    infos = []
+    for rank, proc, reader in procs:
+        while not reader.poll(0.5):
+            if not proc.is_alive():
+                return infos, f"[tp {rank}] scheduler process exited with code {proc.exitcode} while starting"
+        try:
+            msg = reader.recv()
+        except EOFError:
+            return infos, f"[tp {rank}] scheduler process exited while starting"
+        if msg["status"] != "ready":
+            return infos, msg.get("message", f"[tp {rank}] failed")
+        infos.append(msg["info"])
+    return infos, None
+
+
+async def _serve(args: ServerArgs, procs, ipc_dir: str, input_addr: str, output_addr: str) -> int:
+    state: dict[str, Any] = {"healthy": True, "ready": False, "draining": False, "fatal": None, "tm": None,
+                             "started": time.time()}
+    switch = _SwitchApp(_status_app(state))
+    config = uvicorn.Config(switch, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.drain_timeout, access_log=args.log_level == "debug")
+    server = _Server(config, state)
+    serve_task = asyncio.create_task(server.serve())
+    loop = asyncio.get_running_loop()
+    infos, error = await loop.run_in_executor(None, _wait_ready, procs)
+    if error is None and args.node_rank == 0:
+        try:
+            switch.target = _full_app(args, infos[0], input_addr, output_addr, state)
+        except Exception as exc:  # tokenizer missing, etc.
+            error = f"HTTP server failed to start: {type(exc).__name__}: {exc}"
+    exit_code = 0
+    if error is None:
+        state["ready"] = True
+        logger.info("ready: serving %s on http://%s:%d (tp_size %d, node %d/%d)", args.model_name, args.host,
+                    args.port, args.tp_size, args.node_rank, args.nnodes)
+        while not serve_task.done():
+            dead = [(rank, p) for rank, p, _ in procs if not p.is_alive()]
+            if dead and not state["draining"]:
+                rank, p = dead[0]
+                error = f"[tp {rank}] scheduler process died (exit code {p.exitcode})"
+                break
+            await asyncio.sleep(0.5)
+    if error is not None:
+        exit_code = 1
+        logger.error("%s", error)
+        write_termination_log(error)
+        state["healthy"], state["fatal"] = False, error
+        if state["tm"] is not None:
+            await state["tm"].abort_all_local(error)
+            await asyncio.sleep(0.5)  # let handlers answer their clients
+        server.should_exit = True
+    await serve_task
+    return exit_code
+
+
+def _full_app(args: ServerArgs, info, input_addr: str, output_addr: str, state: dict):
+    from transformers import AutoTokenizer
+
+    from shardline_runtime.entrypoints.http_server import build_app
+    from shardline_runtime.entrypoints.metrics import ServingMetrics
+    from shardline_runtime.managers.tokenizer_manager import TokenizerManager
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
+    metrics = ServingMetrics(args.model_name)
+    metrics.set_weights(info.weights_revision, info.model_path)
+    tm = TokenizerManager(tokenizer, info, input_addr, output_addr, metrics)
+    tm.start()
+    state["tm"] = tm
+    return build_app(tm, args, metrics, state)
+
+
+def launch_server(args: ServerArgs) -> int:
+    """Run the pod's processes until SIGTERM (returns 0) or a failure (returns 1)."""
+    configure_logging(args.log_level, f"[node {args.node_rank}]")
+    try:  # fail fast, before loading anything, when --host:--port cannot be bound
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((args.host, args.port))
+    except OSError as exc:
+        message = f"cannot listen on --host {args.host} --port {args.port}: {exc}"
+        logger.error(message)
+        write_termination_log(message)
+        return 1
+    if args.tp_size > 1 and args.nnodes == 1 and not args.dist_init_addr:
+        args = dataclasses.replace(args, dist_init_addr=f"127.0.0.1:{free_port()}")
+    ipc_dir = tempfile.mkdtemp(prefix="shardline-")
+    input_addr, output_addr = f"ipc://{ipc_dir}/scheduler_input", f"ipc://{ipc_dir}/http_output"
+    procs = _spawn_schedulers(args, input_addr, output_addr)
+    try:
+        return asyncio.run(_serve(args, procs, ipc_dir, input_addr, output_addr))
+    except Exception as exc:
+        write_termination_log(f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        for _, proc, _ in procs:
+            if proc.is_alive():
+                proc.kill()
+        for _, proc, _ in procs:
+            proc.join(timeout=10)
+        shutil.rmtree(ipc_dir, ignore_errors=True)

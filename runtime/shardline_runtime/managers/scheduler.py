@@ -1,0 +1,273 @@
+"""Scheduler: one per TP rank; continuous batching over a TpModelWorker (SGLang's Scheduler).
+
+The loop, every rank in lockstep::
+
+    while True:
+        messages = recv_requests()          # rank 0 reads ZMQ, broadcast_pyobj to every rank
+        process_input_requests(messages)    # new requests, aborts, flush, weight updates
+        batch = get_next_batch_to_run()     # EXTEND of admitted requests, else DECODE of running
+        if batch: process_batch_result(batch, worker.forward_batch_generation(batch))
+
+Every rank receives the same messages and takes the same decisions from the same state, so
+their batches (and collectives) always match. Rank 0 alone sends outputs to the HTTP process.
+Batching policy (admission, chunked prefill, prefix cache, KV budget, retraction) is in
+``scheduler_policy.py``; result handling and outputs in ``scheduler_output.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import replace
+from typing import Any
+
+import zmq
+
+from shardline_runtime.distributed import broadcast_pyobj
+from shardline_runtime.managers.io_struct import (
+    AbortReq,
+    FlushCacheReqInput,
+    FlushCacheReqOutput,
+    SchedulerInfo,
+    TokenizedGenerateReqInput,
+    UpdateWeightsFromDiskReqInput,
+    UpdateWeightsFromDiskReqOutput,
+    WeightsPhaseOut,
+)
+from shardline_runtime.managers.req import FinishReason, Req
+from shardline_runtime.managers.scheduler_output import SchedulerOutputMixin
+from shardline_runtime.managers.scheduler_policy import SchedulerPolicyMixin
+from shardline_runtime.mem_cache.radix_cache import RadixCache
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 500  # rank 0 heartbeat while idle: keeps other ranks' broadcast within its timeout
+
+
+def eos_token_ids(model_config: Any) -> list[int]:
+    """EOS ids from ``config.json`` and ``generation_config.json`` (int or list in either)."""
+    ids: list[int] = []
+    sources = [getattr(model_config, "hf_config", {}) or {}]
+    gen_path = os.path.join(getattr(model_config, "model_path", ""), "generation_config.json")
+    if os.path.exists(gen_path):
+        with open(gen_path, encoding="utf-8") as f:
+            sources.append(json.load(f))
+    for cfg in sources:
+        value = cfg.get("eos_token_id")
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and token not in ids:
+                ids.append(token)
+    return ids
+
+
+class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin):
+    """Request queue, batching, KV budget and finishing for one TP rank.
+
+    Args:
+        server_args: the validated ``ServerArgs``.
+        tp_rank: this process's TP rank.
+        worker: the rank's ``TpModelWorker`` (built by the caller, after the process group).
+        input_addr / output_addr: ZMQ addresses (rank 0 only): requests are PULLed from
+            ``input_addr`` (bound here), outputs PUSHed to ``output_addr``.
+    """
+
+    def __init__(self, server_args: Any, tp_rank: int, worker: Any, input_addr: str | None = None, output_addr: str | None = None):
+        self.server_args = server_args
+        self.tp_rank = tp_rank
+        self.worker = worker
+        self.tp_size = server_args.tp_size
+        self.max_req_len = worker.max_req_len
+        self.max_req_input_len = worker.max_req_input_len
+        self.max_total_num_tokens = worker.max_total_num_tokens
+        self.max_running_requests = min(server_args.max_running_requests, worker.max_running_requests)
+        chunk = server_args.chunked_prefill_size
+        self.chunked_prefill_size = chunk if chunk and chunk > 0 else None
+        self.max_prefill_tokens = server_args.max_prefill_tokens
+        self.allocator = worker.token_to_kv_pool_allocator
+        self.req_to_token_pool = worker.req_to_token_pool
+        self.tree_cache = RadixCache(self.allocator.free, disable=server_args.disable_radix_cache)
+        self.eos_token_ids = eos_token_ids(worker.model_config)
+        self.waiting_queue: deque[Req] = deque()
+        self.running_batch = None  # ScheduleBatch of decoding requests
+        self.chunked_req: Req | None = None
+        self.pending_update: UpdateWeightsFromDiskReqInput | None = None
+        self.new_token_ratio = self.init_new_token_ratio = 0.4
+        self.num_retractions = 0
+        self.last_stats: tuple | None = None
+        self.step_started: float | None = None
+        self.recv_socket = self.send_socket = None
+        if tp_rank == 0 and input_addr is not None:
+            ctx = zmq.Context.instance()
+            self.recv_socket = ctx.socket(zmq.PULL)
+            self.recv_socket.bind(input_addr)
+            self.send_socket = ctx.socket(zmq.PUSH)
+            self.send_socket.connect(output_addr)
+            self.poller = zmq.Poller()
+            self.poller.register(self.recv_socket, zmq.POLLIN)
+
+    # ------------------------------------------------------------------ info
+
+    def scheduler_info(self) -> SchedulerInfo:
+        info = self.worker.get_worker_info()
+        return SchedulerInfo(
+            tp_rank=self.tp_rank, max_total_num_tokens=self.max_total_num_tokens, max_req_len=self.max_req_len,
+            max_req_input_len=self.max_req_input_len, context_len=info["context_len"], vocab_size=info["vocab_size"],
+            max_running_requests=self.max_running_requests, weights_revision=info["weights_revision"],
+            model_path=info["model_path"], eos_token_ids=self.eos_token_ids,
+        )
+
+    # ------------------------------------------------------------------ loop
+
+    def event_loop(self, should_stop=lambda: False) -> None:
+        """Run until ``should_stop()`` (checked once per iteration) returns True."""
+        self.start_watchdog()
+        while not should_stop():
+            messages = self.recv_requests()
+            self.process_input_requests(messages)
+            batch = self.get_next_batch_to_run()
+            if batch is not None:
+                self.step_started = time.monotonic()
+                result = self.worker.forward_batch_generation(batch)
+                self.process_batch_result(batch, result)
+                self.step_started = None
+            self.send_stats()
+
+    def is_idle(self) -> bool:
+        running = self.running_batch is not None and not self.running_batch.is_empty()
+        return not running and not self.waiting_queue and self.chunked_req is None and self.pending_update is None
+
+    def recv_requests(self) -> list[Any]:
+        """Rank 0: every message waiting on ZMQ (blocking up to the heartbeat when idle);
+        then the list is broadcast so every rank processes the same messages."""
+        messages: list[Any] = []
+        if self.tp_rank == 0 and self.recv_socket is not None:
+            timeout = _IDLE_POLL_MS if self.is_idle() else 0
+            if self.poller.poll(timeout):
+                while True:
+                    try:
+                        messages.append(self.recv_socket.recv_pyobj(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+        if self.tp_size > 1:
+            messages = broadcast_pyobj(messages)
+        return messages
+
+    def process_input_requests(self, messages: list[Any]) -> None:
+        for msg in messages:
+            if isinstance(msg, TokenizedGenerateReqInput):
+                self.handle_generate_request(msg)
+            elif isinstance(msg, AbortReq):
+                self.abort_request(msg.rid, msg.finish_reason)
+            elif isinstance(msg, FlushCacheReqInput):
+                self.send(self.flush_cache())
+            elif isinstance(msg, UpdateWeightsFromDiskReqInput):
+                self.start_weight_update(msg)
+            else:
+                logger.warning("[tp %d] ignoring unknown message %s", self.tp_rank, type(msg).__name__)
+        if self.pending_update is not None:
+            self.maybe_run_weight_update()
+
+    def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
+        n = len(msg.input_ids)
+        params = msg.sampling_params
+        if n == 0 or n > self.max_req_input_len:
+            self.finish_unscheduled(msg, n, f"the prompt has {n} tokens; this server accepts 1 to {self.max_req_input_len}")
+            return
+        # The KV pool (not the context) may clip max_new_tokens: the request ends with "length".
+        room = self.max_req_len - n
+        if params.max_new_tokens is None or params.max_new_tokens > room:
+            params = replace(params, max_new_tokens=room)
+        req = Req(msg.rid, msg.input_ids, params, self.eos_token_ids, msg.return_logprob,
+                  msg.top_logprobs_num, msg.logprob_start_len)
+        req.sent_len = 0
+        req.tree_prefix_len = 0
+        req.last_node = None
+        req.cached_tokens = 0
+        req.input_logprobs_sent = False
+        req.prompt_logprobs = []
+        self.waiting_queue.append(req)
+
+    def abort_request(self, rid: str | None, reason: dict) -> None:
+        """Abort ``rid`` (None: all) wherever it is; its KV is freed now, before the next step."""
+        finish = FinishReason(reason.get("type", "abort"), reason.get("matched"), reason.get("message"))
+        for req in list(self.waiting_queue):
+            if rid is None or req.rid == rid:
+                self.waiting_queue.remove(req)
+                req.finished_reason = finish
+                self.release_req(req)
+                self.stream_output([req])
+        if self.chunked_req is not None and (rid is None or self.chunked_req.rid == rid):
+            req, self.chunked_req = self.chunked_req, None
+            req.finished_reason = finish
+            self.release_req(req)
+            self.stream_output([req])
+        batch = self.running_batch
+        if batch is not None and not batch.is_empty():
+            hit = [r for r in batch.reqs if rid is None or r.rid == rid]
+            for req in hit:
+                req.finished_reason = finish
+                self.release_req(req)
+            if hit:
+                batch.filter_batch()
+                self.stream_output(hit)
+
+    # ------------------------------------------------------------------ control
+
+    def flush_cache(self) -> FlushCacheReqOutput:
+        if not self.is_idle():
+            return FlushCacheReqOutput(False, "requests are running or queued; flush when idle")
+        self.tree_cache.reset()
+        return FlushCacheReqOutput(True, "prefix cache flushed")
+
+    def start_weight_update(self, msg: UpdateWeightsFromDiskReqInput) -> None:
+        if self.pending_update is not None:
+            self.send(UpdateWeightsFromDiskReqOutput(False, "a weight update is already in progress"))
+            return
+        self.pending_update = msg
+        if msg.abort_all_requests:
+            self.abort_request(None, {"type": "abort", "message": "aborted for a weight update"})
+
+    def maybe_run_weight_update(self) -> None:
+        """Once no request runs (admission is paused meanwhile), load, flush the prefix cache, reply."""
+        running = self.running_batch is not None and not self.running_batch.is_empty()
+        if running or self.chunked_req is not None:
+            return
+        msg, self.pending_update = self.pending_update, None
+        self.send(WeightsPhaseOut("loading"))
+        ok, message = self.worker.update_weights_from_disk(
+            msg.model_path, msg.load_format or "auto", msg.revision, msg.recapture_cuda_graph
+        )
+        # Old KV must never serve new weights; after a failed update the cache is still valid,
+        # but flushing it costs only recomputation, so do it in every case.
+        self.tree_cache.reset()
+        phase = getattr(self.worker.weights_phase, "value", str(self.worker.weights_phase))
+        self.send(WeightsPhaseOut(phase))
+        self.send(UpdateWeightsFromDiskReqOutput(ok, message, self.worker.weights_revision, self.worker.model_path))
+
+    # ------------------------------------------------------------------ rank 0 -> HTTP
+
+    def send(self, msg: Any) -> None:
+        if self.send_socket is not None:
+            self.send_socket.send_pyobj(msg)
+
+    def start_watchdog(self) -> None:
+        """Exit the process when one step runs longer than ``--watchdog-timeout`` seconds."""
+        limit = self.server_args.watchdog_timeout
+
+        def watch() -> None:
+            while True:
+                time.sleep(min(5.0, limit / 4))
+                started = self.step_started
+                if started is not None and time.monotonic() - started > limit:
+                    from shardline_runtime.cli import write_termination_log
+
+                    message = f"[tp {self.tp_rank}] watchdog: a forward step ran over {limit}s (a peer rank may be dead)"
+                    logger.error(message)
+                    write_termination_log(message)
+                    os._exit(1)
+
+        threading.Thread(target=watch, name="scheduler-watchdog", daemon=True).start()

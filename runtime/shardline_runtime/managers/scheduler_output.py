@@ -1,0 +1,149 @@
+"""Scheduler result handling: append sampled tokens, finish requests, stream outputs, push stats.
+
+After a step every rank appends the same sampled ids (identical on every rank by construction of
+the sampler), checks the finish conditions, returns finished requests' KV (to the prefix cache)
+and moves a finished EXTEND batch into the running batch. Rank 0 then sends one
+``BatchTokenIDOut`` with the new tokens (and logprobs) of every request that advanced.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from shardline_runtime.managers.io_struct import BatchTokenIDOut, SchedulerStats, TokenizedGenerateReqInput
+
+logger = logging.getLogger(__name__)
+
+
+def _reason_dict(reason) -> dict | None:
+    if reason is None:
+        return None
+    out: dict = {"type": reason.type}
+    if reason.type == "stop":
+        out["matched"] = reason.matched
+    elif reason.type == "length":
+        out["length"] = reason.matched
+    if reason.message:
+        out["message"] = reason.message
+    return out
+
+
+class SchedulerOutputMixin:
+    """Result processing for :class:`~shardline_runtime.managers.scheduler.Scheduler`."""
+
+    def process_batch_result(self, batch, result) -> None:
+        next_ids = result.next_token_ids.tolist()
+        if batch.forward_mode.is_extend():
+            self._collect_prompt_logprobs(batch, result)
+        for i, req in enumerate(batch.reqs):
+            if req is self.chunked_req:
+                continue  # an intermediate chunk samples nothing
+            if req.wants_token and next_ids[i] >= 0:
+                top = result.next_token_top_logprobs[i] if req.top_logprobs_num else None
+                req.append_output(next_ids[i], result.next_token_logprobs[i] if req.return_logprob else None, top)
+            req.check_finished(self.max_req_len)
+        finished = [r for r in batch.reqs if r.finished()]
+        for req in finished:
+            self.release_req(req)
+        if batch.forward_mode.is_extend():
+            keep = [i for i, r in enumerate(batch.reqs) if not r.finished() and r is not self.chunked_req]
+            streamed = list(batch.reqs)
+            batch.filter_batch(keep)
+            if self.running_batch is None or self.running_batch.is_empty():
+                self.running_batch = batch
+            else:
+                self.running_batch.merge_batch(batch)
+        else:
+            streamed = list(batch.reqs)
+            batch.filter_batch()
+        self.stream_output(streamed)
+
+    def _collect_prompt_logprobs(self, batch, result) -> None:
+        out = result.logits_output
+        fb = result.forward_batch
+        starts = fb.extend_logprob_start_lens_cpu
+        for i, req in enumerate(batch.reqs):
+            if not req.return_logprob or req.logprob_start_len < 0 or req.input_logprobs_sent:
+                continue
+            prefix, extend = batch.prefix_lens[i], batch.extend_lens[i]
+            full = req.origin_input_ids
+            if prefix >= len(full):
+                continue  # a decode row of a mixed batch
+            s = starts[i] if starts else 0
+            if out.input_token_logprobs is not None:
+                values = out.input_token_logprobs[i].tolist()
+                tops = None
+                if out.input_top_logprobs_val is not None and req.top_logprobs_num:
+                    tops = list(zip(out.input_top_logprobs_val[i].tolist(), out.input_top_logprobs_idx[i].tolist()))
+                for j, value in enumerate(values):
+                    pos = prefix + s + 1 + j
+                    top = list(zip(*tops[j])) if tops else []
+                    req.prompt_logprobs.append((pos, value, top))
+            end = prefix + extend
+            if req is self.chunked_req and end < len(full):
+                logprobs = torch.log_softmax(out.next_token_logits[i].float(), dim=-1)
+                top = []
+                if req.top_logprobs_num:
+                    v, idx = logprobs.topk(req.top_logprobs_num)
+                    top = list(zip(v.tolist(), idx.tolist()))
+                req.prompt_logprobs.append((end, float(logprobs[full[end]]), top))
+
+    def stream_output(self, reqs) -> None:
+        """Rank 0: send new tokens / finish reasons of ``reqs`` to the HTTP process."""
+        if self.send_socket is None:
+            return
+        out = BatchTokenIDOut([], [], [], [], [], [], [], [], [], [])
+        for req in reqs:
+            new = req.output_ids[req.sent_len :]
+            if not new and not req.finished():
+                continue
+            out.rids.append(req.rid)
+            out.output_ids.append(list(new))
+            out.finished_reasons.append(_reason_dict(req.finished_reason))
+            out.prompt_tokens.append(len(req.origin_input_ids))
+            out.completion_tokens.append(len(req.output_ids))
+            out.cached_tokens.append(req.cached_tokens)
+            if req.return_logprob and req.output_token_logprobs:
+                lps = req.output_token_logprobs[req.sent_len :]
+                out.output_token_logprobs.append(list(zip(lps, new)))
+                tops = req.output_top_logprobs[req.sent_len :] if req.top_logprobs_num else None
+                out.output_top_logprobs.append([list(zip(v, ids)) for v, ids in tops] if tops else None)
+            else:
+                out.output_token_logprobs.append(None)
+                out.output_top_logprobs.append(None)
+            prompt = None
+            if req.return_logprob and req.logprob_start_len >= 0 and not req.input_logprobs_sent and (new or req.finished()):
+                scored = {pos: (value, top) for pos, value, top in req.prompt_logprobs}
+                prompt = [
+                    (scored.get(pos, (None, []))[0], req.origin_input_ids[pos], scored.get(pos, (None, []))[1])
+                    for pos in range(req.logprob_start_len, len(req.origin_input_ids))
+                ]
+                req.input_logprobs_sent = True
+            out.input_token_logprobs.append([(lp, t) for lp, t, _ in prompt] if prompt is not None else None)
+            out.input_top_logprobs.append([top for _, _, top in prompt] if prompt is not None else None)
+            req.sent_len = len(req.output_ids)
+        if out.rids:
+            self.send(out)
+
+    def finish_unscheduled(self, msg: TokenizedGenerateReqInput, n: int, message: str) -> None:
+        """Answer a request that can never run (the HTTP process validates first; defensive)."""
+        logger.warning("[tp %d] rejecting %s: %s", self.tp_rank, msg.rid, message)
+        self.send(BatchTokenIDOut([msg.rid], [[]], [{"type": "abort", "message": message}], [n], [0], [0],
+                                  [None], [None], [None], [None]))
+
+    def kv_used_tokens(self) -> int:
+        """KV slots held by requests: everything not free and not reclaimable from the cache."""
+        return self.max_total_num_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
+
+    def send_stats(self) -> None:
+        """Rank 0: push ``SchedulerStats`` to the HTTP process when they changed."""
+        if self.send_socket is None:
+            return
+        running = 0 if self.running_batch is None else self.running_batch.batch_size
+        queued = len(self.waiting_queue) + (1 if self.chunked_req is not None else 0)
+        stats = (running, queued, self.kv_used_tokens(), self.tree_cache.evictable_size())
+        if stats != self.last_stats:
+            self.last_stats = stats
+            self.send(SchedulerStats(*stats, self.max_total_num_tokens))

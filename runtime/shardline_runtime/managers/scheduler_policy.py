@@ -1,0 +1,187 @@
+"""Batching policy of the Scheduler: admission, chunked prefill, prefix cache, KV budget, retraction.
+
+Policy (first come, first served, as SGLang's default ``fcfs``):
+
+- A step runs an EXTEND batch when requests wait (the continuing chunk of a chunked prefill
+  first), else a DECODE step of the running batch; a finished EXTEND joins the running batch,
+  so new requests enter decoding while others are mid-generation (continuous batching).
+- Admission stops at ``max_running_requests``, at ``max_prefill_tokens`` prompt tokens per
+  step, and when the KV pool (free + evictable prefix-cache slots) cannot hold the new tokens
+  plus a reserve for the running requests' future tokens (``new_token_ratio`` x their remaining
+  ``max_new_tokens``, as SGLang estimates it; the ratio rises after a retraction and decays).
+- A prompt longer than ``chunked_prefill_size`` is prefilled one chunk per step; only the last
+  chunk samples a token.
+- The prefix cache is matched at admission (``cached_len``); a request's tokens are inserted when
+  it finishes, so later requests with the same prefix reuse the KV.
+- When a DECODE step cannot get one slot per request even after evicting the cache, the most
+  recently admitted requests are retracted: their KV freed, they go back to the front of the
+  queue keeping their output tokens, and are re-prefilled later (exact continuation).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_MIN_NEW_TOKEN_RATIO = 0.1
+_NEW_TOKEN_RATIO_DECAY = 0.002
+
+
+def _is_partial(req) -> bool:
+    """Before ``prepare_for_extend``: this round computes only part of the sequence (a chunk)."""
+    return len(req.fill_ids) < len(req.origin_input_ids) + len(req.output_ids)
+
+
+class SchedulerPolicyMixin:
+    """Batch selection for :class:`~shardline_runtime.managers.scheduler.Scheduler`."""
+
+    # ------------------------------------------------------------------ KV accounting
+
+    def available_kv(self) -> int:
+        """KV slots a new step can get: free slots plus unlocked prefix-cache slots."""
+        return self.allocator.available_size() + self.tree_cache.evictable_size()
+
+    def ensure_free_slots(self, need: int) -> bool:
+        """Evict prefix-cache entries until ``need`` slots are free; False if impossible."""
+        short = need - self.allocator.available_size()
+        if short > 0:
+            self.tree_cache.evict(short)
+        return self.allocator.available_size() >= need
+
+    def release_req(self, req) -> None:
+        """Give back ``req``'s KV: insert its computed tokens into the prefix cache (the cache
+        keeps one copy of each prefix, duplicates are freed), free its row, unlock its prefix."""
+        if req.req_pool_idx is not None:
+            row, kv_len = req.req_pool_idx, req.kv_len
+            tokens = (req.origin_input_ids + req.output_ids)[:kv_len]
+            slots = self.req_to_token_pool.req_to_token[row, :kv_len].clone().cpu()
+            existing = self.tree_cache.insert(tokens, slots)
+            if existing > req.tree_prefix_len:
+                self.allocator.free(slots[req.tree_prefix_len : existing])
+            self.req_to_token_pool.free(row)
+            req.req_pool_idx, req.kv_len = None, 0
+        if req.last_node is not None:
+            self.tree_cache.dec_lock_ref(req.last_node)
+            req.last_node = None
+        req.tree_prefix_len = 0
+        req.prefix_indices = torch.zeros(0, dtype=torch.int64)
+
+    # ------------------------------------------------------------------ next batch
+
+    def get_next_batch_to_run(self):
+        if self.pending_update is None:
+            batch = self.get_new_batch_prefill()
+            if batch is not None:
+                return batch
+        return self.update_running_batch()
+
+    def _reserved_tokens(self) -> int:
+        reqs = [] if self.running_batch is None else self.running_batch.reqs
+        return sum(
+            int(min(r.sampling_params.max_new_tokens - len(r.output_ids), self.max_req_len) * self.new_token_ratio)
+            for r in reqs
+        )
+
+    def get_new_batch_prefill(self):
+        """Form an EXTEND batch from the chunked request and the waiting queue, or None."""
+        running = 0 if self.running_batch is None else self.running_batch.batch_size
+        if self.chunked_req is None and not self.waiting_queue:
+            return None
+        budget_tokens = self.max_prefill_tokens
+        kv_left = self.available_kv() - self._reserved_tokens()
+        chunk = min(self.chunked_prefill_size or budget_tokens, budget_tokens)
+        admitted = []
+        if self.chunked_req is not None:
+            req, self.chunked_req = self.chunked_req, None
+            req.init_next_round_input(None, chunk)
+            budget_tokens -= req.extend_input_len
+            kv_left -= req.extend_input_len
+            admitted.append(req)
+            if _is_partial(req):
+                self.chunked_req = req
+        while self.waiting_queue and self.chunked_req is None:
+            if running + len(admitted) >= self.max_running_requests or budget_tokens <= 0:
+                break
+            if len(admitted) >= self.req_to_token_pool.available_size():
+                break
+            req = self.waiting_queue[0]
+            full = req.origin_input_ids + req.output_ids
+            key = full
+            if req.return_logprob and req.logprob_start_len >= 0:
+                key = full[: req.logprob_start_len]  # prompt logprobs need those positions computed
+            prefix, node = self.tree_cache.match_prefix(key)
+            req.init_next_round_input(prefix, min(chunk, budget_tokens))
+            remaining_out = req.sampling_params.max_new_tokens - len(req.output_ids)
+            need = req.extend_input_len + int(min(remaining_out, self.max_req_len) * self.new_token_ratio)
+            if need > kv_left and admitted:
+                break
+            if req.extend_input_len > kv_left + (0 if admitted else self._reserved_tokens()):
+                break  # not even the prompt fits now: wait for running requests to finish
+            self.waiting_queue.popleft()
+            evictable_before = self.tree_cache.evictable_size()
+            self.tree_cache.inc_lock_ref(node)
+            req.last_node = node
+            req.tree_prefix_len = len(req.prefix_indices)
+            if not req.output_ids:  # first admission (a retracted request keeps its count)
+                req.cached_tokens = req.tree_prefix_len
+            budget_tokens -= req.extend_input_len
+            kv_left -= need + (evictable_before - self.tree_cache.evictable_size())
+            admitted.append(req)
+            if _is_partial(req):
+                self.chunked_req = req
+        if not admitted:
+            return None
+        total = sum(r.extend_input_len for r in admitted)
+        if not self.ensure_free_slots(total):
+            # Put them back untouched (locks released) and let decode free memory first.
+            for req in reversed(admitted):
+                if req is self.chunked_req:
+                    self.chunked_req = None
+                if req.req_pool_idx is None:
+                    self.release_req(req)
+                    self.waiting_queue.appendleft(req)
+                else:
+                    self.chunked_req = req
+            return None
+        batch = self.worker.new_batch(admitted)
+        batch.prepare_for_extend()
+        return batch
+
+    def update_running_batch(self):
+        """Prepare a DECODE step of the running batch (retracting requests if KV is short)."""
+        batch = self.running_batch
+        if batch is None or batch.is_empty():
+            return None
+        self.new_token_ratio = max(_MIN_NEW_TOKEN_RATIO, self.new_token_ratio - _NEW_TOKEN_RATIO_DECAY)
+        while not self.ensure_free_slots(batch.batch_size):
+            if batch.batch_size == 1:
+                # One request alone cannot grow: it is at the pool size (max_req_len clips it
+                # before that, so this is defensive).
+                req = batch.reqs[0]
+                req.finished_reason = self._length_reason()
+                self.release_req(req)
+                batch.filter_batch()
+                self.stream_output([req])
+                return None
+            self.retract_one(batch)
+        batch.prepare_for_decode()
+        return batch
+
+    def retract_one(self, batch) -> None:
+        """Preempt the most recently admitted request: free its KV and requeue it first."""
+        victim = len(batch.reqs) - 1
+        req = batch.reqs[victim]
+        self.release_req(req)
+        batch.filter_batch([i for i in range(batch.batch_size) if i != victim])
+        self.waiting_queue.appendleft(req)
+        self.num_retractions += 1
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
+        logger.info("[tp %d] retracted request %s (%d output tokens kept)", self.tp_rank, req.rid, len(req.output_ids))
+
+    def _length_reason(self):
+        from shardline_runtime.managers.req import FinishReason
+
+        return FinishReason("length", self.max_req_len)

@@ -1,0 +1,332 @@
+"""TokenizerManager: the HTTP process's side of a request (tokenize, send, detokenize, collect).
+
+It lives in the HTTP (node rank 0) process, next to FastAPI. It tokenizes and validates a
+request against the limits the schedulers reported, sends a ``TokenizedGenerateReqInput`` over
+ZMQ to the rank-0 scheduler, and a background task receives ``BatchTokenIDOut`` messages,
+detokenizes them incrementally per request (:class:`IncrementalDetokenizer`) and hands
+:class:`GenerateChunk` objects to the waiting handler. A stop string matched here finishes the
+request at once and tells the scheduler to free it (``AbortReq`` with a ``stop`` reason).
+Leaving the :meth:`generate` iterator early (client disconnect) aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from shardline_runtime.managers.detokenizer import IncrementalDetokenizer
+from shardline_runtime.managers.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    FlushCacheReqInput,
+    FlushCacheReqOutput,
+    SchedulerInfo,
+    SchedulerStats,
+    TokenizedGenerateReqInput,
+    UpdateWeightsFromDiskReqInput,
+    UpdateWeightsFromDiskReqOutput,
+    WeightsPhaseOut,
+)
+from shardline_runtime.sampling.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RequestValidationError(ValueError):
+    """A request the client can fix (HTTP 400); ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class ServerNotReadyError(RuntimeError):
+    """The server cannot take the request now (HTTP 503): loading, updating weights, draining."""
+
+
+@dataclass
+class GenerateChunk:
+    """What one request produced since the last chunk.
+
+    ``text`` is the safe text delta; ``token_ids`` the tokens it came from (for a stop-string
+    finish, only those consumed up to the match); ``logprobs`` pairs with ``token_ids``:
+    ``(logprob, token_id, top)`` where ``top`` is a list of ``(logprob, token_id)``.
+    ``finish_reason`` is None until the last chunk, then a dict with ``type`` in
+    ``stop | length | abort`` (and ``matched`` / ``message``).
+    """
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[tuple[float, int, list[tuple[float, int]]]]
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    prompt_logprobs: list[tuple[float | None, int, list[tuple[float, int]]]] | None = None
+
+
+@dataclass
+class _ReqState:
+    detok: IncrementalDetokenizer
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+    created: float = field(default_factory=time.monotonic)
+    last_token_time: float | None = None
+
+
+class TokenizerManager:
+    """Owns the tokenizer, the ZMQ sockets to the rank-0 scheduler and in-flight request state.
+
+    Args:
+        tokenizer: HuggingFace tokenizer of the model.
+        info: limits from the rank-0 scheduler (:class:`SchedulerInfo`).
+        scheduler_input_addr: ZMQ address the rank-0 scheduler PULLs requests from.
+        output_addr: ZMQ address this process PULLs scheduler outputs on (bound here).
+        metrics: a ``ServingMetrics`` (or None).
+    """
+
+    def __init__(self, tokenizer: Any, info: SchedulerInfo, scheduler_input_addr: str, output_addr: str, metrics=None):
+        self.tokenizer = tokenizer
+        self.info = info
+        self.metrics = metrics
+        self.context = zmq.asyncio.Context()
+        self.send_socket = self.context.socket(zmq.PUSH)
+        self.send_socket.connect(scheduler_input_addr)
+        self.recv_socket = self.context.socket(zmq.PULL)
+        self.recv_socket.bind(output_addr)
+        self.states: dict[str, _ReqState] = {}
+        self.stats = SchedulerStats(0, 0, 0, 0, info.max_total_num_tokens)
+        self.weights_phase = "serving"
+        self.weights_revision = info.weights_revision
+        self.model_path = info.model_path
+        self.draining = False
+        self._control_lock = asyncio.Lock()
+        self._control_waiters: dict[type, asyncio.Future] = {}
+        self._recv_task: asyncio.Task | None = None
+        self._counter = itertools.count()
+
+    def start(self) -> None:
+        """Start the receive loop (call from inside the running event loop)."""
+        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+
+    # ---------------------------------------------------------------- validation
+
+    def tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        """Token ids of ``prompt`` (a string, or ids checked against the vocabulary).
+
+        Raises:
+            RequestValidationError: empty prompt, or an id outside ``[0, vocab_size)``.
+        """
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise RequestValidationError(f"{param} must not be empty", param)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = list(prompt)
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.info.vocab_size]
+            if bad:
+                raise RequestValidationError(
+                    f"{param} token ids must be integers in [0, {self.info.vocab_size}), got {bad[0]!r}", param
+                )
+        if not ids:
+            raise RequestValidationError(f"{param} must contain at least one token", param)
+        return ids
+
+    def check_lengths(self, input_ids: list[int], max_new_tokens: int | None) -> int:
+        """Validate prompt length and ``max_tokens`` against the context; return max_new_tokens.
+
+        ``None`` means "as many as fit in the context". The KV pool (not the context) may clip
+        a request further; it then ends with ``finish_reason: "length"``.
+
+        Raises:
+            RequestValidationError: the prompt or prompt + ``max_tokens`` exceed the limits.
+        """
+        n = len(input_ids)
+        limit = self.info.max_req_input_len
+        if n > limit:
+            raise RequestValidationError(
+                f"the prompt has {n} tokens but this server accepts at most {limit} prompt tokens "
+                f"(context length {self.info.context_len}, KV pool {self.info.max_total_num_tokens} tokens)",
+                "prompt",
+            )
+        room = self.info.context_len - n
+        if max_new_tokens is None:
+            return room
+        if n + max_new_tokens > self.info.context_len:
+            raise RequestValidationError(
+                f"the prompt has {n} tokens and max_tokens is {max_new_tokens}: {n + max_new_tokens} "
+                f"exceeds the context length {self.info.context_len}; ask for at most {room} tokens",
+                "max_tokens",
+            )
+        return max_new_tokens
+
+    def check_ready(self) -> None:
+        """Raises ServerNotReadyError while draining or while weights change."""
+        if self.draining:
+            raise ServerNotReadyError("the server is shutting down")
+        if self.weights_phase in ("loading", "recapturing"):
+            raise ServerNotReadyError(f"the server is updating its weights (phase {self.weights_phase})")
+
+    # ---------------------------------------------------------------- requests
+
+    def new_rid(self) -> str:
+        return f"{uuid.uuid4().hex[:16]}-{next(self._counter)}"
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        include_stop_str_in_output: bool = False,
+    ) -> AsyncIterator[GenerateChunk]:
+        """Run one request; yields chunks until the one with ``finish_reason`` set.
+
+        Leaving the iterator before the end (client disconnect, cancellation) aborts the
+        request in the scheduler, which frees its KV within a step.
+        """
+        self.check_ready()
+        rid = rid or self.new_rid()
+        if rid in self.states:
+            raise RequestValidationError(f"request id {rid!r} is already in use", "rid")
+        detok = IncrementalDetokenizer(
+            self.tokenizer, input_ids, params.stop, params.skip_special_tokens, include_stop_str_in_output
+        )
+        state = _ReqState(detok)
+        self.states[rid] = state
+        msg = TokenizedGenerateReqInput(rid, input_ids, params, return_logprob, top_logprobs_num, logprob_start_len)
+        await self.send_socket.send_pyobj(msg)
+        try:
+            while True:
+                chunk = await state.queue.get()
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+        finally:
+            if not state.finished:
+                state.finished = True
+                await self._send_abort(rid, {"type": "abort", "message": "client disconnected"})
+            self.states.pop(rid, None)
+
+    async def _send_abort(self, rid: str | None, reason: dict) -> None:
+        try:
+            await self.send_socket.send_pyobj(AbortReq(rid, reason))
+        except zmq.ZMQError as exc:
+            logger.warning("could not send abort for %s: %s", rid, exc)
+
+    async def abort(self, rid: str | None) -> bool:
+        """Abort ``rid`` (None: every request). Returns whether such a request was running."""
+        found = rid is None or rid in self.states
+        await self._send_abort(rid, {"type": "abort", "message": "aborted by /abort_request"})
+        return found
+
+    async def abort_all_local(self, message: str) -> None:
+        """Finish every in-flight request here with an abort (the scheduler is gone)."""
+        for state in list(self.states.values()):
+            if not state.finished:
+                state.finished = True
+                state.queue.put_nowait(GenerateChunk("", [], [], {"type": "abort", "message": message}, 0, 0, 0))
+
+    # ---------------------------------------------------------------- control
+
+    async def control(self, request: Any, reply_type: type, timeout: float | None = None) -> Any:
+        """Send a control message to the schedulers and wait for its reply (one at a time)."""
+        async with self._control_lock:
+            fut = asyncio.get_running_loop().create_future()
+            self._control_waiters[reply_type] = fut
+            await self.send_socket.send_pyobj(request)
+            try:
+                return await asyncio.wait_for(fut, timeout)
+            finally:
+                self._control_waiters.pop(reply_type, None)
+
+    async def flush_cache(self) -> FlushCacheReqOutput:
+        return await self.control(FlushCacheReqInput(), FlushCacheReqOutput, timeout=60)
+
+    async def update_weights_from_disk(self, req: UpdateWeightsFromDiskReqInput) -> UpdateWeightsFromDiskReqOutput:
+        out = await self.control(req, UpdateWeightsFromDiskReqOutput)
+        if out.success:
+            self.weights_revision = out.revision
+            self.model_path = out.model_path or self.model_path
+        return out
+
+    # ---------------------------------------------------------------- receive loop
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self.recv_socket.recv_pyobj()
+            try:
+                self._handle(msg)
+            except Exception:  # a bug in one message must not stop every request
+                logger.exception("failed to handle scheduler output %s", type(msg).__name__)
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, BatchTokenIDOut):
+            self._handle_batch(msg)
+        elif isinstance(msg, SchedulerStats):
+            self.stats = msg
+            if self.metrics:
+                self.metrics.observe_stats(msg)
+        elif isinstance(msg, WeightsPhaseOut):
+            self.weights_phase = msg.phase
+        else:
+            fut = self._control_waiters.get(type(msg))
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    def _handle_batch(self, out: BatchTokenIDOut) -> None:
+        now = time.monotonic()
+        for i, rid in enumerate(out.rids):
+            state = self.states.get(rid)
+            if state is None or state.finished:
+                continue
+            reason = out.finished_reasons[i]
+            new_ids = out.output_ids[i]
+            detok = state.detok
+            before = detok.num_tokens
+            exclude_last = bool(reason and reason.get("type") == "stop" and isinstance(reason.get("matched"), int))
+            text = detok.add_tokens(new_ids, exclude_last=exclude_last)
+            consumed = detok.num_tokens - before
+            if detok.stopped and reason is None:
+                reason = {"type": "stop", "matched": detok.matched_stop}
+                asyncio.get_running_loop().create_task(self._send_abort(rid, reason))
+            elif detok.stopped:
+                reason = {"type": "stop", "matched": detok.matched_stop}
+            if reason is not None:
+                text += detok.finish()
+                state.finished = True
+            logprobs = []
+            if out.output_token_logprobs[i] is not None:
+                tops = out.output_top_logprobs[i] or [[] for _ in new_ids]
+                logprobs = [(lp, tid, top) for (lp, tid), top in zip(out.output_token_logprobs[i], tops)][:consumed]
+            prompt_logprobs = None
+            if out.input_token_logprobs[i] is not None:
+                tops = out.input_top_logprobs[i] or [[] for _ in out.input_token_logprobs[i]]
+                prompt_logprobs = [(lp, tid, top) for (lp, tid), top in zip(out.input_token_logprobs[i], tops)]
+            chunk = GenerateChunk(
+                text, list(new_ids[:consumed]), logprobs, reason, out.prompt_tokens[i],
+                detok.num_tokens, out.cached_tokens[i], prompt_logprobs,
+            )
+            if self.metrics and consumed:
+                self.metrics.observe_tokens(state, now, consumed)
+            if self.metrics and reason is not None:
+                self.metrics.observe_finish(state, now, chunk)
+            state.queue.put_nowait(chunk)
+
+
+def default_ipc_dir() -> str:
+    """A private directory for this server's ZMQ ipc sockets."""
+    import tempfile
+
+    return tempfile.mkdtemp(prefix=f"shardline-{os.getpid()}-")
