@@ -49,12 +49,13 @@ class Container:
         self.backoff_s = BACKOFF_INITIAL_S
         self.probes: dict[str, ProbeState] = {}
         self.done = False  # terminated and not going to restart
+        self.argv: list[str] = []
         self.env: dict[str, str] = {}
         self.pod_ip = ""
 
     def start(self, argv: list[str], env: dict[str, str], pod_ip: str) -> None:
         """Start the process (own session, stdout+stderr appended to the container log)."""
-        self.env, self.pod_ip = env, pod_ip
+        self.argv, self.env, self.pod_ip = argv, env, pod_ip
         self.termination_log.write_text("")
         cwd = self.spec.get("workingDir") or str(self.workdir)
         Path(cwd).mkdir(parents=True, exist_ok=True)
