@@ -138,6 +138,7 @@ class ModelRunner:
 
         before = self._memory_available()
         self.model = load_model(self.model_config, self.model_config.model_path, self.device)
+        self.model_config = self.model.config
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         logger.info(
             "[tp %d] loaded %s: %.1f MiB of weights on this rank (available %.1f MiB before)",

@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import torch
 from torch import nn
 
 from shardline_runtime.configs.model_config import ModelConfig
-from shardline_runtime.model_loader.checkpoint_files import discover_checkpoint, iterate_weights
+from shardline_runtime.model_loader.checkpoint_files import TensorInfo, discover_checkpoint, iterate_weights
 from shardline_runtime.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_tying(model_config: ModelConfig, tensors: dict[str, TensorInfo]) -> ModelConfig:
+    """Untie the LM head when the checkpoint stores an ``lm_head.weight`` that differs from the
+    embedding, as transformers 5 does (it warns and keeps both); otherwise ``model_config``."""
+    if not model_config.tie_word_embeddings or "lm_head.weight" not in tensors:
+        return model_config
+    pair = {name: tensor for name, tensor in iterate_weights(
+        {n: tensors[n] for n in ("lm_head.weight", "model.embed_tokens.weight") if n in tensors})}
+    if len(pair) == 2 and torch.equal(pair["lm_head.weight"], pair["model.embed_tokens.weight"]):
+        return model_config
+    logger.warning("tie_word_embeddings is true but lm_head.weight differs from the embedding: loading both (untied)")
+    return dataclasses.replace(model_config, tie_word_embeddings=False)
 
 
 def build_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
@@ -26,11 +44,13 @@ def build_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
 def load_model(model_config: ModelConfig, model_path: str, device: torch.device) -> nn.Module:
     """Check the files (fails fast on a missing/short shard), build the model, load weights.
 
+    The model's ``config`` attribute is the config it was built with (see :func:`resolve_tying`).
+
     Raises:
         CheckpointError: file problems or a missing/unexpected/duplicate parameter.
     """
     tensors = discover_checkpoint(model_path)
-    model = build_model(model_config, device)
+    model = build_model(resolve_tying(model_config, tensors), device)
     with torch.no_grad():
         model.load_weights(iterate_weights(tensors))
     return model
