@@ -15,9 +15,12 @@ from shardline_runtime.sampling import SamplingParams
 from shardline_runtime.server_args import ServerArgs
 
 
-def make_worker(model_path, max_total_tokens: int = 4096, max_running_requests: int = 16, **kwargs) -> TpModelWorker:
+def make_worker(
+    model_path, max_total_tokens: int = 4096, max_running_requests: int = 16, device_override: str = "cpu", **kwargs
+) -> TpModelWorker:
+    """A TP=1 worker on ``device_override`` (``cpu`` by default); ``kwargs`` go to ``ServerArgs``."""
     args = ServerArgs(
-        model_path=str(model_path), device="cpu", max_total_tokens=max_total_tokens,
+        model_path=str(model_path), device=device_override, max_total_tokens=max_total_tokens,
         max_running_requests=max_running_requests, **kwargs,
     )
     return TpModelWorker(args, 0)
