@@ -1,0 +1,124 @@
+"""update_weights_from_disk in place: field cases W1, W2 (CPU part), W3."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner
+from shardline_runtime.sampling import SamplingParams
+
+from tests.runtime.engine_driver import make_worker, run_engine
+
+PROMPTS = [[5, 17, 33, 80, 9], [7, 8], [300, 12, 55, 66, 77, 88], [42, 43, 44, 45], [1, 2, 3, 4, 5, 6, 7]]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+
+
+def with_static_graphs(worker):
+    worker.model_runner.cuda_graph_runner = CudaGraphRunner(worker.model_runner, capture=False, batch_sizes=[1, 2, 4])
+    return worker
+
+
+def edited_copy(src, dst, edit):
+    """Copy a single-file checkpoint and rewrite its tensors with ``edit(dict) -> dict``."""
+    shutil.copytree(src, dst)
+    tensors = edit(load_file(dst / "model.safetensors"))
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def ckpt_a(tiny_checkpoint):
+    return tiny_checkpoint("llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def ckpt_b(tiny_checkpoint):
+    return tiny_checkpoint("llama", seed=1, tokenizer=False)
+
+
+def test_w3_update_equals_cold_start_and_keeps_storage(ckpt_a, ckpt_b):
+    cold_b = run_engine(make_worker(ckpt_b), PROMPTS, GREEDY)
+    worker = with_static_graphs(make_worker(ckpt_a))
+    before = run_engine(worker, PROMPTS, GREEDY)
+    assert before != cold_b
+    ptrs = {name: p.data_ptr() for name, p in worker.model_runner.model.named_parameters()}
+    ok, message = worker.update_weights_from_disk(str(ckpt_b), revision="b")
+    assert ok, message
+    assert {name: p.data_ptr() for name, p in worker.model_runner.model.named_parameters()} == ptrs
+    assert run_engine(worker, PROMPTS, GREEDY) == cold_b
+    info = worker.get_worker_info()
+    assert info["weights_phase"] == "serving" and info["weights_revision"] == "b"
+    assert info["model_path"] == str(ckpt_b)
+
+
+def test_w2_same_checkpoint_update_is_bit_identical(ckpt_a):
+    worker = with_static_graphs(make_worker(ckpt_a))
+    batch_1 = run_engine(worker, PROMPTS[:1], GREEDY)
+    batch_3 = run_engine(worker, PROMPTS[:3], GREEDY)
+    params = {n: p.detach().clone() for n, p in worker.model_runner.model.named_parameters()}
+    ok, message = worker.update_weights_from_disk(str(ckpt_a), recapture_cuda_graph=True)
+    assert ok, message
+    for name, p in worker.model_runner.model.named_parameters():
+        assert p.equal(params[name]), name
+    assert run_engine(worker, PROMPTS[:1], GREEDY) == batch_1
+    assert run_engine(worker, PROMPTS[:3], GREEDY) == batch_3
+
+
+def bad_checkpoints(tiny_checkpoint, ckpt_a, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad")
+    sharded = tiny_checkpoint("llama", seed=0, tokenizer=False, max_shard_size="40KB")
+    missing_shard = tmp / "missing_shard"
+    shutil.copytree(sharded, missing_shard)
+    index = json.loads((missing_shard / "model.safetensors.index.json").read_text())
+    victim = sorted(set(index["weight_map"].values()))[-1]
+    (missing_shard / victim).unlink()
+
+    def drop(t):
+        t.pop("model.layers.1.mlp.down_proj.weight")
+        return t
+
+    def add(t):
+        t["model.layers.1.mlp.extra.weight"] = t["model.norm.weight"].clone()
+        return t
+
+    return {
+        "hidden": (tiny_checkpoint("llama", seed=0, tokenizer=False, hidden_size=128),
+                   "model.embed_tokens.weight: old shape (512, 64), new shape (512, 128)"),
+        "layers": (tiny_checkpoint("llama", seed=0, tokenizer=False, num_hidden_layers=3),
+                   "unexpected parameter model.layers.2."),
+        "vocab": (tiny_checkpoint("llama", seed=0, tokenizer=False, vocab_size=640),
+                  "model.embed_tokens.weight: old shape (512, 64), new shape (640, 64)"),
+        "missing_param": (edited_copy(ckpt_a, tmp / "missing_param", drop), "model.layers.1.mlp.down_proj.weight"),
+        "unexpected_param": (edited_copy(ckpt_a, tmp / "unexpected_param", add), "model.layers.1.mlp.extra.weight"),
+        "missing_shard": (missing_shard, victim),
+        "rope_theta": (tiny_checkpoint("llama", seed=0, tokenizer=False, rope_theta=1234.0), "config field rope_parameters"),
+        "architecture": (tiny_checkpoint("qwen2", seed=0, tokenizer=False), "config field architectures"),
+        "not_a_dir": (tmp / "does-not-exist", "does-not-exist"),
+    }
+
+
+def test_w1_failed_updates_keep_old_weights(tiny_checkpoint, ckpt_a, tmp_path_factory):
+    worker = with_static_graphs(make_worker(ckpt_a))
+    reference = run_engine(worker, PROMPTS, GREEDY)
+    params = {n: p.detach().clone() for n, p in worker.model_runner.model.named_parameters()}
+    for case, (path, expected) in bad_checkpoints(tiny_checkpoint, ckpt_a, tmp_path_factory).items():
+        ok, message = worker.update_weights_from_disk(str(path), revision=case)
+        assert not ok, case
+        assert expected in message, (case, message)
+        assert worker.weights_phase.value == "failed"
+        assert worker.get_worker_info()["model_path"] == str(ckpt_a)
+        assert worker.model_runner.model_config.model_path == str(ckpt_a)
+        for name, p in worker.model_runner.model.named_parameters():
+            assert p.equal(params[name]), (case, name)
+    assert run_engine(worker, PROMPTS, GREEDY) == reference
+    assert worker.update_weights_from_disk(str(ckpt_a))[0] and worker.weights_phase.value == "serving"
+
+
+def test_bad_load_format_is_rejected(ckpt_a):
+    worker = make_worker(ckpt_a)
+    ok, message = worker.update_weights_from_disk(str(ckpt_a), load_format="pickle")
+    assert not ok and "load_format" in message and "safetensors" in message
