@@ -6,6 +6,7 @@ builds the ForwardBatch of an EXTEND (optionally after a cached prefix) or a DEC
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -102,3 +103,68 @@ def make_runner(path, tp_rank: int = 0, tp_size: int = 1, dist_init_addr: str | 
                tp_rank=tp_rank, tp_size=tp_size, dist_init_addr=dist_init_addr, dist_timeout=60)
     cfg.update(kwargs)
     return ModelRunner(ModelRunnerConfig(**cfg))
+
+
+# ---- tensor parallel: several gloo processes on CPU ---------------------------------------------
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_scenario(runner, prompts: list[list[int]], steps: int, split: int = 3) -> dict:
+    """Extend each prompt in two parts (the second after a cached prefix of ``split`` tokens),
+    then ``steps`` greedy decodes; returns the logits of every step and the greedy tokens."""
+    seqs = new_seqs(runner, len(prompts))
+    extend(runner, seqs, [p[:split] for p in prompts])
+    out = extend(runner, seqs, [p[split:] for p in prompts])
+    logits = [out.next_token_logits.clone()]
+    nxt = out.next_token_logits.argmax(-1).tolist()
+    tokens = [nxt]
+    for _ in range(steps):
+        out = decode(runner, seqs, nxt)
+        logits.append(out.next_token_logits.clone())
+        nxt = out.next_token_logits.argmax(-1).tolist()
+        tokens.append(nxt)
+    release(runner, seqs)
+    return {"logits": logits, "tokens": tokens}
+
+
+def tp_worker(rank: int, tp_size: int, port: int, scenarios: list[dict], out_dir: str) -> None:
+    """Body of one TP rank: run each scenario (``path``, ``prompts``, ``steps``) and save
+    ``{name: result}`` plus per-rank shard facts to ``out_dir/rank<rank>.pt``."""
+    import os
+
+    torch.set_num_threads(1)
+    results = {}
+    for sc in scenarios:
+        runner = make_runner(sc["path"], tp_rank=rank, tp_size=tp_size, dist_init_addr=f"127.0.0.1:{port}")
+        res = run_scenario(runner, sc["prompts"], sc["steps"])
+        model = runner.model
+        res["lm_head_shard"] = model.lm_head.weight.detach().clone()
+        res["embed_shard"] = model.model.embed_tokens.weight.detach().clone()
+        res["vocab_range"] = (model.model.embed_tokens.vocab_start_index, model.model.embed_tokens.vocab_end_index)
+        res["kv_heads_per_rank"] = runner.token_to_kv_pool.num_kv_heads
+        results[sc["name"]] = res
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    from shardline_runtime.distributed import destroy_distributed_environment
+
+    destroy_distributed_environment()
+
+
+def run_tp(tp_size: int, scenarios: list[dict], out_dir, timeout_s: float = 300) -> list[dict]:
+    """Run ``tp_worker`` in ``tp_size`` spawned processes; returns each rank's results."""
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    ctx = mp.spawn(tp_worker, args=(tp_size, port, scenarios, str(out_dir)), nprocs=tp_size, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"TP={tp_size} workers did not finish within {timeout_s}s")
+    return [torch.load(f"{out_dir}/rank{r}.pt") for r in range(tp_size)]
