@@ -278,10 +278,12 @@ class ModelRunner:
         return self._run(forward_batch)
 
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Next token ids (bs,) int64 from ``layers/sampler.py: Sampler``."""
+        """Next token ids (bs,) int64 from ``layers/sampler.py: Sampler`` (every row samples;
+        ``TpModelWorker.sample`` handles rows that must not, and logprobs)."""
         if self.sampler is None:
             raise RuntimeError("shardline_runtime.layers.sampler.Sampler is not available")
-        return self.sampler(logits_output, forward_batch)
+        out = self.sampler(logits_output.next_token_logits, forward_batch.sampling_info)
+        return out.next_token_ids
 
     def update_weights_from_disk(self, model_path: str, load_format: str = "auto") -> tuple[bool, str]:
         """Load new weights in place; see ``model_executor/weight_update.py``."""
