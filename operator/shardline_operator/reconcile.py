@@ -94,6 +94,7 @@ class Reconciler:
         rollout_state = RolloutState.from_status(self.previous.get("rollout"))
         in_flight = rollout_state is not None and rollout_state.group is not None
         stale = [g for g in groups if _needs_restart(spec, g)]
+        trail: list[tuple[int, str]] = []
         if stale and not in_flight:
             self._restart_next(spec, stale[0], groups, records, overrides)
         else:
@@ -104,19 +105,28 @@ class Reconciler:
                 groups[index] = self._apply_group(spec, groups[index], served)
             overrides.update(outcome.group_phases)
             self.events.extend(outcome.events)
-            rollout_state = outcome.state
+            rollout_state, trail = outcome.state, outcome.trail
+        for index, phase in trail:  # phases passed through since the last pass, each as a status write
+            reports = [GroupReport(g, records[g.index], phase if g.index == index else overrides.get(g.index))
+                       for g in groups]
+            step = build_status(spec, self.generation, reports, rollout_state, self.previous, self.now)
+            self.events.append(("Normal", phase, f"group {index}: {phase}"))
+            self._write(step)
         reports = [GroupReport(g, records[g.index], overrides.get(g.index)) for g in groups]
         status = build_status(spec, self.generation, reports, rollout_state, self.previous, self.now)
-        status["restartBudgetGeneration"] = self.generation
         if status["phase"] != self.previous.get("phase"):
             kind = "Warning" if status["phase"] in ("Degraded", "Failed") else "Normal"
             self.events.append((kind, status["phase"], f"phase {self.previous.get('phase', 'None')} -> "
                                 f"{status['phase']}" + (f": {status['message']}" if status["message"] else "")))
         return self._finish(status)
 
+    def _write(self, status: dict[str, Any]) -> None:
+        status = {**status, "restartBudgetGeneration": self.generation}
+        self.ctx.kube.patch_deployment_status(self.namespace, self.name, status_patch(self.previous, status))
+        self.previous = status
+
     def _finish(self, status: dict[str, Any]) -> ReconcileResult:
-        patch = status_patch(self.previous, status)
-        self.ctx.kube.patch_deployment_status(self.namespace, self.name, patch)
+        self._write(status)
         return ReconcileResult(status, self.events)
 
     def _observe(self, spec: DeploymentSpec) -> tuple[list[GroupObservation], dict[int, GroupRecord]]:

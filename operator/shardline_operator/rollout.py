@@ -42,6 +42,9 @@ class LeaderClient(Protocol):
     def server_info(self, url: str) -> Mapping[str, Any] | None:
         """``GET {url}/get_server_info`` as a dict, or None when unreachable."""
 
+    def observed_phases(self, key: str) -> list[str]:
+        """``weights_phase`` values sampled while the request under ``key`` ran, since the last call."""
+
 
 @dataclass(frozen=True)
 class RolloutState:
@@ -53,6 +56,7 @@ class RolloutState:
     group: int | None = None
     started_at: float | None = None
     message: str = ""
+    group_phase: str | None = None  # last phase written for ``group``
 
     def to_status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"phase": self.phase, "targetModelPath": self.target.path,
@@ -63,6 +67,8 @@ class RolloutState:
                        previousCudaGraph=self.previous.cuda_graph.key())
         if self.group is not None:
             out.update(group=self.group, startedAt=to_rfc3339(self.started_at or 0.0))
+        if self.group_phase is not None:
+            out["groupPhase"] = self.group_phase
         return out
 
     @classmethod
@@ -77,16 +83,21 @@ class RolloutState:
                    target=ServedModel(raw.get("targetModelPath", ""), raw.get("targetRevision", ""),
                                       parse_cuda_graph_key(raw.get("targetCudaGraph", ""))),
                    previous=previous, group=raw.get("group"), started_at=from_rfc3339(raw.get("startedAt")),
-                   message=raw.get("message", ""))
+                   message=raw.get("message", ""), group_phase=raw.get("groupPhase"))
 
 
 @dataclass
 class RolloutOutcome:
-    """What :func:`advance` decided: new state, StatefulSets to re-render, phases and Events."""
+    """What :func:`advance` decided: new state, StatefulSets to re-render, phases and Events.
+
+    ``trail`` lists (group, phase) passed through since the last pass, to be written as
+    status transitions before the final ``group_phases``.
+    """
 
     state: RolloutState | None
     apply: dict[int, ServedModel] = field(default_factory=dict)
     group_phases: dict[int, str] = field(default_factory=dict)
+    trail: list[tuple[int, str]] = field(default_factory=list)
     events: list[tuple[str, str, str]] = field(default_factory=list)
 
 
@@ -167,11 +178,12 @@ def advance(state: RolloutState | None, desired: ServedModel, groups: list[Group
         client.start_update(key, url, update_body(group.served, target), policy.timeout_seconds)
         progress = f"updating group {index} to {target.revision}"
         # While rolling back, the message keeps the failure that caused it.
-        started = replace(state, group=index, started_at=now,
+        started = replace(state, group=index, started_at=now, group_phase="UpdatingWeights",
                           message=progress if state.phase == UPDATING else state.message)
         return RolloutOutcome(started, group_phases={index: "UpdatingWeights"},
                               events=[("Normal", "UpdatingWeights", progress)])
     result, message = client.poll(key)
+    trail = _trail(state.group_phase, client.observed_phases(key))
     if result == "unknown":
         result, message = _result_from_info(client.server_info(url) if url else None, target)
         if result == "unknown":
@@ -182,13 +194,23 @@ def advance(state: RolloutState | None, desired: ServedModel, groups: list[Group
         result, message = "failure", f"timed out after {policy.timeout_seconds}s"
     if result == "pending":
         info = client.server_info(url) if url else None
-        phase = PHASE_BY_WEIGHTS_PHASE.get((info or {}).get("weights_phase", ""), "UpdatingWeights")
-        return RolloutOutcome(state, group_phases={index: phase})
+        phase = PHASE_BY_WEIGHTS_PHASE.get((info or {}).get("weights_phase", ""),
+                                           trail[-1] if trail else state.group_phase or "UpdatingWeights")
+        if trail and trail[-1] == phase:
+            trail.pop()
+        return RolloutOutcome(replace(state, group_phase=phase), group_phases={index: phase},
+                              trail=[(index, p) for p in trail])
     if result == "success":
+        # The runtime recaptures after every successful load when asked (DESIGN 2.4); a
+        # recapture shorter than the sampling interval is still reported as its own step.
+        last = trail[-1] if trail else state.group_phase
+        if target.cuda_graph.enabled and last != "RecapturingGraphs":
+            trail.append("RecapturingGraphs")
         progress = f"group {index} serves {target.revision}"
-        done = replace(state, group=None, started_at=None,
+        done = replace(state, group=None, started_at=None, group_phase=None,
                        message=progress if state.phase == UPDATING else state.message)
-        return RolloutOutcome(done, apply={index: target}, events=[("Normal", "GroupUpdated", progress)])
+        return RolloutOutcome(done, apply={index: target}, events=[("Normal", "GroupUpdated", progress)],
+                              trail=[(index, p) for p in trail])
     reason = f"group {index}: update to {target.revision} failed: {message}"
     updated = [g.index for g in groups if g.index != index and g.served == target]
     if state.phase == UPDATING and policy.rollback_on_failure and updated:
@@ -196,3 +218,15 @@ def advance(state: RolloutState | None, desired: ServedModel, groups: list[Group
         return RolloutOutcome(back, events=[("Warning", "WeightUpdateFailed", reason + "; rolling back")])
     failed = RolloutState(phase=FAILED, target=state.target, previous=state.previous or group.served, message=reason)
     return RolloutOutcome(failed, events=[("Warning", "WeightUpdateFailed", reason)])
+
+
+def _trail(reported: str | None, weights_phases: list[str]) -> list[str]:
+    """Operator phases for sampled runtime phases, without repeats of the one last reported."""
+    trail: list[str] = []
+    last = reported
+    for weights_phase in weights_phases:
+        phase = PHASE_BY_WEIGHTS_PHASE.get(weights_phase)
+        if phase is not None and phase != last:
+            trail.append(phase)
+            last = phase
+    return trail

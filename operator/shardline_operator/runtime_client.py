@@ -7,12 +7,14 @@ it is done, so the POST runs on a background thread and the reconciler polls it 
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping
 
 import httpx
 
 INFO_TIMEOUT_SECONDS = 3.0
+PHASE_POLL_SECONDS = 0.1
 
 
 class HttpLeaderClient:
@@ -21,12 +23,39 @@ class HttpLeaderClient:
     def __init__(self, max_workers: int = 4) -> None:
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="leader-update")
         self._futures: dict[str, Future] = {}
+        self._phases: dict[str, list[str]] = {}
         self._lock = threading.Lock()
 
     def start_update(self, key: str, url: str, body: Mapping[str, Any], timeout_seconds: float) -> None:
-        """Start ``POST {url}/update_weights_from_disk``; a previous request under ``key`` is forgotten."""
+        """Start ``POST {url}/update_weights_from_disk``; a previous request under ``key`` is forgotten.
+
+        A second thread samples ``weights_phase`` every 0.1 s while the request runs, so phases
+        shorter than a reconcile interval are still seen (:meth:`observed_phases`).
+        """
+        future = self._pool.submit(_post_update, url, dict(body), timeout_seconds)
         with self._lock:
-            self._futures[key] = self._pool.submit(_post_update, url, dict(body), timeout_seconds)
+            self._futures[key] = future
+            self._phases[key] = []
+        threading.Thread(target=self._sample_phases, args=(key, url, future), daemon=True,
+                         name=f"phases-{key}").start()
+
+    def _sample_phases(self, key: str, url: str, future: Future) -> None:
+        last = None
+        while not future.done():
+            phase = (self.server_info(url) or {}).get("weights_phase")
+            if phase and phase != last:
+                with self._lock:
+                    if self._futures.get(key) is not future:
+                        return
+                    self._phases.setdefault(key, []).append(phase)
+                last = phase
+            time.sleep(PHASE_POLL_SECONDS)
+
+    def observed_phases(self, key: str) -> list[str]:
+        """``weights_phase`` values seen under ``key`` since the last call, in order."""
+        with self._lock:
+            seen, self._phases[key] = self._phases.get(key, []), []
+        return seen
 
     def poll(self, key: str) -> tuple[str, str]:
         """``(state, message)``: ``pending``, ``success``, ``failure`` or ``unknown`` (no request under key)."""

@@ -21,6 +21,7 @@ class FakeLeaders:
         self.sent: list[tuple[str, str, dict]] = []
         self.results: dict[str, tuple[str, str]] = {}
         self.info: dict[str, dict] = {}
+        self.phases: dict[str, list[str]] = {}
 
     def start_update(self, key, url, body, timeout_seconds):
         self.sent.append((key, url, dict(body)))
@@ -31,6 +32,9 @@ class FakeLeaders:
 
     def server_info(self, url):
         return self.info.get(url)
+
+    def observed_phases(self, key):
+        return self.phases.pop(key, [])
 
 
 def group(index, served, make_pod, ready=True, pods=2):
@@ -62,7 +66,7 @@ def test_full_rollout_one_group_at_a_time(make_pod):
     assert out.group_phases == {0: "RecapturingGraphs"} and not out.apply
     leaders.results["ns/llama/g0"] = ("success", "")
     out = step(out.state, groups, leaders, now=2.0)
-    assert out.apply == {0: REV_B} and out.state.group is None
+    assert out.apply == {0: REV_B} and out.state.group is None and out.trail == []
     groups[0] = group(0, REV_B, make_pod)
     out = step(out.state, groups, leaders, now=3.0)
     assert out.state.group == 1 and leaders.sent[-1][0] == "ns/llama/g1"
@@ -152,3 +156,29 @@ def test_graph_change_body():
 def test_state_round_trips_through_status():
     state = RolloutState(ROLLING_BACK, REV_B, previous=REV_A, group=1, started_at=1_700_000_000.0, message="m")
     assert RolloutState.from_status(state.to_status()) == state
+
+
+def test_short_phases_are_reported_in_order(make_pod):
+    """Phases shorter than a pass (sampled by the client) come back as a trail of transitions."""
+    leaders = FakeLeaders()
+    groups = [group(0, REV_A, make_pod)]
+    out = step(None, groups, leaders, now=0.0)
+    assert out.state.group_phase == "UpdatingWeights"
+    leaders.phases["ns/llama/g0"] = ["loading", "recapturing", "serving"]
+    leaders.results["ns/llama/g0"] = ("success", "")
+    done = step(out.state, groups, leaders, now=1.0)
+    assert done.trail == [(0, "RecapturingGraphs")] and done.apply == {0: REV_B}
+
+
+def test_success_without_sampled_recapture_still_reports_it(make_pod):
+    leaders = FakeLeaders()
+    groups = [group(0, REV_A, make_pod)]
+    out = step(None, groups, leaders, now=0.0)
+    leaders.results["ns/llama/g0"] = ("success", "")
+    done = step(out.state, groups, leaders, now=1.0)
+    assert done.trail == [(0, "RecapturingGraphs")]
+    no_graphs = ServedModel(REV_B.path, REV_B.revision, CudaGraphSpec(False, 160))
+    leaders = FakeLeaders()
+    out = step(None, groups, leaders, now=0.0, target=no_graphs)
+    leaders.results["ns/llama/g0"] = ("success", "")
+    assert step(out.state, groups, leaders, now=1.0, target=no_graphs).trail == []
