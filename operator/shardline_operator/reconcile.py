@@ -127,7 +127,7 @@ class Reconciler:
 
     def _finish(self, status: dict[str, Any]) -> ReconcileResult:
         self._write(status)
-        return ReconcileResult(status, self.events)
+        return ReconcileResult(dict(self.previous), self.events)
 
     def _observe(self, spec: DeploymentSpec) -> tuple[list[GroupObservation], dict[int, GroupRecord]]:
         kube, selector = self.ctx.kube, labels.selector_labels(self.name)

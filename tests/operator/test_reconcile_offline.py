@@ -1,0 +1,172 @@
+"""reconcile.py against an in-memory API: create, health, restart rollout one group at a time (K2), scale."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from shardline_operator import labels
+from shardline_operator.reconcile import Context, reconcile
+
+from fake_kube import FakeKube
+from test_rollout_state_machine import FakeLeaders
+
+NOW = [1_700_000_000.0]
+
+
+@pytest.fixture
+def world(spec_dict):
+    kube = FakeKube()
+    ctx = Context(kube=kube, leaders=FakeLeaders(), clock=lambda: NOW[0])
+    body = {"apiVersion": "shardline.dev/v1alpha1", "kind": "InferenceDeployment",
+            "metadata": {"name": "llama", "namespace": "default", "uid": "cr-uid", "generation": 1},
+            "spec": spec_dict, "status": {}}
+
+    def run(**changes):
+        NOW[0] += 5
+        for key, value in changes.items():
+            body["spec"][key] = value
+            body["metadata"]["generation"] += 1
+        result = reconcile(ctx, copy.deepcopy(body))
+        body["status"] = result.status
+        return result
+
+    return kube, body, run
+
+
+def pod_hashes(kube):
+    return {name: p["metadata"]["annotations"][labels.ANNOTATION_RESTART_HASH] for name, p in kube.pods().items()}
+
+
+def test_create_then_ready(world):
+    kube, body, run = world
+    result = run()
+    kinds = sorted((k, n) for (k, _, n) in kube.objects)
+    assert kinds == [("PodDisruptionBudget", "llama"), ("Service", "llama"), ("Service", "llama-g0-ranks"),
+                     ("Service", "llama-g1-ranks"), ("StatefulSet", "llama-g0"), ("StatefulSet", "llama-g1")]
+    assert result.status["phase"] == "Pending"
+    assert ("Normal", "GroupCreated", "group 0: StatefulSet llama-g0") in result.events
+    kube.run_statefulsets()
+    result = run()
+    assert result.status["phase"] == "Ready" and result.status["readyReplicas"] == 2
+    assert result.status["groups"][0]["podUIDs"].keys() == {"llama-g0-0", "llama-g0-1"}
+    assert run().status["phase"] == "Ready"  # idempotent
+
+
+def test_image_change_restarts_groups_one_at_a_time_and_never_mixes(world):
+    """Field case K2 (logic): a rank-0 pod deleted mid-rollout never yields a mixed group."""
+    kube, body, run = world
+    run()
+    kube.run_statefulsets()
+    run()
+    old = set(pod_hashes(kube).values())
+    runtime = dict(body["spec"]["runtime"], image="ghcr.io/shardline/shardline-runtime:0.2.0")
+    run(runtime=runtime)
+    assert set(kube.pods()) == {"llama-g1-0", "llama-g1-1"}  # group 0 deleted, group 1 untouched
+    assert set(pod_hashes(kube).values()) == old
+    # Mid-rollout, a user deletes group 1's rank 0: the controller recreates it from group 1's
+    # (still old) template, and the operator restarts group 1 as a whole.
+    del kube.objects[("Pod", "default", "llama-g1-0")]
+    kube.run_statefulsets(ready=False)
+    hashes = pod_hashes(kube)
+    for group in ("g0", "g1"):
+        assert len({h for n, h in hashes.items() if f"-{group}-" in n}) == 1
+    result = run()
+    assert "llama-g1-0" not in kube.pods() and "llama-g1-1" not in kube.pods()
+    assert any(e[1] == "GroupRestart" and "group 1" in e[2] for e in result.events)
+    # Group 1 is not rolled before group 0 is Ready again.
+    kube.run_statefulsets(ready=False)
+    run()
+    g1_template = kube.objects[("StatefulSet", "default", "llama-g1")]["spec"]["template"]
+    assert g1_template["spec"]["containers"][0]["image"].endswith(":0.1.0")
+    for name in kube.pods():
+        kube.set_ready(name)
+    run()
+    g1_template = kube.objects[("StatefulSet", "default", "llama-g1")]["spec"]["template"]
+    assert g1_template["spec"]["containers"][0]["image"].endswith(":0.2.0")
+    assert set(kube.pods()) == {"llama-g0-0", "llama-g0-1"}
+    kube.run_statefulsets()
+    result = run()
+    assert result.status["phase"] == "Ready"
+    assert len(set(pod_hashes(kube).values())) == 1 and set(pod_hashes(kube).values()) != old
+
+
+def test_crash_loop_backs_off_then_fails_and_spec_edit_resets(world):
+    """Field case K4 (logic)."""
+    kube, body, run = world
+    body["spec"]["replicas"] = 1
+    body["spec"]["restartPolicy"] = {"maxGroupRestarts": 1, "backoffSeconds": 60}
+    run()
+    kube.run_statefulsets(ready=False)
+    run()
+
+    def crash():
+        pod = kube.objects[("Pod", "default", "llama-g0-1")]
+        pod["status"]["containerStatuses"] = [{"name": "runtime", "restartCount": 1, "state": {"waiting": {}},
+                                               "lastState": {"terminated": {"exitCode": 1, "message":
+                                                   "FileNotFoundError: model-00002-of-00002.safetensors listed in the index is missing\nTraceback"}}}]
+
+    crash()
+    result = run()
+    assert result.status["groups"][0]["restarts"] == 1 and "llama-g0-0" not in kube.pods()
+    kube.run_statefulsets(ready=False)
+    crash()
+    result = run()
+    assert result.status["phase"] == "Failed"
+    assert result.status["groups"][0]["message"].startswith("FileNotFoundError: model-00002")
+    assert any(e[0] == "Warning" and e[1] == "GroupFailed" for e in result.events)
+    assert run().status["phase"] == "Failed"  # stays failed, no more restarts
+    result = run(restartPolicy={"maxGroupRestarts": 3, "backoffSeconds": 60})
+    assert result.status["groups"][0]["restarts"] == 1 and result.status["phase"] != "Failed"
+
+
+def test_scale_down_removes_highest_groups(world):
+    kube, body, run = world
+    run()
+    result = run(replicas=1)
+    assert ("StatefulSet", "default", "llama-g1") not in kube.objects
+    assert ("Service", "default", "llama-g1-ranks") not in kube.objects
+    assert len(result.status["groups"]) == 1
+
+
+def test_invalid_spec_reports_failed(world):
+    kube, body, run = world
+    result = run(parallelism={"tensor": 3, "gpusPerPod": 2})
+    assert result.status["phase"] == "Failed"
+    assert "tensor (3) must be a multiple of gpusPerPod (2)" in result.status["message"]
+    assert result.events[0][:2] == ("Warning", "InvalidSpec")
+
+
+def test_in_place_rollout_through_reconcile(world):
+    kube, body, run = world
+    run()
+    kube.run_statefulsets()
+    run()
+    uids = {n: p["metadata"]["uid"] for n, p in kube.pods().items()}
+    leaders = FakeLeaders()
+    model = dict(body["spec"]["model"], path="/var/lib/shardline/models/tiny-llama/rev-b", revision="rev-b")
+    ctx = Context(kube=kube, leaders=leaders, clock=lambda: NOW[0])
+    body["spec"]["model"] = model
+    body["metadata"]["generation"] += 1
+    result = reconcile(ctx, copy.deepcopy(body))
+    body["status"] = result.status
+    assert result.status["phase"] == "UpdatingWeights" and [s[0] for s in leaders.sent] == ["default/llama/g0"]
+    leaders.results["default/llama/g0"] = ("success", "")
+    result = reconcile(ctx, copy.deepcopy(body))
+    body["status"] = result.status
+    phases = [s.get("phase") for s in kube.statuses[-2:]]
+    assert phases[0] == "RecapturingGraphs"  # the trail step is its own status write
+    annotations = kube.objects[("StatefulSet", "default", "llama-g0")]["metadata"]["annotations"]
+    assert annotations[labels.ANNOTATION_MODEL_REVISION] == "rev-b"
+    assert kube.pods()["llama-g0-0"]["metadata"]["labels"][labels.LABEL_REVISION] == "rev-b"
+    assert result.status["servedRevision"] == "rev-b,rev-a"
+    result = reconcile(ctx, copy.deepcopy(body))
+    body["status"] = result.status
+    assert [s[0] for s in leaders.sent] == ["default/llama/g0", "default/llama/g1"]
+    leaders.results["default/llama/g1"] = ("success", "")
+    body["status"] = reconcile(ctx, copy.deepcopy(body)).status
+    result = reconcile(ctx, copy.deepcopy(body))
+    assert result.status["phase"] == "Ready" and result.status["servedRevision"] == "rev-b"
+    assert {n: p["metadata"]["uid"] for n, p in kube.pods().items()} == uids  # no pod restarted
+    assert any(e[1] == "RolloutComplete" for e in result.events)
