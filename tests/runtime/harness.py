@@ -168,3 +168,34 @@ def run_tp(tp_size: int, scenarios: list[dict], out_dir, timeout_s: float = 300)
                 p.kill()
             raise TimeoutError(f"TP={tp_size} workers did not finish within {timeout_s}s")
     return [torch.load(f"{out_dir}/rank{r}.pt") for r in range(tp_size)]
+
+
+def collectives_worker(rank: int, port: int, out_dir: str, die_rank: int | None = None, timeout_s: float = 10) -> None:
+    """Join a 2-rank gloo group; exercise the collectives, or with ``die_rank`` have that rank
+    exit and the other time how long a collective takes to fail. Saves a dict per rank."""
+    import os
+
+    from shardline_runtime import distributed as D
+
+    D.init_distributed_environment(rank, 2, torch.device("cpu"), f"127.0.0.1:{port}", timeout_s=timeout_s)
+    res = {}
+    if die_rank is None:
+        x = torch.full((3,), float(rank + 1))
+        res["all_reduce"] = D.tensor_model_parallel_all_reduce(x).tolist()
+        res["all_gather"] = D.tensor_model_parallel_all_gather(torch.tensor([[rank, rank]]), dim=-1).tolist()
+        res["pyobj"] = D.broadcast_pyobj({"reqs": ["a", rank]} if rank == 0 else None)
+        res["min"] = D.all_reduce_min_int(10 + rank)
+        D.destroy_distributed_environment()
+    elif rank == die_rank:
+        os._exit(0)
+    else:
+        start = time.monotonic()
+        try:
+            for _ in range(100):
+                D.tensor_model_parallel_all_reduce(torch.ones(4))
+                time.sleep(0.05)
+            res["error"] = None
+        except Exception as e:  # the point: it must end in an error
+            res["error"] = f"{type(e).__name__}: {e}"
+        res["elapsed_s"] = time.monotonic() - start
+    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
