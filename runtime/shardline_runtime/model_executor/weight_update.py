@@ -1,7 +1,9 @@
 """In-place weight update from disk (DESIGN 2.4), for one TP rank of a running ModelRunner.
 
 Steps, each rank:
-  1. ``loading``: parse the new ``config.json``; build a complete copy of this rank's shard of
+  1. ``loading``: first the cheap header-only check (``model_loader.validate.validate_checkpoint``:
+     config, every tensor name and full checkpoint shape, shard files present and complete),
+     which fails fast without reading tensor data; then build a complete copy of this rank's shard of
      the new model on the CPU through the normal loader (which checks every shard file is there
      and every parameter is written exactly once); compare it with the live model: same
      architecture, same parameter names and shapes (the first mismatch is reported with old
@@ -65,14 +67,16 @@ def load_candidate(model_runner: Any, model_path: str, load_format: str = "auto"
 
     Raises:
         WeightUpdateError: bad ``load_format``, or the architecture differs.
-        ModelConfigError / CheckpointError / OSError: from the config parser and the loader.
+        CheckpointError / ModelConfigError / OSError: from the validator, parser and loader.
     """
     from shardline_runtime.configs.model_config import ModelConfig
     from shardline_runtime.model_loader.loader import load_model
+    from shardline_runtime.model_loader.validate import validate_checkpoint
 
     if load_format not in LOAD_FORMATS:
         raise WeightUpdateError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     live = model_runner.model_config
+    validate_checkpoint(model_path, live)
     new_config = ModelConfig.from_pretrained(
         model_path, dtype=_dtype_name(live.dtype), context_length=model_runner.config.context_length,
         device_type=torch.device(model_runner.device).type,
