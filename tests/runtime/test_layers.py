@@ -1,0 +1,110 @@
+"""Parallel layers' weight loaders take the right shard; RMSNorm and RoPE frequencies equal
+transformers' own computation."""
+
+import pytest
+import torch
+
+from shardline_runtime.layers.layernorm import RMSNorm
+from shardline_runtime.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    ShardShapeError,
+)
+from shardline_runtime.layers.rotary_embedding import compute_inv_freq
+from shardline_runtime.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+
+def test_qkv_shards_and_replicates_kv_heads():
+    hidden, d = 8, 2
+    q = torch.arange(16 * d * hidden, dtype=torch.float32).view(16 * d, hidden)
+    k = torch.arange(2 * d * hidden, dtype=torch.float32).view(2 * d, hidden) + 1000
+    v = k + 1000
+    for rank in range(4):
+        layer = QKVParallelLinear(hidden, d, 16, 2, tp_rank=rank, tp_size=4)
+        assert (layer.num_heads, layer.num_kv_heads) == (4, 1)
+        for sid, t in (("q", q), ("k", k), ("v", v)):
+            layer.weight.weight_loader(layer.weight, t, sid)
+        w = layer.weight
+        assert torch.equal(w[: 4 * d], q[rank * 4 * d:(rank + 1) * 4 * d])
+        kv_head = rank // 2  # 4 ranks share 2 KV heads: ranks 0,1 -> head 0; 2,3 -> head 1
+        assert torch.equal(w[4 * d: 5 * d], k[kv_head * d:(kv_head + 1) * d])
+        assert torch.equal(w[5 * d:], v[kv_head * d:(kv_head + 1) * d])
+
+
+def test_merged_gate_up_and_row_parallel_shards():
+    gate = torch.randn(8, 4)
+    up = torch.randn(8, 4)
+    layer = MergedColumnParallelLinear(4, [8, 8], tp_rank=1, tp_size=2)
+    layer.weight.weight_loader(layer.weight, gate, 0)
+    layer.weight.weight_loader(layer.weight, up, 1)
+    assert torch.equal(layer.weight, torch.cat([gate[4:], up[4:]]))
+    down = torch.randn(4, 8)
+    row = RowParallelLinear(8, 4, bias=True, tp_rank=1, tp_size=2)
+    row.weight.weight_loader(row.weight, down)
+    bias = torch.randn(4)
+    row.bias.weight_loader(row.bias, bias)
+    assert torch.equal(row.weight, down[:, 4:]) and torch.equal(row.bias, bias)
+
+
+def test_tp1_linears_equal_dense():
+    x = torch.randn(3, 4)
+    w, b = torch.randn(6, 4), torch.randn(6)
+    col = ColumnParallelLinear(4, 6, bias=True, tp_rank=0, tp_size=1)
+    col.weight.weight_loader(col.weight, w)
+    col.bias.weight_loader(col.bias, b)
+    assert torch.allclose(col(x), x @ w.T + b)
+
+
+def test_wrong_shape_names_both_shapes():
+    layer = ColumnParallelLinear(4, 6, tp_rank=0, tp_size=2)
+    with pytest.raises(ShardShapeError, match=r"checkpoint shape \(6, 5\), expected \(6, 4\)"):
+        layer.weight.weight_loader(layer.weight, torch.zeros(6, 5))
+
+
+def test_vocab_parallel_embedding_pads_last_rank_with_zero_rows():
+    table = torch.randn(5, 3)
+    ranks = [VocabParallelEmbedding(5, 3, tp_rank=r, tp_size=2) for r in range(2)]
+    for emb in ranks:
+        emb.weight.weight_loader(emb.weight, table)
+    assert [(e.vocab_start_index, e.vocab_end_index) for e in ranks] == [(0, 3), (3, 6)]
+    assert torch.equal(ranks[1].weight[:2], table[3:]) and ranks[1].weight[2].abs().sum() == 0
+    head = ParallelLMHead(5, 3, tp_rank=0, tp_size=1)
+    with pytest.raises(RuntimeError, match="LogitsProcessor"):
+        head(torch.tensor([1]))
+
+
+def test_rmsnorm_matches_transformers():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    x = torch.randn(5, 16) * 3
+    ours, ref = RMSNorm(16, 1e-5), LlamaRMSNorm(16, eps=1e-5)
+    w = torch.randn(16)
+    ours.weight.data.copy_(w)
+    ref.weight.data.copy_(w)
+    assert torch.equal(ours(x), ref(x))
+    r = torch.randn(5, 16)
+    normed, residual = ours(x, r)
+    assert torch.equal(residual, x + r) and torch.equal(normed, ref(x + r))
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 0.5,
+     "beta_fast": 8, "beta_slow": 2, "truncate": False},
+])
+def test_inv_freq_equals_transformers(rope):
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from shardline_runtime.configs.model_config import parse_rope_parameters
+
+    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=128,
+                                   rope_scaling=dict(rope))
+    ref_inv, ref_scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](cfg, "cpu")
+    ours_inv, ours_scale = compute_inv_freq(parse_rope_parameters(cfg.to_dict()), 16)
+    assert torch.equal(ours_inv, ref_inv)
+    assert ours_scale == pytest.approx(ref_scale, rel=0, abs=0)
