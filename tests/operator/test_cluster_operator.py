@@ -1,0 +1,228 @@
+"""The operator against a real kube-apiserver (local cluster, marker ``cluster``).
+
+The operator runs as the Helm chart's Deployment pod (run by the node agent under the chart's
+ServiceAccount and RBAC). The InferenceDeployments here pin their pods to a node without a
+node agent; ``FakeKubelet`` plays kubelet for it, so each test decides whether pods get Ready
+or crash, while the scheduler, StatefulSet, EndpointSlice and garbage-collector controllers
+are the real ones. Field cases K1, K2, K4, K5.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fake_kubelet import NODE, FakeKubelet, ensure_node
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+NAMESPACE = "operator-it"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+class Operator:
+    def __init__(self, cluster):
+        self.cluster, self.client = cluster, cluster.client()
+
+    def kubectl(self, *args, **kw):
+        return self.cluster.kubectl(*args, "-n", NAMESPACE, **kw)
+
+    def apply(self, doc, check=True, dry_run=False):
+        extra = ["--dry-run=server", "-o", "json"] if dry_run else []
+        return self.kubectl("apply", *extra, "-f", "-", input=yaml.safe_dump(doc), check=check)
+
+    def get(self, name):
+        return self.client.get(f"/apis/shardline.dev/v1alpha1/namespaces/{NAMESPACE}/inferencedeployments/{name}",
+                               ok_missing=True)
+
+    def status(self, name):
+        return (self.get(name) or {}).get("status") or {}
+
+    def pods(self, name):
+        items = self.client.get(f"/api/v1/namespaces/{NAMESPACE}/pods",
+                                params={"labelSelector": f"shardline.dev/deployment={name}"})["items"]
+        return {p["metadata"]["name"]: p for p in items}
+
+    def wait_phase(self, name, phase, timeout=90):
+        return wait_for(lambda: self.status(name).get("phase") == phase and self.status(name), timeout,
+                        f"{name} phase {phase}")
+
+
+def deployment(name, **spec):
+    body = {
+        "replicas": 1,
+        "model": {"name": "tiny-llama", "path": "/var/lib/shardline/models/tiny-llama/rev-a", "revision": "rev-a",
+                  "volume": {"hostPath": {"path": "/var/lib/shardline/models", "type": "DirectoryOrCreate"}}},
+        "parallelism": {"tensor": 2, "gpusPerPod": 1},
+        "runtime": {"image": "ghcr.io/shardline/shardline-runtime:0.1.0"},
+        "scheduling": {"nodeSelector": {"kubernetes.io/hostname": NODE}},
+        "restartPolicy": {"maxGroupRestarts": 3, "backoffSeconds": 1},
+    }
+    body.update(spec)
+    return {"apiVersion": "shardline.dev/v1alpha1", "kind": "InferenceDeployment",
+            "metadata": {"name": name, "namespace": NAMESPACE}, "spec": body}
+
+
+@pytest.fixture(scope="module")
+def op(kube_cluster):
+    from hack.scenario.operator_install import install_operator, operator_logs
+
+    install_operator(kube_cluster)
+    operator = Operator(kube_cluster)
+    ensure_node(operator.client)
+    kube_cluster.kubectl("create", "namespace", NAMESPACE, check=False)
+    operator.kubelet = FakeKubelet(operator.client, NAMESPACE).start()
+    operator.logs = lambda: operator_logs(kube_cluster)
+    yield operator
+    operator.kubelet.stop()
+    kube_cluster.kubectl("delete", "infd", "--all", "-n", NAMESPACE, "--wait=false", check=False)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"parallelism": {"tensor": 3, "gpusPerPod": 2}}, "must be a multiple of spec.parallelism.gpusPerPod"),
+    ({"replicas": -1}, "spec.replicas"),
+    ({"runtime": {"image": "r:1", "dtype": "int4"}}, "spec.runtime.dtype"),
+    ({"runtime": {"image": "r:1", "args": ["--tp-size=4"]}}, "must not set a flag the operator renders"),
+    ({"runtime": {"image": "r:1", "env": [{"name": "POD_IP", "value": "1.2.3.4"}]}}, "must not set POD_IP"),
+    ({"runtime": {"image": "r:1", "resources": {"limits": {"nvidia.com/gpu": 2}}}}, "must not set nvidia.com/gpu"),
+    ({"runtime": {"image": "r:1", "memFractionStatic": 0}}, "spec.runtime.memFractionStatic"),
+    ({"runtime": {}}, "spec.runtime.image"),
+    ({"model": {"name": "m", "path": "relative"}}, "spec.model.path"),
+    ({"model": {"name": "m", "path": "/elsewhere/m", "volume": {"hostPath": {"path": "/x"}}}},
+     "must be inside spec.model.mountPath"),
+    ({"weightUpdate": {"strategy": "Rolling"}}, "spec.weightUpdate.strategy"),
+])
+def test_api_server_rejects_invalid_specs(op, change, message):
+    proc = op.apply(deployment("invalid", **change), check=False, dry_run=True)
+    assert proc.returncode != 0, proc.stdout
+    assert message in proc.stderr, proc.stderr
+
+
+def test_api_server_rejects_long_names_and_applies_defaults(op):
+    proc = op.apply(deployment("n" * 41), check=False, dry_run=True)
+    assert proc.returncode != 0 and "at most 40 characters" in proc.stderr
+    accepted = json.loads(op.apply(deployment("defaults"), dry_run=True).stdout)["spec"]
+    assert accepted["weightUpdate"] == {"strategy": "InPlace", "timeoutSeconds": 900, "rollbackOnFailure": True}
+    assert accepted["runtime"]["cudaGraph"] == {"enabled": True, "maxBatchSize": 160}
+    assert accepted["service"] == {"type": "ClusterIP", "port": 8000}
+
+
+def test_children_status_columns_endpoints_and_delete(op):
+    """A valid CR gets its children (owned), status (K5), printer columns; K1; deletion cascades."""
+    op.kubelet.ready = lambda pod: False
+    op.apply(deployment("basic"))
+    uid = op.get("basic")["metadata"]["uid"]
+    children = [("statefulsets", "basic-g0"), ("services", "basic-g0-ranks"), ("services", "basic"),
+                ("poddisruptionbudgets", "basic")]
+    for kind, name in children:
+        obj = json.loads(wait_for(lambda: op.kubectl("get", kind, name, "-o", "json", check=False).stdout, 60,
+                                  f"{kind}/{name}"))
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
+    # K1: the rank Service publishes both ranks (with DNS hostnames) before any is Ready.
+    def rank_endpoints():
+        slices = op.client.get(f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices",
+                               params={"labelSelector": "kubernetes.io/service-name=basic-g0-ranks"})["items"]
+        return sorted(e.get("hostname") for s in slices for e in s.get("endpoints") or [])
+    assert wait_for(lambda: rank_endpoints() == ["basic-g0-0", "basic-g0-1"], 60, "rank endpoints")
+    assert all(not any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"]["conditions"])
+               for p in op.pods("basic").values())
+    op.wait_phase("basic", "Initializing")
+    op.kubelet.ready = lambda pod: True
+    status = op.wait_phase("basic", "Ready")
+    # K5: everything the operator writes survived the API server's pruning.
+    for key in ("phase", "message", "observedGeneration", "replicas", "readyReplicas", "selector",
+                "servedRevision", "targetRevision", "groups", "conditions", "restartBudgetGeneration"):
+        assert key in status, key
+    group = status["groups"][0]
+    assert set(group) >= {"index", "phase", "pods", "readyPods", "revision", "restarts", "podUIDs", "message"}
+    assert sorted(group["podUIDs"]) == ["basic-g0-0", "basic-g0-1"]
+    assert {c["type"] for c in status["conditions"]} == {"Ready", "Progressing", "WeightsUpdated",
+                                                          "GraphsCaptured", "Degraded"}
+    lines = op.kubectl("get", "infd", "basic").stdout.splitlines()
+    assert lines[0].split() == ["NAME", "MODEL", "TP", "REPLICAS", "READY", "PHASE", "REVISION", "AGE"]
+    assert lines[1].split()[:7] == ["basic", "tiny-llama", "2", "1", "1", "Ready", "rev-a"]
+    # The client Service selects the group leader only.
+    def client_endpoints():
+        slices = op.client.get(f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices",
+                               params={"labelSelector": "kubernetes.io/service-name=basic"})["items"]
+        return sorted(e["targetRef"]["name"] for s in slices for e in s.get("endpoints") or [])
+    assert wait_for(lambda: client_endpoints() == ["basic-g0-0"], 60, "client endpoints")
+    # Scale through the scale subresource.
+    op.kubectl("scale", "infd", "basic", "--replicas", "2")
+    wait_for(lambda: op.status("basic").get("readyReplicas") == 2 and op.status("basic").get("phase") == "Ready",
+             90, "two ready groups")
+    assert sorted(op.pods("basic")) == ["basic-g0-0", "basic-g0-1", "basic-g1-0", "basic-g1-1"]
+    op.kubectl("delete", "infd", "basic", "--timeout=60s")
+    wait_for(lambda: not op.kubectl("get", "statefulsets,services,pods,poddisruptionbudgets", "-o", "name",
+                                    "-l", "shardline.dev/deployment=basic").stdout.strip(), 90, "children deleted")
+
+
+def test_k2_image_change_never_mixes_revisions(op):
+    op.kubelet.ready = lambda pod: True
+    op.apply(deployment("mixed", replicas=2))
+    op.wait_phase("mixed", "Ready")
+    doc = deployment("mixed", replicas=2)
+    doc["spec"]["runtime"]["image"] = "ghcr.io/shardline/shardline-runtime:0.2.0"
+    op.apply(doc)
+    seen_new_g1_before_g0_ready = []
+    deleted = False
+    deadline = time.monotonic() + 120
+    while True:
+        pods = [p for p in op.pods("mixed").values() if not p["metadata"].get("deletionTimestamp")]
+        for group in ("0", "1"):
+            images = {p["spec"]["containers"][0]["image"] for p in pods
+                      if p["metadata"]["labels"]["shardline.dev/group"] == group}
+            assert len(images) <= 1, f"group {group} runs two images: {images}"
+        new = {p["metadata"]["name"] for p in pods if p["spec"]["containers"][0]["image"].endswith(":0.2.0")}
+        g0_ready = {"mixed-g0-0", "mixed-g0-1"} <= new and all(
+            any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])
+            for p in pods if p["metadata"]["name"].startswith("mixed-g0-"))
+        if any(n.startswith("mixed-g1-") for n in new) and not g0_ready:
+            seen_new_g1_before_g0_ready.append(sorted(new))
+        if not deleted and any(n.startswith("mixed-g0-") for n in new):
+            op.kubectl("delete", "pod", "mixed-g1-0", "--wait=false")  # a rank-0 pod dies mid-rollout
+            deleted = True
+        if len(new) == 4 and op.status("mixed").get("phase") == "Ready":
+            break
+        assert time.monotonic() < deadline, f"rollout did not finish: {op.status('mixed')}\n{op.logs()}"
+        time.sleep(0.3)
+    assert not seen_new_g1_before_g0_ready, "group 1 rolled before group 0 was Ready again"
+    assert [g["revision"] for g in op.status("mixed")["groups"]] == ["rev-a", "rev-a"]
+
+
+def test_k4_crash_loop_fails_with_first_error_line_and_spec_edit_resets(op):
+    line = "FileNotFoundError: model-00002-of-00002.safetensors (listed in model.safetensors.index.json) is missing"
+    op.kubelet.crash = lambda pod: f"{line}\nTraceback (most recent call last):" \
+        if pod["metadata"]["name"].endswith("-1") and pod["metadata"]["labels"]["shardline.dev/deployment"] == "crashy" \
+        else None
+    doc = deployment("crashy", restartPolicy={"maxGroupRestarts": 2, "backoffSeconds": 1})
+    op.apply(doc)
+    status = op.wait_phase("crashy", "Failed", timeout=120)
+    assert status["groups"][0]["restarts"] == 2
+    assert status["groups"][0]["message"] == line
+    assert line in status["message"]
+    events = op.kubectl("get", "events", "--field-selector", "involvedObject.name=crashy", "-o", "json").stdout
+    reasons = [e["reason"] for e in json.loads(events)["items"]]
+    assert "GroupRestart" in reasons and "GroupFailed" in reasons
+    time.sleep(5)
+    assert op.status("crashy")["groups"][0]["restarts"] == 2  # no restarts past the budget
+    op.kubelet.crash = lambda pod: None
+    doc["spec"]["restartPolicy"] = {"maxGroupRestarts": 3, "backoffSeconds": 1}
+    op.apply(doc)
+    status = op.wait_phase("crashy", "Ready", timeout=120)
+    assert status["groups"][0]["restarts"] <= 1
