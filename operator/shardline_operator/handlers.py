@@ -46,7 +46,12 @@ def _run(body: kopf.Body, logger: kopf.Logger) -> None:
         raise kopf.TemporaryError("operator is starting", delay=1)
     with _lock_for(body.metadata.uid or ""):
         try:
-            result = reconcile(_context, body)
+            # Read the object again under the lock: the body Kopf hands over can predate the
+            # status another handler of this object has just written.
+            fresh = _context.kube.get_deployment(body.metadata.namespace, body.metadata.name)
+            if fresh is None or fresh["metadata"].get("deletionTimestamp"):
+                return
+            result = reconcile(_context, fresh)
         except KubeError as exc:
             if exc.status == 404:  # the object was deleted meanwhile
                 return

@@ -123,6 +123,16 @@ class KubeClient:
             path = f"{path}/{subresource}"
         return self.request("PATCH", path, body=dict(patch), content_type="application/merge-patch+json")
 
+    def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The ``InferenceDeployment`` as stored now, or None when it is gone."""
+        path = resource_path(f"{labels.API_GROUP}/{labels.API_VERSION}", labels.KIND, namespace, name)
+        try:
+            return self.request("GET", path)
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
     def patch_deployment_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> dict[str, Any]:
         """Merge-patch ``status`` of an ``InferenceDeployment`` (None values delete fields)."""
         return self.merge_patch(f"{labels.API_GROUP}/{labels.API_VERSION}", labels.KIND, namespace, name,
