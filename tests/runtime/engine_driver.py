@@ -16,14 +16,16 @@ from shardline_runtime.server_args import ServerArgs
 
 
 def make_worker(
-    model_path, max_total_tokens: int = 4096, max_running_requests: int = 16, device_override: str = "cpu", **kwargs
+    model_path, max_total_tokens: int = 4096, max_running_requests: int = 16, device_override: str = "cpu",
+    tp_rank: int = 0, **kwargs
 ) -> TpModelWorker:
-    """A TP=1 worker on ``device_override`` (``cpu`` by default); ``kwargs`` go to ``ServerArgs``."""
+    """A worker of TP rank ``tp_rank`` on ``device_override`` (``cpu`` by default); ``kwargs`` go
+    to ``ServerArgs`` (e.g. ``tp_size``, ``dist_init_addr``)."""
     args = ServerArgs(
         model_path=str(model_path), device=device_override, max_total_tokens=max_total_tokens,
         max_running_requests=max_running_requests, **kwargs,
     )
-    return TpModelWorker(args, 0)
+    return TpModelWorker(args, tp_rank)
 
 
 def run_engine(worker, prompts, params, mixed: bool = True, chunk: int | None = None, eos_token_ids=()):
@@ -93,3 +95,34 @@ def hf_greedy(model_path, prompts, max_new_tokens: int):
             )
             outs.append(gen[0, len(p):].tolist())
     return outs
+
+
+def tp_rank_main(rank: int, tp_size: int, port: int, path_a: str, path_b: str, prompts, out_dir: str) -> None:
+    """One TP rank (spawned): sampled generation, a weight update that fails on rank 1 only,
+    then a real update A -> B; saves what it saw to ``out_dir/rank<rank>.pt``."""
+    import os
+
+    from shardline_runtime.distributed import destroy_distributed_environment
+    from shardline_runtime.model_executor import weight_update
+
+    torch.set_num_threads(1)
+    worker = make_worker(path_a, tp_rank=rank, tp_size=tp_size, dist_init_addr=f"127.0.0.1:{port}", random_seed=7 + rank)
+    res = {"seed": worker.random_seed}
+    sampled = [SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True),
+               SamplingParams(temperature=0.9, top_k=20, max_new_tokens=8, seed=11, ignore_eos=True)]
+    res["sampled"] = run_engine(worker, prompts[:2], sampled)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    res["greedy_a"] = run_engine(worker, prompts, greedy)
+    real_load = weight_update.load_candidate
+    if rank == 1:
+        def failing(*args, **kwargs):
+            raise OSError("disk error injected on rank 1")
+        weight_update.load_candidate = failing
+    res["failed_update"] = worker.update_weights_from_disk(path_b, revision="b")
+    weight_update.load_candidate = real_load
+    res["phase_after_failure"] = worker.weights_phase.value
+    res["greedy_after_failure"] = run_engine(worker, prompts, greedy)
+    res["update"] = worker.update_weights_from_disk(path_b, revision="b")
+    res["greedy_b"] = run_engine(worker, prompts, greedy)
+    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+    destroy_distributed_environment()
