@@ -88,7 +88,7 @@ class LogitsProcessor(nn.Module):
             vals, idxs = [], []
             for lp, k in zip(per_req, tops):
                 k = min(max(k, 0), self.vocab_size)
-                v, i = lp.topk(k, dim=-1) if k else (lp.new_zeros(lp.shape[0], 0), torch.zeros(lp.shape[0], 0, dtype=torch.int64))
+                v, i = lp.topk(k, dim=-1) if k else (lp.new_zeros(lp.shape[0], 0), torch.zeros(lp.shape[0], 0, dtype=torch.int64, device=lp.device))
                 vals.append(v)
                 idxs.append(i)
             out.input_top_logprobs_val, out.input_top_logprobs_idx = vals, idxs

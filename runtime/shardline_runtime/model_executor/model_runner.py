@@ -211,6 +211,10 @@ class ModelRunner:
         self.cuda_graph_runner = None
         if self.device.type != "cuda" or self.config.disable_cuda_graph:
             return
+        if self.model_config.rope_parameters["rope_type"] == "dynamic":
+            # dynamic NTK recomputes frequencies from the step's longest position (a host sync)
+            logger.warning("[tp %d] CUDA graphs disabled: rope_type 'dynamic' depends on each step's positions", self.tp_rank)
+            return
         from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner
 
         self.cuda_graph_runner = CudaGraphRunner(self)
