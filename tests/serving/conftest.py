@@ -2,26 +2,48 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 from serving_server import CONTEXT, POOL, start_server
 
 
 @pytest.fixture(scope="session")
-def serving_checkpoint(tiny_checkpoint):
-    """Tiny llama (seed 0) with a 4096-token context."""
-    return tiny_checkpoint("llama", 0, max_position_embeddings=CONTEXT)
+def checkpoint_dir():
+    """A directory outside pytest's rotating basetemp (concurrent pytest runs on this machine
+    prune old basetemps, which would delete a checkpoint under a running server)."""
+    path = Path(tempfile.mkdtemp(prefix="shardline-serving-tests-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _checkpoint(root: Path, name: str, seed: int, **overrides) -> Path:
+    from shardline_runtime.tiny_checkpoint import make_tiny_checkpoint
+
+    path = root / name
+    if not (path / "config.json").exists():
+        make_tiny_checkpoint(path, arch="llama", seed=seed, **overrides)
+    return path
 
 
 @pytest.fixture(scope="session")
-def serving_checkpoint_b(tiny_checkpoint):
+def serving_checkpoint(checkpoint_dir):
+    """Tiny llama (seed 0) with a 4096-token context: revision A."""
+    return _checkpoint(checkpoint_dir, "rev-a", 0, max_position_embeddings=CONTEXT)
+
+
+@pytest.fixture(scope="session")
+def serving_checkpoint_b(checkpoint_dir):
     """Same architecture, other weights (seed 1): revision B."""
-    return tiny_checkpoint("llama", 1, max_position_embeddings=CONTEXT)
+    return _checkpoint(checkpoint_dir, "rev-b", 1, max_position_embeddings=CONTEXT)
 
 
 @pytest.fixture(scope="session")
-def server(serving_checkpoint, tmp_path_factory):
+def server(serving_checkpoint, checkpoint_dir):
     """One shared server: pool 2048 tokens, context 4096, revision ``rev-a``."""
-    srv = start_server(serving_checkpoint, tmp_path_factory.mktemp("server"), "--max-total-tokens", str(POOL),
+    srv = start_server(serving_checkpoint, checkpoint_dir, "--max-total-tokens", str(POOL),
                        "--revision", "rev-a", "--served-model-name", "tiny-llama")
     yield srv
     srv.stop()
