@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         asyncio.run(kopf.operator(
             clusterwide=not args.namespace,
-            namespaces=args.namespace or None,
+            namespaces=args.namespace,
             standalone=True,
             liveness_endpoint=args.liveness_endpoint,
         ))
