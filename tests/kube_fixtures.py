@@ -9,6 +9,7 @@ Set ``SHARDLINE_CLUSTER_DIR`` to the state directory of a cluster started with
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -31,3 +32,21 @@ def kube_cluster(tmp_path_factory) -> LocalCluster:
         yield cluster
     finally:
         cluster.stop()
+
+
+@contextlib.contextmanager
+def agent_nodes_only(cluster: LocalCluster):
+    """Cordon, for the duration, every node the node agent does not serve (e.g. the operator
+    tests' fake-kubelet node), so pods of the block only land where processes really run."""
+    client = cluster.client()
+    foreign = [n["metadata"]["name"] for n in client.get("/api/v1/nodes")["items"]
+               if n["metadata"]["name"] not in cluster.nodes
+               and not n.get("spec", {}).get("unschedulable")]
+    for name in foreign:
+        client.merge_patch(f"/api/v1/nodes/{name}", {"spec": {"unschedulable": True}})
+    try:
+        yield
+    finally:
+        for name in foreign:
+            client.merge_patch(f"/api/v1/nodes/{name}", {"spec": {"unschedulable": None}})
+        client.close()

@@ -72,7 +72,8 @@ class Agent:
         HOSTNAME, GLOO_SOCKET_IFNAME=lo (gloo on loopback), one thread per process, and
         KUBECONFIG with a TokenRequest token of the pod's ServiceAccount when one exists."""
         env = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL", "PYTHONPATH",
-                                          "VIRTUAL_ENV", "SHARDLINE_CACHE") if k in os.environ}
+                                          "VIRTUAL_ENV", "SHARDLINE_CACHE",
+                                          "PYENV_ROOT", "PYENV_VERSION") if k in os.environ}
         env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
         tmp = workdir / "tmp"
         tmp.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,8 @@ import httpx
 import pytest
 import yaml
 
+from tests.kube_fixtures import agent_nodes_only
+
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
@@ -37,7 +39,8 @@ def get_json(kube, *args):
 def namespace(kube_cluster):
     name = f"smoke-{uuid.uuid4().hex[:6]}"
     kube_cluster.kubectl("create", "namespace", name)
-    yield name
+    with agent_nodes_only(kube_cluster):
+        yield name
     kube_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 

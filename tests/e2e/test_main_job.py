@@ -19,6 +19,7 @@ from hack.scenario.models import write_revisions
 from hack.scenario.operator_install import install_operator, operator_logs
 from hack.scenario.serving import chat, leader_ip
 from hack.scenario.status_watch import StatusWatcher
+from tests.kube_fixtures import agent_nodes_only
 
 from hack.scenario.examples import tp2_example
 
@@ -70,7 +71,8 @@ def job(kube_cluster, request):
     kube_cluster.kubectl("create", "namespace", ns, check=False)
     job = Job(kube_cluster, ns, doc["metadata"]["name"], doc["spec"]["model"]["name"], revisions)
     job.example_path = path
-    yield job
+    with agent_nodes_only(kube_cluster):
+        yield job
     job.watch.stop()
     kube_cluster.kubectl("delete", "infd", "--all", "-n", ns, "--wait=false", check=False)
 
