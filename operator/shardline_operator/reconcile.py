@@ -148,15 +148,26 @@ class Reconciler:
         reset = self.previous.get("restartBudgetGeneration") != self.generation
         old = {item.get("index"): item for item in self.previous.get("groups") or []}
         groups, records = [], {}
+        new_group_model = self._new_group_model(spec, statefulsets)
         for index in range(spec.replicas):
             record = record_from_status(old.get(index))
             records[index] = GroupRecord(pod_uids=record.pod_uids) if reset else record
             sts = statefulsets.get(index)
             if sts is None:
-                sts = kube.apply(build_statefulset(spec, index, ServedModel.desired(spec)))
+                sts = kube.apply(build_statefulset(spec, index, new_group_model))
                 self.events.append(("Normal", "GroupCreated", f"group {index}: StatefulSet {sts['metadata']['name']}"))
             groups.append(GroupObservation(index, spec.parallelism.pods_per_group, sts, tuple(pods.get(index, []))))
         return groups, records
+
+    def _new_group_model(self, spec: DeploymentSpec, statefulsets: Mapping[int, Any]) -> ServedModel:
+        """What a group created now loads: the spec's model, except while a rollout is
+        unfinished (or failed), when it joins the lowest existing group and is rolled with the rest."""
+        if RolloutState.from_status(self.previous.get("rollout")) is not None:
+            for index in sorted(statefulsets):
+                served = GroupObservation(index, 0, statefulsets[index], ()).served
+                if served is not None and index < spec.replicas:
+                    return served
+        return ServedModel.desired(spec)
 
     def _delete_pods(self, group: GroupObservation) -> None:
         for pod in group.pods:

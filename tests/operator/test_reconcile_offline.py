@@ -170,3 +170,29 @@ def test_in_place_rollout_through_reconcile(world):
     assert result.status["phase"] == "Ready" and result.status["servedRevision"] == "rev-b"
     assert {n: p["metadata"]["uid"] for n, p in kube.pods().items()} == uids  # no pod restarted
     assert any(e[1] == "RolloutComplete" for e in result.events)
+
+
+def test_group_added_after_a_failed_rollout_joins_the_served_model(world):
+    kube, body, run = world
+    body["spec"]["replicas"] = 1
+    leaders = FakeLeaders()
+    ctx = Context(kube=kube, leaders=leaders, clock=lambda: NOW[0])
+    body["status"] = reconcile(ctx, copy.deepcopy(body)).status
+    kube.run_statefulsets()
+    body["status"] = reconcile(ctx, copy.deepcopy(body)).status
+    body["spec"]["model"] = dict(body["spec"]["model"], path="/var/lib/shardline/models/tiny-llama/rev-broken",
+                                 revision="rev-broken")
+    body["metadata"]["generation"] += 1
+    body["status"] = reconcile(ctx, copy.deepcopy(body)).status
+    leaders.results["default/llama/g0"] = ("failure", "embed_tokens.weight: shape [64, 128] != [64, 64]")
+    status = reconcile(ctx, copy.deepcopy(body)).status
+    body["status"] = status
+    weights = next(c for c in status["conditions"] if c["type"] == "WeightsUpdated")
+    assert weights["status"] == "False" and "shape [64, 128]" in weights["message"]
+    assert status["servedRevision"] == "rev-a" and status["phase"] == "Degraded"
+    body["spec"]["replicas"] = 2
+    body["metadata"]["generation"] += 1
+    status = reconcile(ctx, copy.deepcopy(body)).status
+    annotations = kube.objects[("StatefulSet", "default", "llama-g1")]["metadata"]["annotations"]
+    assert annotations[labels.ANNOTATION_MODEL_REVISION] == "rev-a"
+    assert len(leaders.sent) == 1  # the failed target is not retried
