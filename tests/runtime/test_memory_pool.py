@@ -24,6 +24,11 @@ def test_allocator_never_hands_out_dummy_slot_and_returns_none_when_full():
     assert alloc.alloc(4) is None and alloc.available_size() == 3
     with pytest.raises(ValueError, match=r"\[1, 8\]"):
         alloc.free(torch.tensor([0]))
+    with pytest.raises(ValueError, match="double free"):
+        alloc.free(got[:1])
+    with pytest.raises(ValueError, match="double free"):
+        alloc.free(torch.tensor([int(got[5]), int(got[5])]))
+    assert alloc.available_size() == 3
 
 
 def test_req_to_token_pool_rows():

@@ -171,4 +171,7 @@ class RowParallelLinear(_TPLinear):
         y = F.linear(x, self.weight)  # (T, out) partial sum over this rank's input columns
         if self.reduce_results:
             y = tensor_model_parallel_all_reduce(y)
-        return y + self.bias if self.bias is not None else y
+        # the bias is added once: after the all-reduce, or (unreduced) by rank 0 only
+        if self.bias is not None and (self.reduce_results or self.tp_rank == 0):
+            y = y + self.bias
+        return y

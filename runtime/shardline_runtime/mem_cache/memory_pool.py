@@ -161,6 +161,8 @@ class TokenToKVPoolAllocator:
     def clear(self) -> None:
         """Free every slot."""
         self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
+        self.is_free = torch.ones(self.size + 1, dtype=torch.bool, device=self.device)
+        self.is_free[0] = False
 
     def available_size(self) -> int:
         """Number of free slots."""
@@ -173,17 +175,22 @@ class TokenToKVPoolAllocator:
         if need_size > self.free_slots.shape[0]:
             return None
         out, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
+        self.is_free[out] = False
         return out
 
     def free(self, indices: torch.Tensor) -> None:
         """Return slots to the free list.
 
         Raises:
-            ValueError: an index is the dummy slot 0 or beyond ``size``.
+            ValueError: an index is the dummy slot 0, beyond ``size``, already free, or repeated
+                (a double free would hand one slot to two requests).
         """
         if indices.numel() == 0:
             return
         indices = indices.to(self.device, torch.int64).flatten()
         if int(indices.min()) < 1 or int(indices.max()) > self.size:
             raise ValueError(f"KV slots to free must be in [1, {self.size}], got min {int(indices.min())} max {int(indices.max())}")
+        if bool(self.is_free[indices].any()) or indices.unique().numel() != indices.numel():
+            raise ValueError("double free of KV slots: some are already free or repeated")
+        self.is_free[indices] = True
         self.free_slots = torch.cat((self.free_slots, indices))
