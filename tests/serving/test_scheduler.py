@@ -1,0 +1,166 @@
+"""Scheduler in-process on a real TpModelWorker: batching equals alone, chunked prefill (S4),
+retraction under a small KV pool, prefix cache reuse, aborts free KV at once."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from shardline_runtime.managers.io_struct import AbortReq, BatchTokenIDOut, TokenizedGenerateReqInput
+from shardline_runtime.managers.scheduler import Scheduler
+from shardline_runtime.managers.tp_worker import TpModelWorker
+from shardline_runtime.sampling.sampling_params import SamplingParams
+from shardline_runtime.server_args import ServerArgs
+
+
+class _Capture:
+    """Collects what rank 0 would send to the HTTP process."""
+
+    def __init__(self):
+        self.messages = []
+
+    def send_pyobj(self, msg):
+        self.messages.append(msg)
+
+
+def make_scheduler(model_path, **overrides) -> Scheduler:
+    values = dict(model_path=str(model_path), max_total_tokens=2048, device="cpu", disable_cuda_graph=True)
+    values.update(overrides)
+    args = ServerArgs(**values)
+    scheduler = Scheduler(args, 0, TpModelWorker(args, 0))
+    scheduler.send_socket = _Capture()
+    return scheduler
+
+
+def run_to_completion(scheduler: Scheduler, max_steps: int = 20000) -> dict[str, dict]:
+    """Step the scheduler until idle; return per rid: tokens, finish reason, messages."""
+    results: dict[str, dict] = {}
+    for _ in range(max_steps):
+        batch = scheduler.get_next_batch_to_run()
+        if batch is None and scheduler.is_idle():
+            break
+        if batch is not None:
+            scheduler.process_batch_result(batch, scheduler.worker.forward_batch_generation(batch))
+    else:
+        raise AssertionError("scheduler did not finish")
+    for msg in scheduler.send_socket.messages:
+        if not isinstance(msg, BatchTokenIDOut):
+            continue
+        for i, rid in enumerate(msg.rids):
+            r = results.setdefault(rid, {"ids": [], "finish": None, "chunks": 0, "prompt_logprobs": None, "cached": 0})
+            r["ids"] += msg.output_ids[i]
+            r["chunks"] += 1
+            r["finish"] = msg.finished_reasons[i] or r["finish"]
+            r["cached"] = msg.cached_tokens[i]
+            if msg.input_token_logprobs[i] is not None:
+                r["prompt_logprobs"] = msg.input_token_logprobs[i]
+    return results
+
+
+def greedy(rid, ids, n, **kw) -> TokenizedGenerateReqInput:
+    return TokenizedGenerateReqInput(rid, list(ids), SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True), **kw)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint("llama", 0, max_position_embeddings=2048)
+
+
+def _prompts(seed: int, count: int, low: int, high: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 500) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def test_batched_equals_alone_and_kv_returns_to_baseline(ckpt):
+    prompts = _prompts(0, 12, 3, 60)
+    lengths = [random.Random(i).randint(1, 20) for i in range(len(prompts))]
+    alone = {}
+    scheduler = make_scheduler(ckpt)
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        scheduler.process_input_requests([greedy(f"r{i}", p, n)])
+        alone.update(run_to_completion(scheduler))
+        scheduler.send_socket.messages.clear()
+    scheduler = make_scheduler(ckpt, disable_radix_cache=True)
+    scheduler.process_input_requests([greedy(f"r{i}", p, n) for i, (p, n) in enumerate(zip(prompts, lengths))])
+    together = run_to_completion(scheduler)
+    for rid, r in alone.items():
+        assert together[rid]["ids"] == r["ids"], rid
+        assert len(r["ids"]) == lengths[int(rid[1:])] and r["finish"]["type"] == "length"
+    assert scheduler.kv_used_tokens() == 0 and scheduler.allocator.available_size() == scheduler.max_total_num_tokens
+    assert scheduler.req_to_token_pool.available_size() == scheduler.req_to_token_pool.size
+
+
+def test_s4_chunked_prefill_equals_unchunked(ckpt):
+    prompt = _prompts(1, 1, 300, 300)[0]
+    kw = dict(return_logprob=True, top_logprobs_num=2, logprob_start_len=0)
+    plain = make_scheduler(ckpt, chunked_prefill_size=-1)
+    plain.process_input_requests([greedy("a", prompt, 12, **kw)])
+    expected = run_to_completion(plain)["a"]
+    chunked = make_scheduler(ckpt, chunked_prefill_size=64, max_prefill_tokens=64)
+    chunked.process_input_requests([greedy("a", prompt, 12, **kw)])
+    steps_with_output = []
+    for step in range(200):
+        batch = chunked.get_next_batch_to_run()
+        if batch is None:
+            break
+        before = len(chunked.send_socket.messages)
+        chunked.process_batch_result(batch, chunked.worker.forward_batch_generation(batch))
+        steps_with_output.append(len(chunked.send_socket.messages) > before)
+    # 300 prompt tokens in chunks of 64: 4 intermediate chunks emit nothing, the 5th emits a token
+    assert steps_with_output[:5] == [False, False, False, False, True]
+    got = run_to_completion(chunked)["a"]
+    assert got["ids"] == expected["ids"]
+    assert [t for _, t in got["prompt_logprobs"]] == prompt
+    for (a, _), (b, _) in zip(got["prompt_logprobs"][1:], expected["prompt_logprobs"][1:]):
+        assert a == pytest.approx(b, abs=1e-4)
+
+
+def test_retraction_under_small_pool_is_exact(ckpt):
+    prompts = _prompts(2, 8, 20, 40)
+    big = make_scheduler(ckpt, max_total_tokens=2048)
+    big.process_input_requests([greedy(f"r{i}", p, 40) for i, p in enumerate(prompts)])
+    expected = run_to_completion(big)
+    small = make_scheduler(ckpt, max_total_tokens=256, disable_radix_cache=True)
+    small.process_input_requests([greedy(f"r{i}", p, 40) for i, p in enumerate(prompts)])
+    got = run_to_completion(small)
+    assert small.num_retractions > 0
+    assert {k: v["ids"] for k, v in got.items()} == {k: v["ids"] for k, v in expected.items()}
+    assert small.kv_used_tokens() == 0
+
+
+def test_prefix_cache_reuse_reported_and_exact(ckpt):
+    prefix = _prompts(3, 1, 100, 100)[0]
+    scheduler = make_scheduler(ckpt)
+    scheduler.process_input_requests([greedy("first", prefix + [7, 8], 6)])
+    first = run_to_completion(scheduler)["first"]
+    scheduler.send_socket.messages.clear()
+    scheduler.process_input_requests([greedy("second", prefix + [9, 10, 11], 6)])
+    second = run_to_completion(scheduler)["second"]
+    assert first["cached"] == 0 and second["cached"] == 100
+    cold = make_scheduler(ckpt, disable_radix_cache=True)
+    cold.process_input_requests([greedy("second", prefix + [9, 10, 11], 6)])
+    assert run_to_completion(cold)["second"]["ids"] == second["ids"]
+    assert scheduler.kv_used_tokens() == 0 and scheduler.tree_cache.evictable_size() > 0
+
+
+def test_abort_frees_kv_before_next_step(ckpt):
+    scheduler = make_scheduler(ckpt)
+    scheduler.process_input_requests([greedy("long", _prompts(4, 1, 50, 50)[0], 500), greedy("queued", [5, 6, 7], 5)])
+    for _ in range(3):
+        batch = scheduler.get_next_batch_to_run()
+        scheduler.process_batch_result(batch, scheduler.worker.forward_batch_generation(batch))
+    assert scheduler.kv_used_tokens() > 0
+    scheduler.process_input_requests([AbortReq("long"), AbortReq("queued")])
+    assert scheduler.kv_used_tokens() == 0 and scheduler.is_idle()
+    reasons = {rid: r["finish"]["type"] for rid, r in run_to_completion(scheduler).items()}
+    assert reasons == {"long": "abort", "queued": "abort"}
+
+
+def test_pool_clips_max_new_tokens_with_length(ckpt):
+    scheduler = make_scheduler(ckpt, max_total_tokens=300)
+    scheduler.process_input_requests([greedy("big", _prompts(5, 1, 100, 100)[0], 1000), greedy("small", [5, 6], 4)])
+    got = run_to_completion(scheduler)
+    assert got["big"]["finish"]["type"] == "length" and len(got["big"]["ids"]) == scheduler.max_req_len - 100
+    assert len(got["small"]["ids"]) == 4
+    assert scheduler.kv_used_tokens() == 0
