@@ -195,8 +195,12 @@ def build(version: str = K8S_VERSION, helm_version: str = HELM_VERSION,
     if "helm" in todo:
         minor = version.lstrip("v").split(".")[1]
         henv = dict(env, GOBIN=str(out / ".helm-gobin"))
-        flags = (f"-s -w -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1"
-                 f" -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor={minor}")
+        # The capabilities helm assumes without a cluster (template, lint) and the version
+        # its deprecation lint checks against; both default to Kubernetes 1.20.
+        flags = "-s -w " + " ".join(
+            f"-X helm.sh/helm/v3/pkg/{pkg}.k8sVersion{part}={value}"
+            for pkg in ("chartutil", "lint/rules")
+            for part, value in (("Major", "1"), ("Minor", minor)))
         _run(["go", "install", "-v", "-trimpath", "-ldflags", flags,
               f"helm.sh/helm/v3/cmd/helm@{helm_version}"], out.parent, henv, "build helm",
              quiet_lines=True)
