@@ -104,3 +104,40 @@ def test_split_prefill_equals_extend(tiny_checkpoint):
     fb.split_forward_start_layer, fb.split_forward_end_layer = 1, 2
     out = runner.forward(fb)
     assert (out.next_token_logits - whole).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("llama", {"attention_bias": True, "mlp_bias": True}),
+    ("llama", {"head_dim": 32}),
+    ("mistral", {"head_dim": 8}),
+    ("qwen3", {"attention_bias": True, "head_dim": 8}),
+    ("qwen2", {"num_key_value_heads": 4}),
+])
+def test_config_variants_match_transformers(tiny_checkpoint, arch, overrides):
+    path = tiny_checkpoint(arch, seed=5, **overrides)
+    runner = harness.make_runner(path)
+    ref = reference(path)
+    seqs = harness.new_seqs(runner, 1)
+    out = harness.extend(runner, seqs, [PROMPT])
+    assert (out.next_token_logits[0] - ref_logits(ref, PROMPT)[-1]).abs().max() <= TOL
+    out = harness.decode(runner, seqs, [42])
+    assert (out.next_token_logits[0] - ref_logits(ref, PROMPT + [42])[-1]).abs().max() <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_runner_matches_transformers_and_sizes_pool(tiny_checkpoint, arch):
+    path = tiny_checkpoint(arch)
+    free_before, total = torch.cuda.mem_get_info()
+    fraction = 1.0 - free_before / total + 0.02  # leave 2% of the GPU for the KV cache
+    runner = harness.make_runner(path, device="cuda", max_total_tokens=None, mem_fraction_static=fraction,
+                                 disable_cuda_graph=True)
+    kv_bytes = runner.token_to_kv_pool.mem_usage_bytes()
+    assert runner.max_total_num_tokens > 0 and 0 < kv_bytes <= 0.02 * total
+    ref = reference(path)
+    seqs = harness.new_seqs(runner, 1)
+    harness.extend(runner, seqs, [PROMPT[:6]])
+    out = harness.extend(runner, seqs, [PROMPT[6:]])
+    assert (out.next_token_logits[0].cpu() - ref_logits(ref, PROMPT)[-1]).abs().max() <= 1e-3
+    out = harness.decode(runner, seqs, [42])
+    assert (out.next_token_logits[0].cpu() - ref_logits(ref, PROMPT + [42])[-1]).abs().max() <= 1e-3
