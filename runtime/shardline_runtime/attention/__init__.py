@@ -1,1 +1,1 @@
-"""attention package."""
+"""Attention backends: ``torch_native_backend`` (CPU and GPU, graph-capturable decode)."""

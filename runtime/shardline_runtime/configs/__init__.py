@@ -1,1 +1,1 @@
-"""configs package."""
+"""Parsed model configuration (``ModelConfig``)."""
