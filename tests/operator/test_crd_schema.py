@@ -108,7 +108,7 @@ def test_enums_and_reserved_flags_match_the_parser():
 def defaults(node, path=""):
     found = {}
     for key, child in (node.get("properties") or {}).items():
-        if "default" in child and child["default"] != {}:
+        if "default" in child and not isinstance(child["default"], dict):
             found[f"{path}{key}"] = child["default"]
         found.update(defaults(child, f"{path}{key}."))
     return found
