@@ -83,22 +83,23 @@ class TorchNativeAttnBackend:
             return out
         req_to_token = self._req_to_token(forward_batch)
         k_buf, v_buf = kv_pool.get_kv_buffer(layer.layer_id)
-        group = layer.tp_q_head_num // layer.tp_k_head_num
         start = 0
         for i, (prefix, ext) in enumerate(zip(forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu)):
             seq_len = prefix + ext
             slots = req_to_token[forward_batch.req_pool_indices[i], :seq_len]
-            k_all = k_buf[slots].to(q.dtype).repeat_interleave(group, dim=1)  # (L, Hq, D)
-            v_all = v_buf[slots].to(q.dtype).repeat_interleave(group, dim=1)
-            q_pos = torch.arange(prefix, seq_len, device=q.device)[:, None]  # (ext, 1)
-            k_pos = torch.arange(seq_len, device=q.device)[None, :]  # (1, L)
-            mask = k_pos <= q_pos
-            if layer.sliding_window is not None:
-                mask &= k_pos > q_pos - layer.sliding_window
+            k_all = k_buf[slots].to(q.dtype)  # (L, Hkv, D)
+            v_all = v_buf[slots].to(q.dtype)
+            mask = None
+            if prefix or layer.sliding_window is not None:
+                q_pos = torch.arange(prefix, seq_len, device=q.device)[:, None]  # (ext, 1)
+                k_pos = torch.arange(seq_len, device=q.device)[None, :]  # (1, L)
+                mask = k_pos <= q_pos
+                if layer.sliding_window is not None:
+                    mask &= k_pos > q_pos - layer.sliding_window
             o = F.scaled_dot_product_attention(
                 q[start:start + ext].transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1),
-                attn_mask=mask, scale=layer.scaling,
-            )  # (Hq, ext, D)
+                attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=True,
+            )  # (Hq, ext, D); enable_gqa shares each KV head with its group of query heads
             out[start:start + ext] = o.transpose(0, 1)
             start += ext
         return out
