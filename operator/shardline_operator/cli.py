@@ -32,6 +32,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run until interrupted; returns the process exit status."""
     args = make_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level != "debug":
+        # Kopf logs every timer run (every few seconds per object) and aiohttp every probe.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     from . import handlers  # noqa: F401  (registers the handlers)
 
     try:
