@@ -170,9 +170,11 @@ def run_tp(tp_size: int, scenarios: list[dict], out_dir, timeout_s: float = 300)
     return [torch.load(f"{out_dir}/rank{r}.pt") for r in range(tp_size)]
 
 
-def collectives_worker(rank: int, port: int, out_dir: str, die_rank: int | None = None, timeout_s: float = 10) -> None:
+def collectives_worker(rank: int, port: int, out_dir: str, die_rank: int | None = None, timeout_s: float = 10,
+                       hang: bool = False) -> None:
     """Join a 2-rank gloo group; exercise the collectives, or with ``die_rank`` have that rank
-    exit and the other time how long a collective takes to fail. Saves a dict per rank."""
+    exit (or, with ``hang``, stop taking part) and the other time how long a collective takes
+    to fail. Saves a dict per rank."""
     import os
 
     from shardline_runtime import distributed as D
@@ -187,6 +189,8 @@ def collectives_worker(rank: int, port: int, out_dir: str, die_rank: int | None 
         res["min"] = D.all_reduce_min_int(10 + rank)
         D.destroy_distributed_environment()
     elif rank == die_rank:
+        if hang:
+            time.sleep(timeout_s * 6)
         os._exit(0)
     else:
         start = time.monotonic()

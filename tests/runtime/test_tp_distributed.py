@@ -12,12 +12,18 @@ from shardline_runtime import distributed as D
 from shardline_runtime.distributed import parallel_state
 
 
-def spawn_two(tmp_path, die_rank=None, timeout_s=10.0, join_timeout=120):
+def spawn_two(tmp_path, die_rank=None, timeout_s=10.0, join_timeout=120, hang=False):
     port = harness.free_port()
-    ctx = mp.spawn(harness.collectives_worker, args=(port, str(tmp_path), die_rank, timeout_s), nprocs=2, join=False)
-    for p in ctx.processes:
+    ctx = mp.spawn(harness.collectives_worker, args=(port, str(tmp_path), die_rank, timeout_s, hang), nprocs=2, join=False)
+    for rank, p in enumerate(ctx.processes):
+        if hang and rank == die_rank:
+            continue
         p.join(join_timeout)
-        assert p.exitcode is not None, "a rank hung"
+        assert p.exitcode is not None, f"rank {rank} hung"
+    for p in ctx.processes:
+        if p.exitcode is None:
+            p.kill()
+            p.join()
     return {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(2) if (tmp_path / f"rank{r}.pt").exists()}
 
 
@@ -36,6 +42,13 @@ def test_dead_peer_ends_in_error_not_hang(tmp_path):
     res = spawn_two(tmp_path, die_rank=1, timeout_s=5.0)
     assert res[0]["error"] is not None
     assert res[0]["elapsed_s"] < 30
+
+
+@pytest.mark.slow
+def test_stuck_peer_ends_in_timeout_error(tmp_path):
+    res = spawn_two(tmp_path, die_rank=1, timeout_s=3.0, hang=True)
+    assert res[0]["error"] is not None
+    assert res[0]["elapsed_s"] < 20
 
 
 def test_collectives_are_noops_at_tp1():
