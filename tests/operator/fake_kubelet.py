@@ -63,9 +63,10 @@ class FakeKubelet:
             time.sleep(0.3)
 
     def _ip(self, uid: str) -> str:
+        """A pod IP outside loopback (EndpointSlices reject 127.0.0.0/8); nothing ever binds it."""
         if uid not in self._ips:
             n = len(self._ips) + 2
-            self._ips[uid] = f"127.99.{n // 250}.{n % 250 + 2}"
+            self._ips[uid] = f"10.244.{n // 250}.{n % 250 + 2}"
         return self._ips[uid]
 
     def sync(self) -> None:

@@ -10,6 +10,9 @@ are the real ones. Field cases K1, K2, K4, K5.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -79,18 +82,38 @@ def deployment(name, **spec):
 
 
 @pytest.fixture(scope="module")
-def op(kube_cluster):
+def op(kube_cluster, tmp_path_factory):
+    """The operator, by default installed with the chart (``install_operator``); with
+    ``SHARDLINE_TEST_OPERATOR=local`` run from the working tree as a process of this test
+    (no helm or node agent needed; the chart's RBAC is then not exercised)."""
     from hack.scenario.operator_install import install_operator, operator_logs
 
-    install_operator(kube_cluster)
+    process = None
+    if os.environ.get("SHARDLINE_TEST_OPERATOR") == "local":
+        kube_cluster.kubectl("apply", "-f", str(ROOT / "crds" / "inferencedeployment.yaml"))
+        kube_cluster.kubectl("wait", "--for", "condition=established", "--timeout=60s",
+                             "crd/inferencedeployments.shardline.dev")
+        log = tmp_path_factory.mktemp("operator") / "operator.log"
+        env = dict(kube_cluster.env, PYTHONPATH=str(ROOT / "operator"))
+        process = subprocess.Popen(
+            [sys.executable, "-m", "shardline_operator.cli", "--namespace", NAMESPACE,
+             "--liveness-endpoint", "http://127.0.0.1:0/healthz"],
+            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        logs = log.read_text
+    else:
+        install_operator(kube_cluster)
+        logs = lambda: operator_logs(kube_cluster)  # noqa: E731
     operator = Operator(kube_cluster)
     ensure_node(operator.client)
     kube_cluster.kubectl("create", "namespace", NAMESPACE, check=False)
     operator.kubelet = FakeKubelet(operator.client, NAMESPACE).start()
-    operator.logs = lambda: operator_logs(kube_cluster)
+    operator.logs = logs
     yield operator
+    kube_cluster.kubectl("delete", "infd", "--all", "-n", NAMESPACE, "--timeout=60s", check=False, timeout=90)
     operator.kubelet.stop()
-    kube_cluster.kubectl("delete", "infd", "--all", "-n", NAMESPACE, "--wait=false", check=False)
+    if process is not None:
+        process.terminate()
+        process.wait(timeout=30)
 
 
 @pytest.mark.parametrize("change, message", [
