@@ -79,5 +79,9 @@ class ServingMetrics:
         self.cached_tokens.labels(**self._labels).inc(chunk.cached_tokens)
         self.e2e.labels(**self._labels).observe(now - state.created)
 
+    def observe_disconnect(self) -> None:
+        """A client went away before its request finished (counted as ``abort``)."""
+        self.requests.labels(finished_reason="abort", **self._labels).inc()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -216,6 +216,8 @@ class TokenizerManager:
         finally:
             if not state.finished:
                 state.finished = True
+                if self.metrics:
+                    self.metrics.observe_disconnect()
                 await self._send_abort(rid, {"type": "abort", "message": "client disconnected"})
             self.states.pop(rid, None)
 
