@@ -137,3 +137,22 @@ def test_compare_models_names_first_rank_shard_mismatch(tiny_checkpoint):
     eps = ModelConfig.from_pretrained(tiny_checkpoint("llama", seed=0, tokenizer=False, rms_norm_eps=1e-5))
     with pytest.raises(WeightUpdateError, match="config field rms_norm_eps"):
         compare_models(small, build_model(small, "cpu"), eps, build_model(eps, "cpu"))
+
+
+@pytest.mark.gpu
+def test_w2_w3_with_captured_cuda_graphs(ckpt_a, ckpt_b):
+    """W2 and W3 for real: decode graphs captured on CUDA read the updated weights."""
+    cold_b = run_engine(make_worker(ckpt_b, device_override="cuda", cuda_graph_max_bs=4), PROMPTS, GREEDY)
+    worker = make_worker(ckpt_a, device_override="cuda", cuda_graph_max_bs=4)
+    assert worker.model_runner.cuda_graph_runner.graphs
+    batch_1, batch_3 = run_engine(worker, PROMPTS[:1], GREEDY), run_engine(worker, PROMPTS[:3], GREEDY)
+    ok, message = worker.update_weights_from_disk(str(ckpt_a), recapture_cuda_graph=False)
+    assert ok, message
+    assert run_engine(worker, PROMPTS[:1], GREEDY) == batch_1
+    assert run_engine(worker, PROMPTS[:3], GREEDY) == batch_3
+    ok, message = worker.update_weights_from_disk(str(ckpt_b), recapture_cuda_graph=False)
+    assert ok, message
+    assert run_engine(worker, PROMPTS, GREEDY) == cold_b
+    ok, message = worker.update_weights_from_disk(str(ckpt_b), recapture_cuda_graph=True)
+    assert ok and worker.weights_phase.value == "serving"
+    assert run_engine(worker, PROMPTS, GREEDY) == cold_b

@@ -1,0 +1,244 @@
+"""Engine benchmark: Shardline's TpModelWorker against transformers, same model, side by side.
+
+Measures, for one randomly initialised Llama (default 12 layers, hidden 768, 12 heads, vocab
+32000; the shape of a GPT-2-small-sized Llama):
+
+- prefill: one EXTEND of ``--prefill-batch`` prompts of ``--prompt-len`` tokens
+  (Shardline: ``prepare_for_extend`` + ``forward_batch_generation`` incl. greedy sampling;
+  transformers: ``model(ids, use_cache=True)`` + argmax of the last position);
+- decode step at ``--batch-size`` requests after ``--prompt-len`` tokens of context
+  (Shardline: ``prepare_for_decode`` + ``forward_batch_generation``; transformers: one
+  ``model(next_ids, cache=cache)`` + argmax), mean over ``--decode-steps`` steps.
+
+Both run in the same process, on the same device and dtype, interleaved, and every number is the
+median of ``--repeats`` runs. Ratios are Shardline / transformers (< 1: Shardline is faster).
+Both produce the same greedy tokens (checked), so they do the same work.
+
+With ``--graphs`` (CUDA only) it instead prints eager vs CUDA-graph decode step times of the
+engine at ``--graph-batch-sizes``.
+
+Usage::
+
+    python bench/engine.py                       # CPU float32 defaults, a few minutes on 2 cores
+    python bench/engine.py --device cuda --dtype bfloat16
+    python bench/engine.py --device cuda --graphs --graph-batch-sizes 1 8 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+
+from shardline_runtime.managers.schedule_batch import Req  # noqa: E402
+from shardline_runtime.managers.tp_worker import TpModelWorker  # noqa: E402
+from shardline_runtime.sampling import SamplingParams  # noqa: E402
+from shardline_runtime.server_args import ServerArgs  # noqa: E402
+from shardline_runtime.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=None, ignore_eos=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_checkpoint(out: Path, args) -> Path:
+    return make_tiny_checkpoint(
+        out, arch="llama", seed=0, vocab_size=args.vocab, tokenizer=False,
+        hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate,
+        max_position_embeddings=4096, initializer_range=0.02, dtype=args.dtype,
+    )
+
+
+def make_worker(path: Path, args, disable_cuda_graph: bool = True) -> TpModelWorker:
+    server_args = ServerArgs(
+        model_path=str(path), device=args.device, dtype=args.dtype,
+        max_total_tokens=(args.prompt_len + args.decode_steps + 8) * max(args.batch_size, args.prefill_batch, 32),
+        max_running_requests=max(args.batch_size, args.prefill_batch, 32),
+        disable_cuda_graph=disable_cuda_graph, cuda_graph_max_bs=max(args.graph_batch_sizes),
+        context_length=args.context_len,
+    )
+    return TpModelWorker(server_args, 0)
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n, length), generator=g).tolist()
+
+
+# ---- Shardline -----------------------------------------------------------------------------------
+
+def engine_prefill(worker, batch_prompts):
+    """Returns (seconds, first tokens, batch) with the KV still held."""
+    reqs = [Req(f"p{i}", p, GREEDY) for i, p in enumerate(batch_prompts)]
+    batch = worker.new_batch(reqs)
+    sync(worker.device)
+    start = time.perf_counter()
+    batch.prepare_for_extend()
+    result = worker.forward_batch_generation(batch)
+    tokens = result.next_token_ids.tolist()
+    sync(worker.device)
+    elapsed = time.perf_counter() - start
+    for req, token in zip(reqs, tokens):
+        req.append_output(token)
+    return elapsed, tokens, batch
+
+
+def engine_decode(worker, batch, steps: int):
+    """Mean seconds per decode step and the generated tokens; frees the batch's KV."""
+    sync(worker.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        batch.prepare_for_decode()
+        result = worker.forward_batch_generation(batch)
+        for req, token in zip(batch.reqs, result.next_token_ids.tolist()):
+            req.append_output(token)
+    sync(worker.device)
+    elapsed = (time.perf_counter() - start) / steps
+    outputs = [r.output_ids for r in batch.reqs]
+    for req in batch.reqs:
+        batch.release_kv(req)
+    return elapsed, outputs
+
+
+# ---- transformers --------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def hf_prefill(model, batch_prompts, device):
+    ids = torch.tensor(batch_prompts, device=device)
+    sync(device)
+    start = time.perf_counter()
+    out = model(input_ids=ids, use_cache=True)
+    tokens = out.logits[:, -1].argmax(-1)
+    tokens_list = tokens.tolist()
+    sync(device)
+    return time.perf_counter() - start, tokens_list, out.cache, tokens
+
+
+@torch.inference_mode()
+def hf_decode(model, cache, tokens, context_len: int, steps: int, device):
+    generated = [[t] for t in tokens.tolist()]
+    sync(device)
+    start = time.perf_counter()
+    for step in range(steps):
+        position = torch.full((tokens.shape[0], 1), context_len + step, device=device)
+        out = model(input_ids=tokens[:, None], cache=cache, position_ids=position, use_cache=True)
+        cache = out.cache
+        tokens = out.logits[:, -1].argmax(-1)
+        for g, t in zip(generated, tokens.tolist()):
+            g.append(t)
+    sync(device)
+    return (time.perf_counter() - start) / steps, generated
+
+
+# ---- runs ----------------------------------------------------------------------------------------
+
+def compare(args) -> list[tuple[str, float, float]]:
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_checkpoint(Path(tmp), args)
+        worker = make_worker(path, args)
+        device = worker.device
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=getattr(torch, args.dtype), attn_implementation="sdpa"
+        ).to(device).eval()
+    pre_prompts = prompts(args.prefill_batch, args.prompt_len, args.vocab, seed=1)
+    dec_prompts = prompts(args.batch_size, args.prompt_len, args.vocab, seed=2)
+    rows = {"prefill": ([], []), "decode": ([], [])}
+    for repeat in range(args.repeats + 1):  # the first round warms up and is dropped
+        e_pre, e_first, batch = engine_prefill(worker, pre_prompts)
+        for req in batch.reqs:
+            batch.release_kv(req)
+        h_pre, h_first, _, _ = hf_prefill(hf, pre_prompts, device)
+        _, _, batch = engine_prefill(worker, dec_prompts)
+        e_dec, e_tokens = engine_decode(worker, batch, args.decode_steps)
+        _, _, cache, first = hf_prefill(hf, dec_prompts, device)
+        h_dec, h_tokens = hf_decode(hf, cache, first, args.prompt_len, args.decode_steps, device)
+        if repeat == 0:
+            same = e_first == h_first and e_tokens == h_tokens
+            print(f"greedy tokens identical to transformers: {same}", flush=True)
+            continue
+        rows["prefill"][0].append(e_pre)
+        rows["prefill"][1].append(h_pre)
+        rows["decode"][0].append(e_dec)
+        rows["decode"][1].append(h_dec)
+        print(f"repeat {repeat}: prefill {e_pre * 1e3:.1f} / {h_pre * 1e3:.1f} ms, "
+              f"decode step {e_dec * 1e3:.2f} / {h_dec * 1e3:.2f} ms", flush=True)
+    return [(name, statistics.median(e), statistics.median(h)) for name, (e, h) in rows.items()]
+
+
+def graphs(args) -> None:
+    if args.device != "cuda" or not torch.cuda.is_available():
+        raise SystemExit("--graphs needs --device cuda on a CUDA machine")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_checkpoint(Path(tmp), args)
+        eager = make_worker(path, args, disable_cuda_graph=True)
+        captured = make_worker(path, args, disable_cuda_graph=False)
+    assert captured.model_runner.cuda_graph_runner is not None, "graphs were not captured"
+    print("| batch size | eager decode step (ms) | CUDA graph decode step (ms) | speed-up |")
+    print("|---:|---:|---:|---:|")
+    for bs in args.graph_batch_sizes:
+        batch_prompts = prompts(bs, args.prompt_len, args.vocab, seed=3)
+        times, outputs = [], []
+        for worker in (eager, captured):
+            best = []
+            for _ in range(args.repeats + 1):
+                _, _, batch = engine_prefill(worker, batch_prompts)
+                step, out = engine_decode(worker, batch, args.decode_steps)
+                best.append(step)
+            times.append(statistics.median(best[1:]))
+            outputs.append(out)
+        match = "" if outputs[0] == outputs[1] else " (tokens differ!)"
+        print(f"| {bs} | {times[0] * 1e3:.3f} | {times[1] * 1e3:.3f} | {times[0] / times[1]:.2f}x{match} |", flush=True)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--kv-heads", type=int, default=12)
+    parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--batch-size", type=int, default=16, help="decode batch size")
+    parser.add_argument("--prefill-batch", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--context-len", type=int, default=1024,
+                        help="engine context length (KV columns a captured decode graph reads)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--graphs", action="store_true", help="eager vs CUDA graph decode (CUDA only)")
+    parser.add_argument("--graph-batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.graphs:
+        graphs(args)
+        return
+    results = compare(args)
+    print(f"\nLlama {args.layers} layers x {args.hidden}, vocab {args.vocab}, {args.device} {args.dtype}, "
+          f"{torch.get_num_threads()} threads; prompt {args.prompt_len} tokens")
+    print("| measurement | Shardline (ms) | transformers (ms) | ratio |")
+    print("|---|---:|---:|---:|")
+    labels = {"prefill": f"prefill, batch {args.prefill_batch} x {args.prompt_len} tokens",
+              "decode": f"decode step, batch {args.batch_size}"}
+    for name, e, h in results:
+        print(f"| {labels[name]} | {e * 1e3:.2f} | {h * 1e3:.2f} | {e / h:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
