@@ -124,7 +124,12 @@ class CudaGraphRunner:
 
     def capture(self) -> None:
         """(Re)capture one graph per size in ``capture_bs``, largest first (sharing one memory
-        pool). Called at start-up and after a weight update that asks for recapture."""
+        pool). Called at start-up and after a weight update that asks for recapture.
+
+        Raises:
+            RuntimeError: a step cannot be captured (e.g. it synchronises with the host); the
+                message names the batch size and the flag to run eagerly instead.
+        """
         if not self.use_graphs:
             return
         self.graphs.clear()
@@ -142,8 +147,14 @@ class CudaGraphRunner:
                         self._run_model(batch)
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.graph_pool, stream=stream):
-                    output = self._run_model(batch)
+                try:
+                    with torch.cuda.graph(graph, pool=self.graph_pool, stream=stream):
+                        output = self._run_model(batch)
+                except RuntimeError as exc:
+                    raise RuntimeError(
+                        f"CUDA graph capture of the decode step failed at batch size {bs}: {exc}. "
+                        "Start with --disable-cuda-graph (or lower --cuda-graph-max-bs) to run eagerly."
+                    ) from exc
                 if self.graph_pool is None:
                     self.graph_pool = graph.pool()
                 self.graphs[bs] = graph
