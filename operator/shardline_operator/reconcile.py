@@ -91,6 +91,7 @@ class Reconciler:
         overrides: dict[int, str] = {}
         for group in groups:
             self._check_health(spec, group, records, overrides)
+            self._remove_template_drift(group, records, overrides)
         rollout_state = RolloutState.from_status(self.previous.get("rollout"))
         in_flight = rollout_state is not None and rollout_state.group is not None
         stale = [g for g in groups if _needs_restart(spec, g)]
@@ -170,9 +171,24 @@ class Reconciler:
         return ServedModel.desired(spec)
 
     def _delete_pods(self, group: GroupObservation) -> None:
-        for pod in group.pods:
-            if not pod.deleting:
-                self.ctx.kube.delete("v1", "Pod", self.namespace, pod.name, uid=pod.uid)
+        """Delete every current pod of the group (listed afresh: a member recreated since the
+        pass began must go too, or the group would mix incarnations or templates)."""
+        current = self.ctx.kube.list("v1", "Pod", self.namespace, labels.group_selector_labels(self.name, group.index))
+        for pod in current:
+            if pod["metadata"].get("deletionTimestamp") is None:
+                self.ctx.kube.delete("v1", "Pod", self.namespace, pod["metadata"]["name"])
+
+    def _remove_template_drift(self, group: GroupObservation, records: dict[int, GroupRecord],
+                               overrides: dict[int, str]) -> None:
+        """Restart a group whose live pods do not all come from its StatefulSet's current
+        template (e.g. one rank recreated while the operator was changing the template)."""
+        hashes = {p.restart_hash for p in group.live_pods}
+        if not hashes or hashes == {group.restart_hash} or overrides.get(group.index) == "Restarting":
+            return
+        self._delete_pods(group)
+        records[group.index] = replace(records[group.index], pod_uids={})
+        overrides[group.index] = "Restarting"
+        self.events.append(("Normal", "GroupRestart", f"group {group.index}: pods from an older pod template"))
 
     def _check_health(self, spec: DeploymentSpec, group: GroupObservation, records: dict[int, GroupRecord],
                       overrides: dict[int, str]) -> None:
