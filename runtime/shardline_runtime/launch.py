@@ -16,6 +16,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -75,7 +76,9 @@ def _status_app(state: dict) -> FastAPI:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn server that records SIGTERM/SIGINT in ``state`` (readiness drops at once)."""
+    """uvicorn server that drains on SIGTERM/SIGINT: readiness drops at once, the listener
+    closes, in-flight requests get ``timeout_graceful_shutdown``; the launcher then exits 0
+    (uvicorn itself would re-raise the signal after shutdown, ending the process with -15)."""
 
     def __init__(self, config: uvicorn.Config, state: dict):
         super().__init__(config)
@@ -85,7 +88,9 @@ class _Server(uvicorn.Server):
         self._state["draining"] = True
         if self._state.get("tm") is not None:
             self._state["tm"].draining = True
-        super().handle_exit(sig, frame)
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
 
 
 def _spawn_schedulers(args: ServerArgs, input_addr: str, output_addr: str):
