@@ -12,6 +12,7 @@ import fcntl
 import json
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -158,7 +159,8 @@ class LocalCluster:
             "--disable-admission-plugins=ServiceAccount,TaintNodesByCondition",
             "--endpoint-reconciler-type=none", "--allow-privileged=true", "--v=1"])
         pki.write_kubeconfig(self.kubeconfig, self.server, creds.ca_cert, creds.admin_token)
-        self._wait_http("kube-apiserver", f"{self.server}/readyz", verify=str(creds.ca_cert),
+        self._wait_http("kube-apiserver", f"{self.server}/readyz",
+                        verify=ssl.create_default_context(cafile=str(creds.ca_cert)),
                         token=creds.admin_token, timeout=180)
         common = [f"--kubeconfig={self.kubeconfig}", "--leader-elect=false",
                   "--bind-address=127.0.0.1"]

@@ -6,6 +6,7 @@ delete, list, watch, TokenRequest); a thin client keeps their behaviour explicit
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ class RestClient:
         self.server = server.rstrip("/")
         self._headers = {"Authorization": f"Bearer {token}"}
         self.ca_cert = str(ca_cert)
-        self._verify = self.ca_cert
+        self._verify = ssl.create_default_context(cafile=self.ca_cert)
         self._client = httpx.Client(base_url=self.server, headers=self._headers,
                                     verify=self._verify, timeout=timeout)
 
