@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError as FastAPIValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardline_runtime.entrypoints.generate import serve_generate
 from shardline_runtime.entrypoints.openai_serving import ClientDisconnected, serve_chat, serve_completion
@@ -35,7 +36,9 @@ logger = logging.getLogger(__name__)
 def error_response(status: int, message: str, param: str | None = None, err_type: str | None = None) -> JSONResponse:
     """An OpenAI-style error object with HTTP ``status``."""
     if err_type is None:
-        err_type = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}.get(status, "server_error")
+        err_type = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error"
+        )
     return JSONResponse(
         {"error": {"message": message, "type": err_type, "param": param, "code": status}, "object": "error"},
         status_code=status,
@@ -64,6 +67,10 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
     async def _validation(_: Request, exc: FastAPIValidationError):
         message, param = _pydantic_message(exc)
         return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail))
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(_: Request, exc: RequestValidationError):
