@@ -170,7 +170,7 @@ class PodRunner(threading.Thread):
         status = {
             "phase": phase, "podIP": self.ip, "podIPs": [{"ip": self.ip}],
             "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}],
-            "startTime": self.start_time, "qosClass": "BestEffort",
+            "startTime": self.start_time,
             "conditions": [cond("PodReadyToStartContainers", True),
                            cond("Initialized", inits_done), cond("ContainersReady", ready),
                            cond("Ready", ready)],
