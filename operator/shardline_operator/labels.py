@@ -51,9 +51,19 @@ def pod_name(name: str, group: int, rank: int) -> str:
     return f"{statefulset_name(name, group)}-{rank}"
 
 
+def dist_port(group: int) -> int:
+    """Rendezvous port of group ``group``: ``29500 + group``.
+
+    One port per group keeps groups apart even where pods share a host network (hostNetwork
+    pods, or the local node agent that runs pods as host processes): torch's TCPStore listens
+    on every address of the host.
+    """
+    return DIST_PORT + group
+
+
 def dist_init_addr(name: str, namespace: str, group: int) -> str:
     """``host:port`` of the group's rank-0 pod through its headless Service (DESIGN 3.2)."""
-    return f"{pod_name(name, group, 0)}.{rank_service_name(name, group)}.{namespace}.svc:{DIST_PORT}"
+    return f"{pod_name(name, group, 0)}.{rank_service_name(name, group)}.{namespace}.svc:{dist_port(group)}"
 
 
 def selector_labels(name: str) -> dict[str, str]:

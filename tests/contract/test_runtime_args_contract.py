@@ -64,7 +64,7 @@ def test_rendered_args_parse_with_the_runtime_parser(spec_name):
         assert args.node_rank == rank
         assert args.host == f"127.0.0.{10 + rank}"
         assert args.port == 8000
-        assert args.dist_init_addr == f"llama-g{group}-0.llama-g{group}-ranks.serving.svc:29500"
+        assert args.dist_init_addr == f"llama-g{group}-0.llama-g{group}-ranks.serving.svc:{29500 + group}"
         assert args.dtype == spec.runtime.dtype
         assert args.mem_fraction_static == spec.runtime.mem_fraction_static
         assert args.max_total_tokens == spec.runtime.max_total_tokens

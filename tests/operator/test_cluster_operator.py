@@ -110,7 +110,11 @@ def op(kube_cluster, tmp_path_factory):
     operator.logs = logs
     yield operator
     kube_cluster.kubectl("delete", "infd", "--all", "-n", NAMESPACE, "--timeout=60s", check=False, timeout=90)
-    operator.kubelet.stop()
+    # Keep playing kubelet until the garbage collector's pod deletions are finished.
+    try:
+        wait_for(lambda: not operator.client.get(f"/api/v1/namespaces/{NAMESPACE}/pods")["items"], 60, "pods gone")
+    finally:
+        operator.kubelet.stop()
     if process is not None:
         process.terminate()
         process.wait(timeout=30)

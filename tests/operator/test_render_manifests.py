@@ -72,7 +72,9 @@ def test_statefulset_wiring(make_spec):
     args = container["args"]
     assert args[args.index("--node-rank") + 1] == "$(POD_INDEX)"
     assert args[args.index("--host") + 1] == "$(POD_IP)"
-    assert args[args.index("--dist-init-addr") + 1] == "llama-g1-0.llama-g1-ranks.default.svc:29500"
+    assert args[args.index("--dist-init-addr") + 1] == "llama-g1-0.llama-g1-ranks.default.svc:29501"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"http": 8000, "dist": 29501}  # one rendezvous port per group
     assert args[args.index("--tp-size") + 1] == "8" and args[args.index("--nnodes") + 1] == "2"
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     assert mounts["model"]["mountPath"] == "/var/lib/shardline/models" and mounts["model"]["readOnly"]

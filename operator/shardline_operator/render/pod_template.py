@@ -72,7 +72,7 @@ def build_pod_template(spec: DeploymentSpec, group: int, served: ServedModel) ->
         "env": _env(spec),
         "ports": [
             {"name": "http", "containerPort": labels.HTTP_PORT, "protocol": "TCP"},
-            {"name": "dist", "containerPort": labels.DIST_PORT, "protocol": "TCP"},
+            {"name": "dist", "containerPort": labels.dist_port(group), "protocol": "TCP"},
         ],
         "resources": _resources(spec),
         "volumeMounts": mounts,

@@ -25,7 +25,7 @@ def build_rank_service(spec: DeploymentSpec, group: int) -> dict[str, Any]:
             "publishNotReadyAddresses": True,
             "selector": labels.group_selector_labels(spec.name, group),
             "ports": [
-                {"name": "dist", "port": labels.DIST_PORT, "targetPort": "dist", "protocol": "TCP"},
+                {"name": "dist", "port": labels.dist_port(group), "targetPort": "dist", "protocol": "TCP"},
                 {"name": "http", "port": labels.HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
             ],
         },
