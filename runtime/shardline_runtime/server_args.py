@@ -103,6 +103,7 @@ class ServerArgs:
     max_prefill_tokens: int = 16384
     context_length: int | None = None
     disable_radix_cache: bool = False
+    enable_mixed_chunk: bool = False
     cuda_graph_max_bs: int = 160
     disable_cuda_graph: bool = False
     random_seed: int = 0
@@ -197,6 +198,7 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
     mem.add_argument("--chunked-prefill-size", type=_int_range("--chunked-prefill-size", -1), default=default("chunked_prefill_size"), help="Maximum prompt tokens of one request per step; -1 or 0 disables chunking.")
     mem.add_argument("--max-prefill-tokens", type=_int_range("--max-prefill-tokens", 1), default=default("max_prefill_tokens"), help="Maximum prompt tokens of all requests in one prefill step.")
     mem.add_argument("--disable-radix-cache", action="store_true", help="Disable the prefix (radix) cache.")
+    mem.add_argument("--enable-mixed-chunk", action="store_true", help="Run the running requests' decode in the same forward as a prefill (one step instead of two).")
 
     g = p.add_argument_group("CUDA graphs")
     g.add_argument("--cuda-graph-max-bs", type=_int_range("--cuda-graph-max-bs", 1), default=default("cuda_graph_max_bs"), help="Largest decode batch size captured as a CUDA graph.")

@@ -114,3 +114,23 @@ def test_pool_clips_max_new_tokens_with_length(ckpt):
     assert got["big"]["finish"]["type"] == "length" and len(got["big"]["ids"]) == scheduler.max_req_len - 100
     assert len(got["small"]["ids"]) == 4
     assert scheduler.kv_used_tokens() == 0
+
+
+def test_mixed_chunk_equals_separate_steps(ckpt):
+    prompts = _prompts(6, 6, 5, 80)
+    expected = {}
+    for mixed in (False, True):
+        scheduler = make_scheduler(ckpt, enable_mixed_chunk=mixed)
+        scheduler.process_input_requests([greedy("r0", prompts[0], 30)])
+        steps = 0
+        for i, p in enumerate(prompts[1:], 1):  # arrivals while r0 decodes
+            for _ in range(3):
+                batch = scheduler.get_next_batch_to_run()
+                scheduler.process_batch_result(batch, scheduler.worker.forward_batch_generation(batch))
+                steps += 1
+            scheduler.process_input_requests([greedy(f"r{i}", p, 10 + i)])
+        got = {rid: r["ids"] for rid, r in run_to_completion(scheduler).items()}
+        if mixed:
+            assert got == expected
+        expected = got
+        assert scheduler.kv_used_tokens() == 0

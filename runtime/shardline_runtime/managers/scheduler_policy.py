@@ -13,6 +13,8 @@ Policy (first come, first served, as SGLang's default ``fcfs``):
   chunk samples a token.
 - The prefix cache is matched at admission (``cached_len``); a request's tokens are inserted when
   it finishes, so later requests with the same prefix reuse the KV.
+- With ``--enable-mixed-chunk`` the running requests decode in the same forward as a prefill
+  (each as an extend of one token), as SGLang's mixed chunk.
 - When a DECODE step cannot get one slot per request even after evicting the cache, the most
   recently admitted requests are retracted: their KV freed, they go back to the front of the
   queue keeping their output tokens, and are re-prefilled later (exact continuation).
@@ -75,6 +77,12 @@ class SchedulerPolicyMixin:
         if self.pending_update is None:
             batch = self.get_new_batch_prefill()
             if batch is not None:
+                running = self.running_batch
+                if (self.server_args.enable_mixed_chunk and running is not None and not running.is_empty()
+                        and self.ensure_free_slots(running.batch_size)):
+                    # the running requests decode inside this EXTEND; the mixed batch replaces them
+                    batch.mix_with_running(running)
+                    self.running_batch = None
                 return batch
         return self.update_running_batch()
 

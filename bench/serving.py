@@ -1,0 +1,279 @@
+"""Serving benchmark: an OpenAI-API load generator, and Shardline vs transformers static batching.
+
+Workload (fixed seed): prompts of random token ids with random lengths, random output lengths
+(``ignore_eos`` so every request produces exactly its length), sent to ``/v1/completions`` with
+streaming. Closed loop at concurrency C (each of C clients sends its next request when the
+previous one ends) or open loop at ``--request-rate`` (Poisson arrivals). Reported: output
+tokens/s, TTFT and inter-token latency p50/p99, e2e latency p50/p99.
+
+Baseline, same model, same requests, same process machine: ``transformers`` ``generate`` with
+static batching, what a user would otherwise write: take C requests, left-pad, generate up to
+the longest ``max_tokens`` of the batch, cut each output to its length, next batch. Its TTFT and
+ITL come from per-step timestamps (a logits processor).
+
+    python bench/serving.py --concurrency 1 4 16 64 --out docs/figures/serving_throughput.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "runtime"))
+sys.path.insert(0, str(REPO / "tests" / "serving"))
+
+BENCH_MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                   num_key_value_heads=4, max_position_embeddings=2048)
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Result:
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
+    e2e: float = 0.0
+    output_tokens: int = 0
+
+
+def make_workload(n: int, seed: int, prompt_len: tuple[int, int], output_len: tuple[int, int], long_fraction: float,
+                  long_output: tuple[int, int], vocab: int = 500) -> list[Request]:
+    """``n`` requests; a ``long_fraction`` of them get outputs in ``long_output`` (mixed lengths)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        plen = rng.randint(*prompt_len)
+        olen = rng.randint(*(long_output if rng.random() < long_fraction else output_len))
+        out.append(Request([rng.randrange(5, vocab) for _ in range(plen)], olen))
+    return out
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def summarize(name: str, concurrency: int, results: list[Result], wall: float) -> dict:
+    tokens = sum(r.output_tokens for r in results)
+    itls = [x for r in results for x in r.itls]
+    ttfts = [r.ttft for r in results if r.ttft is not None]
+    e2es = [r.e2e for r in results]
+    ms = lambda v: None if v is None else round(v * 1000, 2)  # noqa: E731
+    return {
+        "backend": name, "concurrency": concurrency, "requests": len(results), "output_tokens": tokens,
+        "wall_s": round(wall, 3), "output_tok_per_s": round(tokens / wall, 1),
+        "ttft_p50_ms": ms(percentile(ttfts, 50)), "ttft_p99_ms": ms(percentile(ttfts, 99)),
+        "itl_p50_ms": ms(percentile(itls, 50)), "itl_p99_ms": ms(percentile(itls, 99)),
+        "e2e_p50_ms": ms(percentile(e2es, 50)), "e2e_p99_ms": ms(percentile(e2es, 99)),
+        "mean_e2e_ms": ms(statistics.fmean(e2es)) if e2es else None,
+    }
+
+
+# ------------------------------------------------------------------ Shardline over HTTP
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, req: Request) -> Result:
+    body = {"model": model, "prompt": req.prompt_ids, "max_tokens": req.max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    res = Result()
+    start = last = time.perf_counter()
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            now = time.perf_counter()
+            if event.get("usage"):
+                res.output_tokens = event["usage"]["completion_tokens"]
+            if any(c.get("text") for c in event["choices"]):
+                if res.ttft is None:
+                    res.ttft = now - start
+                else:
+                    res.itls.append(now - last)
+                last = now
+    res.e2e = time.perf_counter() - start
+    return res
+
+
+async def run_load(url: str, model: str, requests: list[Request], concurrency: int | None,
+                   request_rate: float | None, seed: int) -> tuple[list[Result], float]:
+    """Closed loop at ``concurrency``, or open loop with Poisson arrivals at ``request_rate``/s."""
+    limits = httpx.Limits(max_connections=(concurrency or len(requests)) + 8)
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+        start = time.perf_counter()
+        if request_rate:
+            rng = random.Random(seed)
+            tasks = []
+            for req in requests:
+                tasks.append(asyncio.create_task(_one(client, url, model, req)))
+                await asyncio.sleep(rng.expovariate(request_rate))
+            results = await asyncio.gather(*tasks)
+        else:
+            queue = list(enumerate(requests))[::-1]
+            results: list = [None] * len(requests)
+
+            async def worker():
+                while queue:
+                    i, req = queue.pop()
+                    results[i] = await _one(client, url, model, req)
+
+            await asyncio.gather(*[worker() for _ in range(concurrency)])
+        return results, time.perf_counter() - start
+
+
+# ------------------------------------------------------------------ transformers static batching
+
+def run_hf_static(model_path: str, requests: list[Request], batch_size: int, threads: int) -> tuple[list[Result], float]:
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+    class StepClock(transformers.LogitsProcessor):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    results = [Result() for _ in requests]
+    start = time.perf_counter()
+    for b in range(0, len(requests), batch_size):
+        idx = list(range(b, min(b + batch_size, len(requests))))
+        width = max(len(requests[i].prompt_ids) for i in idx)
+        ids = torch.zeros((len(idx), width), dtype=torch.int64)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(idx):  # left padding, as decoder-only batching needs
+            p = requests[i].prompt_ids
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        longest = max(requests[i].max_tokens for i in idx)
+        clock = StepClock()
+        batch_start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
+                           pad_token_id=0, logits_processor=transformers.LogitsProcessorList([clock]))
+        steps = clock.times
+        for i in idx:
+            n = requests[i].max_tokens
+            results[i].output_tokens = n
+            results[i].ttft = steps[0] - batch_start
+            results[i].itls = [steps[k] - steps[k - 1] for k in range(1, n)]
+            results[i].e2e = steps[n - 1] - batch_start if n <= len(steps) else steps[-1] - batch_start
+    return results, time.perf_counter() - start
+
+
+# ------------------------------------------------------------------ orchestration
+
+def start_shardline(model_path: str, args) -> tuple[object, str]:
+    from serving_server import start_server
+
+    log_dir = Path(tempfile.mkdtemp(prefix="shardline-bench-"))
+    extra = ["--max-total-tokens", str(args.max_total_tokens), "--served-model-name", "bench",
+             "--max-running-requests", str(max(args.concurrency)), "--log-level", "warning"]
+    server = start_server(model_path, log_dir, *extra, timeout=300)
+    return server, "bench"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for backend, style in (("shardline", "o-"), ("transformers-static", "s--")):
+        pts = sorted((r["concurrency"], r["output_tok_per_s"]) for r in rows if r["backend"] == backend)
+        if pts:
+            ax.plot(*zip(*pts), style, label=backend)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title("Throughput vs concurrency (CPU, mixed lengths)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", help="checkpoint dir (default: build a 4-layer, 256-wide llama with a fixed seed)")
+    p.add_argument("--url", help="benchmark an already running server instead of starting one")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--request-rate", type=float, default=None, help="open loop: Poisson arrivals per second")
+    p.add_argument("--requests-per-level", type=int, default=0, help="default: max(32, 4 x concurrency)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[8, 256])
+    p.add_argument("--output-len", type=int, nargs=2, default=[4, 32])
+    p.add_argument("--long-output", type=int, nargs=2, default=[128, 256])
+    p.add_argument("--long-fraction", type=float, default=0.2)
+    p.add_argument("--max-total-tokens", type=int, default=65536)
+    p.add_argument("--baseline", choices=["hf", "none"], default="hf")
+    p.add_argument("--hf-threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--json", type=Path, default=None, help="write the result rows here")
+    p.add_argument("--out", type=Path, default=None, help="PNG plot of throughput vs concurrency")
+    args = p.parse_args(argv)
+
+    model_path = args.model_path
+    if model_path is None:
+        from shardline_runtime.tiny_checkpoint import make_tiny_checkpoint
+
+        model_path = str(make_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="bench-model-")), seed=args.seed, **BENCH_MODEL))
+    server = None
+    url, model = args.url, None
+    if url is None:
+        server, model = start_shardline(model_path, args)
+        url = server.url
+    rows = []
+    try:
+        for c in args.concurrency:
+            n = args.requests_per_level or max(32, 4 * c)
+            requests = make_workload(n, args.seed + c, tuple(args.prompt_len), tuple(args.output_len),
+                                     args.long_fraction, tuple(args.long_output))
+            asyncio.run(run_load(url, model, requests[: min(4, n)], c, None, args.seed))  # warm-up
+            results, wall = asyncio.run(run_load(url, model, requests, c, args.request_rate, args.seed))
+            rows.append(summarize("shardline", c, results, wall))
+            print(json.dumps(rows[-1]), flush=True)
+            if args.baseline == "hf":
+                results, wall = run_hf_static(model_path, requests, c, args.hf_threads)
+                rows.append(summarize("transformers-static", c, results, wall))
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+    for c in args.concurrency:
+        pair = {r["backend"]: r for r in rows if r["concurrency"] == c}
+        if len(pair) == 2:
+            ratio = pair["shardline"]["output_tok_per_s"] / pair["transformers-static"]["output_tok_per_s"]
+            print(f"concurrency {c}: shardline / transformers-static output tok/s = {ratio:.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    if args.out:
+        plot(rows, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
