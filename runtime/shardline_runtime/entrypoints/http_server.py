@@ -163,7 +163,8 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
         if tm.weights_phase in ("loading", "recapturing"):
             return error_response(503, f"a weight update is already running (phase {tm.weights_phase})")
         req = UpdateWeightsFromDiskReqInput(body.model_path, body.load_format, body.revision,
-                                            body.recapture_cuda_graph, body.abort_all_requests)
+                                            body.recapture_cuda_graph, body.abort_all_requests,
+                                            body.cuda_graph_max_bs, body.disable_cuda_graph)
         out = await tm.update_weights_from_disk(req)
         if metrics is not None and out.success:
             metrics.set_weights(tm.weights_revision, tm.model_path)

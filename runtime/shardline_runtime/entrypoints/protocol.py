@@ -117,6 +117,8 @@ class UpdateWeightsRequest(BaseModel):
     revision: Optional[str] = None
     recapture_cuda_graph: bool = True
     abort_all_requests: bool = False
+    cuda_graph_max_bs: Optional[int] = Field(None, ge=1, le=4096)
+    disable_cuda_graph: Optional[bool] = None
 
 
 class AbortRequest(BaseModel):

@@ -69,6 +69,8 @@ class UpdateWeightsFromDiskReqInput:
     revision: str | None = None
     recapture_cuda_graph: bool = True
     abort_all_requests: bool = False
+    cuda_graph_max_bs: int | None = None  # new graph settings (GPU only), applied after the load
+    disable_cuda_graph: bool | None = None
 
 
 @dataclass

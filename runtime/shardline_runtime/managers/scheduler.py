@@ -241,12 +241,31 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin):
         ok, message = self.worker.update_weights_from_disk(
             msg.model_path, msg.load_format or "auto", msg.revision, msg.recapture_cuda_graph
         )
+        if ok and (msg.cuda_graph_max_bs is not None or msg.disable_cuda_graph is not None):
+            self.apply_cuda_graph_settings(msg.cuda_graph_max_bs, bool(msg.disable_cuda_graph))
         # Old KV must never serve new weights; after a failed update the cache is still valid,
         # but flushing it costs only recomputation, so do it in every case.
         self.tree_cache.reset()
         phase = getattr(self.worker.weights_phase, "value", str(self.worker.weights_phase))
         self.send(WeightsPhaseOut(phase))
         self.send(UpdateWeightsFromDiskReqOutput(ok, message, self.worker.weights_revision, self.worker.model_path))
+
+    def apply_cuda_graph_settings(self, max_bs: int | None, disable: bool) -> None:
+        """New decode-graph settings from an update request (GPU only; CPU runs eagerly)."""
+        runner = self.worker.model_runner
+        if runner.device.type != "cuda":
+            return
+        from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner, get_batch_sizes_to_capture
+
+        old = runner.cuda_graph_runner
+        if old is not None and (disable or max_bs is not None):
+            self.req_to_token_pool.free(old.dummy_req_row)
+            runner.cuda_graph_runner = None
+        if not disable and max_bs is not None:
+            self.send(WeightsPhaseOut("recapturing"))
+            sizes = get_batch_sizes_to_capture(max_bs, runner.config.max_running_requests)
+            runner.cuda_graph_runner = CudaGraphRunner(runner, batch_sizes=sizes)
+        logger.info("[tp %d] CUDA graphs: %s", self.tp_rank, "disabled" if disable else f"max batch size {max_bs}")
 
     # ------------------------------------------------------------------ rank 0 -> HTTP
 
