@@ -17,6 +17,7 @@ from hack.localcluster import pki
 from hack.localcluster.rest import ApiError, RestClient
 
 from .hosts import HostsFile
+from .netshim import build_shim
 from .pod_runner import PodRunner
 
 TOKEN_EXPIRATION_S = 24 * 3600
@@ -53,6 +54,8 @@ class Agent:
         self.client = RestClient.from_kubeconfig(kubeconfig)
         self.ips = IpPool(slot_base, slot)
         self.hosts = HostsFile(cluster_id)
+        self.bind_shim, message = build_shim(state_dir)
+        self.log(message)
         self.runners: dict[str, PodRunner] = {}
         self._lock = threading.Lock()
         self.stopping = False
@@ -67,10 +70,11 @@ class Agent:
                               ok_missing=True)
         return None if obj is None else (obj.get("data") or {})
 
-    def base_env(self, pod: dict, workdir: Path) -> dict[str, str]:
-        """What the "image" provides: PATH and Python of this machine, HOME, a temp dir,
-        HOSTNAME, GLOO_SOCKET_IFNAME=lo (gloo on loopback), one thread per process, and
-        KUBECONFIG with a TokenRequest token of the pod's ServiceAccount when one exists."""
+    def base_env(self, pod: dict, workdir: Path, pod_ip: str) -> dict[str, str]:
+        """What the "image" and the pod's network provide: PATH and Python of this machine,
+        HOME, a temp dir, HOSTNAME, GLOO_SOCKET_IFNAME=lo (gloo on loopback), one thread per
+        process, the bind shim (wildcard listens go to ``pod_ip``), and KUBECONFIG with a
+        TokenRequest token of the pod's ServiceAccount when one exists."""
         env = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL", "PYTHONPATH",
                                           "VIRTUAL_ENV", "SHARDLINE_CACHE",
                                           "PYENV_ROOT", "PYENV_VERSION") if k in os.environ}
@@ -80,6 +84,9 @@ class Agent:
         env.update(HOME=str(tmp), TMPDIR=str(tmp), HOSTNAME=pod["spec"].get(
             "hostname", pod["metadata"]["name"]), GLOO_SOCKET_IFNAME="lo",
             OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        if self.bind_shim is not None:
+            env["LD_PRELOAD"] = str(self.bind_shim)
+            env["SHARDLINE_POD_IP"] = pod_ip
         if pod["spec"].get("automountServiceAccountToken", True):
             kubeconfig = self._service_account_kubeconfig(pod, workdir)
             if kubeconfig:

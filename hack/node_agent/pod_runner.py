@@ -72,7 +72,7 @@ class PodRunner(threading.Thread):
         self.ip = self.agent.ips.allocate()
         self.agent.hosts.set(self.uid, self.ip, pod_dns_names(self.pod))
         self._prepare_volumes()
-        self.base_env = self.agent.base_env(self.pod, self.workdir)
+        self.base_env = self.agent.base_env(self.pod, self.workdir, self.ip)
         self.log(f"starting on {self.pod['spec'].get('nodeName')} with podIP {self.ip}")
 
     def _prepare_volumes(self) -> None:
