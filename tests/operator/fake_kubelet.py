@@ -16,15 +16,19 @@ from hack.localcluster.nodes import node_manifest, node_status
 from hack.localcluster.rest import ApiError, RestClient
 
 NODE = "operator-test-node"
+TAINT = {"key": "shardline.dev/fake-kubelet", "value": "true", "effect": "NoSchedule"}
+TOLERATION = {"key": TAINT["key"], "operator": "Equal", "value": "true", "effect": "NoSchedule"}
 
 
 def ensure_node(client: RestClient, name: str = NODE, gpus: int = 16) -> None:
-    """A Ready node with GPUs that no node agent serves."""
+    """A Ready, schedulable node with GPUs that no node agent serves, tainted so only pods
+    tolerating ``TAINT`` (the operator tests' own) land on it."""
     try:
         client.post("/api/v1/nodes", node_manifest(name))
     except ApiError as exc:
         if exc.status != 409:
             raise
+    client.merge_patch(f"/api/v1/nodes/{name}", {"spec": {"taints": [TAINT], "unschedulable": None}})
     client.merge_patch(f"/api/v1/nodes/{name}/status", {"status": node_status(gpus)})
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fake_kubelet import NODE, FakeKubelet, ensure_node
+from fake_kubelet import NODE, TOLERATION, FakeKubelet, ensure_node
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -73,7 +73,7 @@ def deployment(name, **spec):
                   "volume": {"hostPath": {"path": "/var/lib/shardline/models", "type": "DirectoryOrCreate"}}},
         "parallelism": {"tensor": 2, "gpusPerPod": 1},
         "runtime": {"image": "ghcr.io/shardline/shardline-runtime:0.1.0"},
-        "scheduling": {"nodeSelector": {"kubernetes.io/hostname": NODE}},
+        "scheduling": {"nodeSelector": {"kubernetes.io/hostname": NODE}, "tolerations": [TOLERATION]},
         "restartPolicy": {"maxGroupRestarts": 3, "backoffSeconds": 1},
     }
     body.update(spec)
