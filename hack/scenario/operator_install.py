@@ -17,8 +17,14 @@ def install_operator(cluster: LocalCluster, namespace: str = OPERATOR_NAMESPACE,
                      release: str = RELEASE, timeout: str = "5m") -> str:
     """``helm upgrade --install`` the chart and wait for the operator Deployment to be Ready;
     returns helm's output. Raises RuntimeError (with helm's output) on failure."""
-    proc = cluster.helm("upgrade", "--install", release, str(CHART), "--namespace", namespace,
-                        "--create-namespace", "--wait", "--timeout", timeout, timeout=600)
+    try:
+        proc = cluster.helm("upgrade", "--install", release, str(CHART), "--namespace",
+                            namespace, "--create-namespace", "--wait", "--timeout", timeout,
+                            timeout=600)
+    except RuntimeError as e:
+        pods = cluster.kubectl("get", "pods", "-n", namespace, "-o", "yaml", check=False)
+        raise RuntimeError(f"{e}\npods in {namespace}:\n{pods.stdout}\n"
+                           f"{operator_logs(cluster, namespace)}") from None
     return proc.stdout
 
 
