@@ -253,3 +253,21 @@ def test_k4_crash_loop_fails_with_first_error_line_and_spec_edit_resets(op):
     op.apply(doc)
     status = op.wait_phase("crashy", "Ready", timeout=120)
     assert status["groups"][0]["restarts"] <= 1
+
+
+def test_k4_real_runtime_crash_loop_reports_its_first_error_line(op):
+    """K4 with real runtime processes (node agent): a checkpoint that is not there."""
+    missing = "/var/lib/shardline/models/tiny-llama/rev-missing"
+    doc = deployment("nockpt", restartPolicy={"maxGroupRestarts": 1, "backoffSeconds": 1},
+                     parallelism={"tensor": 1, "gpusPerPod": 1},
+                     runtime={"image": "ghcr.io/shardline/shardline-runtime:0.1.0", "dtype": "float32",
+                              "maxTotalTokens": 1024, "startupTimeoutSeconds": 120})
+    doc["spec"]["model"].update(path=missing, revision="rev-missing")
+    del doc["spec"]["scheduling"]  # land on the node agent's nodes: real processes
+    op.apply(doc)
+    status = op.wait_phase("nockpt", "Failed", timeout=240)
+    message = status["groups"][0]["message"]
+    assert message and "\n" not in message
+    assert "rev-missing" in message or "config.json" in message, message
+    assert status["groups"][0]["restarts"] == 1
+    op.kubectl("delete", "infd", "nockpt", "--timeout=120s", timeout=180)
