@@ -90,6 +90,7 @@ def _texts(server, **sampling) -> list[str]:
     return [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])]
 
 
+@pytest.mark.slow
 def test_r4_top_k_top_p_edges(server):
     greedy = _complete(server, prompt="one two three", max_tokens=12, temperature=0, ignore_eos=True)["choices"][0]["text"]
     for disabled in (-1, 0):

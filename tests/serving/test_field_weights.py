@@ -48,6 +48,7 @@ def _update(server, path, revision, **extra) -> dict:
     return r.json()
 
 
+@pytest.mark.slow
 def test_w4_update_waits_for_running_requests(weights_server, serving_checkpoint, serving_checkpoint_b):
     server = weights_server
     threads, results = _start_streams(server, 8, 200)
@@ -64,6 +65,7 @@ def test_w4_update_waits_for_running_requests(weights_server, serving_checkpoint
     wait_for_baseline(server)
 
 
+@pytest.mark.slow
 def test_w4_update_aborts_running_requests_when_asked(weights_server, serving_checkpoint, serving_checkpoint_b):
     server = weights_server
     threads, results = _start_streams(server, 8, 3000)

@@ -80,6 +80,7 @@ def test_dead_peer_fails_node0_with_termination_message(tp2_pods):
     assert "tp" in logs[0].read_text()
 
 
+@pytest.mark.slow
 def test_sigterm_drains_and_exits_zero(serving_checkpoint, checkpoint_dir):
     server = start_server(serving_checkpoint, checkpoint_dir, "--max-total-tokens", "1024", "--drain-timeout", "30")
     result = {}
@@ -107,6 +108,7 @@ def test_sigterm_drains_and_exits_zero(serving_checkpoint, checkpoint_dir):
     assert server.proc.wait(60) == 0
 
 
+@pytest.mark.slow
 def test_startup_failure_writes_termination_log(checkpoint_dir, tmp_path):
     log = tmp_path / "termination-log"
     server = start_server(tmp_path / "no-such-model", checkpoint_dir, wait_ready=False,
