@@ -18,7 +18,7 @@ from hack.localcluster.rest import ApiError, RestClient
 
 from .hosts import HostsFile
 from .netshim import build_shim
-from .pod_runner import PodRunner
+from .pod_runner import PodRunner, pod_tmpdir
 
 TOKEN_EXPIRATION_S = 24 * 3600
 MAX_JOIN_S = 20.0
@@ -79,7 +79,7 @@ class Agent:
                                           "VIRTUAL_ENV", "SHARDLINE_CACHE",
                                           "PYENV_ROOT", "PYENV_VERSION") if k in os.environ}
         env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
-        tmp = workdir / "tmp"
+        tmp = pod_tmpdir(pod)
         tmp.mkdir(parents=True, exist_ok=True)
         env.update(HOME=str(tmp), TMPDIR=str(tmp), HOSTNAME=pod["spec"].get(
             "hostname", pod["metadata"]["name"]), GLOO_SOCKET_IFNAME="lo",

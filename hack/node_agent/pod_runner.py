@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import tempfile
 import threading
 import time
 import traceback
@@ -219,7 +220,7 @@ class PodRunner(threading.Thread):
         if self.ip:
             self.agent.ips.release(self.ip)
         if not os.environ.get("SHARDLINE_AGENT_KEEP_POD_DIRS"):
-            shutil.rmtree(self.workdir / "tmp", ignore_errors=True)
+            shutil.rmtree(pod_tmpdir(self.pod), ignore_errors=True)
         self.agent.forget(self.uid)
 
 
@@ -231,3 +232,9 @@ def _without_times(status: dict) -> dict:
         if waiting and waiting.get("reason") == "CrashLoopBackOff":
             waiting["message"] = waiting["message"].split(" (")[0]
     return out
+
+
+def pod_tmpdir(pod: dict) -> Path:
+    """The pod's HOME and TMPDIR: short on purpose (``/tmp/shardline-pod-<uid>``), because
+    Unix socket paths made under it (ZMQ ``ipc://``) must stay under 108 bytes."""
+    return Path(tempfile.gettempdir()) / f"shardline-pod-{pod['metadata']['uid'][:13]}"

@@ -47,6 +47,12 @@ def write_revisions(root: Path = MODELS_ROOT) -> dict[str, Path]:
     ``rev-broken`` (same architecture, hidden size 128 instead of 64: every parameter shape
     differs, so an in-place update must be refused)."""
     base = root / "tiny-llama"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+    except PermissionError:
+        raise RuntimeError(
+            f"cannot create {base}: the examples mount the hostPath {root}; make it writable "
+            f"first, e.g. `sudo install -d -o $USER {root}`") from None
     return {
         "rev-a": write_tiny_model(base / "rev-a", seed=1),
         "rev-b": write_tiny_model(base / "rev-b", seed=2),
