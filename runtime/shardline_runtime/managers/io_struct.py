@@ -3,10 +3,10 @@
 Direction and meaning:
 
 - HTTP -> rank-0 scheduler (and broadcast by rank 0 to every rank): ``TokenizedGenerateReqInput``,
-  ``AbortReq``, ``FlushCacheReqInput``, ``UpdateWeightsFromDiskReqInput``,
-  ``GetSchedulerStatsReqInput``.
+  ``AbortReq``, ``FlushCacheReqInput``, ``UpdateWeightsFromDiskReqInput``.
 - Rank-0 scheduler -> HTTP: ``BatchTokenIDOut`` (new token ids of many requests per step),
-  ``FlushCacheReqOutput``, ``UpdateWeightsFromDiskReqOutput``, ``SchedulerStats``.
+  ``FlushCacheReqOutput``, ``UpdateWeightsFromDiskReqOutput``, ``WeightsPhaseOut``, and
+  ``SchedulerStats`` whenever load or KV usage changed.
 
 Token ids are Python ints; logprobs are natural-log floats.
 """
@@ -86,11 +86,6 @@ class WeightsPhaseOut:
     """Rank 0 reports a weights phase change (``serving``, ``loading``, ``recapturing``, ``failed``)."""
 
     phase: str
-
-
-@dataclass
-class GetSchedulerStatsReqInput:
-    """Ask the rank-0 scheduler for :class:`SchedulerStats`."""
 
 
 @dataclass

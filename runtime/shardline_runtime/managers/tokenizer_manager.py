@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -243,13 +242,19 @@ class TokenizerManager:
     # ---------------------------------------------------------------- control
 
     async def control(self, request: Any, reply_type: type, timeout: float | None = None) -> Any:
-        """Send a control message to the schedulers and wait for its reply (one at a time)."""
+        """Send a control message to the schedulers and wait for its reply (one at a time).
+
+        Raises:
+            ServerNotReadyError: no reply within ``timeout`` seconds.
+        """
         async with self._control_lock:
             fut = asyncio.get_running_loop().create_future()
             self._control_waiters[reply_type] = fut
             await self.send_socket.send_pyobj(request)
             try:
                 return await asyncio.wait_for(fut, timeout)
+            except asyncio.TimeoutError:
+                raise ServerNotReadyError(f"the scheduler did not answer {type(request).__name__} within {timeout}s") from None
             finally:
                 self._control_waiters.pop(reply_type, None)
 
@@ -326,9 +331,3 @@ class TokenizerManager:
                 self.metrics.observe_finish(state, now, chunk)
             state.queue.put_nowait(chunk)
 
-
-def default_ipc_dir() -> str:
-    """A private directory for this server's ZMQ ipc sockets."""
-    import tempfile
-
-    return tempfile.mkdtemp(prefix=f"shardline-{os.getpid()}-")
