@@ -196,3 +196,26 @@ def test_group_added_after_a_failed_rollout_joins_the_served_model(world):
     annotations = kube.objects[("StatefulSet", "default", "llama-g1")]["metadata"]["annotations"]
     assert annotations[labels.ANNOTATION_MODEL_REVISION] == "rev-a"
     assert len(leaders.sent) == 1  # the failed target is not retried
+
+
+def test_cuda_graph_change_recaptures_in_place(world):
+    kube, body, run = world
+    body["spec"]["replicas"] = 1
+    leaders = FakeLeaders()
+    ctx = Context(kube=kube, leaders=leaders, clock=lambda: NOW[0])
+    body["status"] = reconcile(ctx, copy.deepcopy(body)).status
+    kube.run_statefulsets()
+    body["status"] = reconcile(ctx, copy.deepcopy(body)).status
+    uids = {n: p["metadata"]["uid"] for n, p in kube.pods().items()}
+    body["spec"]["runtime"] = dict(body["spec"]["runtime"], cudaGraph={"enabled": True, "maxBatchSize": 16})
+    body["metadata"]["generation"] += 1
+    body["status"] = reconcile(ctx, copy.deepcopy(body)).status
+    (key, _, sent), = leaders.sent
+    assert sent["cuda_graph_max_bs"] == 16 and sent["recapture_cuda_graph"] and sent["revision"] == "rev-a"
+    leaders.results[key] = ("success", "")
+    body["status"] = reconcile(ctx, copy.deepcopy(body)).status
+    status = reconcile(ctx, copy.deepcopy(body)).status
+    args = kube.objects[("StatefulSet", "default", "llama-g0")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--cuda-graph-max-bs") + 1] == "16"
+    assert status["phase"] == "Ready"
+    assert {n: p["metadata"]["uid"] for n, p in kube.pods().items()} == uids
