@@ -169,3 +169,19 @@ def test_filter_and_merge_keep_rows_aligned():
 def test_batch_size_mismatch_is_a_clear_error():
     with pytest.raises(ValueError, match="rows"):
         Sampler()(torch.zeros(3, VOCAB), info_for(SamplingParams()))
+
+
+def test_zero_exponential_draw_cannot_pick_a_truncated_token(monkeypatch):
+    """A race value of exactly 0 must not make a zero-probability token win (0/0 = NaN)."""
+    logits = torch.tensor([[5.0, 4.0] + [0.0] * (VOCAB - 2)])
+    real = torch.Tensor.exponential_
+
+    def zero_first_then_real(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        self[..., -1] = 0.0  # the last token is outside top_k=2
+        return self
+
+    monkeypatch.setattr(torch.Tensor, "exponential_", zero_first_then_real)
+    for _ in range(20):
+        ids = Sampler()(logits, info_for(SamplingParams(top_k=2))).next_token_ids
+        assert int(ids) in (0, 1)

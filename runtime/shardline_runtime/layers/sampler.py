@@ -145,6 +145,8 @@ class Sampler(nn.Module):
             race.exponential_()
         for row in seeded:
             race[row].exponential_(generator=info.generators[row])
+        # a draw of exactly 0 would turn a zeroed (truncated) token into 0/0 = NaN and win argmax
+        race.clamp_(min=torch.finfo(race.dtype).tiny)
         sampled_ids = (probs / race).argmax(dim=-1)
         return torch.where(info.is_greedy, greedy_ids, sampled_ids)
 
