@@ -38,7 +38,8 @@ def step(msg: str) -> None:
 
 
 def show_transition(snap: Snapshot) -> None:
-    print(f"    status: {snap.line()}", flush=True)
+    if snap.phase:  # the first version of a new object has no status yet
+        print(f"    status: {snap.line()}", flush=True)
 
 
 def run(cluster: LocalCluster, keep: bool) -> None:
@@ -49,6 +50,7 @@ def run(cluster: LocalCluster, keep: bool) -> None:
     step("starting etcd, kube-apiserver, kube-controller-manager, kube-scheduler (v1.37.2), "
          "fake GPU nodes and the node agent")
     cluster.start()
+    print(cluster.kubectl("version").stdout.rstrip())
     print(cluster.kubectl("get", "nodes", "-o", "custom-columns=NODE:.metadata.name,"
                           "GPUS:.status.capacity.nvidia\\.com/gpu").stdout.rstrip())
     step("helm install charts/shardline (the operator runs as the chart's Deployment pod)")

@@ -74,10 +74,10 @@ class StatusWatcher:
             if last and (last.line(), last.observed_generation) == (snap.line(),
                                                                    snap.observed_generation):
                 return
+            if self.on_change:  # before waiters wake, so output stays in order
+                self.on_change(snap)
             self.history.append(snap)
             self._cond.notify_all()
-        if self.on_change:
-            self.on_change(snap)
 
     def _run(self) -> None:
         selector = {"fieldSelector": f"metadata.name={self.name}"}
