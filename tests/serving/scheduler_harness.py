@@ -32,6 +32,7 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 20000) -> dict[str,
     """Step the scheduler until idle; return per rid: tokens, finish reason, messages."""
     results: dict[str, dict] = {}
     for _ in range(max_steps):
+        scheduler.process_input_requests([])  # as the event loop: runs a pending weight update
         batch = scheduler.get_next_batch_to_run()
         if batch is None and scheduler.is_idle():
             break

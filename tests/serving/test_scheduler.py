@@ -134,3 +134,19 @@ def test_mixed_chunk_equals_separate_steps(ckpt):
             assert got == expected
         expected = got
         assert scheduler.kv_used_tokens() == 0
+
+
+def test_weight_update_waits_for_a_chunked_prefill(ckpt):
+    from shardline_runtime.managers.io_struct import UpdateWeightsFromDiskReqInput, UpdateWeightsFromDiskReqOutput
+
+    scheduler = make_scheduler(ckpt, chunked_prefill_size=32, max_prefill_tokens=32)
+    scheduler.process_input_requests([greedy("long", _prompts(7, 1, 200, 200)[0], 4)])
+    batch = scheduler.get_next_batch_to_run()  # first chunk only
+    scheduler.process_batch_result(batch, scheduler.worker.forward_batch_generation(batch))
+    assert scheduler.chunked_req is not None
+    scheduler.process_input_requests([UpdateWeightsFromDiskReqInput(str(ckpt)), greedy("later", [5, 6], 2)])
+    results = run_to_completion(scheduler)
+    replies = [m for m in scheduler.send_socket.messages if isinstance(m, UpdateWeightsFromDiskReqOutput)]
+    assert len(replies) == 1 and replies[0].success
+    assert len(results["long"]["ids"]) == 4 and len(results["later"]["ids"]) == 2
+    assert scheduler.kv_used_tokens() == 0

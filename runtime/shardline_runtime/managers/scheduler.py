@@ -126,15 +126,15 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin):
         """Run until ``should_stop()`` (checked once per iteration) returns True."""
         self.start_watchdog()
         while not should_stop():
+            self.step_started = time.monotonic()  # the watchdog covers the broadcast and the forward
             messages = self.recv_requests()
             self.process_input_requests(messages)
             batch = self.get_next_batch_to_run()
             if batch is not None:
-                self.step_started = time.monotonic()
                 result = self.worker.forward_batch_generation(batch)
                 self.process_batch_result(batch, result)
-                self.step_started = None
             self.send_stats()
+            self.step_started = None
 
     def is_idle(self) -> bool:
         running = self.running_batch is not None and not self.running_batch.is_empty()
@@ -237,6 +237,7 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin):
         if running or self.chunked_req is not None:
             return
         msg, self.pending_update = self.pending_update, None
+        self.step_started = None  # loading a checkpoint may take longer than one step's watchdog
         self.send(WeightsPhaseOut("loading"))
         ok, message = self.worker.update_weights_from_disk(
             msg.model_path, msg.load_format or "auto", msg.revision, msg.recapture_cuda_graph
@@ -274,7 +275,9 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin):
             self.send_socket.send_pyobj(msg)
 
     def start_watchdog(self) -> None:
-        """Exit the process when one step runs longer than ``--watchdog-timeout`` seconds."""
+        """Exit the process when one loop iteration (broadcast of the step's messages, forward,
+        results) runs longer than ``--watchdog-timeout`` seconds: a stuck collective or a dead
+        peer becomes an error, never a hang. Weight loading is not timed."""
         limit = self.server_args.watchdog_timeout
 
         def watch() -> None:

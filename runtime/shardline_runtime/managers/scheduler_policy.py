@@ -74,16 +74,16 @@ class SchedulerPolicyMixin:
     # ------------------------------------------------------------------ next batch
 
     def get_next_batch_to_run(self):
-        if self.pending_update is None:
-            batch = self.get_new_batch_prefill()
-            if batch is not None:
-                running = self.running_batch
-                if (self.server_args.enable_mixed_chunk and running is not None and not running.is_empty()
-                        and self.ensure_free_slots(running.batch_size)):
-                    # the running requests decode inside this EXTEND; the mixed batch replaces them
-                    batch.mix_with_running(running)
-                    self.running_batch = None
-                return batch
+        # A pending weight update pauses admission, but a started chunked prefill must finish.
+        batch = self.get_new_batch_prefill(admit_new=self.pending_update is None)
+        if batch is not None:
+            running = self.running_batch
+            if (self.server_args.enable_mixed_chunk and running is not None and not running.is_empty()
+                    and self.ensure_free_slots(running.batch_size)):
+                # the running requests decode inside this EXTEND; the mixed batch replaces them
+                batch.mix_with_running(running)
+                self.running_batch = None
+            return batch
         return self.update_running_batch()
 
     def _reserved_tokens(self) -> int:
@@ -93,10 +93,11 @@ class SchedulerPolicyMixin:
             for r in reqs
         )
 
-    def get_new_batch_prefill(self):
-        """Form an EXTEND batch from the chunked request and the waiting queue, or None."""
+    def get_new_batch_prefill(self, admit_new: bool = True):
+        """Form an EXTEND batch from the chunked request and (when ``admit_new``) the waiting
+        queue, or None."""
         running = 0 if self.running_batch is None else self.running_batch.batch_size
-        if self.chunked_req is None and not self.waiting_queue:
+        if self.chunked_req is None and (not self.waiting_queue or not admit_new):
             return None
         budget_tokens = self.max_prefill_tokens
         kv_left = self.available_kv() - self._reserved_tokens()
@@ -110,7 +111,7 @@ class SchedulerPolicyMixin:
             admitted.append(req)
             if _is_partial(req):
                 self.chunked_req = req
-        while self.waiting_queue and self.chunked_req is None:
+        while admit_new and self.waiting_queue and self.chunked_req is None:
             if running + len(admitted) >= self.max_running_requests or budget_tokens <= 0:
                 break
             if len(admitted) >= self.req_to_token_pool.available_size():
