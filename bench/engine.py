@@ -22,6 +22,7 @@ engine at ``--graph-batch-sizes``.
 Usage::
 
     python bench/engine.py                       # CPU float32 defaults, a few minutes on 2 cores
+    python bench/engine.py --threads 1 --clock cpu   # the same, robust to other load on the machine
     python bench/engine.py --device cuda --dtype bfloat16
     python bench/engine.py --device cuda --graphs --graph-batch-sizes 1 8 32
 """
@@ -46,6 +47,13 @@ from shardline_runtime.server_args import ServerArgs  # noqa: E402
 from shardline_runtime.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=None, ignore_eos=True)
+_CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = time.perf_counter
+
+
+def clock() -> float:
+    """Seconds from the clock chosen with ``--clock`` (wall time, or this process's CPU time)."""
+    return _clock()
 
 
 def sync(device: torch.device) -> None:
@@ -85,12 +93,12 @@ def engine_prefill(worker, batch_prompts):
     reqs = [Req(f"p{i}", p, GREEDY) for i, p in enumerate(batch_prompts)]
     batch = worker.new_batch(reqs)
     sync(worker.device)
-    start = time.perf_counter()
+    start = clock()
     batch.prepare_for_extend()
     result = worker.forward_batch_generation(batch)
     tokens = result.next_token_ids.tolist()
     sync(worker.device)
-    elapsed = time.perf_counter() - start
+    elapsed = clock() - start
     for req, token in zip(reqs, tokens):
         req.append_output(token)
     return elapsed, tokens, batch
@@ -99,14 +107,14 @@ def engine_prefill(worker, batch_prompts):
 def engine_decode(worker, batch, steps: int):
     """Mean seconds per decode step and the generated tokens; frees the batch's KV."""
     sync(worker.device)
-    start = time.perf_counter()
+    start = clock()
     for _ in range(steps):
         batch.prepare_for_decode()
         result = worker.forward_batch_generation(batch)
         for req, token in zip(batch.reqs, result.next_token_ids.tolist()):
             req.append_output(token)
     sync(worker.device)
-    elapsed = (time.perf_counter() - start) / steps
+    elapsed = (clock() - start) / steps
     outputs = [r.output_ids for r in batch.reqs]
     for req in batch.reqs:
         batch.release_kv(req)
@@ -119,19 +127,19 @@ def engine_decode(worker, batch, steps: int):
 def hf_prefill(model, batch_prompts, device):
     ids = torch.tensor(batch_prompts, device=device)
     sync(device)
-    start = time.perf_counter()
+    start = clock()
     out = model(input_ids=ids, use_cache=True)
     tokens = out.logits[:, -1].argmax(-1)
     tokens_list = tokens.tolist()
     sync(device)
-    return time.perf_counter() - start, tokens_list, out.cache, tokens
+    return clock() - start, tokens_list, out.cache, tokens
 
 
 @torch.inference_mode()
 def hf_decode(model, cache, tokens, context_len: int, steps: int, device):
     generated = [[t] for t in tokens.tolist()]
     sync(device)
-    start = time.perf_counter()
+    start = clock()
     for step in range(steps):
         position = torch.full((tokens.shape[0], 1), context_len + step, device=device)
         out = model(input_ids=tokens[:, None], cache=cache, position_ids=position, use_cache=True)
@@ -140,7 +148,7 @@ def hf_decode(model, cache, tokens, context_len: int, steps: int, device):
         for g, t in zip(generated, tokens.tolist()):
             g.append(t)
     sync(device)
-    return (time.perf_counter() - start) / steps, generated
+    return (clock() - start) / steps, generated
 
 
 # ---- runs ----------------------------------------------------------------------------------------
@@ -223,17 +231,24 @@ def main(argv=None) -> None:
     parser.add_argument("--context-len", type=int, default=512,
                         help="engine context length (KV columns a captured decode graph reads)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--clock", default="wall", choices=sorted(_CLOCKS),
+                        help="wall time, or process CPU time (with --threads 1 on a shared CPU machine: "
+                             "time spent waiting for the CPU is not counted)")
     parser.add_argument("--graphs", action="store_true", help="eager vs CUDA graph decode (CUDA only)")
     parser.add_argument("--graph-batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and (args.device != "cpu" or torch.get_num_threads() != 1):
+        raise SystemExit("--clock cpu measures one CPU thread: use it with --device cpu --threads 1")
+    global _clock
+    _clock = _CLOCKS[args.clock]
     if args.graphs:
         graphs(args)
         return
     results = compare(args)
     print(f"\nLlama {args.layers} layers x {args.hidden}, vocab {args.vocab}, {args.device} {args.dtype}, "
-          f"{torch.get_num_threads()} threads; prompt {args.prompt_len} tokens")
+          f"{torch.get_num_threads()} threads, {args.clock} clock; prompt {args.prompt_len} tokens")
     print("| measurement | Shardline best (ms) | transformers best (ms) | ratio of best | ratio of medians |")
     print("|---|---:|---:|---:|---:|")
     labels = {"prefill": f"prefill, batch {args.prefill_batch} x {args.prompt_len} tokens",
