@@ -60,3 +60,34 @@ def test_prefill_only_request_returns_prompt_logprobs(tiny_checkpoint):
     got = result.logits_output.input_token_logprobs[0]
     assert torch.allclose(got, expected, atol=1e-4)
     batch.release_kv(req)
+
+
+def test_repetition_penalty_matches_transformers(tiny_checkpoint):
+    """Greedy with a repetition penalty (prompt + output tokens, CTRL rule) equals transformers'
+    ``generate(repetition_penalty=...)``, with requests mixed in one batch with unpenalised ones."""
+    import torch
+    import transformers
+
+    path = tiny_checkpoint("llama", seed=0)
+    worker = make_worker(path)
+    penalised = SamplingParams(temperature=0.0, max_new_tokens=16, repetition_penalty=1.5, ignore_eos=True)
+    got = run_engine(worker, PROMPTS, [penalised, GREEDY_32, penalised, GREEDY_32])
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    for prompt, tokens in zip(PROMPTS[::2], got[::2]):
+        ids = torch.tensor([prompt])
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                             repetition_penalty=1.5, eos_token_id=None, pad_token_id=0)
+        assert tokens == ref[0, len(prompt):].tolist()
+    assert got[1] == hf_greedy(path, [PROMPTS[1]], 32)[0]
+
+
+def test_stop_token_ids_end_the_request(tiny_checkpoint):
+    worker = make_worker(tiny_checkpoint("llama", seed=0))
+    full = run_engine(worker, PROMPTS[:1], GREEDY_32)[0]
+    stop_at = full[5]
+    first = full.index(stop_at)
+    params = SamplingParams(temperature=0.0, max_new_tokens=32, stop_token_ids=[stop_at], ignore_eos=True)
+    assert run_engine(worker, PROMPTS[:1], params)[0] == full[: first + 1]
+    # the model's EOS ends it too unless ignore_eos
+    eos_params = SamplingParams(temperature=0.0, max_new_tokens=32)
+    assert run_engine(worker, PROMPTS[:1], eos_params, eos_token_ids=[stop_at])[0] == full[: first + 1]
