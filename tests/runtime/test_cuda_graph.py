@@ -9,7 +9,7 @@ from shardline_runtime.mem_cache.memory_pool import DUMMY_SLOT
 from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner, get_batch_sizes_to_capture
 from shardline_runtime.sampling import SamplingParams
 
-from tests.runtime.engine_driver import hf_greedy, make_worker, run_engine
+from tests.runtime.engine_driver import make_worker, run_engine
 
 PROMPTS = [[5, 17, 33, 80, 9], [7, 8], [300, 12, 55, 66, 77, 88], [42, 43, 44, 45], [1, 2, 3]]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
@@ -30,7 +30,7 @@ def attach_static_runner(worker, batch_sizes=(1, 2, 4)):
     return runner
 
 
-def test_static_path_with_padding_matches_eager_and_transformers(tiny_checkpoint):
+def test_static_path_with_padding_matches_eager(tiny_checkpoint):
     path = tiny_checkpoint("llama", seed=0)
     worker = make_worker(path)
     eager_3 = run_engine(worker, PROMPTS[:3], GREEDY)
@@ -42,7 +42,7 @@ def test_static_path_with_padding_matches_eager_and_transformers(tiny_checkpoint
     assert run_engine(worker, PROMPTS[:3], GREEDY) == eager_3  # decode bs 3 pads to 4
     assert 3 in calls and max(calls) <= 4
     calls.clear()
-    assert run_engine(worker, PROMPTS, GREEDY) == eager_5 == hf_greedy(path, PROMPTS, 12)
+    assert run_engine(worker, PROMPTS, GREEDY) == eager_5  # eager == transformers: test_generate.py
     assert calls and 5 not in calls  # bs 5 > max captured 4 ran eagerly; smaller ones replayed
 
 
