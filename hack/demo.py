@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import sys
 import tempfile
@@ -93,6 +94,10 @@ def run(cluster: LocalCluster, keep: bool) -> None:
     cluster.kubectl("delete", "infd", name, "-n", ns, "--timeout=120s", timeout=180)
 
 
+def _interrupt(signum, _frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--state-dir", type=Path, default=None,
@@ -101,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="leave the cluster and the deployment running at the end")
     args = p.parse_args(argv)
     state_dir = args.state_dir or Path(tempfile.mkdtemp(prefix="shardline-demo-"))
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _interrupt)
     step("local Kubernetes binaries (built into ~/.cache/shardline on first use: 10-20 min "
          "on 2 cores; reused afterwards)")
     build.ensure_binaries()
@@ -120,8 +125,13 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
     finally:
         if not (ok and args.keep):
+            # A second Ctrl-C must not abandon half-stopped processes.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             step("tearing down: stopping the node agent and control plane by PID")
             cluster.stop()
+            if ok and args.state_dir is None:
+                shutil.rmtree(state_dir, ignore_errors=True)
     if ok:
         step("done")
     return 0 if ok else 1

@@ -59,6 +59,7 @@ def stop(pid: int, grace_s: float = 10.0) -> None:
         while time.monotonic() < deadline:
             _reap(pid)
             if not alive(pid):
+                _reap(pid)  # it may have turned zombie just after the first try
                 return
             time.sleep(0.1)
 
