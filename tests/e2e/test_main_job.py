@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import time
+import uuid
 
 import pytest
 import yaml
@@ -67,7 +68,8 @@ def job(kube_cluster, request):
     revisions = write_revisions()
     install_operator(kube_cluster)
     path, doc = tp2_example()
-    ns = doc["metadata"].get("namespace") or "e2e-main"
+    # A namespace of its own: pod DNS names stay distinct from other sessions' clusters.
+    ns = doc["metadata"].get("namespace") or f"e2e-{uuid.uuid4().hex[:6]}"
     kube_cluster.kubectl("create", "namespace", ns, check=False)
     job = Job(kube_cluster, ns, doc["metadata"]["name"], doc["spec"]["model"]["name"], revisions)
     job.example_path = path
@@ -75,6 +77,7 @@ def job(kube_cluster, request):
         yield job
     job.watch.stop()
     kube_cluster.kubectl("delete", "infd", "--all", "-n", ns, "--wait=false", check=False)
+    kube_cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
 @pytest.fixture(autouse=True)
