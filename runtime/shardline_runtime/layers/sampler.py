@@ -3,7 +3,7 @@
 Order of operations per step (as vLLM / SGLang):
   1. drop padded vocabulary columns (TP pads the LM head; padded ids are never sampled);
   2. logprobs, when asked, of the *unprocessed* distribution ``log_softmax(logits)``: before
-     penalties, temperature and truncation (vLLM's default ``raw_logprobs``; SGLang's default);
+     penalties, temperature and truncation (vLLM's default ``logprobs_mode=raw_logprobs``);
   3. penalties (repetition / frequency / presence);
   4. greedy rows take the argmax; other rows: ``softmax(logits / temperature)``, then top-k,
      top-p and min-p truncation (the most likely token always survives, so no row is ever empty
