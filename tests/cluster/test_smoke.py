@@ -14,6 +14,7 @@ import httpx
 import pytest
 import yaml
 
+from hack.localcluster import kubectl_binary
 from tests.kube_fixtures import agent_nodes_only
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -134,3 +135,28 @@ def test_crash_restarts_with_termination_message(kube_cluster, namespace):
     assert term["exitCode"] == 3
     assert term["message"] == "fatal: checkpoint missing shard 2"
     kube_cluster.kubectl("delete", "pod", "crash", "-n", namespace, "--timeout=30s")
+
+
+def test_pod_gets_its_service_account_identity(kube_cluster, namespace):
+    """The agent gives a pod KUBECONFIG with a TokenRequest token of its ServiceAccount, so
+    the pod talks to the API server as that account (the operator pod gets the chart's RBAC)."""
+    kube_cluster.kubectl("create", "serviceaccount", "robot", "-n", namespace)
+    script = ("import os, subprocess; who = subprocess.run([os.environ['KUBECTL'], 'auth', "
+              "'whoami', '-o', 'jsonpath={.status.userInfo.username}'], capture_output=True, "
+              "text=True); open(os.environ['SHARDLINE_TERMINATION_LOG'], 'w').write("
+              "who.stdout or who.stderr)")
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "whoami", "namespace": namespace},
+           "spec": {"serviceAccountName": "robot", "restartPolicy": "Never",
+                    "containers": [{"name": "c", "image": "x", "command": [sys.executable, "-c",
+                                                                            script],
+                                    "env": [{"name": "KUBECTL", "value": kubectl_binary()}]}]}}
+    kube_cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
+
+    def finished():
+        st = get_json(kube_cluster, "pod", "whoami", "-n", namespace)["status"]
+        return st if st.get("phase") in ("Succeeded", "Failed") else None
+
+    st = wait_for("the whoami pod to finish", finished, timeout=60)
+    term = st["containerStatuses"][0]["state"]["terminated"]
+    assert st["phase"] == "Succeeded"
+    assert term["message"] == f"system:serviceaccount:{namespace}:robot"
