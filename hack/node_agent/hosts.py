@@ -49,6 +49,10 @@ class HostsFile:
         self.path = path
         self._entries: dict[str, tuple[str, list[str]]] = {}
         self._lock = threading.Lock()
+        if not os.access(path, os.W_OK):
+            raise PermissionError(
+                f"the node agent needs write access to {path} to resolve StatefulSet pod DNS "
+                f"names (run it as root, or grant it: sudo setfacl -m u:$USER:rw {path})")
         self._rewrite(clean_dead=True)
 
     def set(self, key: str, ip: str, names: list[str]) -> None:
