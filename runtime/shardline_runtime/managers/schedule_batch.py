@@ -139,11 +139,14 @@ class ScheduleBatch:
 
     def _next_decode_slots(self, reqs: list[Req]) -> torch.Tensor:
         """One new KV slot per request, written at position ``kv_len``; advances ``kv_len``."""
-        slots = self._alloc_slots(len(reqs))
-        for req, slot in zip(reqs, slots):
+        for req in reqs:
             if not req.output_ids:
                 raise ValueError(f"request {req.rid} has no output token to decode from")
-            self.req_to_token_pool.write((req.req_pool_idx, req.kv_len), slot)
+        slots = self._alloc_slots(len(reqs))
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        self.req_to_token_pool.write((rows, cols), slots)  # one indexed write for the whole batch
+        for req in reqs:
             req.kv_len += 1
         return slots
 
