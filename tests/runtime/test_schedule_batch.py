@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardline_runtime.managers.schedule_batch import KVCacheFullError, Req, ScheduleBatch
 from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
@@ -151,3 +153,50 @@ def test_finish_on_stop_token_and_length():
 def test_empty_prompt_rejected():
     with pytest.raises(ValueError, match="origin_input_ids"):
         Req("x", [], SamplingParams())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["new", "decode", "finish"]), st.integers(1, 12), st.booleans()), max_size=25))
+def test_random_schedules_never_leak_or_share_kv_slots(ops):
+    """Any sequence of prefill (mixed or merged), decode and finish keeps every KV slot owned by
+    exactly one running request or free, and returns the pools to baseline at the end."""
+    rows, alloc = ReqToTokenPool(6, 128), TokenToKVPoolAllocator(200)
+    running, count = None, 0
+
+    def check():
+        used = []
+        for r in (running.reqs if running else []):
+            used += rows.req_to_token[r.req_pool_idx, : r.kv_len].tolist()
+        assert len(used) == len(set(used)) and 0 not in used
+        assert len(used) + alloc.available_size() == 200
+        assert not set(used) & set(alloc.free_slots.tolist())
+
+    for op, n, mixed in ops:
+        if op == "new" and rows.available_size() > 0 and alloc.available_size() > n + 8:
+            count += 1
+            r = req(f"n{count}", n)
+            batch = ScheduleBatch([r], rows, alloc, VOCAB)
+            batch.prepare_for_extend()
+            if running is not None and mixed and alloc.available_size() >= running.batch_size:
+                batch.mix_with_running(running)
+                running = None
+            for x in batch.reqs:
+                x.append_output(n % VOCAB)
+            if running is None:
+                running = batch
+            else:
+                running.merge_batch(batch)
+        elif op == "decode" and running is not None and alloc.available_size() >= running.batch_size:
+            running.prepare_for_decode()
+            for x in running.reqs:
+                x.append_output(1)
+        elif op == "finish" and running is not None:
+            victim = running.reqs[n % running.batch_size]
+            running.release_kv(victim)
+            running.filter_batch([i for i, x in enumerate(running.reqs) if x is not victim])
+            if running.is_empty():
+                running = None
+        check()
+    for r in (running.reqs if running else []):
+        running.release_kv(r)
+    assert alloc.available_size() == 200 and rows.available_size() == 6
