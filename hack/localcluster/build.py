@@ -16,6 +16,7 @@ the module's own go.mod as the module proxy serves it, so it cannot drift. etcd 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import re
@@ -213,9 +214,21 @@ def build(version: str = K8S_VERSION, helm_version: str = HELM_VERSION,
 
 
 def ensure_binaries(version: str = K8S_VERSION) -> Path:
-    """Return the cache bin directory, building on a miss (prints progress)."""
-    if missing_binaries(version):
-        return build(version)
+    """Return the cache bin directory, building on a miss (prints progress). Concurrent
+    callers (two test sessions on a fresh machine) take turns on a lock file; the second
+    finds the binaries built."""
+    if not missing_binaries(version):
+        return bin_dir(version)
+    lock_path = bin_dir(version).parent / ".build.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _log(f"another process is building into {bin_dir(version)}; waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if missing_binaries(version):
+            return build(version)
     return bin_dir(version)
 
 
