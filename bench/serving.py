@@ -71,7 +71,29 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-def summarize(name: str, concurrency: int, results: list[Result], wall: float) -> dict:
+def process_tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and all its descendants (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)  # ppid, utime+stime
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, (ppid, _) in stats.items():
+            if ppid == parent and child not in tree:
+                tree.add(child)
+                frontier.append(child)
+    return sum(stats[p][1] for p in tree if p in stats)
+
+
+def summarize(name: str, concurrency: int, results: list[Result], wall: float, cpu: float | None = None) -> dict:
     tokens = sum(r.output_tokens for r in results)
     itls = [x for r in results for x in r.itls]
     ttfts = [r.ttft for r in results if r.ttft is not None]
@@ -84,6 +106,8 @@ def summarize(name: str, concurrency: int, results: list[Result], wall: float) -
         "itl_p50_ms": ms(percentile(itls, 50)), "itl_p99_ms": ms(percentile(itls, 99)),
         "e2e_p50_ms": ms(percentile(e2es, 50)), "e2e_p99_ms": ms(percentile(e2es, 99)),
         "mean_e2e_ms": ms(statistics.fmean(e2es)) if e2es else None,
+        "cpu_s": None if cpu is None else round(cpu, 3),
+        "output_tok_per_cpu_s": None if not cpu else round(tokens / cpu, 1),
     }
 
 
@@ -141,7 +165,7 @@ async def run_load(url: str, model: str, requests: list[Request], concurrency: i
 
 # ------------------------------------------------------------------ transformers static batching
 
-def run_hf_static(model_path: str, requests: list[Request], batch_size: int, threads: int) -> tuple[list[Result], float]:
+def run_hf_static(model_path: str, requests: list[Request], batch_size: int, threads: int) -> tuple[list[Result], float, float]:
     import torch
     import transformers
 
@@ -157,7 +181,7 @@ def run_hf_static(model_path: str, requests: list[Request], batch_size: int, thr
             return scores
 
     results = [Result() for _ in requests]
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for b in range(0, len(requests), batch_size):
         idx = list(range(b, min(b + batch_size, len(requests))))
         width = max(len(requests[i].prompt_ids) for i in idx)
@@ -180,7 +204,7 @@ def run_hf_static(model_path: str, requests: list[Request], batch_size: int, thr
             results[i].ttft = steps[0] - batch_start
             results[i].itls = [steps[k] - steps[k - 1] for k in range(1, n)]
             results[i].e2e = steps[n - 1] - batch_start if n <= len(steps) else steps[-1] - batch_start
-    return results, time.perf_counter() - start
+    return results, time.perf_counter() - start, time.process_time() - cpu_start
 
 
 # ------------------------------------------------------------------ orchestration
@@ -191,11 +215,11 @@ def start_shardline(model_path: str, args) -> tuple[object, str]:
     log_dir = Path(tempfile.mkdtemp(prefix="shardline-bench-"))
     extra = ["--max-total-tokens", str(args.max_total_tokens), "--served-model-name", "bench",
              "--max-running-requests", str(max(args.concurrency)), "--log-level", "warning"]
-    server = start_server(model_path, log_dir, *extra, timeout=300)
+    server = start_server(model_path, log_dir, *extra, timeout=300, env={"OMP_NUM_THREADS": str(args.threads)})
     return server, "bench"
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, key: str = "output_tok_per_s") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -203,12 +227,12 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for backend, style in (("shardline", "o-"), ("transformers-static", "s--")):
-        pts = sorted((r["concurrency"], r["output_tok_per_s"]) for r in rows if r["backend"] == backend)
+        pts = sorted((r["concurrency"], r[key]) for r in rows if r["backend"] == backend)
         if pts:
             ax.plot(*zip(*pts), style, label=backend)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("output tokens / s")
+    ax.set_ylabel("output tokens / CPU second" if key == "output_tok_per_cpu_s" else "output tokens / s")
     ax.set_title("Throughput vs concurrency (CPU, mixed lengths)")
     ax.grid(True, alpha=0.3)
     ax.legend()
@@ -223,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", help="benchmark an already running server instead of starting one")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--request-rate", type=float, default=None, help="open loop: Poisson arrivals per second")
-    p.add_argument("--requests-per-level", type=int, default=0, help="default: max(32, 4 x concurrency)")
+    p.add_argument("--requests-per-level", type=int, default=0, help="default: max(16, 4 x concurrency)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt-len", type=int, nargs=2, default=[8, 256])
     p.add_argument("--output-len", type=int, nargs=2, default=[4, 32])
@@ -231,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-fraction", type=float, default=0.2)
     p.add_argument("--max-total-tokens", type=int, default=65536)
     p.add_argument("--baseline", choices=["hf", "none"], default="hf")
-    p.add_argument("--hf-threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of the server's scheduler and of the transformers baseline (same for both)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="throughput per wall second, or per CPU second of the serving processes (robust on a shared machine)")
     p.add_argument("--json", type=Path, default=None, help="write the result rows here")
     p.add_argument("--out", type=Path, default=None, help="PNG plot of throughput vs concurrency")
     args = p.parse_args(argv)
@@ -249,29 +276,32 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for c in args.concurrency:
-            n = args.requests_per_level or max(32, 4 * c)
+            n = args.requests_per_level or max(16, 4 * c)
             requests = make_workload(n, args.seed + c, tuple(args.prompt_len), tuple(args.output_len),
                                      args.long_fraction, tuple(args.long_output))
             asyncio.run(run_load(url, model, requests[: min(4, n)], c, None, args.seed))  # warm-up
+            cpu0 = process_tree_cpu_seconds(server.proc.pid) if server is not None else None
             results, wall = asyncio.run(run_load(url, model, requests, c, args.request_rate, args.seed))
-            rows.append(summarize("shardline", c, results, wall))
+            cpu = process_tree_cpu_seconds(server.proc.pid) - cpu0 if server is not None else None
+            rows.append(summarize("shardline", c, results, wall, cpu))
             print(json.dumps(rows[-1]), flush=True)
             if args.baseline == "hf":
-                results, wall = run_hf_static(model_path, requests, c, args.hf_threads)
-                rows.append(summarize("transformers-static", c, results, wall))
+                results, wall, cpu = run_hf_static(model_path, requests, c, args.threads)
+                rows.append(summarize("transformers-static", c, results, wall, cpu))
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         if server is not None:
             server.stop()
+    key = "output_tok_per_cpu_s" if args.clock == "cpu" else "output_tok_per_s"
     for c in args.concurrency:
         pair = {r["backend"]: r for r in rows if r["concurrency"] == c}
-        if len(pair) == 2:
-            ratio = pair["shardline"]["output_tok_per_s"] / pair["transformers-static"]["output_tok_per_s"]
-            print(f"concurrency {c}: shardline / transformers-static output tok/s = {ratio:.2f}x")
+        if len(pair) == 2 and pair["shardline"][key] and pair["transformers-static"][key]:
+            ratio = pair["shardline"][key] / pair["transformers-static"][key]
+            print(f"concurrency {c}: shardline / transformers-static {key} = {ratio:.2f}x")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     if args.out:
-        plot(rows, args.out)
+        plot(rows, args.out, key)
     return 0
 
 

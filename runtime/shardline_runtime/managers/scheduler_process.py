@@ -32,7 +32,8 @@ def run_scheduler_process(server_args: Any, tp_rank: int, input_addr: str | None
     try:
         import torch
 
-        if server_args.device == "cpu" or not torch.cuda.is_available():
+        if (server_args.device == "cpu" or not torch.cuda.is_available()) and "OMP_NUM_THREADS" not in os.environ:
+            # share the cores between this node's ranks (OMP_NUM_THREADS, when set, wins)
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // server_args.tp_size_per_node))
         from shardline_runtime.managers.scheduler import Scheduler
         from shardline_runtime.managers.tp_worker import TpModelWorker
