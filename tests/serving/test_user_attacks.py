@@ -307,3 +307,76 @@ def test_sigterm_after_drain_timeout_ends_running_requests_with_abort(serving_ch
         assert reasons == ["abort"] and done is True
     finally:
         srv.stop()
+
+
+# ---------------------------------------------------------------- non-finite arithmetic in sampling
+
+def _native_ids(server, **sampling) -> list[int]:
+    r = server.post("/generate", {"text": "hello hello hello",
+                                  "sampling_params": dict({"max_new_tokens": 6, "ignore_eos": True}, **sampling)})
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+@pytest.mark.xfail(strict=True, reason="a positive temperature that is 0 in float32 (1e-45, 1e-320) passes the "
+                   ">= 0 check but divides the logits by zero: every sampled token is id 0 (<|pad|>)")
+@pytest.mark.parametrize("temperature", [1e-45, 1e-320])
+def test_tiny_positive_temperature_is_greedy(server, temperature):
+    assert _native_ids(server, temperature=temperature) == _native_ids(server, temperature=0)
+
+
+@pytest.mark.xfail(strict=True, reason="repetition_penalty 1e-300 (> 0, accepted) overflows the penalised logits "
+                   "to inf; sampling then yields NaN and always picks id 0 (<|pad|>)")
+def test_extreme_repetition_penalty_never_samples_padding(server):
+    r = server.post("/generate", {"text": "hello hello hello", "sampling_params": {
+        "max_new_tokens": 6, "ignore_eos": True, "temperature": 1.0, "seed": 0, "repetition_penalty": 1e-300}})
+    if r.status_code == 400:  # rejecting the value is a fix too
+        assert _error(r)["param"].endswith("repetition_penalty")
+        return
+    assert r.status_code == 200, r.text
+    assert 0 not in r.json()["output_ids"], r.json()
+    wait_for_baseline(server)
+
+
+@pytest.mark.xfail(strict=True, reason="non-finite logits (a checkpoint with NaN weights is accepted by "
+                   "/update_weights_from_disk) make logprobs NaN: non-streamed responses are a plain-text 500 "
+                   "(JSON cannot encode NaN) and streams carry invalid JSON 'NaN'")
+def test_non_finite_weights_never_give_500(small_ctx_server, serving_checkpoint, checkpoint_dir):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    srv = small_ctx_server
+    path = checkpoint_dir / "attack-nan"
+    if not path.exists():
+        shutil.copytree(serving_checkpoint, path)
+        for f in path.glob("*.safetensors"):
+            weights = load_file(str(f))
+            if "model.norm.weight" in weights:
+                weights["model.norm.weight"].fill_(float("nan"))
+            save_file(weights, str(f), metadata={"format": "pt"})
+    try:
+        up = srv.post("/update_weights_from_disk", {"model_path": str(path)})
+        if up.status_code == 400:  # refusing non-finite weights (naming the parameter) is a fix too
+            assert "model.norm.weight" in up.json()["message"]
+            return
+
+        def strict(text: str):
+            return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c} in {text[:200]}"))
+
+        body = {"prompt": "hello", "max_tokens": 3, "logprobs": 2}
+        r = srv.post("/v1/completions", body)
+        assert r.status_code < 500 or r.status_code == 503, r.text
+        strict(r.text)
+        r = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                              "logprobs": True})
+        assert r.status_code < 500 or r.status_code == 503, r.text
+        strict(r.text)
+        with httpx.stream("POST", srv.url + "/v1/completions", json=dict(body, stream=True), timeout=60) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    strict(line[6:])
+    finally:
+        ok = srv.post("/update_weights_from_disk", {"model_path": str(serving_checkpoint)})
+        assert ok.status_code == 200, ok.text
