@@ -195,12 +195,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arch", default="llama", choices=ARCHITECTURES)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=512)
-    parser.add_argument("--max-shard-size", default=None)
+    parser.add_argument(
+        "--max-shard-size", default=None,
+        help="shard the safetensors files at this size, with units, e.g. 20KB or 1MB "
+        "(writes model.safetensors.index.json)",
+    )
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=JSON",
         help="config override, e.g. --set num_hidden_layers=4 --set hidden_size=128",
     )
     args = parser.parse_args(argv)
+    if args.max_shard_size and args.max_shard_size.strip().isdigit():
+        parser.error("--max-shard-size needs a unit, e.g. 20KB or 1MB (got a bare number)")
     overrides = {}
     for item in args.set:
         key, _, value = item.partition("=")
