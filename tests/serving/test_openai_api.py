@@ -143,3 +143,18 @@ def test_native_generate_and_info(server, tokenizer):
     assert server.get("/health").status_code == 200 and server.get("/ready").status_code == 200
     assert server.get("/health_generate").status_code == 200
     wait_for_baseline(server)
+
+
+def test_prompt_list_with_n_and_echo(server, tokenizer):
+    prompts = ["hello world", "one two three"]
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": prompts, "n": 2, "echo": True, "max_tokens": 3,
+                                        "temperature": 0, "ignore_eos": True})
+    out = r.json()
+    assert r.status_code == 200, out
+    choices = sorted(out["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    for c in choices:
+        assert c["text"].startswith(prompts[c["index"] // 2])
+    assert choices[0]["text"] == choices[1]["text"]  # greedy: both choices of a prompt agree
+    assert out["usage"]["prompt_tokens"] == sum(len(tokenizer.encode(p, add_special_tokens=False)) for p in prompts)
+    assert out["usage"]["completion_tokens"] == 12

@@ -125,6 +125,12 @@ def chat_prompt_ids(req: ChatCompletionRequest, tm: TokenizerManager) -> list[in
 
 def chat_choices(req: ChatCompletionRequest, tm: TokenizerManager) -> list[ChoiceSpec]:
     _check_common(req, tm)
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise RequestValidationError("response_format: only {\"type\": \"text\"} is supported (no JSON mode)", "response_format")
+    if req.tools:
+        raise RequestValidationError("tools: tool calling is not supported", "tools")
+    if req.tool_choice not in (None, "none"):
+        raise RequestValidationError("tool_choice: tool calling is not supported", "tool_choice")
     if req.top_logprobs and not req.logprobs:
         raise RequestValidationError("top_logprobs needs logprobs: true", "top_logprobs")
     max_tokens = _max_tokens(req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens, "max_tokens")

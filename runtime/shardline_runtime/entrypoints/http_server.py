@@ -51,11 +51,11 @@ def _pydantic_message(exc: FastAPIValidationError) -> tuple[str, str | None]:
         return "invalid request body", None
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    param = loc[0] if loc else None  # the top-level field; the message carries the full path
     msg = first.get("msg", "invalid value")
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {msg}", None
-    return (f"{param}: {msg}" if param else msg), param
+    return (f"{'.'.join(loc)}: {msg}" if loc else msg), param
 
 
 def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any]) -> FastAPI:

@@ -45,7 +45,11 @@ def _completion_logprobs(tm: TokenizerManager, chunk: GenerateChunk, offset: int
         text = _token_text(tm, tid)
         tokens.append(text)
         lps.append(lp)
-        tops.append({_token_text(tm, t): v for v, t in top})
+        best: dict[str, float] = {}
+        for v, t in top:  # tokens with the same text (e.g. partial UTF-8 bytes) share one key
+            key = _token_text(tm, t)
+            best[key] = max(v, best.get(key, v))
+        tops.append(best)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

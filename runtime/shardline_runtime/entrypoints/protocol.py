@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
@@ -63,7 +63,7 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``."""
 
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]  # true is not token id 1
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
@@ -90,6 +90,10 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     logit_bias: Optional[dict[str, float]] = None
     add_generation_prompt: bool = True
+    # Not supported: a request that sets them gets a 400 instead of silently free text.
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
 
 
 class GenerateRequest(BaseModel):
@@ -98,7 +102,7 @@ class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     text: Optional[str] = None
-    input_ids: Optional[list[int]] = None
+    input_ids: Optional[list[StrictInt]] = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     return_logprob: bool = False

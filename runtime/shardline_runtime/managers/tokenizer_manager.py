@@ -103,6 +103,7 @@ class TokenizerManager:
         self.recv_socket = self.context.socket(zmq.PULL)
         self.recv_socket.bind(output_addr)
         self.states: dict[str, _ReqState] = {}
+        self._max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1) + 1
         self.stats = SchedulerStats(0, 0, 0, 0, info.max_total_num_tokens)
         self.weights_phase = "serving"
         self.weights_revision = info.weights_revision
@@ -128,6 +129,12 @@ class TokenizerManager:
         if isinstance(prompt, str):
             if prompt == "":
                 raise RequestValidationError(f"{param} must not be empty", param)
+            # A token covers at most ``_max_token_chars`` characters, so a longer text is surely
+            # over the limit: reject it without tokenizing (which would block the event loop).
+            if len(prompt) > self._max_token_chars * self.info.max_req_input_len:
+                raise RequestValidationError(
+                    f"{param} has {len(prompt)} characters: more than the {self.info.max_req_input_len} tokens "
+                    "this server accepts", param)
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
             ids = list(prompt)
@@ -157,13 +164,15 @@ class TokenizerManager:
                 f"(context length {self.info.context_len}, KV pool {self.info.max_total_num_tokens} tokens)",
                 "prompt",
             )
-        room = self.info.context_len - n
+        # As SGLang: prompt + output must stay below the context length (max_req_len).
+        limit_total = self.info.context_len - 1
+        room = limit_total - n
         if max_new_tokens is None:
             return room
-        if n + max_new_tokens > self.info.context_len:
+        if n + max_new_tokens > limit_total:
             raise RequestValidationError(
                 f"the prompt has {n} tokens and max_tokens is {max_new_tokens}: {n + max_new_tokens} "
-                f"exceeds the context length {self.info.context_len}; ask for at most {room} tokens",
+                f"exceeds {limit_total} (context length {self.info.context_len} - 1); ask for at most {room} tokens",
                 "max_tokens",
             )
         return max_new_tokens
