@@ -80,17 +80,32 @@ class _Server(uvicorn.Server):
     closes, in-flight requests get ``timeout_graceful_shutdown``; the launcher then exits 0
     (uvicorn itself would re-raise the signal after shutdown, ending the process with -15)."""
 
-    def __init__(self, config: uvicorn.Config, state: dict):
+    def __init__(self, config: uvicorn.Config, state: dict, drain_timeout: float):
         super().__init__(config)
         self._state = state
+        self._drain_timeout = drain_timeout
 
     def handle_exit(self, sig, frame) -> None:
+        loop = self._state.get("loop")
+        if not self._state["draining"] and loop is not None:
+            loop.call_soon_threadsafe(lambda: loop.create_task(self._abort_after_drain()))
         self._state["draining"] = True
         if self._state.get("tm") is not None:
             self._state["tm"].draining = True
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True
         self.should_exit = True
+
+
+    async def _abort_after_drain(self) -> None:
+        """At ``--drain-timeout``, end what still runs with ``finish_reason: "abort"`` (uvicorn
+        waits a little longer, so those answers and streams complete before it closes)."""
+        await asyncio.sleep(self._drain_timeout)
+        tm = self._state.get("tm")
+        if tm is not None and tm.states:
+            logger.warning("drain timeout: aborting %d running requests", len(tm.states))
+            await tm.abort_all_local("server shutting down (drain timeout)")
+            await tm.abort(None)
 
 
 def _spawn_schedulers(args: ServerArgs, input_addr: str, output_addr: str):
@@ -130,8 +145,9 @@ async def _serve(args: ServerArgs, procs, ipc_dir: str, input_addr: str, output_
                              "started": time.time()}
     switch = _SwitchApp(_status_app(state))
     config = uvicorn.Config(switch, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.drain_timeout, access_log=args.log_level == "debug")
-    server = _Server(config, state)
+                            timeout_graceful_shutdown=args.drain_timeout + 3, access_log=args.log_level == "debug")
+    server = _Server(config, state, args.drain_timeout)
+    state["loop"] = asyncio.get_running_loop()
     serve_task = asyncio.create_task(server.serve())
     loop = asyncio.get_running_loop()
     infos, error = await loop.run_in_executor(None, _wait_ready, procs)

@@ -252,9 +252,6 @@ def test_update_with_other_config_field_is_refused_and_keeps_serving(small_ctx_s
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="SIGTERM: requests still running at --drain-timeout are cancelled by "
-                   "uvicorn: a non-streamed request gets a plain-text 500, a stream is cut without "
-                   "finish_reason or [DONE] (--drain-timeout promises they are aborted)")
 def test_sigterm_after_drain_timeout_ends_running_requests_with_abort(serving_checkpoint, checkpoint_dir):
     import concurrent.futures as cf
 
