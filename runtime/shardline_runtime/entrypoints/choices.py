@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
+
+from fastapi.responses import JSONResponse
 
 from shardline_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from shardline_runtime.managers.tokenizer_manager import GenerateChunk, RequestValidationError, TokenizerManager
@@ -186,8 +189,27 @@ def usage_dict(results: list[ChoiceResult]) -> dict[str, Any]:
     }
 
 
+def json_safe(value: Any) -> Any:
+    """``value`` with non-finite floats replaced so it is valid JSON: ``-inf`` -> -9999.0 (the
+    floor vLLM reports for impossible tokens), NaN and ``+inf`` -> None (broken weights)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return -9999.0 if value == float("-inf") else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+class SafeJSONResponse(JSONResponse):
+    """A JSONResponse that never emits the non-JSON constants NaN / Infinity."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(json_safe(content), ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
 def sse(data: Any) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(json_safe(data), ensure_ascii=False, allow_nan=False)}\n\n"
 
 
 def now_seconds() -> int:

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
-from shardline_runtime.entrypoints.choices import sse
+from shardline_runtime.entrypoints.choices import SafeJSONResponse, sse
 from shardline_runtime.entrypoints.openai_serving import until_disconnect
 from shardline_runtime.entrypoints.protocol import GenerateRequest
 from shardline_runtime.managers.tokenizer_manager import RequestValidationError, TokenizerManager
@@ -85,4 +85,4 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
             pass
 
     await until_disconnect(raw, collect)
-    return JSONResponse(out)
+    return SafeJSONResponse(out)

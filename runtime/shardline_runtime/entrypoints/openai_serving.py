@@ -13,9 +13,10 @@ import uuid
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from shardline_runtime.entrypoints.choices import (
+    SafeJSONResponse,
     ChoiceResult,
     chat_choices,
     completion_choices,
@@ -141,7 +142,7 @@ async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: 
         {"index": i, "text": r.text, "logprobs": r.logprobs or None, "finish_reason": finish_reason_name(r.finish_reason)}
         for i, r in enumerate(results)
     ]
-    return JSONResponse(body(choices, usage_dict(results)))
+    return SafeJSONResponse(body(choices, usage_dict(results)))
 
 
 async def serve_chat(req: ChatCompletionRequest, tm: TokenizerManager, model: str, raw: Request):
@@ -199,4 +200,4 @@ async def serve_chat(req: ChatCompletionRequest, tm: TokenizerManager, model: st
         }
         for i, r in enumerate(results)
     ]
-    return JSONResponse(body(choices, usage_dict(results), obj="chat.completion"))
+    return SafeJSONResponse(body(choices, usage_dict(results), obj="chat.completion"))
