@@ -180,8 +180,6 @@ def test_completion_top_logprobs_report_the_best_logprob_per_key(server, tokeniz
         assert got[lp["tokens"][position]] >= lp["token_logprobs"][position] - 1e-4
 
 
-@pytest.mark.xfail(strict=True, reason="chat logprobs 'bytes' is the UTF-8 of the decoded token text, so "
-                   "every partial-UTF-8 byte token reports [239, 191, 189] (U+FFFD) instead of its own bytes")
 def test_chat_logprobs_bytes_are_the_tokens_own_bytes(server):
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0,
             "logprobs": True, "top_logprobs": 20}

@@ -56,10 +56,36 @@ def _completion_logprobs(tm: TokenizerManager, chunk: GenerateChunk, offset: int
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's ``bytes_to_unicode``: the printable character each byte-level BPE
+    vocabulary uses for a byte -> that byte (Radford et al. 2019, used by every ByteLevel tokenizer)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+_BYTE_DECODER = _gpt2_byte_decoder()
+
+
+def _token_bytes(tm: TokenizerManager, token_id: int, text: str) -> list[int]:
+    """The token's own bytes (a partial UTF-8 byte token is not U+FFFD's bytes)."""
+    backend = getattr(tm.tokenizer, "backend_tokenizer", None)
+    if backend is not None and type(backend.decoder).__name__ == "ByteLevel":
+        piece = tm.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and all(ch in _BYTE_DECODER for ch in piece):
+            return [_BYTE_DECODER[ch] for ch in piece]
+    return list(text.encode("utf-8"))
+
+
 def _chat_logprobs(tm: TokenizerManager, chunk: GenerateChunk) -> dict[str, list]:
     def entry(lp: float, tid: int) -> dict[str, Any]:
         text = _token_text(tm, tid)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": lp, "bytes": _token_bytes(tm, tid, text)}
 
     return {"content": [dict(entry(lp, tid), top_logprobs=[entry(v, t) for v, t in top]) for lp, tid, top in chunk.logprobs]}
 
