@@ -62,3 +62,27 @@ def test_idle_step_runs_without_tokens(tiny_checkpoint):
                                out_cache_loc=[], model_runner=runner)
     out = runner.forward(fb)
     assert out.next_token_logits.shape == (0, 512)
+
+
+@pytest.mark.parametrize("hq, hkv", [(4, 2), (3, 3)])
+def test_cpu_decode_attention_equals_sdpa_per_request(hq, hkv):
+    import torch.nn.functional as F
+
+    from shardline_runtime.attention.paged_decode import DecodeScratch, decode_attention_cpu
+
+    g = torch.Generator().manual_seed(0)
+    bs, d, bound, size = 3, 8, 7, 40
+    k_pool, v_pool = torch.randn(hkv, size + 1, d, generator=g), torch.randn(hkv, size + 1, d, generator=g)
+    slots = torch.randperm(size, generator=g)[: bs * bound].view(bs, bound) + 1
+    lens = [7, 2, 5]
+    bias = torch.zeros(bs, bound)
+    for i, n in enumerate(lens):
+        bias[i, n:] = float("-inf")
+    q = torch.randn(bs, hq, d, generator=g)
+    scratch = DecodeScratch()
+    for _ in range(2):  # the second call reuses the scratch buffers
+        out = decode_attention_cpu(q, k_pool, v_pool, slots.reshape(-1), bias, 0.3, scratch)
+        for i, n in enumerate(lens):
+            k, v = k_pool[:, slots[i, :n]], v_pool[:, slots[i, :n]]  # (Hkv, n, D)
+            ref = F.scaled_dot_product_attention(q[i][:, None], k, v, scale=0.3, enable_gqa=True)[:, 0]
+            assert torch.allclose(out[i], ref, atol=1e-6)

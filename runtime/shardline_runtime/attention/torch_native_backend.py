@@ -8,14 +8,22 @@ EXTEND loops over requests (variable lengths) using the ``*_cpu`` lists. DECODE 
 computation whose lengths and indices come from tensors (``seq_lens``, ``req_pool_indices``):
 it gathers a fixed ``kv_len_bound`` columns of ``req_to_token`` and masks positions
 ``>= seq_len``, so a CUDA graph captured with a bound replays correctly for any shorter lengths.
+
+DECODE per step (not per layer): the flattened slot indices and the masks are built by the first
+layer of each forward pass (inside the model forward, so a captured graph recomputes them from
+its static input tensors on every replay) and shared by the other layers. The pool is
+head-major (see ``TokenToKVPool``), so the gathered K/V are (heads, bs, kv_len_bound, head_dim)
+with each (request, head) block contiguous; see ``paged_decode.py`` for the CPU computation.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from shardline_runtime.attention.paged_decode import DecodeScratch, decode_attention_cpu
 
 
 @dataclass
@@ -23,6 +31,19 @@ class ForwardMetadata:
     """Per-step data shared by all layers. ``kv_len_bound``: KV columns gathered in DECODE."""
 
     kv_len_bound: int = 0
+
+
+@dataclass
+class DecodeTensors:
+    """DECODE tensors of one forward pass, shared by its layers.
+
+    ``slots``: (bs * kv_len_bound,) int64 KV slots, row-major by request. ``masks``: per sliding
+    window (``None``: full attention) a (bs, kv_len_bound) mask, bool (True = attend) on GPU,
+    float32 additive (0 / -inf) on CPU.
+    """
+
+    slots: torch.Tensor
+    masks: dict = field(default_factory=dict)
 
 
 class TorchNativeAttnBackend:
@@ -38,11 +59,15 @@ class TorchNativeAttnBackend:
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.max_context_len = self.req_to_token_pool.req_to_token.shape[1]
         self.forward_metadata = ForwardMetadata()
+        self._decode: DecodeTensors | None = None
+        self._last_layer_id = -1
+        self._scratch = DecodeScratch()
 
     # ---- metadata ----------------------------------------------------------------------------
 
     def init_forward_metadata(self, forward_batch) -> None:
         """Eager step: the DECODE bound is the longest ``seq_len`` of the batch."""
+        self._decode = None
         if forward_batch.forward_mode.is_decode():
             lens = forward_batch.seq_lens_cpu
             bound = max(lens) if lens else int(forward_batch.seq_lens.max()) if forward_batch.batch_size else 0
@@ -50,11 +75,32 @@ class TorchNativeAttnBackend:
 
     def init_forward_metadata_capture_cuda_graph(self, kv_len_bound: int | None = None) -> None:
         """Graph capture: use a fixed bound (default: the whole ``req_to_token`` row)."""
+        self._decode = None
         self.forward_metadata = ForwardMetadata(kv_len_bound=kv_len_bound or self.max_context_len)
 
     def init_forward_metadata_replay_cuda_graph(self, kv_len_bound: int | None = None) -> None:
         """Graph replay: the same fixed bound as at capture (nothing else is read from Python)."""
         self.init_forward_metadata_capture_cuda_graph(kv_len_bound)
+
+    def _decode_tensors(self, layer, forward_batch, bs: int, bound: int, device: torch.device) -> DecodeTensors:
+        """This pass's DECODE tensors: rebuilt when a new forward pass starts (a layer id not
+        above the previous call's), reused by the pass's later layers."""
+        if self._decode is None or layer.layer_id <= self._last_layer_id:
+            req_to_token = self._req_to_token(forward_batch)
+            slots = req_to_token[forward_batch.req_pool_indices, :bound].reshape(bs * bound)
+            self._decode = DecodeTensors(slots=slots)
+        self._last_layer_id = layer.layer_id
+        window = layer.sliding_window
+        if window not in self._decode.masks:
+            pos = torch.arange(bound, device=device)[None, :]
+            seq_lens = forward_batch.seq_lens[:, None]
+            valid = pos < seq_lens  # (bs, bound)
+            if window is not None:
+                valid &= pos >= seq_lens - window
+            if device.type == "cpu":
+                valid = torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_fill_(~valid, float("-inf"))
+            self._decode.masks[window] = valid
+        return self._decode
 
     # ---- compute -----------------------------------------------------------------------------
 
@@ -82,13 +128,13 @@ class TorchNativeAttnBackend:
         if q.shape[0] == 0:
             return out
         req_to_token = self._req_to_token(forward_batch)
-        k_buf, v_buf = kv_pool.get_kv_buffer(layer.layer_id)
+        k_buf, v_buf = kv_pool.get_kv_buffer_head_major(layer.layer_id)  # (Hkv, size + 1, D)
         start = 0
         for i, (prefix, ext) in enumerate(zip(forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu)):
             seq_len = prefix + ext
             slots = req_to_token[forward_batch.req_pool_indices[i], :seq_len]
-            k_all = k_buf[slots].to(q.dtype)  # (L, Hkv, D)
-            v_all = v_buf[slots].to(q.dtype)
+            k_all = k_buf.index_select(1, slots).to(q.dtype)  # (Hkv, L, D)
+            v_all = v_buf.index_select(1, slots).to(q.dtype)
             mask = None
             if prefix or layer.sliding_window is not None:
                 q_pos = torch.arange(prefix, seq_len, device=q.device)[:, None]  # (ext, 1)
@@ -97,7 +143,7 @@ class TorchNativeAttnBackend:
                 if layer.sliding_window is not None:
                     mask &= k_pos > q_pos - layer.sliding_window
             o = F.scaled_dot_product_attention(
-                q[start:start + ext].transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1),
+                q[start:start + ext].transpose(0, 1), k_all, v_all,
                 attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=True,
             )  # (Hq, ext, D); enable_gqa shares each KV head with its group of query heads
             out[start:start + ext] = o.transpose(0, 1)
@@ -110,20 +156,17 @@ class TorchNativeAttnBackend:
         bound = self.forward_metadata.kv_len_bound
         if bs == 0 or bound == 0:
             return torch.zeros_like(q)
-        req_to_token = self._req_to_token(forward_batch)
-        k_buf, v_buf = kv_pool.get_kv_buffer(layer.layer_id)
-        slots = req_to_token[forward_batch.req_pool_indices, :bound].reshape(-1)  # (bs * bound,)
+        meta = self._decode_tensors(layer, forward_batch, bs, bound, q.device)
+        mask = meta.masks[layer.sliding_window]
+        k_buf, v_buf = kv_pool.get_kv_buffer_head_major(layer.layer_id)  # (Hkv, size + 1, D)
         hkv, head_dim = layer.tp_k_head_num, layer.head_dim
-        # index_select + SDPA on strided views: no einsum permute copies (3-4x faster on CPU)
-        k = k_buf.index_select(0, slots).view(bs, bound, hkv, head_dim).transpose(1, 2).to(q.dtype)
-        v = v_buf.index_select(0, slots).view(bs, bound, hkv, head_dim).transpose(1, 2).to(q.dtype)
-        pos = torch.arange(bound, device=q.device)[None, :]
-        seq_lens = forward_batch.seq_lens[:, None]
-        valid = pos < seq_lens
-        if layer.sliding_window is not None:
-            valid &= pos >= seq_lens - layer.sliding_window
+        if q.device.type == "cpu":
+            return decode_attention_cpu(q, k_buf, v_buf, meta.slots, mask, layer.scaling, self._scratch)
+        # GPU: fresh gathers (allocated from the graph pool while capturing), SDPA kernels
+        k = k_buf.index_select(1, meta.slots).view(hkv, bs, bound, head_dim).transpose(0, 1).to(q.dtype)
+        v = v_buf.index_select(1, meta.slots).view(hkv, bs, bound, head_dim).transpose(0, 1).to(q.dtype)
         o = F.scaled_dot_product_attention(
-            q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], scale=layer.scaling,
+            q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=layer.scaling,
             enable_gqa=layer.tp_q_head_num != hkv,
         )  # (bs, Hq, 1, D)
         return o.reshape(bs, layer.tp_q_head_num, head_dim)

@@ -85,7 +85,12 @@ class TokenToKVPool:
         device: where the buffers live.
 
     Attributes:
-        k_buffer, v_buffer: lists of ``num_layers`` tensors (size + 1, num_kv_heads_per_rank, head_dim).
+        k_buffer_head_major, v_buffer_head_major: lists of ``num_layers`` contiguous tensors
+            (num_kv_heads_per_rank, size + 1, head_dim): the storage. Head-major, so gathering a
+            request's slots (``index_select`` on dim 1) yields per-head (tokens, head_dim) blocks
+            that attention reads contiguously.
+        k_buffer, v_buffer: the same storage as (size + 1, num_kv_heads_per_rank, head_dim)
+            views (``[slots]`` gives the (T, heads, head_dim) K/V of those slots).
     """
 
     def __init__(
@@ -108,9 +113,11 @@ class TokenToKVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (size + 1, num_kv_heads_per_rank, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        shape = (num_kv_heads_per_rank, size + 1, head_dim)
+        self.k_buffer_head_major = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_buffer_head_major = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k_buffer = [b.transpose(0, 1) for b in self.k_buffer_head_major]
+        self.v_buffer = [b.transpose(0, 1) for b in self.v_buffer_head_major]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads_per_rank: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -129,7 +136,12 @@ class TokenToKVPool:
         return self.v_buffer[layer_id]
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of a layer as (size + 1, heads, head_dim) views."""
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def get_kv_buffer_head_major(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V storage of a layer: contiguous (heads, size + 1, head_dim)."""
+        return self.k_buffer_head_major[layer_id], self.v_buffer_head_major[layer_id]
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K/V of new tokens.

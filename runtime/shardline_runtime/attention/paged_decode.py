@@ -1,0 +1,67 @@
+"""Decode attention on CPU over K/V gathered from the head-major paged pool.
+
+One query per request. Measured on one CPU thread (12 heads x 64, batch 16, ~136 keys; see
+docs/benchmarks.md), two things dominate: allocating fresh multi-MiB tensors for the gathered
+K/V every layer (page faults, cold cache lines), and running SDPA's flash kernel on a single
+query row. So the gathers write into buffers reused across layers and steps
+(:class:`DecodeScratch`), and the attention is two batched matrix products around a softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DecodeScratch:
+    """Reusable CPU buffers for gathered K/V; grows to the largest step seen, never shrinks.
+
+    Only for eager CPU use: a captured CUDA graph must not read buffers that may be replaced.
+    """
+
+    def __init__(self):
+        self._buf: torch.Tensor | None = None
+
+    def kv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two uninitialised contiguous tensors of ``shape`` (K and V), views of one buffer."""
+        n = 1
+        for s in shape:
+            n *= s
+        buf = self._buf
+        if buf is None or buf.dtype != dtype or buf.device != device or buf.numel() < 2 * n:
+            with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+                buf = self._buf = torch.empty(2 * n, dtype=dtype, device=device)
+        return buf[:n].view(shape), buf[n:2 * n].view(shape)
+
+
+def decode_attention_cpu(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+    bias: torch.Tensor, scale: float, scratch: DecodeScratch,
+) -> torch.Tensor:
+    """Softmax attention of one query per request over the K/V at ``slots``.
+
+    Args:
+        q: (bs, Hq, D) queries; ``Hq`` a multiple of ``Hkv`` (grouped-query attention).
+        k_pool, v_pool: (Hkv, size + 1, D) head-major pool of one layer.
+        slots: (bs * L,) int64 KV slots, request-major (request ``i`` owns ``[i*L, (i+1)*L)``).
+        bias: (bs, L) float32 additive mask, 0 where a key is attended and -inf where not;
+            every row attends at least one key.
+        scale: softmax scale.
+        scratch: buffers the gathered K/V are written to.
+
+    Returns:
+        (bs, Hq, D) in ``q``'s dtype; scores and softmax in float32.
+    """
+    bs, hq, d = q.shape
+    hkv = k_pool.shape[0]
+    kv_len = bias.shape[1]
+    k, v = scratch.kv((hkv, bs * kv_len, d), k_pool.dtype, k_pool.device)
+    torch.index_select(k_pool, 1, slots, out=k)
+    torch.index_select(v_pool, 1, slots, out=v)
+    k = k.view(hkv, bs, kv_len, d).to(q.dtype)
+    v = v.view(hkv, bs, kv_len, d).to(q.dtype)
+    qh = (q * scale).view(bs, hkv, hq // hkv, d).transpose(0, 1)  # (Hkv, bs, group, D)
+    scores = torch.matmul(qh, k.transpose(-1, -2)).float()  # (Hkv, bs, group, L)
+    scores += bias[None, :, None, :]
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v)  # (Hkv, bs, group, D)
+    return out.transpose(0, 1).reshape(bs, hq, d)
