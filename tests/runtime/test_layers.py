@@ -108,3 +108,17 @@ def test_inv_freq_equals_transformers(rope):
     ours_inv, ours_scale = compute_inv_freq(parse_rope_parameters(cfg.to_dict()), 16)
     assert torch.equal(ours_inv, ref_inv)
     assert ours_scale == pytest.approx(ref_scale, rel=0, abs=0)
+
+
+@pytest.mark.parametrize("rows, out_features, bias", [(16, 4096, False), (3, 4100, True), (65, 4096, True), (16, 2304, False)])
+def test_linear_in_pieces_equals_f_linear(rows, out_features, bias):
+    import torch.nn.functional as F
+
+    from shardline_runtime.layers.linear import linear
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(rows, 48, generator=g), torch.randn(out_features, 48, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    ours, ref = linear(x, w, b), F.linear(x, w, b)
+    assert ours.shape == ref.shape == (rows, out_features)
+    assert torch.allclose(ours, ref, rtol=1e-6, atol=1e-5)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from shardline_runtime.distributed import tensor_model_parallel_all_gather
+from shardline_runtime.layers.linear import linear
 
 
 @dataclass
@@ -50,7 +51,7 @@ class LogitsProcessor(nn.Module):
         self.vocab_size = vocab_size
 
     def _logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        shard = hidden @ lm_head.weight.t()  # (N, padded_vocab / tp), model dtype as transformers
+        shard = linear(hidden, lm_head.weight)  # (N, padded_vocab / tp), model dtype as transformers
         return tensor_model_parallel_all_gather(shard, dim=-1)[:, : self.vocab_size].float()
 
     def forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor, lm_head: nn.Module, forward_batch) -> LogitsProcessorOutput:
