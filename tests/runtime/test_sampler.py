@@ -185,3 +185,22 @@ def test_zero_exponential_draw_cannot_pick_a_truncated_token(monkeypatch):
     for _ in range(20):
         ids = Sampler()(logits, info_for(SamplingParams(top_k=2))).next_token_ids
         assert int(ids) in (0, 1)
+
+
+
+def test_tiny_positive_temperature_is_greedy_and_extreme_penalty_stays_finite():
+    """Attack cases: temperature 1e-45 and repetition_penalty 1e-300 are both 0 in float32."""
+    assert SamplingParams(temperature=1e-45).is_greedy
+    assert not SamplingParams(temperature=1e-3).is_greedy
+    torch.manual_seed(0)
+    logits = torch.randn(2, VOCAB)
+    logits[1, 5], logits[1, 6] = 2.0, 1.0  # positive seen logits / 0 -> +inf
+    info = info_for(
+        SamplingParams(temperature=1e-45),
+        SamplingParams(temperature=1.0, repetition_penalty=1e-300, seed=3),
+        prompt=(5, 6),
+    )
+    out = Sampler()(logits, info).next_token_ids
+    assert int(out[0]) == int(logits[0].argmax())
+    # the penalised seen tokens go to +inf; they must win, not turn into NaN and a pick of id 0
+    assert int(out[1]) in (5, 6)

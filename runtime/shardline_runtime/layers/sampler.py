@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardline_runtime.sampling.penalties import finite_logits
 from shardline_runtime.sampling.sampling_batch_info import SamplingBatchInfo
 
 
@@ -134,7 +135,7 @@ class Sampler(nn.Module):
     @staticmethod
     def _sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         greedy_ids = logits.argmax(dim=-1)
-        probs = torch.softmax(logits / info.temperatures, dim=-1)
+        probs = torch.softmax(finite_logits(logits / info.temperatures), dim=-1)
         if info.need_top_k or info.need_top_p or info.need_min_p:
             probs = top_k_top_p_min_p_renorm(
                 probs, info.top_ks, info.top_ps, info.min_ps, info.need_top_k, info.need_top_p, info.need_min_p

@@ -84,7 +84,7 @@ class BatchedPenalties:
         logits = logits - self.frequency[:, None] * counts - self.presence[:, None] * (counts > 0)
         rep = self.repetition[:, None]
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
-        return torch.where(self.seen_mask, penalised, logits)
+        return finite_logits(torch.where(self.seen_mask, penalised, logits))
 
     def cumulate_output_tokens(self, next_token_ids: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Count freshly sampled tokens.
@@ -116,3 +116,13 @@ class BatchedPenalties:
         """Append ``other``'s rows after this batch's rows."""
         for name in ("frequency", "presence", "repetition", "output_counts", "seen_mask"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+
+
+def finite_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Map NaN to -inf and +inf to the largest float32, so softmax and argmax stay defined.
+
+    An extreme penalty (``repetition_penalty`` 1e-300 is 0 in float32) or temperature can push
+    logits to +-inf or NaN; a row holding +inf would softmax to NaN and every draw would pick
+    token 0. Args: logits (bs, vocab) float32. Returns a new tensor of the same shape.
+    """
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)

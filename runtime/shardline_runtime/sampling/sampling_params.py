@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+SAMPLING_EPS = 1e-5
 _MAX_SEED = 2**63 - 1
 
 
@@ -51,7 +52,7 @@ class SamplingParams:
     Attributes:
         max_new_tokens: tokens to generate, >= 0 (0: prefill only). ``None`` means "up to the
             context limit" (the scheduler fills it in).
-        temperature: >= 0; 0 is greedy.
+        temperature: >= 0; below 1e-5 (``SAMPLING_EPS``) is greedy.
         top_p: nucleus mass in [0, 1]; 0 is greedy, 1 disables.
         top_k: -1 or 0 disables, else >= 1 (clamped to the vocabulary size).
         min_p: in [0, 1]; drop tokens with prob < min_p * max prob (0 disables).
@@ -142,8 +143,13 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """True when the sampler takes the argmax (temperature 0, top_k 1 or top_p 0)."""
-        return self.temperature == 0.0 or self.top_k == 1 or self.top_p == 0.0
+        """True when the sampler takes the argmax (temperature below ``SAMPLING_EPS``, top_k 1
+        or top_p 0).
+
+        A positive temperature below ``SAMPLING_EPS`` (1e-5, vLLM's threshold) is greedy: it is
+        argmax in the limit, and dividing float32 logits by it overflows (1e-45 is 0 in float32).
+        """
+        return self.temperature < SAMPLING_EPS or self.top_k == 1 or self.top_p == 0.0
 
     def effective_top_k(self, vocab_size: int) -> int:
         """``top_k`` with "disabled" (-1, 0) and values above the vocabulary mapped to ``vocab_size``."""
