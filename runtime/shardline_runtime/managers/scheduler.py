@@ -95,6 +95,7 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin):
         self.running_batch = None  # ScheduleBatch of decoding requests
         self.chunked_req: Req | None = None
         self.pending_update: UpdateWeightsFromDiskReqInput | None = None
+        self.last_weights_phase_sent = "serving"  # what the HTTP process believes
         self.new_token_ratio = self.init_new_token_ratio = 0.4
         self.num_retractions = 0
         self.last_stats: tuple | None = None
@@ -238,9 +239,10 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin):
             return
         msg, self.pending_update = self.pending_update, None
         self.step_started = None  # loading a checkpoint may take longer than one step's watchdog
-        self.send(WeightsPhaseOut("loading"))
+        self.send_weights_phase("loading")
         ok, message = self.worker.update_weights_from_disk(
-            msg.model_path, msg.load_format or "auto", msg.revision, msg.recapture_cuda_graph
+            msg.model_path, msg.load_format or "auto", msg.revision, msg.recapture_cuda_graph,
+            on_phase=lambda phase: self.send_weights_phase(phase.value),
         )
         if ok and (msg.cuda_graph_max_bs is not None or msg.disable_cuda_graph is not None):
             self.apply_cuda_graph_settings(msg.cuda_graph_max_bs, bool(msg.disable_cuda_graph))
@@ -248,7 +250,7 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin):
         # but flushing it costs only recomputation, so do it in every case.
         self.tree_cache.reset()
         phase = getattr(self.worker.weights_phase, "value", str(self.worker.weights_phase))
-        self.send(WeightsPhaseOut(phase))
+        self.send_weights_phase(phase)
         self.send(UpdateWeightsFromDiskReqOutput(ok, message, self.worker.weights_revision, self.worker.model_path))
 
     def apply_cuda_graph_settings(self, max_bs: int | None, disable: bool) -> None:
@@ -263,12 +265,18 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin):
             self.req_to_token_pool.free(old.dummy_req_row)
             runner.cuda_graph_runner = None
         if not disable and max_bs is not None:
-            self.send(WeightsPhaseOut("recapturing"))
+            self.send_weights_phase("recapturing")
             sizes = get_batch_sizes_to_capture(max_bs, runner.config.max_running_requests)
             runner.cuda_graph_runner = CudaGraphRunner(runner, batch_sizes=sizes)
         logger.info("[tp %d] CUDA graphs: %s", self.tp_rank, "disabled" if disable else f"max batch size {max_bs}")
 
     # ------------------------------------------------------------------ rank 0 -> HTTP
+
+    def send_weights_phase(self, phase: str) -> None:
+        """Report a weights phase to the HTTP process as it begins (repeats are not resent)."""
+        if phase != self.last_weights_phase_sent:
+            self.last_weights_phase_sent = phase
+            self.send(WeightsPhaseOut(phase))
 
     def send(self, msg: Any) -> None:
         if self.send_socket is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -179,8 +180,12 @@ class TpModelWorker:
     def update_weights_from_disk(
         self, model_path: str, load_format: str = "auto", revision: str | None = None,
         recapture_cuda_graph: bool = True,
+        on_phase: Callable[[WeightsPhase], None] | None = None,
     ) -> tuple[bool, str]:
         """Validate and load new weights in place on every rank; see ``weight_update.py``.
+
+        ``on_phase`` is called with each phase as it begins (``loading``, ``recapturing``, then
+        ``serving`` or ``failed``), so the scheduler can report progress while this call runs.
 
         The caller (Scheduler) pauses admission, drains or aborts running requests first and
         flushes the prefix cache afterwards. Updates ``weights_phase``, ``weights_revision`` and
@@ -193,6 +198,8 @@ class TpModelWorker:
 
         def set_phase(phase: WeightsPhase) -> None:
             self.weights_phase = phase
+            if on_phase is not None:
+                on_phase(phase)
 
         ok, message = update_weights_from_disk(
             self.model_runner, model_path, load_format=load_format,
