@@ -25,6 +25,7 @@ Usage::
     python bench/engine.py --threads 1 --clock cpu   # the same, robust to other load on the machine
     python bench/engine.py --device cuda --dtype bfloat16
     python bench/engine.py --device cuda --graphs --graph-batch-sizes 1 8 32
+    python bench/engine.py --threads 1 --profile     # per-operator profile of a decode step
 """
 
 from __future__ import annotations
@@ -188,6 +189,60 @@ def compare(args) -> list[tuple[str, float, float]]:
     return [(name, e, h) for name, (e, h) in rows.items()]
 
 
+def profile_decode(args, steps: int = 6, rounds: int = 3) -> None:
+    """torch.profiler over ``steps`` decode steps of each side, ``rounds`` times; prints each
+    operator's self CPU time in ms per step (minimum over rounds), largest first."""
+    import transformers
+    from torch.profiler import ProfilerActivity, profile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_checkpoint(Path(tmp), args)
+        worker = make_worker(path, args)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=getattr(torch, args.dtype), attn_implementation="sdpa"
+        ).to(worker.device).eval()
+    batch_prompts = prompts(args.batch_size, args.prompt_len, args.vocab, seed=2)
+    per_op = {"Shardline": {}, "transformers": {}}
+
+    def record(side, prof):
+        for event in prof.key_averages():
+            per_op[side].setdefault(event.key, []).append(event.self_cpu_time_total / steps / 1e3)
+
+    for _ in range(rounds):
+        _, _, batch = engine_prefill(worker, batch_prompts)
+
+        def engine_steps(n):
+            for _ in range(n):
+                batch.prepare_for_decode()
+                result = worker.forward_batch_generation(batch)
+                for req, token in zip(batch.reqs, result.next_token_ids.tolist()):
+                    req.append_output(token)
+
+        engine_steps(2)  # warm-up
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine_steps(steps)
+        record("Shardline", prof)
+        for req in batch.reqs:
+            batch.release_kv(req)
+        _, _, cache, tokens = hf_prefill(hf, batch_prompts, worker.device)
+        with torch.inference_mode():
+            for step in range(2 + steps):
+                if step == 2:
+                    prof = profile(activities=[ProfilerActivity.CPU])
+                    prof.__enter__()
+                position = torch.full((tokens.shape[0], 1), args.prompt_len + step, device=worker.device)
+                out = hf(input_ids=tokens[:, None], cache=cache, position_ids=position, use_cache=True)
+                cache, tokens = out.cache, out.logits[:, -1].argmax(-1)
+                tokens.tolist()
+            prof.__exit__(None, None, None)
+        record("transformers", prof)
+    for side, ops in per_op.items():
+        rows = sorted(((min(v), k) for k, v in ops.items()), reverse=True)
+        print(f"\n{side}: decode step, batch {args.batch_size}; sum of operators {sum(r[0] for r in rows):.1f} ms")
+        for ms, name in rows[:12]:
+            print(f"  {name:52s} {ms:8.2f} ms")
+
+
 def graphs(args) -> None:
     if args.device != "cuda" or not torch.cuda.is_available():
         raise SystemExit("--graphs needs --device cuda on a CUDA machine")
@@ -236,6 +291,8 @@ def main(argv=None) -> None:
                              "time spent waiting for the CPU is not counted)")
     parser.add_argument("--graphs", action="store_true", help="eager vs CUDA graph decode (CUDA only)")
     parser.add_argument("--graph-batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--profile", action="store_true",
+                        help="per-operator torch.profiler table of one decode step of each side, then exit")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -245,6 +302,9 @@ def main(argv=None) -> None:
     _clock = _CLOCKS[args.clock]
     if args.graphs:
         graphs(args)
+        return
+    if args.profile:
+        profile_decode(args)
         return
     results = compare(args)
     print(f"\nLlama {args.layers} layers x {args.hidden}, vocab {args.vocab}, {args.device} {args.dtype}, "
