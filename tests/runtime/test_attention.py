@@ -79,10 +79,10 @@ def test_cpu_decode_attention_equals_sdpa_per_request(hq, hkv):
     for i, n in enumerate(lens):
         bias[i, n:] = float("-inf")
     q = torch.randn(bs, hq, d, generator=g)
-    scratch = DecodeScratch()
-    for _ in range(2):  # the second call reuses the scratch buffers
-        out = decode_attention_cpu(q, k_pool, v_pool, slots.reshape(-1), bias, 0.3, scratch)
-        for i, n in enumerate(lens):
-            k, v = k_pool[:, slots[i, :n]], v_pool[:, slots[i, :n]]  # (Hkv, n, D)
-            ref = F.scaled_dot_product_attention(q[i][:, None], k, v, scale=0.3, enable_gqa=True)[:, 0]
-            assert torch.allclose(out[i], ref, atol=1e-6)
+    for scratch in (DecodeScratch(), DecodeScratch(max_bytes=0)):  # reused buffers / fresh ones
+        for _ in range(2):  # the second call reuses the scratch buffers
+            out = decode_attention_cpu(q, k_pool, v_pool, slots.reshape(-1), bias, 0.3, scratch)
+            for i, n in enumerate(lens):
+                k, v = k_pool[:, slots[i, :n]], v_pool[:, slots[i, :n]]  # (Hkv, n, D)
+                ref = F.scaled_dot_product_attention(q[i][:, None], k, v, scale=0.3, enable_gqa=True)[:, 0]
+                assert torch.allclose(out[i], ref, atol=1e-6)

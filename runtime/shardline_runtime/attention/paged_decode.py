@@ -16,16 +16,21 @@ class DecodeScratch:
     """Reusable CPU buffers for gathered K/V; grows to the largest step seen, never shrinks.
 
     Only for eager CPU use: a captured CUDA graph must not read buffers that may be replaced.
+    A step needing more than ``max_bytes`` gets fresh tensors instead (nothing is kept), so a
+    rare long-context step does not pin its gathers' memory for the rest of the process.
     """
 
-    def __init__(self):
+    def __init__(self, max_bytes: int = 256 << 20):
         self._buf: torch.Tensor | None = None
+        self.max_bytes = max_bytes
 
     def kv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Two uninitialised contiguous tensors of ``shape`` (K and V), views of one buffer."""
         n = 1
         for s in shape:
             n *= s
+        if 2 * n * torch.empty((), dtype=dtype).element_size() > self.max_bytes:
+            return torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
         buf = self._buf
         if buf is None or buf.dtype != dtype or buf.device != device or buf.numel() < 2 * n:
             with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
