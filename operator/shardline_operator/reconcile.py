@@ -51,8 +51,12 @@ class Context:
 
 @dataclass
 class ReconcileResult:
+    """What a pass wrote and said; ``requeue_after_seconds`` asks for another pass that soon
+    (for example while a group's leader is updating), or ``None`` for the slow resync."""
+
     status: dict[str, Any]
     events: list[Event]
+    requeue_after_seconds: float | None = None
 
 
 def _needs_restart(spec: DeploymentSpec, group: GroupObservation) -> bool:
