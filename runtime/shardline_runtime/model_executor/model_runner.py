@@ -43,6 +43,8 @@ class ModelRunnerConfig:
     device: str = "auto"
     tp_rank: int = 0
     tp_size: int = 1
+    ep_size: int = 1
+    ep_num_redundant_experts: int = 0
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
@@ -115,6 +117,7 @@ class ModelRunner:
             )
         self.model_config = model_config
         self.model_config.check_tp_size(self.tp_size)
+        self.model_config.check_ep_size(self.tp_size, config.ep_size, config.ep_num_redundant_experts)
         self.dtype = self.model_config.dtype
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -122,6 +125,7 @@ class ModelRunner:
             tp_rank=self.tp_rank, tp_size=self.tp_size, device=self.device,
             dist_init_addr=config.dist_init_addr, timeout_s=config.dist_timeout,
         )
+        distributed.init_expert_parallel(config.ep_size, config.ep_num_redundant_experts)
         torch.manual_seed(config.random_seed)
         self.load_model()
         self.init_memory_pool()
