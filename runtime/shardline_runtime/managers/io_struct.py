@@ -142,3 +142,36 @@ class BatchTokenIDOut:
     output_top_logprobs: list[list[list[tuple[float, int]]] | None]
     input_token_logprobs: list[list[tuple[float | None, int]] | None]
     input_top_logprobs: list[list[list[tuple[float, int]]] | None]
+
+
+@dataclass
+class ExpertDistributionReqInput:
+    """Expert-distribution recorder control: ``action`` is ``start`` (with ``mode``), ``stop``
+    or ``dump`` (``to_file``: write into ``--expert-distribution-recorder-dir``)."""
+
+    action: str
+    mode: str | None = None
+    to_file: bool = False
+
+
+@dataclass
+class ExpertDistributionReqOutput:
+    success: bool
+    message: str = ""
+    record: dict[str, Any] | None = None
+
+
+@dataclass
+class RebalanceExpertsReqInput:
+    """Re-place the experts (EPLB) from the recorded load, on every rank."""
+
+
+@dataclass
+class RebalanceExpertsReqOutput:
+    """Imbalance is max / mean tokens per expert-parallel rank (1.0 = balanced)."""
+
+    success: bool
+    message: str
+    imbalance_before: float | None = None
+    imbalance_after_expected: float | None = None
+    moved_experts: int = 0
