@@ -61,21 +61,27 @@ def test_sparse_step_and_dense_layers_are_read_from_config(tiny_checkpoint):
     assert (config.num_experts, config.num_experts_per_tok, config.shared_expert_intermediate_size) == (8, 2, 48)
 
 
-def test_grouped_experts_equal_per_pair_formula():
-    from shardline_runtime.layers.moe.moe_compute import grouped_experts_forward
+@pytest.mark.parametrize("impl", ["loop", "grouped_mm"])
+def test_grouped_experts_equal_per_pair_formula(impl):
+    from shardline_runtime.layers.moe import moe_compute
+
+    if impl == "grouped_mm" and not moe_compute.HAS_GROUPED_MM:
+        pytest.skip("torch._grouped_mm is not in this torch")
+    forward = moe_compute.grouped_experts_forward if impl == "loop" else moe_compute.grouped_mm_experts_forward
 
     torch.manual_seed(0)
-    x, w13, w2 = torch.randn(5, 8), torch.randn(3, 12, 8), torch.randn(3, 8, 6)
-    ids = torch.tensor([[0, 2], [1, -1], [-1, -1], [2, 0], [1, 2]])
+    x, w13, w2 = torch.randn(5, 8), torch.randn(3, 8, 8), torch.randn(3, 8, 4)
+    ids = torch.tensor([[0, 2], [1, -1], [-1, -1], [2, 0], [2, 2]])  # expert 1 once, a token twice on 2
     weights = torch.rand(5, 2)
     expect = torch.zeros(5, 8)
     for t in range(5):
         for k in range(2):
             e = int(ids[t, k])
             if e >= 0:
-                gate, up = (w13[e] @ x[t]).split(6)
+                gate, up = (w13[e] @ x[t]).split(4)
                 expect[t] += weights[t, k] * (w2[e] @ (torch.nn.functional.silu(gate) * up))
-    assert (grouped_experts_forward(x, w13, w2, weights, ids) - expect).abs().max() <= 1e-5
+    assert torch.allclose(forward(x, w13, w2, weights, ids), expect, rtol=1e-5, atol=1e-5)
+    assert forward(x, w13, w2, weights, torch.full((5, 2), -1)).abs().max() == 0  # nothing local
 
 
 def test_router_renormalises_only_when_asked():

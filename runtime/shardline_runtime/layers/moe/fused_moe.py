@@ -82,6 +82,8 @@ class FusedMoE(nn.Module):
         self.physical_to_logical_map.copy_(physical_to_logical)
         self.logical_to_physical_map.copy_(l2p)
         self.logical_replica_count.copy_(count)
+        # physical id == logical id: routing skips the map lookup (the common case without EPLB)
+        self.identity_placement = bool(torch.equal(physical_to_logical.cpu(), torch.arange(self.num_experts)))
 
     def local_logical_experts(self) -> list[int]:
         """Logical expert held by each local slot, in slot order."""
@@ -118,10 +120,16 @@ class FusedMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """(T, H), (T, k) weights, (T, k) logical ids -> (T, H), summed over the group unless
         ``reduce_results`` is False (then this rank's partial sum)."""
-        physical = route_to_physical(topk_ids, self.logical_to_physical_map, self.logical_replica_count)  # (T, k)
+        if self.identity_placement:
+            physical = topk_ids
+        else:
+            physical = route_to_physical(topk_ids, self.logical_to_physical_map, self.logical_replica_count)  # (T, k)
         if self.recorder is not None and self.recorder.recording:
             self.recorder.record(self.layer_id, physical)
-        local = physical - self.local_start
-        local = torch.where((local >= 0) & (local < self.num_local_experts), local, -1)  # dispatch: keep ours
+        if self.num_local_experts == self.num_physical_experts:
+            local = physical  # every slot is on this rank
+        else:
+            local = physical - self.local_start
+            local = torch.where((local >= 0) & (local < self.num_local_experts), local, -1)  # dispatch: keep ours
         out = experts_forward(hidden_states, self.w13_weight, self.w2_weight, topk_weights, local)
         return expert_parallel_combine(out) if self.reduce_results else out
