@@ -99,6 +99,11 @@ class EPLBManager:
             A :class:`RebalanceResult`; on failure the old placement keeps serving.
         """
         self.passes_since_rebalance = 0
+        ep_size = get_expert_parallel_layout().ep_size
+        if ep_size == 1 and self.num_physical == self.num_experts:
+            self.last_result = RebalanceResult(True, "nothing to rebalance: one expert-parallel rank and no redundant "
+                                                     "slots (--ep-num-redundant-experts 0)", 1.0, 1.0)
+            return self.last_result
         if physical_counts is None:
             physical_counts = self.recorder.physical_counts()
             if int(physical_counts.sum()) == 0 and self.recorder._window is not None:
@@ -111,7 +116,6 @@ class EPLBManager:
             return result
         old = torch.stack([layer.physical_to_logical_map.cpu() for layer in self.layers])  # (L_moe, P)
         logical = torch.zeros(len(self.layers), self.num_experts, dtype=torch.int64).scatter_add_(1, old, counts)
-        ep_size = get_expert_parallel_layout().ep_size
         placement = broadcast_pyobj(rebalance_experts(logical, self.num_physical, ep_size))
         before = rank_imbalance(counts, ep_size)
         after = rank_imbalance(expected_physical_counts(logical, placement), ep_size)

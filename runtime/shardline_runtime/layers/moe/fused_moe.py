@@ -65,6 +65,10 @@ class FusedMoE(nn.Module):
         self.register_buffer("physical_to_logical_map", torch.zeros(self.num_physical_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("logical_to_physical_map", torch.zeros(num_experts, self.max_replicas, dtype=torch.int64), persistent=False)
         self.register_buffer("logical_replica_count", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        # One rank, no redundant slots: the placement can never change the load (EPLBManager does
+        # not rebalance then), so routing skips the map lookup; fixed at build time, so a
+        # captured CUDA graph never takes a path that a later placement invalidates.
+        self.identity_placement = layout.ep_size == 1 and redundant == 0
         self.set_placement(default_physical_to_logical(num_experts, self.num_physical_experts))
         self.recorder = None  # ExpertDistributionRecorder, attached by the ModelRunner
 
@@ -82,8 +86,7 @@ class FusedMoE(nn.Module):
         self.physical_to_logical_map.copy_(physical_to_logical)
         self.logical_to_physical_map.copy_(l2p)
         self.logical_replica_count.copy_(count)
-        # physical id == logical id: routing skips the map lookup (the common case without EPLB)
-        self.identity_placement = bool(torch.equal(physical_to_logical.cpu(), torch.arange(self.num_experts)))
+
 
     def local_logical_experts(self) -> list[int]:
         """Logical expert held by each local slot, in slot order."""
