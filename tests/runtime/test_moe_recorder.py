@@ -105,3 +105,28 @@ def test_in_place_weight_update_of_moe_model(tiny_checkpoint):
     assert runner.model.model.layers[0].mlp.experts.w13_weight.data_ptr() == ptr
     out = harness.extend(runner, harness.new_seqs(runner, 1), PROMPTS[:1])
     assert (out.next_token_logits[0] - ref_logits(reference(new), PROMPTS[0])[-1]).abs().max() <= 1e-4
+
+
+def test_periodic_rebalance_runs_every_n_passes_and_keeps_outputs(tiny_checkpoint):
+    path = tiny_checkpoint("mixtral")
+    plain = harness.greedy_generate(harness.make_runner(path, ep_num_redundant_experts=2), PROMPTS, 5)
+    runner = harness.make_runner(path, ep_num_redundant_experts=2, eplb_rebalance_num_iterations=3)
+    assert harness.greedy_generate(runner, PROMPTS, 5) == plain  # 5 passes: one rebalance after the third
+    result = runner.eplb_manager.last_result
+    assert result is not None and result.success, result
+    assert runner.eplb_manager.passes_since_rebalance == 2
+
+
+def test_invalid_placement_leaves_weights_and_maps_untouched(tiny_checkpoint):
+    from shardline_runtime.layers.moe.expert_rebalance import RebalanceError, rebalance_in_place
+
+    runner = harness.make_runner(tiny_checkpoint("qwen3_moe"), ep_num_redundant_experts=2)
+    layers = runner.eplb_manager.layers
+    before = [(layer.w13_weight.clone(), layer.physical_to_logical_map.clone()) for layer in layers]
+    bad = torch.stack([layer.physical_to_logical_map.clone() for layer in layers])
+    bad[0] = 0  # every slot of layer 0 holds expert 0: experts 1..7 would have no replica
+    with pytest.raises(RebalanceError, match="MoE layer 0: logical expert 0 has 10 replicas"):
+        rebalance_in_place(runner.model, bad)
+    for layer, (w13, p2l) in zip(layers, before):
+        assert torch.equal(layer.w13_weight, w13)
+        assert torch.equal(layer.physical_to_logical_map, p2l)
