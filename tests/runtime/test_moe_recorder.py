@@ -130,3 +130,12 @@ def test_invalid_placement_leaves_weights_and_maps_untouched(tiny_checkpoint):
     for layer, (w13, p2l) in zip(layers, before):
         assert torch.equal(layer.w13_weight, w13)
         assert torch.equal(layer.physical_to_logical_map, p2l)
+
+
+def test_weight_update_to_other_expert_count_is_refused_and_old_weights_serve(tiny_checkpoint):
+    runner = harness.make_runner(tiny_checkpoint("qwen3_moe"))
+    before = harness.greedy_generate(runner, PROMPTS[:1], 3)
+    ok, message = runner.update_weights_from_disk(str(tiny_checkpoint("qwen3_moe", num_experts=4)))
+    assert not ok
+    assert "mlp.gate.weight" in message and "(8, 64)" in message and "(4, 64)" in message
+    assert harness.greedy_generate(runner, PROMPTS[:1], 3) == before

@@ -3,10 +3,12 @@
 Direction and meaning:
 
 - HTTP -> rank-0 scheduler (and broadcast by rank 0 to every rank): ``TokenizedGenerateReqInput``,
-  ``AbortReq``, ``FlushCacheReqInput``, ``UpdateWeightsFromDiskReqInput``.
+  ``AbortReq``, ``FlushCacheReqInput``, ``UpdateWeightsFromDiskReqInput``,
+  ``ExpertDistributionReqInput``, ``RebalanceExpertsReqInput`` (MoE models).
 - Rank-0 scheduler -> HTTP: ``BatchTokenIDOut`` (new token ids of many requests per step),
-  ``FlushCacheReqOutput``, ``UpdateWeightsFromDiskReqOutput``, ``WeightsPhaseOut``, and
-  ``SchedulerStats`` whenever load or KV usage changed.
+  ``FlushCacheReqOutput``, ``UpdateWeightsFromDiskReqOutput``, ``ExpertDistributionReqOutput``,
+  ``RebalanceExpertsReqOutput``, ``WeightsPhaseOut``, and ``SchedulerStats`` whenever load or KV
+  usage changed.
 
 Token ids are Python ints; logprobs are natural-log floats.
 """

@@ -106,7 +106,7 @@ class EPLBManager:
             return self.last_result
         if physical_counts is None:
             physical_counts = self.recorder.physical_counts()
-            if int(physical_counts.sum()) == 0 and self.recorder._window is not None:
+            if int(physical_counts.sum()) == 0 and self.recorder.has_window:
                 physical_counts = self.recorder.take_window()
         counts = physical_counts.cpu()[self.layer_ids]  # (L_moe, P)
         if int(counts.sum()) == 0:

@@ -55,6 +55,7 @@ class ExpertDistributionRecorder:
         self._ones = torch.ones(1, dtype=torch.int64, device=device)
         self._stat = torch.zeros_like(self._pass_counts)
         self._passes: list[torch.Tensor] = []
+        self._num_recorded_passes = 0
         self._window: torch.Tensor | None = None
 
     # ---- control ------------------------------------------------------------------------------
@@ -71,6 +72,7 @@ class ExpertDistributionRecorder:
         self.mode = mode
         self._stat.zero_()
         self._passes = []
+        self._num_recorded_passes = 0
         self._pass_counts.zero_()
         self._user_active = True
         self.recording = True
@@ -79,6 +81,11 @@ class ExpertDistributionRecorder:
         """Stop recording; the record stays available to :meth:`dump`."""
         self._user_active = False
         self.recording = self._window is not None
+
+    @property
+    def has_window(self) -> bool:
+        """Whether an EPLB window accumulates (``--eplb-rebalance-num-iterations`` > 0)."""
+        return self._window is not None
 
     def enable_window(self) -> None:
         """Also accumulate counts for EPLB (``take_window``), whether or not a user records."""
@@ -103,6 +110,7 @@ class ExpertDistributionRecorder:
         if not self.recording:
             return
         if self._user_active:
+            self._num_recorded_passes += 1
             if self.mode == "stat":
                 self._stat += self._pass_counts
             else:
@@ -140,7 +148,7 @@ class ExpertDistributionRecorder:
         return {
             "mode": self.mode,
             "recording": self._user_active,
-            "num_forward_passes": len(passes) if passes is not None else None,
+            "num_forward_passes": self._num_recorded_passes,
             "physical_to_logical_map": physical_to_logical.tolist(),
             "physical_count": [p.tolist() for p in passes] if passes is not None else total.tolist(),
             "logical_count": logical.tolist(),
