@@ -40,6 +40,8 @@ def handle_expert_control(model_runner: Any, msg: ExpertDistributionReqInput | R
         if msg.action == "stop":
             manager.recorder.stop()
             return ExpertDistributionReqOutput(True, "stopped")
+        if model_runner.tp_rank != 0:  # every rank holds the same record; rank 0 answers (and writes the file)
+            return ExpertDistributionReqOutput(True, "dumped by tp rank 0")
         return ExpertDistributionReqOutput(True, "", manager.dump(to_file=msg.to_file))
     except (RecorderError, OSError) as e:
         return ExpertDistributionReqOutput(False, str(e))
