@@ -100,6 +100,8 @@ class ForwardBatch:
     # Hidden states carried between SPLIT_PREFILL calls: (T, hidden_size) and the residual.
     split_hidden_states: torch.Tensor | None = None
     split_residual: torch.Tensor | None = None
+    # LoRA adapter name per request (None: the base model); None when no request uses one.
+    lora_names: list[str | None] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -59,6 +59,11 @@ class ModelRunnerConfig:
     cuda_graph_max_bs: int = 160
     disable_cuda_graph: bool = False
     random_seed: int = 0
+    enable_lora: bool = False
+    lora_paths: tuple[str, ...] = ()
+    max_loras_per_batch: int = 8
+    max_lora_rank: int | None = None
+    lora_target_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -131,6 +136,7 @@ class ModelRunner:
         torch.manual_seed(config.random_seed)
         self.load_model()
         self.init_eplb_manager()
+        self.init_lora_manager()
         self.init_memory_pool()
         self.init_attention_backend()
         self.sampler = self._make_sampler()
@@ -161,6 +167,22 @@ class ModelRunner:
             rebalance_num_iterations=self.config.eplb_rebalance_num_iterations,
             recorder_dir=self.config.expert_distribution_recorder_dir,
         )
+
+    def init_lora_manager(self) -> None:
+        """``lora_manager`` (``lora/lora_manager.py``) with ``--lora-paths`` loaded, or None
+        without ``--enable-lora``. Raises LoRAAdapterError for a bad start-up adapter."""
+        self.lora_manager = None
+        if not self.config.enable_lora:
+            return
+        from shardline_runtime.lora.lora_config import LoRAConfig, parse_lora_paths
+        from shardline_runtime.lora.lora_manager import LoRAManager, resolve_target_modules
+
+        paths = parse_lora_paths(list(self.config.lora_paths))
+        max_rank = self.config.max_lora_rank or max([LoRAConfig.from_path(p).r for p in paths.values()] or [16])
+        self.lora_manager = LoRAManager(self.model, self.config.max_loras_per_batch, max_rank,
+                                        resolve_target_modules(list(self.config.lora_target_modules)))
+        for name, path in paths.items():
+            self.lora_manager.load_adapter(name, path)
 
     def _memory_available(self) -> int:
         if self.device.type == "cuda":
@@ -228,6 +250,9 @@ class ModelRunner:
         self.cuda_graph_runner = None
         if self.device.type != "cuda" or self.config.disable_cuda_graph:
             return
+        if self.lora_manager is not None:
+            logger.warning("[tp %d] CUDA graphs disabled: LoRA batches vary per step", self.tp_rank)
+            return
         if self.model_config.rope_parameters["rope_type"] == "dynamic":
             # dynamic NTK recomputes frequencies from the step's longest position (a host sync)
             logger.warning("[tp %d] CUDA graphs disabled: rope_type 'dynamic' depends on each step's positions", self.tp_rank)
@@ -267,6 +292,9 @@ class ModelRunner:
 
     def _run(self, forward_batch: ForwardBatch):
         self._attach(forward_batch)
+        if self.lora_manager is not None:
+            per_req = forward_batch.extend_seq_lens_cpu if forward_batch.forward_mode.is_extend() else [1] * forward_batch.batch_size
+            self.lora_manager.prepare_lora_batch(forward_batch.lora_names, per_req)
         self.attn_backend.init_forward_metadata(forward_batch)
         with torch.inference_mode():
             out = self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)

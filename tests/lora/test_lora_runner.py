@@ -1,0 +1,118 @@
+"""LoRA in the ModelRunner: logits equal transformers + peft (TP1 and TP2), a mixed batch
+equals each request alone, and bad adapters are refused with the field named."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+import harness  # noqa: E402
+from lora_fixtures import make_peft_adapter, peft_logits  # noqa: E402
+
+from shardline_runtime.lora.lora_config import LoRAAdapterError, LoRAPoolFullError  # noqa: E402
+
+PROMPTS = [[5, 17, 200, 33, 9, 41, 77, 300], [12, 8, 101, 4, 60]]
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_checkpoint, tmp_path_factory):
+    base = tiny_checkpoint("llama")
+    root = tmp_path_factory.mktemp("lora")
+    a = make_peft_adapter(base, root / "a", r=4, seed=1)
+    b = make_peft_adapter(base, root / "b", r=8, alpha=4, seed=2, target_modules=("q_proj", "v_proj", "down_proj"),
+                          use_rslora=True)
+    return base, a, b
+
+
+def lora_runner(base, **kw):
+    return harness.make_runner(base, enable_lora=True, max_lora_rank=8, max_loras_per_batch=2, **kw)
+
+
+def run(runner, prompts, names):
+    """Prefill of ``prompts`` (each with adapter ``names[i]``) then one decode; returns the
+    last-token logits of both steps."""
+    seqs = harness.new_seqs(runner, len(prompts))
+    fb_names = list(names)
+    orig = runner.forward
+
+    def forward(fb):
+        fb.lora_names = fb_names
+        return orig(fb)
+
+    runner.forward = forward
+    try:
+        out1 = harness.extend(runner, seqs, prompts).next_token_logits.clone()
+        nxt = out1.argmax(-1).tolist()
+        out2 = harness.decode(runner, seqs, nxt).next_token_logits.clone()
+    finally:
+        runner.forward = orig
+        harness.release(runner, seqs)
+    return out1, out2, nxt
+
+
+def test_lora_logits_match_peft_and_mixed_batch_equals_alone(adapters):
+    base, a, b = adapters
+    runner = lora_runner(base)
+    runner.lora_manager.load_adapter("a", str(a))
+    runner.lora_manager.load_adapter("b", str(b))
+    for name, path in (("a", a), ("b", b)):
+        for prompt in PROMPTS:
+            p1, p2, nxt = run(runner, [prompt], [name])
+            ref = peft_logits(base, path, prompt + nxt)
+            assert (p1[0] - ref[len(prompt) - 1]).abs().max() <= TOL
+            assert (p2[0] - ref[len(prompt)]).abs().max() <= TOL
+    base_alone = run(runner, [PROMPTS[0]], [None])
+    # the adapter really changes the output
+    assert (base_alone[0] - run(runner, [PROMPTS[0]], ["a"])[0]).abs().max() > 1e-2
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1], PROMPTS[0]]
+    names = ["a", None, "b", "b"]
+    mixed = run(runner, prompts, names)
+    for i, (p, n) in enumerate(zip(prompts, names)):
+        alone = run(runner, [p], [n])
+        assert (mixed[0][i] - alone[0][0]).abs().max() <= TOL
+        assert (mixed[1][i] - alone[1][0]).abs().max() <= TOL
+
+
+def test_bad_adapters_are_refused_naming_the_field(adapters, tiny_checkpoint, tmp_path):
+    base, a, b = adapters
+    runner = lora_runner(base)
+    manager = runner.lora_manager
+    with pytest.raises(LoRAAdapterError, match="adapter_config.json not found") as e:
+        manager.load_adapter("x", str(tmp_path / "nowhere"))
+    assert e.value.param == "lora_path"
+    high = make_peft_adapter(base, tmp_path / "high", r=16)
+    with pytest.raises(LoRAAdapterError, match="exceeds --max-lora-rank 8"):
+        manager.load_adapter("x", str(high))
+    other = make_peft_adapter(tiny_checkpoint("llama", hidden_size=48), tmp_path / "other", r=4)
+    with pytest.raises(LoRAAdapterError, match="wrong base architecture"):
+        manager.load_adapter("x", str(other))
+    nofile = tmp_path / "nofile"
+    shutil.copytree(a, nofile)
+    (nofile / "adapter_model.safetensors").unlink()
+    with pytest.raises(LoRAAdapterError, match="adapter_model.safetensors not found"):
+        manager.load_adapter("x", str(nofile))
+    dora = tmp_path / "dora"
+    shutil.copytree(a, dora)
+    cfg = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    with pytest.raises(LoRAAdapterError, match="use_dora"):
+        manager.load_adapter("x", str(dora))
+    assert manager.loaded() == [] and manager.slots == [None, None]
+    # pool of 2: the third load evicts the least recently used idle adapter, or 503 when both are in use
+    manager.load_adapter("a", str(a))
+    manager.load_adapter("b", str(b))
+    with pytest.raises(LoRAPoolFullError):
+        manager.load_adapter("c", str(a), in_use={"a", "b"})
+    manager.load_adapter("c", str(a), in_use={"b"})
+    assert sorted(x["name"] for x in manager.loaded()) == ["b", "c"]
+    with pytest.raises(LoRAAdapterError, match="already loaded") as e:
+        manager.load_adapter("c", str(a))
+    assert e.value.param == "lora_name"
+    manager.unload_adapter("c")
+    with pytest.raises(LoRAAdapterError, match="not loaded"):
+        manager.unload_adapter("c")
