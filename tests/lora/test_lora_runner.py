@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 import harness  # noqa: E402
-from lora_fixtures import make_peft_adapter, peft_logits  # noqa: E402
+from lora_fixtures import make_peft_adapter, peft_logits, run_tp_lora, run_with_adapters  # noqa: E402
 
 from shardline_runtime.lora.lora_config import LoRAAdapterError, LoRAPoolFullError  # noqa: E402
 
@@ -33,26 +33,7 @@ def lora_runner(base, **kw):
     return harness.make_runner(base, enable_lora=True, max_lora_rank=8, max_loras_per_batch=2, **kw)
 
 
-def run(runner, prompts, names):
-    """Prefill of ``prompts`` (each with adapter ``names[i]``) then one decode; returns the
-    last-token logits of both steps."""
-    seqs = harness.new_seqs(runner, len(prompts))
-    fb_names = list(names)
-    orig = runner.forward
-
-    def forward(fb):
-        fb.lora_names = fb_names
-        return orig(fb)
-
-    runner.forward = forward
-    try:
-        out1 = harness.extend(runner, seqs, prompts).next_token_logits.clone()
-        nxt = out1.argmax(-1).tolist()
-        out2 = harness.decode(runner, seqs, nxt).next_token_logits.clone()
-    finally:
-        runner.forward = orig
-        harness.release(runner, seqs)
-    return out1, out2, nxt
+run = run_with_adapters
 
 
 def test_lora_logits_match_peft_and_mixed_batch_equals_alone(adapters):
@@ -116,3 +97,19 @@ def test_bad_adapters_are_refused_naming_the_field(adapters, tiny_checkpoint, tm
     manager.unload_adapter("c")
     with pytest.raises(LoRAAdapterError, match="not loaded"):
         manager.unload_adapter("c")
+
+
+@pytest.mark.slow
+def test_tp2_lora_matches_peft(adapters, tmp_path):
+    """TP=2 (gloo, CPU): A of row-parallel layers and B of column-parallel layers are sharded,
+    and a mixed batch still gives transformers + peft's logits on every rank."""
+    base, a, b = adapters
+    prompts, names = [PROMPTS[0], PROMPTS[1], PROMPTS[0]], ["a", "b", None]
+    ranks = run_tp_lora(2, base, {"a": a, "b": b}, prompts, names, tmp_path)
+    for out1, out2, nxt in ranks:
+        for i, (p, n) in enumerate(zip(prompts, names)):
+            if n is None:
+                continue
+            ref = peft_logits(base, {"a": a, "b": b}[n], p + [nxt[i]])
+            assert (out1[i] - ref[len(p) - 1]).abs().max() <= TOL
+            assert (out2[i] - ref[len(p)]).abs().max() <= TOL
