@@ -93,3 +93,20 @@ def run_tp_lora(tp_size: int, base, adapters: dict, prompts, names, out_dir, tim
                 p.kill()
             raise TimeoutError(f"TP={tp_size} LoRA workers did not finish within {timeout_s}s")
     return [torch.load(f"{out_dir}/rank{r}.pt") for r in range(tp_size)]
+
+
+def peft_greedy(base_path, adapter_path, prompt: list[int], steps: int) -> list[int]:
+    """Greedy tokens of transformers (+ peft when ``adapter_path`` is given)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32)
+    if adapter_path is not None:
+        import peft
+
+        model = peft.PeftModel.from_pretrained(model, str(adapter_path))
+    model.eval()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]

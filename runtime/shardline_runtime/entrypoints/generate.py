@@ -52,6 +52,9 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
             f"logprob_start_len must be in [-1, {len(input_ids) - 1}], got {req.logprob_start_len}", "logprob_start_len"
         )
     tm.check_ready()
+    if req.lora_path is not None and req.lora_path not in tm.lora_adapters:
+        raise RequestValidationError(
+            f"lora_path {req.lora_path!r} is not a loaded LoRA adapter; loaded: {sorted(tm.lora_adapters)}", "lora_path")
     rid = req.rid or tm.new_rid()
     out: dict[str, Any] = {"text": "", "output_ids": [], "meta_info": {"id": rid, "finish_reason": None}}
     meta = out["meta_info"]
@@ -61,7 +64,8 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
 
     async def events() -> AsyncIterator[dict]:
         logprob_start = req.logprob_start_len if req.return_logprob else -1
-        async for chunk in tm.generate(input_ids, params, rid, req.return_logprob, req.top_logprobs_num, logprob_start):
+        async for chunk in tm.generate(input_ids, params, rid, req.return_logprob, req.top_logprobs_num, logprob_start,
+                                       lora_name=req.lora_path):
             out["text"] += chunk.text
             out["output_ids"] += chunk.token_ids
             meta.update(finish_reason=chunk.finish_reason, prompt_tokens=chunk.prompt_tokens,

@@ -109,6 +109,7 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     logprob_start_len: int = Field(-1, ge=-1)
     rid: Optional[str] = None
+    lora_path: Optional[str] = None  # name of a loaded LoRA adapter (SGLang's field name)
 
 
 class UpdateWeightsRequest(BaseModel):

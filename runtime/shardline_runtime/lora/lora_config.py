@@ -12,8 +12,10 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # HF module names a LoRA may target in the dense decoder blocks Shardline serves.
 SUPPORTED_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -135,3 +137,17 @@ def parse_lora_paths(items: list[str] | None) -> dict[str, str]:
             raise ValueError(f"--lora-paths names {name!r} twice")
         out[name] = path
     return out
+
+
+def resolve_target_modules(requested: list[str] | None) -> tuple[str, ...]:
+    """``--lora-target-modules`` -> HF module names (``all`` or empty: every supported one).
+
+    Raises:
+        ValueError: an unknown name (lists the allowed ones).
+    """
+    if not requested or "all" in requested:
+        return SUPPORTED_TARGET_MODULES
+    bad = [m for m in requested if m not in SUPPORTED_TARGET_MODULES]
+    if bad:
+        raise ValueError(f"--lora-target-modules {bad} unknown; allowed: {list(SUPPORTED_TARGET_MODULES)} or 'all'")
+    return tuple(requested)

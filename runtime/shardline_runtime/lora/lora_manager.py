@@ -20,11 +20,11 @@ from torch import nn
 from shardline_runtime.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from shardline_runtime.lora.layers import ColumnParallelLinearWithLoRA, LoRABatchInfo, RowParallelLinearWithLoRA, column_submodules
 from shardline_runtime.lora.lora_config import (
-    SUPPORTED_TARGET_MODULES,
     LoRAAdapterError,
     LoRAConfig,
     LoRAPoolFullError,
     load_lora_tensors,
+    resolve_target_modules,
 )
 
 logger = logging.getLogger(__name__)
@@ -37,20 +37,6 @@ class LoadedAdapter:
     rank: int
     slot: int
     last_used: int
-
-
-def resolve_target_modules(requested: list[str] | None) -> tuple[str, ...]:
-    """``--lora-target-modules`` -> HF module names (``all`` or empty: every supported one).
-
-    Raises:
-        ValueError: an unknown name (lists the allowed ones).
-    """
-    if not requested or "all" in requested:
-        return SUPPORTED_TARGET_MODULES
-    bad = [m for m in requested if m not in SUPPORTED_TARGET_MODULES]
-    if bad:
-        raise ValueError(f"--lora-target-modules {bad} unknown; allowed: {list(SUPPORTED_TARGET_MODULES)} or 'all'")
-    return tuple(requested)
 
 
 class LoRAManager:
@@ -147,7 +133,7 @@ class LoRAManager:
             raise LoRAPoolFullError(
                 f"all {self.max_loras_per_batch} LoRA slots (--max-loras-per-batch) hold adapters in use; retry later")
         victim = min(idle, key=lambda a: a.last_used)
-        logger.info("LoRA pool full: evicting unused adapter %r", victim.name)
+        logger.info("LoRA pool full: evicting unused adapter %r (in use: %s)", victim.name, sorted(in_use))
         self.unload_adapter(victim.name)
         return victim.slot
 

@@ -36,6 +36,7 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     stream: bool = False
+    lora_name: str | None = None  # a loaded LoRA adapter (None: the base model)
 
 
 @dataclass

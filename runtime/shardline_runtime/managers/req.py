@@ -43,6 +43,8 @@ class Req:
         finished_reason: ``None`` while running.
     """
 
+    lora_name: str | None = None  # the LoRA adapter this request runs with (None: the base model)
+
     def __init__(
         self,
         rid: str,

@@ -238,7 +238,7 @@ class ScheduleBatch:
                 min(max(r.logprob_start_len - p, 0), n) if r.return_logprob and r.logprob_start_len >= 0 else n
                 for r, p, n in zip(reqs, self.prefix_lens, self.extend_lens)
             ]
-        return ForwardBatch.init_new(
+        forward_batch = ForwardBatch.init_new(
             forward_mode=self.forward_mode,
             input_ids=self.input_ids,
             req_pool_indices=self.req_pool_indices,
@@ -252,3 +252,6 @@ class ScheduleBatch:
             sampling_info=self.sampling_info,
             device=self.device,
         )
+        if any(r.lora_name is not None for r in reqs):
+            forward_batch.lora_names = [r.lora_name for r in reqs]
+        return forward_batch

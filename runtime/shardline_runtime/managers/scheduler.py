@@ -41,6 +41,7 @@ from shardline_runtime.managers.io_struct import (
     UpdateWeightsFromDiskReqOutput,
     WeightsPhaseOut,
 )
+from shardline_runtime.managers.lora_control import LoadLoRAAdapterReqInput, LoRAControl, UnloadLoRAAdapterReqInput
 from shardline_runtime.managers.req import FinishReason, Req
 from shardline_runtime.managers.scheduler_output import SchedulerOutputMixin
 from shardline_runtime.managers.scheduler_policy import SchedulerPolicyMixin
@@ -92,7 +93,10 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin):
         self.max_prefill_tokens = server_args.max_prefill_tokens
         self.allocator = worker.token_to_kv_pool_allocator
         self.req_to_token_pool = worker.req_to_token_pool
-        self.tree_cache = RadixCache(self.allocator.free, disable=server_args.disable_radix_cache)
+        # KV computed under one LoRA adapter must not serve another: no shared prefixes with LoRA.
+        lora = getattr(server_args, "enable_lora", False)
+        self.tree_cache = RadixCache(self.allocator.free, disable=server_args.disable_radix_cache or lora)
+        self.lora_control = LoRAControl(self) if lora else None
         self.eos_token_ids = eos_token_ids(worker.model_config)
         self.waiting_queue: deque[Req] = deque()
         self.running_batch = None  # ScheduleBatch of decoding requests
@@ -170,12 +174,16 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin):
                 self.send(self.flush_cache())
             elif isinstance(msg, UpdateWeightsFromDiskReqInput):
                 self.start_weight_update(msg)
+            elif isinstance(msg, (LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput)) and self.lora_control is not None:
+                self.lora_control.handle(msg)
             elif isinstance(msg, (ExpertDistributionReqInput, RebalanceExpertsReqInput)):
                 self.send(handle_expert_control(self.worker.model_runner, msg))
             else:
                 logger.warning("[tp %d] ignoring unknown message %s", self.tp_rank, type(msg).__name__)
         if self.pending_update is not None:
             self.maybe_run_weight_update()
+        if self.lora_control is not None:
+            self.lora_control.poll()
 
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
         n = len(msg.input_ids)
@@ -195,6 +203,7 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin):
         req.cached_tokens = 0
         req.input_logprobs_sent = False
         req.prompt_logprobs = []
+        req.lora_name = msg.lora_name
         self.waiting_queue.append(req)
 
     def abort_request(self, rid: str | None, reason: dict) -> None:

@@ -174,8 +174,8 @@ class ModelRunner:
         self.lora_manager = None
         if not self.config.enable_lora:
             return
-        from shardline_runtime.lora.lora_config import LoRAConfig, parse_lora_paths
-        from shardline_runtime.lora.lora_manager import LoRAManager, resolve_target_modules
+        from shardline_runtime.lora.lora_config import LoRAConfig, parse_lora_paths, resolve_target_modules
+        from shardline_runtime.lora.lora_manager import LoRAManager
 
         paths = parse_lora_paths(list(self.config.lora_paths))
         max_rank = self.config.max_lora_rank or max([LoRAConfig.from_path(p).r for p in paths.values()] or [16])
