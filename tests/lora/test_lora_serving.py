@@ -124,3 +124,48 @@ def test_full_pool_evicts_idle_or_answers_503(lora_setup):
     assert sorted(r.json()["loaded_adapters"]) == ["b", "c"]  # a was the least recently used
     assert [m["id"] for m in srv.get("/v1/models").json()["data"]] == ["tiny", "b", "c"]
     assert gen(srv, "c").json()["output_ids"] == expected["c"]
+
+
+def test_input_embeds_and_replace_embeds_over_http(lora_setup):
+    """(Same server: input embeds need no LoRA, this only saves a start-up.) Token embeddings
+    sent as ``input_embeds`` give the token path's tokens and logprobs; ``replace_embeds``
+    equals transformers with ``inputs_embeds``; wrong shapes are 400s naming the field."""
+    import torch
+    import transformers
+
+    srv, _, expected = lora_setup
+    base = srv.args[srv.args.index("--model-path") + 1]
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    table = model.get_input_embeddings().weight.detach()
+    sampling = {"max_new_tokens": STEPS, "temperature": 0, "ignore_eos": True}
+    by_ids = srv.post("/generate", {"input_ids": PROMPT, "sampling_params": sampling, "return_logprob": True}).json()
+    by_embeds = srv.post("/generate", {"input_embeds": table[PROMPT].tolist(), "sampling_params": sampling,
+                                       "return_logprob": True})
+    assert by_embeds.status_code == 200, by_embeds.text
+    assert by_embeds.json()["output_ids"] == by_ids["output_ids"] == expected[None]
+    assert by_embeds.json()["meta_info"]["output_token_logprobs"] == by_ids["meta_info"]["output_token_logprobs"]
+
+    g = torch.Generator().manual_seed(7)
+    vectors = torch.randn(2, table.shape[1], generator=g)
+    positions = [1, 4]
+    r = srv.post("/generate", {"input_ids": PROMPT, "replace_embeds": vectors.tolist(), "replace_positions": positions,
+                               "sampling_params": sampling})
+    assert r.status_code == 200, r.text
+    ids = list(PROMPT)
+    with torch.no_grad():
+        for _ in range(STEPS):
+            embeds = model.get_input_embeddings()(torch.tensor([ids]))
+            embeds[0, positions] = vectors
+            ids.append(int(model(inputs_embeds=embeds).logits[0, -1].argmax()))
+    assert r.json()["output_ids"] == ids[len(PROMPT):] != expected[None]
+
+    hidden = table.shape[1]
+    for body, param in (({"input_embeds": [[0.0] * (hidden - 1)]}, "input_embeds"),
+                        ({"input_embeds": []}, "input_embeds"),
+                        ({"input_ids": PROMPT, "input_embeds": [[0.0] * hidden]}, "text"),
+                        ({"input_ids": PROMPT, "replace_embeds": [[0.0] * hidden], "replace_positions": [len(PROMPT)]}, "replace_positions"),
+                        ({"input_ids": PROMPT, "replace_embeds": [[0.0] * 3], "replace_positions": [0]}, "replace_embeds"),
+                        ({"input_ids": PROMPT, "replace_embeds": [[0.0] * hidden]}, "replace_positions")):
+        r = srv.post("/generate", {**body, "sampling_params": sampling})
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param, r.text

@@ -110,6 +110,9 @@ class GenerateRequest(BaseModel):
     logprob_start_len: int = Field(-1, ge=-1)
     rid: Optional[str] = None
     lora_path: Optional[str] = None  # name of a loaded LoRA adapter (SGLang's field name)
+    input_embeds: Optional[list[list[float]]] = None  # (T, hidden_size) instead of text / input_ids
+    replace_embeds: Optional[list[list[float]]] = None  # (P, hidden_size) at replace_positions
+    replace_positions: Optional[list[StrictInt]] = None
 
 
 class UpdateWeightsRequest(BaseModel):

@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Any
 
+import torch
 import zmq
 
 from shardline_runtime.distributed import broadcast_pyobj
@@ -126,6 +127,7 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin):
             max_req_input_len=self.max_req_input_len, context_len=info["context_len"], vocab_size=info["vocab_size"],
             max_running_requests=self.max_running_requests, weights_revision=info["weights_revision"],
             model_path=info["model_path"], eos_token_ids=self.eos_token_ids,
+            hidden_size=getattr(self.worker.model_config, "hidden_size", 0),
         )
 
     # ------------------------------------------------------------------ loop
@@ -204,6 +206,9 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin):
         req.input_logprobs_sent = False
         req.prompt_logprobs = []
         req.lora_name = msg.lora_name
+        if msg.input_embeds_positions is not None:
+            req.input_embeds_positions = list(msg.input_embeds_positions)
+            req.input_embeds_values = torch.tensor(msg.input_embeds_values, dtype=torch.float32)
         self.waiting_queue.append(req)
 
     def abort_request(self, rid: str | None, reason: dict) -> None:

@@ -200,6 +200,8 @@ class TokenizerManager:
         logprob_start_len: int = -1,
         include_stop_str_in_output: bool = False,
         lora_name: str | None = None,
+        input_embeds_positions: list[int] | None = None,
+        input_embeds_values: list[list[float]] | None = None,
     ) -> AsyncIterator[GenerateChunk]:
         """Run one request; yields chunks until the one with ``finish_reason`` set.
 
@@ -219,7 +221,8 @@ class TokenizerManager:
         state = _ReqState(detok)
         self.states[rid] = state
         msg = TokenizedGenerateReqInput(rid, input_ids, params, return_logprob, top_logprobs_num, logprob_start_len,
-                                        lora_name=lora_name)
+                                        lora_name=lora_name, input_embeds_positions=input_embeds_positions,
+                                        input_embeds_values=input_embeds_values)
         await self.send_socket.send_pyobj(msg)
         try:
             while True:

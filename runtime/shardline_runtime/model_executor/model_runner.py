@@ -297,10 +297,21 @@ class ModelRunner:
             self.lora_manager.prepare_lora_batch(forward_batch.lora_names, per_req)
         self.attn_backend.init_forward_metadata(forward_batch)
         with torch.inference_mode():
-            out = self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+            embeds = self.input_embeds(forward_batch)
+            out = self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch, input_embeds=embeds)
         if self.eplb_manager is not None:
             self.eplb_manager.on_forward_pass_end()
         return out
+
+    def input_embeds(self, forward_batch: ForwardBatch) -> torch.Tensor | None:
+        """(T, hidden_size): the token embeddings with rows ``input_embeds_indices`` replaced by
+        ``input_embeds_values`` (the placeholder mechanism of multimodal models), or None."""
+        if forward_batch.input_embeds_indices is None:
+            return None
+        embeds = self.model.get_input_embeddings()(forward_batch.input_ids)  # (T, hidden)
+        rows = forward_batch.input_embeds_indices.to(self.device)
+        embeds[rows] = forward_batch.input_embeds_values.to(device=self.device, dtype=embeds.dtype)
+        return embeds
 
     def _attach(self, forward_batch: ForwardBatch) -> None:
         if forward_batch.req_to_token_pool is None:
