@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping
 from . import labels
 from .group_health import GroupRecord, decide
 from .kube import KubeClient
+from .lora_sync import LoRAReport, lora_status, sync
 from .observed import GroupObservation, group_pods
 from .render import build_client_service, build_pod_disruption_budget, build_rank_service, build_statefulset
 from .rollout import LeaderClient, RolloutState, advance
@@ -27,6 +28,7 @@ from .status import GroupReport, build_status, invalid_spec_status, record_from_
 
 Event = tuple[str, str, str]  # (type, reason, message)
 REAPPLY_SECONDS = 60.0
+LORA_RETRY_SECONDS = 5.0  # adapters not yet on every group: look again soon
 
 
 @dataclass
@@ -117,13 +119,27 @@ class Reconciler:
             step = build_status(spec, self.generation, reports, rollout_state, self.previous, self.now)
             self.events.append(("Normal", phase, f"group {index}: {phase}"))
             self._write(step)
+        lora = self._sync_lora(spec, groups, rollout_state)
         reports = [GroupReport(g, records[g.index], overrides.get(g.index)) for g in groups]
         status = build_status(spec, self.generation, reports, rollout_state, self.previous, self.now)
+        if spec.lora_adapters or self.previous.get("loraAdapters"):
+            status["loraAdapters"] = lora_status(spec.lora_adapters, lora)
         if status["phase"] != self.previous.get("phase"):
             kind = "Warning" if status["phase"] in ("Degraded", "Failed") else "Normal"
             self.events.append((kind, status["phase"], f"phase {self.previous.get('phase', 'None')} -> "
                                 f"{status['phase']}" + (f": {status['message']}" if status["message"] else "")))
         return self._finish(status)
+
+    def _sync_lora(self, spec: DeploymentSpec, groups: list[GroupObservation], rollout: RolloutState | None) -> LoRAReport:
+        """Load/unload ``spec.loraAdapters`` on Ready leaders (not on a group updating weights)."""
+        if not hasattr(self.ctx.leaders, "lora_adapters"):
+            return LoRAReport()
+        busy = {rollout.group} if rollout is not None and rollout.group is not None else set()
+        report = sync(spec.lora_adapters, groups, self.ctx.leaders, busy)
+        for name, error in report.errors.items():
+            self.events.append(("Warning", "LoRAAdapterFailed", f"{name}: {error}"))
+        self.lora_pending = report.pending
+        return report
 
     def _write(self, status: dict[str, Any]) -> None:
         status = {**status, "restartBudgetGeneration": self.generation}
@@ -132,7 +148,8 @@ class Reconciler:
 
     def _finish(self, status: dict[str, Any]) -> ReconcileResult:
         self._write(status)
-        return ReconcileResult(dict(self.previous), self.events)
+        requeue = LORA_RETRY_SECONDS if getattr(self, "lora_pending", False) else None
+        return ReconcileResult(dict(self.previous), self.events, requeue)
 
     def _observe(self, spec: DeploymentSpec) -> tuple[list[GroupObservation], dict[int, GroupRecord]]:
         kube, selector = self.ctx.kube, labels.selector_labels(self.name)

@@ -113,3 +113,17 @@ def test_tp2_lora_matches_peft(adapters, tmp_path):
             ref = peft_logits(base, {"a": a, "b": b}[n], p + [nxt[i]])
             assert (out1[i] - ref[len(p) - 1]).abs().max() <= TOL
             assert (out2[i] - ref[len(p)]).abs().max() <= TOL
+
+
+def test_tiny_adapter_writer_is_read_like_peft(adapters, tmp_path):
+    """``lora/tiny_adapter.py`` (demo and cluster tests) writes the PEFT format: peft reads it
+    and gives the same logits as the runtime."""
+    from shardline_runtime.lora.tiny_adapter import write_tiny_adapter
+
+    base, _, _ = adapters
+    tiny = write_tiny_adapter(tmp_path / "tiny", base, rank=4, seed=3)
+    runner = harness.make_runner(base, enable_lora=True, lora_paths=(f"t={tiny}",))
+    out, _, _ = run(runner, [PROMPTS[0]], ["t"])
+    plain, _, _ = run(runner, [PROMPTS[0]], [None])
+    assert (out[0] - peft_logits(base, tiny, PROMPTS[0])[-1]).abs().max() <= TOL
+    assert (out[0] - plain[0]).abs().max() > 1e-2
