@@ -47,6 +47,8 @@ class LoRABatchInfo:
     seg_slots: list[int] = field(default_factory=list)
     seg_starts: list[int] = field(default_factory=list)
     seg_lens: list[int] = field(default_factory=list)
+    # GPU: the segments as int32 device tensors (starts, lens, slots) for the Triton kernel
+    seg_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,16 @@ class _LoRAWrapper(nn.Module):
 
     def add_lora_delta(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """``y[t] += B_s (A_s x[t])`` for every token ``t`` of an adapter slot ``s`` (in place).
-        x (T, in_per_rank), y (T, out_per_rank); CPU/eager path: one GEMM pair per adapter."""
+        x (T, in_per_rank), y (T, out_per_rank). GPU: the Triton segment kernel
+        (``triton_segment.py``); CPU: one GEMM pair per adapter over its gathered tokens."""
+        info = self.batch_info
+        if info.seg_tensors is not None:
+            from shardline_runtime.lora.triton_segment import segment_lora_delta
+
+            column = isinstance(self.base, ColumnParallelLinear)
+            ranges = [(s.offset, s.size) for s in self.subs] if column else [(0, y.shape[1])]
+            segment_lora_delta(x, y, self.lora_a, self.lora_b, ranges, self.max_rank, info.seg_tensors, max(info.seg_lens))
+            return
         R = self.max_rank
         for slot, idx in self.batch_info.groups:
             xa = linear(x.index_select(0, idx), self.lora_a[slot])  # (T_s, n_subs * R)

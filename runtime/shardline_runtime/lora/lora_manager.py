@@ -39,6 +39,14 @@ class LoadedAdapter:
     last_used: int
 
 
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class LoRAManager:
     """LoRA state of one TP rank's model.
 
@@ -62,6 +70,9 @@ class LoRAManager:
         self._clock = itertools.count(1)
         self._wrap(model)
         self.device = next(model.parameters()).device
+        # GPU: the Triton segment kernel; CPU (or no Triton): per-adapter groups. Tests set it on
+        # CPU under TRITON_INTERPRET=1.
+        self.segment_kernel = self.device.type == "cuda" and _triton_available()
 
     def _wrap(self, model: nn.Module) -> None:
         for path, module in list(model.named_modules()):
@@ -156,7 +167,7 @@ class LoRAManager:
             LoRAAdapterError: a name is not loaded (the scheduler admits only loaded ones).
         """
         info = self.batch_info
-        info.groups, info.seg_slots, info.seg_starts, info.seg_lens = [], [], [], []
+        info.groups, info.seg_slots, info.seg_starts, info.seg_lens, info.seg_tensors = [], [], [], [], None
         if not lora_names or all(n is None for n in lora_names):
             return
         per_slot: dict[int, list[torch.Tensor]] = {}
@@ -173,6 +184,9 @@ class LoRAManager:
                 info.seg_lens.append(n)
             start += n
         info.groups = [(slot, torch.cat(idx).to(self.device)) for slot, idx in per_slot.items()]
+        if self.segment_kernel:
+            info.seg_tensors = tuple(torch.tensor(v, dtype=torch.int32, device=self.device)
+                                     for v in (info.seg_starts, info.seg_lens, info.seg_slots))
 
     def loaded(self) -> list[dict]:
         """``[{"name", "path", "rank", "slot"}]`` of the loaded adapters."""
