@@ -54,6 +54,8 @@ class IncrementalDetokenizer:
         self.text = ""  # all decoded output text (after a stop match: cut at it)
         self._emitted = 0  # characters of ``text`` already returned as deltas
         self.num_tokens = 0  # output tokens consumed (up to and including a stop match)
+        # Per consumed token: where its text starts in ``text`` (see :meth:`_offset`).
+        self.token_offsets: list[int] = []
         self.matched_stop: str | None = None
 
     @property
@@ -72,6 +74,14 @@ class IncrementalDetokenizer:
             self._read_offset = len(self._ids)
             return full[len(prefix) :]
         return ""
+
+    def _offset(self, token_id: int, delta: str) -> int:
+        """Where the token's own text starts in ``delta``, a delta that also carries text of
+        earlier held-back tokens: at the end when the delta ends with it (an incomplete byte
+        sequence shown as U+FFFD, then this token), else at the start (the token completed the
+        character the held-back tokens began)."""
+        own = self._tokenizer.decode([token_id], skip_special_tokens=self._skip)
+        return len(delta) - len(own) if own and delta.endswith(own) else 0
 
     def _pending_bytes_text(self) -> str:
         """Text of tokens held back for an incomplete character (flushed at the end)."""
@@ -113,15 +123,23 @@ class IncrementalDetokenizer:
             exclude_last: the last id is a stop token (EOS or a ``stop_token_ids`` entry) whose
                 text is not part of the output; it still counts in ``num_tokens``.
         """
+        first = len(self.token_offsets)
         for j, token_id in enumerate(token_ids):
             if self.stopped:
                 break
             self.num_tokens += 1
             if exclude_last and j == len(token_ids) - 1:
+                self.token_offsets.append(len(self.text))
                 break
             old_len = len(self.text)
-            self.text += self._decode_new(int(token_id))
+            held = len(self._ids) > self._read_offset
+            delta = self._decode_new(int(token_id))
+            self.token_offsets.append(old_len + (self._offset(int(token_id), delta) if held else 0))
+            self.text += delta
             self._check_stop(old_len)
+        if self.stopped:  # tokens inside a cut stop string start at the end of the text
+            for k in range(first, len(self.token_offsets)):
+                self.token_offsets[k] = min(self.token_offsets[k], len(self.text))
         return self._take(self._safe_end())
 
     def finish(self) -> str:
