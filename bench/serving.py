@@ -12,6 +12,10 @@ the longest ``max_tokens`` of the batch, cut each output to its length, next bat
 ITL come from per-step timestamps (a logits processor).
 
     python bench/serving.py --concurrency 1 4 16 64 --out docs/figures/serving_throughput.png
+
+``--client guidellm`` (or ``both``) also drives the server with guidellm on the same requests
+(``bench/guidellm_client.py``): its synchronous / concurrent profile at each level, then its
+throughput profile beside our client with every request in flight at once.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ BENCH_MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, 
 class Request:
     prompt_ids: list[int]
     max_tokens: int
+    prompt_text: str | None = None  # sent instead of the ids when set (the guidellm comparison)
 
 
 @dataclass
@@ -114,7 +119,7 @@ def summarize(name: str, concurrency: int, results: list[Result], wall: float, c
 # ------------------------------------------------------------------ Shardline over HTTP
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, req: Request) -> Result:
-    body = {"model": model, "prompt": req.prompt_ids, "max_tokens": req.max_tokens, "temperature": 0,
+    body = {"model": model, "prompt": req.prompt_text or req.prompt_ids, "max_tokens": req.max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     res = Result()
     start = last = time.perf_counter()
@@ -241,6 +246,32 @@ def plot(rows: list[dict], path: Path, key: str = "output_tok_per_s") -> None:
     fig.savefig(path, dpi=120)
 
 
+def run_guidellm_level(args, url: str, model: str, model_path: str, requests: list[Request], concurrency: int | None,
+                       server) -> list[dict]:
+    """guidellm on ``requests`` (as text) at ``concurrency`` (None: its throughput profile), then,
+    with ``--client both``, our client on the same text prompts right after it (same load)."""
+    from guidellm_client import report_rows, run_guidellm, write_dataset
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    for r in requests:
+        r.prompt_text = r.prompt_text or tok.decode(r.prompt_ids)
+    dataset = write_dataset([r.prompt_text for r in requests], [len(r.prompt_ids) for r in requests],
+                            [r.max_tokens for r in requests], Path(tempfile.mkdtemp(prefix="guidellm-data-")) / "data.jsonl")
+    profile = "throughput" if concurrency is None else "synchronous" if concurrency == 1 else "concurrent"
+    level = concurrency or len(requests)
+    report = run_guidellm(args.guidellm_bin, url, model or "default", model_path, dataset, profile, level, len(requests))
+    rows = report_rows(report, level)
+    if args.client == "both":
+        cpu0 = process_tree_cpu_seconds(server.proc.pid) if server is not None else None
+        results, wall = asyncio.run(run_load(url, model, requests, level, None, args.seed))
+        cpu = process_tree_cpu_seconds(server.proc.pid) - cpu0 if server is not None else None
+        rows.append(summarize("shardline-text", level, results, wall, cpu))
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-path", help="checkpoint dir (default: build a 4-layer, 256-wide llama with a fixed seed)")
@@ -259,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch threads of the server's scheduler and of the transformers baseline (same for both)")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="throughput per wall second, or per CPU second of the serving processes (robust on a shared machine)")
+    p.add_argument("--client", choices=["ours", "guidellm", "both"], default="ours",
+                   help="load generator: this script's, guidellm on the same requests (text prompts), or both")
+    p.add_argument("--guidellm-bin", default="guidellm", help="the guidellm executable")
     p.add_argument("--json", type=Path, default=None, help="write the result rows here")
     p.add_argument("--out", type=Path, default=None, help="PNG plot of throughput vs concurrency")
     args = p.parse_args(argv)
@@ -279,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
             n = args.requests_per_level or max(16, 4 * c)
             requests = make_workload(n, args.seed + c, tuple(args.prompt_len), tuple(args.output_len),
                                      args.long_fraction, tuple(args.long_output))
+            if args.client != "ours":
+                rows += run_guidellm_level(args, url, model, model_path, requests, c, server)
+                if args.client == "guidellm":
+                    continue
             asyncio.run(run_load(url, model, requests[: min(4, n)], c, None, args.seed))  # warm-up
             cpu0 = process_tree_cpu_seconds(server.proc.pid) if server is not None else None
             results, wall = asyncio.run(run_load(url, model, requests, c, args.request_rate, args.seed))
@@ -289,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                 results, wall, cpu = run_hf_static(model_path, requests, c, args.threads)
                 rows.append(summarize("transformers-static", c, results, wall, cpu))
                 print(json.dumps(rows[-1]), flush=True)
+        if args.client != "ours":
+            rows += run_guidellm_level(args, url, model, model_path, requests, None, server)
     finally:
         if server is not None:
             server.stop()
