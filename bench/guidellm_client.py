@@ -17,6 +17,7 @@ its executable with ``--guidellm-bin``.
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import tempfile
 from pathlib import Path
@@ -42,7 +43,8 @@ def profile_args(profile: str, concurrency: int | None) -> list[str]:
 
 def run_guidellm(bin_path: str, url: str, model: str, tokenizer: str, dataset: Path, profile: str,
                  concurrency: int | None, requests: int, timeout: float = 3600) -> dict:
-    """Run one guidellm benchmark; return its JSON report.
+    """Run one guidellm benchmark; return its JSON report, plus ``client_cpu_s``: the CPU seconds
+    guidellm's own processes used (on a shared machine they compete with the server).
 
     Raises:
         RuntimeError: guidellm failed (the end of its output is in the message).
@@ -56,10 +58,14 @@ def run_guidellm(bin_path: str, url: str, model: str, tokenizer: str, dataset: P
            "--data", f"kind=json_file,path={dataset}",
            "--output", f"kind=json,path={out}",
            "--disable-console-interactive"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         raise RuntimeError(f"guidellm exited {done.returncode}: {(done.stderr or done.stdout)[-2000:]}")
-    return json.loads(out.read_text())
+    report = json.loads(out.read_text())
+    report["client_cpu_s"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return report
 
 
 def _stat(metrics: dict, name: str, key: str, scale: float = 1.0) -> float | None:
@@ -90,5 +96,6 @@ def report_rows(report: dict, concurrency: int) -> list[dict]:
             "e2e_p50_ms": _stat(m, "request_latency", "p50", 1000), "e2e_p99_ms": _stat(m, "request_latency", "p99", 1000),
             "mean_e2e_ms": _stat(m, "request_latency", "mean", 1000),
             "mean_prompt_tokens": _stat(m, "prompt_token_count", "mean"),
+            "client_cpu_s": round(report.get("client_cpu_s", 0.0), 2),
         })
     return rows

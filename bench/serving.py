@@ -98,7 +98,8 @@ def process_tree_cpu_seconds(pid: int) -> float:
     return sum(stats[p][1] for p in tree if p in stats)
 
 
-def summarize(name: str, concurrency: int, results: list[Result], wall: float, cpu: float | None = None) -> dict:
+def summarize(name: str, concurrency: int, results: list[Result], wall: float, cpu: float | None = None,
+              client_cpu: float | None = None) -> dict:
     tokens = sum(r.output_tokens for r in results)
     itls = [x for r in results for x in r.itls]
     ttfts = [r.ttft for r in results if r.ttft is not None]
@@ -113,6 +114,7 @@ def summarize(name: str, concurrency: int, results: list[Result], wall: float, c
         "mean_e2e_ms": ms(statistics.fmean(e2es)) if e2es else None,
         "cpu_s": None if cpu is None else round(cpu, 3),
         "output_tok_per_cpu_s": None if not cpu else round(tokens / cpu, 1),
+        "client_cpu_s": None if client_cpu is None else round(client_cpu, 2),
     }
 
 
@@ -143,11 +145,12 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, req: Request) ->
 
 
 async def run_load(url: str, model: str, requests: list[Request], concurrency: int | None,
-                   request_rate: float | None, seed: int) -> tuple[list[Result], float]:
-    """Closed loop at ``concurrency``, or open loop with Poisson arrivals at ``request_rate``/s."""
+                   request_rate: float | None, seed: int) -> tuple[list[Result], float, float]:
+    """Closed loop at ``concurrency``, or open loop with Poisson arrivals at ``request_rate``/s.
+    Returns the results, the wall seconds, and the CPU seconds this client process used."""
     limits = httpx.Limits(max_connections=(concurrency or len(requests)) + 8)
     async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
-        start = time.perf_counter()
+        start, client_cpu = time.perf_counter(), time.process_time()
         if request_rate:
             rng = random.Random(seed)
             tasks = []
@@ -165,7 +168,7 @@ async def run_load(url: str, model: str, requests: list[Request], concurrency: i
                     results[i] = await _one(client, url, model, req)
 
             await asyncio.gather(*[worker() for _ in range(concurrency)])
-        return results, time.perf_counter() - start
+        return results, time.perf_counter() - start, time.process_time() - client_cpu
 
 
 # ------------------------------------------------------------------ transformers static batching
@@ -260,13 +263,17 @@ def run_guidellm_level(args, url: str, model: str, model_path: str, requests: li
                             [r.max_tokens for r in requests], Path(tempfile.mkdtemp(prefix="guidellm-data-")) / "data.jsonl")
     profile = "throughput" if concurrency is None else "synchronous" if concurrency == 1 else "concurrent"
     level = concurrency or len(requests)
+    cpu0 = process_tree_cpu_seconds(server.proc.pid) if server is not None else None
     report = run_guidellm(args.guidellm_bin, url, model or "default", model_path, dataset, profile, level, len(requests))
     rows = report_rows(report, level)
+    if server is not None:  # the server's CPU seconds over the whole guidellm run (it adds a warm-up request or so)
+        cpu = process_tree_cpu_seconds(server.proc.pid) - cpu0
+        rows[-1].update(cpu_s=round(cpu, 3), output_tok_per_cpu_s=round(rows[-1]["output_tokens"] / cpu, 1))
     if args.client == "both":
         cpu0 = process_tree_cpu_seconds(server.proc.pid) if server is not None else None
-        results, wall = asyncio.run(run_load(url, model, requests, level, None, args.seed))
+        results, wall, client_cpu = asyncio.run(run_load(url, model, requests, level, None, args.seed))
         cpu = process_tree_cpu_seconds(server.proc.pid) - cpu0 if server is not None else None
-        rows.append(summarize("shardline-text", level, results, wall, cpu))
+        rows.append(summarize("shardline-text", level, results, wall, cpu, client_cpu))
     for row in rows:
         print(json.dumps(row), flush=True)
     return rows
@@ -319,9 +326,9 @@ def main(argv: list[str] | None = None) -> int:
                     continue
             asyncio.run(run_load(url, model, requests[: min(4, n)], c, None, args.seed))  # warm-up
             cpu0 = process_tree_cpu_seconds(server.proc.pid) if server is not None else None
-            results, wall = asyncio.run(run_load(url, model, requests, c, args.request_rate, args.seed))
+            results, wall, client_cpu = asyncio.run(run_load(url, model, requests, c, args.request_rate, args.seed))
             cpu = process_tree_cpu_seconds(server.proc.pid) - cpu0 if server is not None else None
-            rows.append(summarize("shardline", c, results, wall, cpu))
+            rows.append(summarize("shardline", c, results, wall, cpu, client_cpu))
             print(json.dumps(rows[-1]), flush=True)
             if args.baseline == "hf":
                 results, wall, cpu = run_hf_static(model_path, requests, c, args.threads)

@@ -105,8 +105,8 @@ def completion_choices(req: CompletionRequest, tm: TokenizerManager) -> list[Cho
         added = 0
         if isinstance(p, str):
             tm.check_text_length(p, "prompt")
-            ids, added = tm.encode_text(p, req.add_special_tokens)
-        ids = tm.tokenize(ids if isinstance(p, str) else p, "prompt")
+            p_ids, added = tm.encode_text(p, req.add_special_tokens)
+        ids = tm.tokenize(p_ids if isinstance(p, str) else p, "prompt")  # checks ids and emptiness
         budget = tm.check_lengths(ids, max_tokens)
         echo = (p if isinstance(p, str) else tm.tokenizer.decode(ids)) if req.echo else ""
         for j in range(req.n):
@@ -116,7 +116,6 @@ def completion_choices(req: CompletionRequest, tm: TokenizerManager) -> list[Cho
 
 
 def chat_prompt_ids(req: ChatCompletionRequest, tm: TokenizerManager) -> list[int]:
-    """Apply the tokenizer's chat template to ``messages``."""
     """Apply the tokenizer's chat template to ``messages`` and tokenize the text.
 
     The template usually writes BOS itself, so special tokens are not added unless the request
