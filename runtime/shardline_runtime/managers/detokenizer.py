@@ -75,13 +75,18 @@ class IncrementalDetokenizer:
             return full[len(prefix) :]
         return ""
 
-    def _offset(self, token_id: int, delta: str) -> int:
-        """Where the token's own text starts in ``delta``, a delta that also carries text of
-        earlier held-back tokens: at the end when the delta ends with it (an incomplete byte
-        sequence shown as U+FFFD, then this token), else at the start (the token completed the
-        character the held-back tokens began)."""
+    def _offset(self, token_id: int, delta: str, held: str) -> int:
+        """Where the token's own text starts, relative to the end of ``text``, when earlier tokens
+        were held back (their text so far: ``held``, possibly ending in U+FFFD).
+
+        A token holding bytes of a character split over tokens starts where that character
+        does; a whole token after a byte sequence that never became a character (shown as
+        U+FFFD) starts after it.
+        """
         own = self._tokenizer.decode([token_id], skip_special_tokens=self._skip)
-        return len(delta) - len(own) if own and delta.endswith(own) else 0
+        if own and _REPLACEMENT not in own and delta.endswith(own):
+            return len(delta) - len(own)
+        return len(held.rstrip(_REPLACEMENT))
 
     def _pending_bytes_text(self) -> str:
         """Text of tokens held back for an incomplete character (flushed at the end)."""
@@ -132,9 +137,9 @@ class IncrementalDetokenizer:
                 self.token_offsets.append(len(self.text))
                 break
             old_len = len(self.text)
-            held = len(self._ids) > self._read_offset
+            held = self._pending_bytes_text() if len(self._ids) > self._read_offset else None
             delta = self._decode_new(int(token_id))
-            self.token_offsets.append(old_len + (self._offset(int(token_id), delta) if held else 0))
+            self.token_offsets.append(old_len + (self._offset(int(token_id), delta, held) if held is not None else 0))
             self.text += delta
             self._check_stop(old_len)
         if self.stopped:  # tokens inside a cut stop string start at the end of the text
