@@ -1,6 +1,7 @@
 """Process groups and collectives; the only package that imports ``torch.distributed``."""
 
 from shardline_runtime.distributed.communication_op import (
+    all_gather_pyobj,
     all_reduce_min_int,
     barrier,
     broadcast_pyobj,
@@ -19,6 +20,7 @@ from shardline_runtime.distributed.parallel_state import (
 
 __all__ = [
     "DistributedInitError",
+    "all_gather_pyobj",
     "all_reduce_min_int",
     "barrier",
     "broadcast_pyobj",
