@@ -6,8 +6,9 @@ Each round replaces every weight, alternating between two checkpoints (seeds 0 a
 
 - ``distributed``: ``POST /update_weights_from_distributed``; this process is the trainer
   (rank 0 of a gloo weight-sync group) and broadcasts every tensor from memory meanwhile;
-- ``tensor``: ``POST /update_weights_from_tensor`` with the checkpoint's safetensors bytes in
-  base64 (encoded before the clock starts);
+- ``tensor``: ``POST /update_weights_from_tensor`` with the checkpoint's safetensors bytes as the
+  body (``application/octet-stream``; with ``--tensor-json``, base64 in SGLang's JSON body, encoded
+  before the clock starts);
 - ``disk``: ``POST /update_weights_from_disk`` of the same checkpoint (page cache warm).
 
 The time is from sending the request to the reply (weights live on every rank). After each
@@ -90,6 +91,13 @@ def post(url: str, path: str, body: dict) -> dict:
     return reply.json()
 
 
+def post_bytes(url: str, path: str, data: bytes) -> dict:
+    reply = httpx.post(url + path, content=data, headers={"content-type": "application/octet-stream"}, timeout=1800)
+    if reply.status_code != 200:
+        raise RuntimeError(f"{path}: HTTP {reply.status_code}: {reply.text[:300]}")
+    return reply.json()
+
+
 def sync_distributed(url: str, group, weights: dict[str, torch.Tensor]) -> float:
     names = list(weights)
     body = {"names": names, "dtypes": ["float32"] * len(names), "shapes": [list(weights[n].shape) for n in names],
@@ -126,13 +134,19 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--intermediate", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--tensor-json", action="store_true", help="send tensors as base64 in JSON (SGLang's form)")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
     paths = [make_checkpoint(root / f"seed{s}", s, args) for s in (0, 1)]
     weights = [load_file(str(p / "model.safetensors")) for p in paths]
-    payloads = [base64.b64encode((p / "model.safetensors").read_bytes()).decode() for p in paths]
+    payloads = [(p / "model.safetensors").read_bytes() for p in paths]
+    if args.tensor_json:
+        payloads = [base64.b64encode(data).decode() for data in payloads]
     total = sum(t.numel() * t.element_size() for t in weights[0].values())
     proc, url = start_server(paths[0], args)
+    started = time.perf_counter()
+    post(url, "/update_weights_from_disk", {"model_path": str(paths[0])})  # warm-up (page cache, allocator)
+    print(f"warm-up disk update {time.perf_counter() - started:.2f} s", flush=True)
     times: dict[str, list[float]] = {"distributed": [], "tensor": [], "disk": []}
     try:
         port = free_port()
@@ -147,9 +161,11 @@ def main() -> None:
                 target = (r + list(times).index(method) + 1) % 2  # every call changes the weights
                 if method == "distributed":
                     seconds = sync_distributed(url, group, weights[target])
-                elif method == "tensor":
+                elif method == "tensor" and args.tensor_json:
                     seconds = timed(lambda: post(url, "/update_weights_from_tensor",
                                                  {"serialized_named_tensors": payloads[target]}))
+                elif method == "tensor":
+                    seconds = timed(lambda: post_bytes(url, "/update_weights_from_tensor", payloads[target]))
                 else:
                     seconds = timed(lambda: post(url, "/update_weights_from_disk", {"model_path": str(paths[target])}))
                 check(url, weights[target])

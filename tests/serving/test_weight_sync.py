@@ -156,14 +156,20 @@ def test_broadcast_update_matches_a_cold_start(tp2_server, serving_checkpoint_b,
 
 
 def test_update_from_tensor_in_buckets(tp2_server, serving_checkpoint, expected):
+    """Bucket 1 as the raw safetensors body (options in the query), bucket 2 as SGLang's base64 JSON."""
+    import httpx
+
     weights = load_file(str(serving_checkpoint / "model.safetensors"))
     names = sorted(weights)
-    buckets = [names[: len(names) // 2], names[len(names) // 2:]]
-    for i, bucket in enumerate(buckets):
-        last = i == len(buckets) - 1
-        data = base64.b64encode(save({n: weights[n] for n in bucket})).decode()
-        reply = tp2_server.post("/update_weights_from_tensor", {
-            "serialized_named_tensors": data, "flush_cache": last, "weight_version": "a-again" if last else None})
-        assert reply.status_code == 200, reply.text
+    first, second = names[: len(names) // 2], names[len(names) // 2:]
+    reply = httpx.post(tp2_server.url + "/update_weights_from_tensor?flush_cache=false",
+                       content=save({n: weights[n] for n in first}),
+                       headers={"content-type": "application/octet-stream"}, timeout=120)
+    assert reply.status_code == 200, reply.text
+    data = base64.b64encode(save({n: weights[n] for n in second})).decode()
+    reply = tp2_server.post("/update_weights_from_tensor", {"serialized_named_tensors": data, "weight_version": "a-again"})
+    assert reply.status_code == 200, reply.text
     assert outputs(tp2_server) == expected["a"]
     assert tp2_server.get("/get_server_info").json()["weight_version"] == "a-again"
+    bad = tp2_server.post("/update_weights_from_tensor", {"serialized_named_tensors": "not base64!"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "serialized_named_tensors"

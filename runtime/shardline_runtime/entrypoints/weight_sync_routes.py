@@ -11,8 +11,10 @@ import base64
 import binascii
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError as FastAPIValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from shardline_runtime.entrypoints.weight_sync_protocol import (
     DestroyWeightsUpdateGroupRequest,
@@ -80,12 +82,28 @@ def add_weight_sync_routes(app: FastAPI, tm: TokenizerManager, metrics: Any, err
             body.weight_version))
 
     @app.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(body: UpdateWeightsFromTensorRequest):
-        try:
-            data = base64.b64decode(body.serialized_named_tensors, validate=True)
-        except (binascii.Error, ValueError):
-            raise RequestValidationError("serialized_named_tensors must be base64 of a safetensors file",
-                                         "serialized_named_tensors") from None
+    async def update_weights_from_tensor(raw: Request):
+        # JSON (SGLang-style, base64) or the safetensors bytes themselves as the body, with the
+        # options in the query string: the raw form skips base64 and JSON (much faster when large).
+        if raw.headers.get("content-type", "").startswith("application/octet-stream"):
+            data = await raw.body()
+            try:
+                body = UpdateWeightsFromTensorRequest.model_validate(
+                    {**dict(raw.query_params), "serialized_named_tensors": "-"})
+            except ValidationError as exc:
+                raise FastAPIValidationError(exc.errors()) from None
+            if not data:
+                raise RequestValidationError("the body must be the bytes of a safetensors file", "body")
+        else:
+            try:
+                body = UpdateWeightsFromTensorRequest.model_validate_json(await raw.body())
+            except ValidationError as exc:
+                raise FastAPIValidationError(exc.errors()) from None
+            try:
+                data = base64.b64decode(body.serialized_named_tensors, validate=True)
+            except (binascii.Error, ValueError):
+                raise RequestValidationError("serialized_named_tensors must be base64 of a safetensors file",
+                                             "serialized_named_tensors") from None
         return busy() or await call(UpdateWeightsFromTensorReqInput(
             data, body.flush_cache, body.abort_all_requests, body.weight_version))
 
