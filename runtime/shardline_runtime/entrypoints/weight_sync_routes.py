@@ -1,5 +1,9 @@
 """HTTP routes for RL training loops: weight sync, pause/continue, memory release (SGLang's API).
 
+The routes are left out of ``/openapi.json``: they are stateful administrative controls (pause,
+release memory, join a process group at a caller-given address) that a schema-driven client or
+fuzzer must not drive blindly; docs/api.md documents them and targeted tests cover their errors.
+
 Every route answers ``{"success", "message", "weight_version"}`` (plus ``parameter`` for
 ``/get_weights_by_name``): 200 on success, 400 when the request was refused (the message names
 the parameter or field; no weight changed on any rank), 503 while another weight update runs.
@@ -57,7 +61,7 @@ def add_weight_sync_routes(app: FastAPI, tm: TokenizerManager, metrics: Any, err
             return error_response(503, f"a weight update is already running (phase {tm.weights_phase})")
         return None
 
-    @app.post("/init_weights_update_group")
+    @app.post("/init_weights_update_group", include_in_schema=False)
     async def init_weights_update_group(body: InitWeightsUpdateGroupRequest):
         if body.rank_offset + tp_size > body.world_size:
             raise RequestValidationError(
@@ -67,11 +71,11 @@ def add_weight_sync_routes(app: FastAPI, tm: TokenizerManager, metrics: Any, err
             body.master_address, body.master_port, body.rank_offset, body.world_size, body.group_name,
             body.backend, body.timeout_s))
 
-    @app.post("/destroy_weights_update_group")
+    @app.post("/destroy_weights_update_group", include_in_schema=False)
     async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupRequest):
         return await call(DestroyWeightsUpdateGroupReqInput(body.group_name))
 
-    @app.post("/update_weights_from_distributed")
+    @app.post("/update_weights_from_distributed", include_in_schema=False)
     async def update_weights_from_distributed(body: UpdateWeightsFromDistributedRequest):
         if not len(body.names) == len(body.dtypes) == len(body.shapes):
             raise RequestValidationError(
@@ -81,7 +85,7 @@ def add_weight_sync_routes(app: FastAPI, tm: TokenizerManager, metrics: Any, err
             body.names, body.dtypes, body.shapes, body.group_name, body.flush_cache, body.abort_all_requests,
             body.weight_version))
 
-    @app.post("/update_weights_from_tensor")
+    @app.post("/update_weights_from_tensor", include_in_schema=False)
     async def update_weights_from_tensor(raw: Request):
         # JSON (SGLang-style, base64) or the safetensors bytes themselves as the body, with the
         # options in the query string: the raw form skips base64 and JSON (much faster when large).
@@ -107,11 +111,11 @@ def add_weight_sync_routes(app: FastAPI, tm: TokenizerManager, metrics: Any, err
         return busy() or await call(UpdateWeightsFromTensorReqInput(
             data, body.flush_cache, body.abort_all_requests, body.weight_version))
 
-    @app.post("/get_weights_by_name")
+    @app.post("/get_weights_by_name", include_in_schema=False)
     async def get_weights_by_name(body: GetWeightsByNameRequest):
         return await call(GetWeightsByNameReqInput(body.name, body.truncate_size), name=body.name)
 
-    @app.post("/pause_generation")
+    @app.post("/pause_generation", include_in_schema=False)
     async def pause_generation(body: PauseGenerationRequest | None = None):
         mode = body.mode if body is not None else "abort"
         tm.set_paused(mode)  # hold new requests from now on (the scheduler pauses on its next step)
@@ -120,16 +124,16 @@ def add_weight_sync_routes(app: FastAPI, tm: TokenizerManager, metrics: Any, err
             tm.set_paused(None)
         return response
 
-    @app.post("/continue_generation")
+    @app.post("/continue_generation", include_in_schema=False)
     async def continue_generation():
         response = await call(ContinueGenerationReqInput())
         tm.set_paused(None)
         return response
 
-    @app.post("/release_memory_occupation")
+    @app.post("/release_memory_occupation", include_in_schema=False)
     async def release_memory_occupation(body: MemoryOccupationRequest | None = None):
         return await call(ReleaseMemoryOccupationReqInput(body.tags if body is not None else None))
 
-    @app.post("/resume_memory_occupation")
+    @app.post("/resume_memory_occupation", include_in_schema=False)
     async def resume_memory_occupation(body: MemoryOccupationRequest | None = None):
         return await call(ResumeMemoryOccupationReqInput(body.tags if body is not None else None))
