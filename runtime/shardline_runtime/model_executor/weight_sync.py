@@ -34,6 +34,7 @@ from shardline_runtime.model_executor.weight_update import WeightUpdateError
 logger = logging.getLogger(__name__)
 
 MAX_TRUNCATE_SIZE = 1 << 16
+MAX_RETURNED_ELEMENTS = 1 << 20  # about 20 MB of JSON
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -199,7 +200,8 @@ def get_weights_by_name(model_runner: Any, name: str, truncate_size: int = 100) 
     (column, row, fused q/k/v, replicated KV heads, vocab padding) comes for free.
 
     Raises:
-        WeightUpdateError: unknown ``name``, or ``truncate_size`` outside [1, 65536].
+        WeightUpdateError: unknown ``name``, ``truncate_size`` outside [1, 65536], or more than
+            2**20 values asked for.
     """
     if not 1 <= truncate_size <= MAX_TRUNCATE_SIZE:
         raise WeightUpdateError(f"truncate_size must be in [1, {MAX_TRUNCATE_SIZE}], got {truncate_size}")
@@ -215,6 +217,10 @@ def get_weights_by_name(model_runner: Any, name: str, truncate_size: int = 100) 
     for size in full_shape[1:]:
         row *= size
     limit = min(truncate_size, full_shape[0]) * row
+    if limit > MAX_RETURNED_ELEMENTS:
+        raise WeightUpdateError(
+            f"truncate_size {truncate_size} of {name} (rows of {row} values) would return {limit} values; "
+            f"ask for at most {max(1, MAX_RETURNED_ELEMENTS // row)} rows")
     where = torch.zeros(param.shape, dtype=torch.int64)
     index = torch.arange(1, row * full_shape[0] + 1, dtype=torch.int64).view(full_shape)
     if shard_id is None:
