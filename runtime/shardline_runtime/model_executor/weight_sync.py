@@ -55,17 +55,25 @@ def checkpoint_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 def _resolve(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], name: str):
-    """Checkpoint ``name`` -> (parameter, shard id or None); None for names the loader skips."""
+    """Checkpoint ``name`` -> (parameter, extra ``weight_loader`` arguments); None for names the
+    loader skips. The same mapping as ``models/weight_loading.py: load_named_weights``: MoE expert
+    tensors first (``(expert_id, shard_id)``), then fused q/k/v and gate/up (``shard_id``)."""
     if any(name.endswith(i) for i in model.ignored_checkpoint_names()):
         return None
-    target, shard_id = name, None
-    for fragment, stacked, sid in model.stacked_params_mapping:
+    experts = model.expert_params_mapping() if hasattr(model, "expert_params_mapping") else ()
+    target, args = name, ()
+    for fragment, fused, expert_id, sid in experts:
         if fragment in name:
-            target, shard_id = name.replace(fragment, stacked), sid
+            target, args = name.replace(fragment, fused), (expert_id, sid)
             break
+    else:
+        for fragment, stacked, sid in model.stacked_params_mapping:
+            if fragment in name:
+                target, args = name.replace(fragment, stacked), (sid,)
+                break
     if target not in params:
         raise WeightUpdateError(f"parameter {name}: no such parameter in the serving model")
-    return params[target], shard_id
+    return params[target], args
 
 
 def check_specs(model: torch.nn.Module, dtype: torch.dtype, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
@@ -102,11 +110,8 @@ def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.
         resolved = _resolve(model, params, name)
         if resolved is None:
             continue
-        param, shard_id = resolved
-        if shard_id is None:
-            param.weight_loader(param, tensor)
-        else:
-            param.weight_loader(param, tensor, shard_id)
+        param, args = resolved
+        param.weight_loader(param, tensor, *args)
         loaded.append(name)
     if params and next(iter(params.values())).device.type == "cuda":
         torch.cuda.synchronize()
@@ -212,7 +217,7 @@ def get_weights_by_name(model_runner: Any, name: str, truncate_size: int = 100) 
     if name not in shapes:
         raise WeightUpdateError(f"parameter {name}: no such parameter in the serving model")
     full_shape = shapes[name]
-    param, shard_id = _resolve(model, dict(model.named_parameters()), name)
+    param, args = _resolve(model, dict(model.named_parameters()), name)
     row = 1
     for size in full_shape[1:]:
         row *= size
@@ -223,10 +228,7 @@ def get_weights_by_name(model_runner: Any, name: str, truncate_size: int = 100) 
             f"ask for at most {max(1, MAX_RETURNED_ELEMENTS // row)} rows")
     where = torch.zeros(param.shape, dtype=torch.int64)
     index = torch.arange(1, row * full_shape[0] + 1, dtype=torch.int64).view(full_shape)
-    if shard_id is None:
-        param.weight_loader(where, index)
-    else:
-        param.weight_loader(where, index, shard_id)
+    param.weight_loader(where, index, *args)
     mine = (where > 0) & (where <= limit)
     positions = (where[mine] - 1).tolist()
     values = param.data.detach().cpu().float()[mine].tolist()
