@@ -92,3 +92,15 @@ def test_torch_memory_saver_keeps_addresses_and_frees_the_gpu(ckpts):
     runner.memory_saver.resume(["weights", "kv_cache"])
     assert [p.data_ptr() for p in runner.model.parameters()] == pointers
     assert run_engine(worker, PROMPTS, GREEDY) == expected
+
+
+def test_moe_expert_tensors_sync_and_read_back(tiny_checkpoint):
+    a = tiny_checkpoint("qwen3_moe", seed=0)
+    b = tiny_checkpoint("qwen3_moe", seed=1, tokenizer=False)
+    worker = make_worker(a)
+    ok, message, _ = update_weights_from_safetensors(worker.model_runner, (b / "model.safetensors").read_bytes())
+    assert ok, message
+    assert run_engine(worker, PROMPTS, GREEDY) == run_engine(make_worker(b), PROMPTS, GREEDY)
+    weights = load_file(str(b / "model.safetensors"))
+    name = next(n for n in weights if ".experts.1.down_proj." in n)
+    assert get_weights_by_name(worker.model_runner, name, 4) == weights[name][:4].tolist()
