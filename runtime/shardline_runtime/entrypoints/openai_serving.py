@@ -67,16 +67,19 @@ async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: 
     started: set[int] = set()
     want_lp = req.logprobs is not None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    metadata = {"weight_version": tm.weight_version}  # SGLang's response metadata: the weights that ran
 
     def body(choices: list[dict], usage: dict | None = None) -> dict:
         out = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
         if usage is not None:
             out["usage"] = usage
+        out["metadata"] = metadata
         return out
 
     def absorb(index: int, chunk: GenerateChunk) -> dict:
         """Fold ``chunk`` into choice ``index``; the first chunk also carries the echoed prompt
         (and its logprobs, which arrive with it)."""
+        metadata["weight_version"] = chunk.weight_version or metadata["weight_version"]
         r, spec = results[index], specs[index]
         text = chunk.text
         lp = completion_logprobs(tm, chunk.logprobs, chunk.text_offsets, len(spec.echo_text)) if want_lp else None
@@ -124,14 +127,17 @@ async def serve_chat(req: ChatCompletionRequest, tm: TokenizerManager, model: st
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", now_seconds()
     results = [ChoiceResult() for _ in specs]
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    metadata = {"weight_version": tm.weight_version}  # SGLang's response metadata: the weights that ran
 
     def body(choices: list[dict], usage: dict | None = None, obj: str = "chat.completion.chunk") -> dict:
         out = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
         if usage is not None:
             out["usage"] = usage
+        out["metadata"] = metadata
         return out
 
     def absorb(index: int, chunk: GenerateChunk) -> dict | None:
+        metadata["weight_version"] = chunk.weight_version or metadata["weight_version"]
         r = results[index]
         lp = chat_logprobs(tm, chunk.logprobs) if req.logprobs else None
         r.text += chunk.text
