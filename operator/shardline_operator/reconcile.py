@@ -82,6 +82,7 @@ class Reconciler:
         self.previous: Mapping[str, Any] = body.get("status") or {}
         self.events: list[Event] = []
         self.now = ctx.clock()
+        self.requeue_after: float | None = None  # soonest time-based reason for the next pass
 
     def run(self) -> ReconcileResult:
         meta = self.body["metadata"]
@@ -132,7 +133,7 @@ class Reconciler:
 
     def _finish(self, status: dict[str, Any]) -> ReconcileResult:
         self._write(status)
-        return ReconcileResult(dict(self.previous), self.events)
+        return ReconcileResult(dict(self.previous), self.events, self.requeue_after)
 
     def _observe(self, spec: DeploymentSpec) -> tuple[list[GroupObservation], dict[int, GroupRecord]]:
         kube, selector = self.ctx.kube, labels.selector_labels(self.name)
@@ -206,6 +207,8 @@ class Reconciler:
                                 f"{spec.restart_policy.max_group_restarts}: {decision.reason}"))
         elif decision.action == "wait":
             overrides[group.index] = "Restarting"
+            if decision.retry_in_seconds is not None:  # no event ends a backoff: come back then
+                self.requeue_after = min(self.requeue_after or decision.retry_in_seconds, decision.retry_in_seconds)
         elif decision.action == "fail":
             self.events.append(("Warning", "GroupFailed", f"group {group.index}: {decision.reason}"))
 
