@@ -8,8 +8,8 @@ again. It is woken by
 - any event on the object's own pods and StatefulSets, found through the
   ``shardline.dev/deployment`` label (and, for StatefulSets, their owner reference);
 - the pass's own ``ReconcileResult.requeue_after_seconds`` (a group updating, a restart
-  backoff running out), or :data:`ROLLOUT_POLL_SECONDS` while ``status.rollout`` has a group
-  in flight and the pass named no time;
+  backoff running out), or :data:`ROLLOUT_POLL_SECONDS` while ``status.rollout`` is under way
+  (not ``Failed``) and the pass named no time;
 - the slow resync, :data:`RESYNC_SECONDS` after the last pass.
 
 Wake-ups that arrive while a pass runs collapse into one more pass, so a burst of pod events
@@ -65,8 +65,8 @@ def next_delay(result: ReconcileResult) -> float:
     """Seconds until the next unprompted pass after ``result``."""
     if result.requeue_after_seconds is not None:
         return max(0.0, min(result.requeue_after_seconds, RESYNC_SECONDS))
-    rollout = result.status.get("rollout") or {}
-    if rollout.get("group") is not None:
+    rollout_phase = (result.status.get("rollout") or {}).get("phase")
+    if rollout_phase and rollout_phase != "Failed":  # a rollout under way that named no time
         return ROLLOUT_POLL_SECONDS
     return RESYNC_SECONDS
 

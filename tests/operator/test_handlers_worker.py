@@ -32,6 +32,7 @@ def test_next_delay():
     assert handlers.next_delay(result(10_000)) == handlers.RESYNC_SECONDS
     assert handlers.next_delay(result(rollout={"phase": "Updating", "group": 1})) == handlers.ROLLOUT_POLL_SECONDS
     assert handlers.next_delay(result(0.1, rollout={"phase": "Updating", "group": 1})) == 0.1
+    assert handlers.next_delay(result(rollout={"phase": "RollingBack"})) == handlers.ROLLOUT_POLL_SECONDS
     assert handlers.next_delay(result(rollout={"phase": "Failed"})) == handlers.RESYNC_SECONDS
 
 
