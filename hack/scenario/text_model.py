@@ -16,7 +16,8 @@ be rolled in place onto the first:
 Both are HuggingFace checkpoints (``save_pretrained``: ``config.json``, ``model.safetensors``,
 ``tokenizer.json``, ``tokenizer_config.json``) that the runtime loads through its real path.
 The chat template passes the user's text through unchanged, so a chat request continues it.
-Training takes about 2-3 minutes of CPU on first use (two threads); the result is cached
+Training takes about 2 minutes of CPU on first use (one thread: OpenMP threads spin-waiting
+on a busy machine cost far more CPU than they save); the result is cached
 under ``~/.cache/shardline/text-llama-<key>/`` (``SHARDLINE_CACHE`` moves the root) and
 reused. ``python -m hack.scenario.text_model`` trains (or reuses) and prints samples.
 """
@@ -153,7 +154,7 @@ def ensure_text_model(log=print) -> dict[str, Path]:
     import torch
     import transformers
 
-    threads = int(os.environ.get("SHARDLINE_TRAIN_THREADS", "2"))
+    threads = int(os.environ.get("SHARDLINE_TRAIN_THREADS", "1"))  # more threads spin-wait on a busy machine
     torch.set_num_threads(threads)
     torch.manual_seed(RECIPE["seed"])
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -68,7 +68,7 @@ def test_flags_render_servicemonitors_rule_and_dashboard(helm):
 
 def test_alert_thresholds_come_from_values(helm):
     docs = render(helm, "--set", "metrics.prometheusRule.enabled=true", "--set",
-                  "metrics.prometheusRule.mixedVersionsMinutes=3", "--set",
+                  "metrics.prometheusRule.mixedVersionsMinutes=3", "--set-json",
                   "metrics.prometheusRule.restartBudgetFraction=0.5")
     (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
     alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
