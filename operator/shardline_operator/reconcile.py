@@ -128,7 +128,8 @@ class Reconciler:
 
     def _write(self, status: dict[str, Any]) -> None:
         status = {**status, "restartBudgetGeneration": self.generation}
-        self.ctx.kube.patch_deployment_status(self.namespace, self.name, status_patch(self.previous, status))
+        if status != self.previous:  # an idle pass (the resync) writes nothing
+            self.ctx.kube.patch_deployment_status(self.namespace, self.name, status_patch(self.previous, status))
         self.previous = status
 
     def _finish(self, status: dict[str, Any]) -> ReconcileResult:
