@@ -71,6 +71,15 @@ def _needs_in_place(spec: DeploymentSpec, group: GroupObservation) -> bool:
     return group.served is not None and group.served != ServedModel.desired(spec)
 
 
+def _pruned(value: Any) -> Any:
+    """``value`` without None-valued keys at any depth: what the API server stores of it."""
+    if isinstance(value, Mapping):
+        return {k: _pruned(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_pruned(v) for v in value]
+    return value
+
+
 class Reconciler:
     """Runs passes for one object; holds its spec and live children for the pass."""
 
@@ -128,7 +137,7 @@ class Reconciler:
 
     def _write(self, status: dict[str, Any]) -> None:
         status = {**status, "restartBudgetGeneration": self.generation}
-        if status != self.previous:  # an idle pass (the resync) writes nothing
+        if _pruned(status) != _pruned(self.previous):  # an idle pass (the resync) writes nothing
             self.ctx.kube.patch_deployment_status(self.namespace, self.name, status_patch(self.previous, status))
         self.previous = status
 
