@@ -234,3 +234,18 @@ def test_an_idle_pass_writes_no_status(world):
     kube.set_ready("llama-g1-0", False)
     run()
     assert len(kube.statuses) == writes + 1
+
+
+def test_group_status_shows_the_leaders_weight_version(world, spec_dict):
+    kube, body, run = world
+    run()
+    kube.run_statefulsets()
+    leaders = FakeLeaders()
+    ctx = Context(kube=kube, leaders=leaders, clock=lambda: NOW[0])
+    ip = kube.pods()["llama-g0-0"]["status"]["podIP"]
+    leaders.info[f"http://{ip}:{labels.HTTP_PORT}"] = {"weights_phase": "serving", "weight_version": "step-7"}
+    status = reconcile(ctx, copy.deepcopy(body)).status
+    assert status["groups"][0]["weightVersion"] == "step-7"
+    body["status"] = status
+    leaders.info.clear()  # leader unreachable for a pass: the last reported version stays
+    assert reconcile(ctx, copy.deepcopy(body)).status["groups"][0]["weightVersion"] == "step-7"
