@@ -71,6 +71,15 @@ def _needs_in_place(spec: DeploymentSpec, group: GroupObservation) -> bool:
     return group.served is not None and group.served != ServedModel.desired(spec)
 
 
+def _pruned(value: Any) -> Any:
+    """``value`` without None-valued keys at any depth: what the API server stores of it."""
+    if isinstance(value, Mapping):
+        return {k: _pruned(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_pruned(v) for v in value]
+    return value
+
+
 class Reconciler:
     """Runs passes for one object; holds its spec and live children for the pass."""
 
@@ -82,6 +91,7 @@ class Reconciler:
         self.previous: Mapping[str, Any] = body.get("status") or {}
         self.events: list[Event] = []
         self.now = ctx.clock()
+        self.requeue_after: float | None = None  # soonest time-based reason for the next pass
 
     def run(self) -> ReconcileResult:
         meta = self.body["metadata"]
@@ -141,12 +151,13 @@ class Reconciler:
 
     def _write(self, status: dict[str, Any]) -> None:
         status = {**status, "restartBudgetGeneration": self.generation}
-        self.ctx.kube.patch_deployment_status(self.namespace, self.name, status_patch(self.previous, status))
+        if _pruned(status) != _pruned(self.previous):  # an idle pass (the resync) writes nothing
+            self.ctx.kube.patch_deployment_status(self.namespace, self.name, status_patch(self.previous, status))
         self.previous = status
 
     def _finish(self, status: dict[str, Any]) -> ReconcileResult:
         self._write(status)
-        return ReconcileResult(dict(self.previous), self.events)
+        return ReconcileResult(dict(self.previous), self.events, self.requeue_after)
 
     def _observe(self, spec: DeploymentSpec) -> tuple[list[GroupObservation], dict[int, GroupRecord]]:
         kube, selector = self.ctx.kube, labels.selector_labels(self.name)
@@ -220,6 +231,8 @@ class Reconciler:
                                 f"{spec.restart_policy.max_group_restarts}: {decision.reason}"))
         elif decision.action == "wait":
             overrides[group.index] = "Restarting"
+            if decision.retry_in_seconds is not None:  # no event ends a backoff: come back then
+                self.requeue_after = min(self.requeue_after or decision.retry_in_seconds, decision.retry_in_seconds)
         elif decision.action == "fail":
             self.events.append(("Warning", "GroupFailed", f"group {group.index}: {decision.reason}"))
 

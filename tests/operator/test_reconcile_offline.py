@@ -221,6 +221,21 @@ def test_cuda_graph_change_recaptures_in_place(world):
     assert {n: p["metadata"]["uid"] for n, p in kube.pods().items()} == uids
 
 
+def test_an_idle_pass_writes_no_status(world):
+    """The resync of an object where nothing changed costs reads only, no status PATCH."""
+    kube, body, run = world
+    run()
+    kube.run_statefulsets()
+    run()
+    writes = len(kube.statuses)
+    body["status"] = {k: v for k, v in body["status"].items() if v is not None}  # as the API stores it
+    assert run().status["phase"] == "Ready" and run().status["phase"] == "Ready"
+    assert len(kube.statuses) == writes
+    kube.set_ready("llama-g1-0", False)
+    run()
+    assert len(kube.statuses) == writes + 1
+
+
 def test_group_status_shows_the_leaders_weight_version(world, spec_dict):
     kube, body, run = world
     run()
