@@ -1,0 +1,134 @@
+"""API keys: who may call which endpoint of the HTTP server (an ASGI middleware).
+
+Every request path falls in one access class:
+
+- ``open``: ``/health``, ``/ready``, ``/metrics`` (probes and scraping), never guarded;
+- ``serving``: the inference endpoints, guarded by the API key (``--api-key``);
+- ``info``: read-only model and server information, open to the API key *and* the admin key
+  (the operator reads ``/get_server_info`` with its admin token);
+- ``admin``: everything else. A path is a control endpoint unless it is listed above, so an
+  endpoint added later (weight sync, memory release, adapters, ...) is guarded by default.
+
+Keys are sent as ``Authorization: Bearer <key>`` (what the OpenAI client sends for
+``api_key``). Which key a class takes:
+
+====================  ====================  ================================================
+access class          key configured        accepted
+====================  ====================  ================================================
+serving               API key               the API key only (an admin key that differs is
+                                            refused: a leaked client key and the operator's
+                                            token stay separate powers)
+info                  API key               the API key or the admin key
+admin                 admin key             the admin key only
+admin                 API key, no admin     the API key (one key guards everything, as
+                                            SGLang's ``--api-key`` does)
+any                   neither               open (with a warning at start)
+====================  ====================  ================================================
+
+A refusal is HTTP 401 with an OpenAI error object; the message is the same whether the key was
+missing, wrong, or a valid key of the other class, so it never tells which keys exist. Keys
+are compared with :func:`hmac.compare_digest` (constant time for equal lengths) against every
+accepted key, without an early exit.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from typing import Any, Awaitable, Callable
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+SERVING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate", "/health_generate"})
+INFO_PATHS = frozenset({"/v1/models", "/get_model_info", "/get_server_info"})
+UNAUTHORIZED_MESSAGE = "missing or invalid API key: send the key as 'Authorization: Bearer <key>'"
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def access_class(path: str) -> str:
+    """``open``, ``serving``, ``info`` or ``admin`` for a request path (trailing ``/`` ignored)."""
+    path = path.rstrip("/") or "/"
+    if path in OPEN_PATHS:
+        return "open"
+    if path in SERVING_PATHS:
+        return "serving"
+    if path in INFO_PATHS:
+        return "info"
+    return "admin"
+
+
+def accepted_keys(access: str, api_key: str | None, admin_key: str | None) -> tuple[str, ...] | None:
+    """The keys that open ``access``, or None when it is open (see the module table)."""
+    if access == "open":
+        return None
+    if access == "serving":
+        return (api_key,) if api_key else None
+    if access == "info":
+        return tuple(k for k in (api_key, admin_key) if k) if api_key else None
+    if admin_key:
+        return (admin_key,)
+    return (api_key,) if api_key else None
+
+
+def bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The token of the first ``Authorization: Bearer <token>`` header, or None."""
+    for name, value in headers:
+        if name.lower() == b"authorization":
+            scheme, _, token = value.strip().partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" and token.strip() else None
+    return None
+
+
+def key_matches(token: bytes | None, keys: tuple[str, ...]) -> bool:
+    """True when ``token`` equals one of ``keys``; every key is compared in constant time."""
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(token or b"", key.encode())
+    return matched and token is not None
+
+
+class APIKeyMiddleware:
+    """ASGI middleware enforcing the access table above on HTTP requests.
+
+    Args:
+        app: the wrapped ASGI application (the whole server, so no route escapes it).
+        api_key: key of the serving endpoints, or None.
+        admin_key: key of the control endpoints, or None.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None, admin_key: str | None) -> None:
+        self.app, self.api_key, self.admin_key = app, api_key or None, admin_key or None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            keys = accepted_keys(access_class(scope.get("path", "")), self.api_key, self.admin_key)
+            if keys is not None and not key_matches(bearer_token(scope.get("headers") or []), keys):
+                await _unauthorized(send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _unauthorized(send: Send) -> None:
+    body = json.dumps({"error": {"message": UNAUTHORIZED_MESSAGE, "type": "invalid_request_error",
+                                 "param": None, "code": "invalid_api_key"}, "object": "error"}).encode()
+    await send({"type": "http.response.start", "status": 401, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        (b"www-authenticate", b"Bearer")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def guard(app: ASGIApp, api_key: str | None, admin_key: str | None, port: int) -> ASGIApp:
+    """``app`` behind :class:`APIKeyMiddleware`; logs a warning for each key not configured."""
+    if not api_key:
+        logger.warning("no --api-key (or SHARDLINE_API_KEY): the serving endpoints on port %d are open to "
+                       "anyone who can reach it", port)
+    if not admin_key and not api_key:
+        logger.warning("no --admin-api-key (or SHARDLINE_ADMIN_API_KEY): the control endpoints on port %d "
+                       "(weight updates, cache flush, aborts, ...) are open to anyone who can reach it", port)
+    return APIKeyMiddleware(app, api_key, admin_key)
