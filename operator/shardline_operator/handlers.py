@@ -7,6 +7,7 @@ StatefulSets, never in this process).
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -19,6 +20,8 @@ from .runtime_client import HttpLeaderClient
 
 RESOURCE = (labels.API_GROUP, labels.API_VERSION, labels.PLURAL)
 TIMER_INTERVAL_SECONDS = 3.0
+# Set by the chart; the runtime pods' NetworkPolicies admit the operator's pod from there.
+OPERATOR_NAMESPACE_ENV = "SHARDLINE_OPERATOR_NAMESPACE"
 _context: Context | None = None
 _locks: dict[str, threading.Lock] = {}
 _locks_guard = threading.Lock()
@@ -38,7 +41,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         prefix=labels.API_GROUP, key="last-handled-configuration")
     settings.persistence.finalizer = f"{labels.API_GROUP}/finalizer"
     settings.posting.level = 20  # logging.INFO: Events for Normal transitions too
-    _context = Context(kube=KubeClient(), leaders=HttpLeaderClient())
+    _context = Context(kube=KubeClient(), leaders=HttpLeaderClient(),
+                       operator_namespace=os.environ.get(OPERATOR_NAMESPACE_ENV) or None)
 
 
 def _run(body: kopf.Body, logger: kopf.Logger) -> None:

@@ -168,9 +168,10 @@ class ServerArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in vars(namespace).items() if k in names}
         # Keys come from the environment unless given as flags (a flag shows in ``ps``; an env
-        # var filled from a Secret does not). An empty value means "no key".
+        # var filled from a Secret does not). Surrounding whitespace (a Secret written from a file
+        # with a final newline) is dropped; an empty value means "no key".
         for name, env in (("api_key", API_KEY_ENV), ("admin_api_key", ADMIN_API_KEY_ENV)):
-            values[name] = values.get(name) or os.environ.get(env) or None
+            values[name] = (values.get(name) or os.environ.get(env) or "").strip() or None
         return cls(**values)
 
 
