@@ -19,8 +19,8 @@ from typing import Any, Mapping
 from .spec import SpecError
 
 ADMIN_TOKEN_BYTES = 32
-# What the runtime accepts for a key (server_args: printable ASCII, no spaces, at most 4096).
-_KEY = re.compile(r"^[\x21-\x7e]{1,4096}$")
+# What the runtime accepts (server_args): keys of printable ASCII without spaces, comma-separated.
+_KEY = re.compile(r"^[\x21-\x2b\x2d-\x7e]{1,4096}(,[\x21-\x2b\x2d-\x7e]{1,4096})*$")
 
 
 def new_admin_token() -> str:
@@ -55,8 +55,8 @@ def api_key_from_secret(secret: Mapping[str, Any] | None, name: str, key: str, n
         keys = sorted((secret.get("data") or {}).keys())
         raise SpecError(f"{path}: Secret {name!r} has no key {key!r} (keys: {keys}); set {path}.key")
     if not _KEY.match(value):
-        raise SpecError(f"{path}: the value of {name}/{key} must be 1-4096 printable ASCII characters without "
-                        "spaces (it is sent in an HTTP header)")
+        raise SpecError(f"{path}: the value of {name}/{key} must be one key, or several separated by commas, "
+                        "of 1-4096 printable ASCII characters without spaces (sent in an HTTP header)")
     return value
 
 

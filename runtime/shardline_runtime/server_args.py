@@ -26,7 +26,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOAD_FORMATS = ("auto", "safetensors")
 API_KEY_ENV = "SHARDLINE_API_KEY"
 ADMIN_API_KEY_ENV = "SHARDLINE_ADMIN_API_KEY"
-_API_KEY = re.compile(r"^[\x21-\x7e]{1,4096}$")
+# One key or several separated by commas (rotation); each printable ASCII without spaces.
+_API_KEY = re.compile(r"^[\x21-\x2b\x2d-\x7e]{1,4096}(,[\x21-\x2b\x2d-\x7e]{1,4096})*$")
 
 
 class ServerArgsError(ValueError):
@@ -136,8 +137,8 @@ class ServerArgs:
             raise ServerArgsError("--dist-init-addr HOST:PORT is required when --nnodes > 1")
         for flag, key in (("--api-key", self.api_key), ("--admin-api-key", self.admin_api_key)):
             if key is not None and not _API_KEY.match(key):
-                raise ServerArgsError(f"{flag} must be 1-4096 printable ASCII characters without spaces "
-                                      "(it is sent in an HTTP header)")
+                raise ServerArgsError(f"{flag} must be one key, or several separated by commas, of 1-4096 "
+                                      "printable ASCII characters without spaces or commas (sent in an HTTP header)")
         if self.chunked_prefill_size > self.max_prefill_tokens and self.max_prefill_tokens > 0:
             object.__setattr__(self, "max_prefill_tokens", self.chunked_prefill_size)
 

@@ -147,6 +147,8 @@ def test_openai_client_with_api_key(guarded):
     ("admin", "k", None, ("k",)),  # one key alone guards everything
     ("admin", None, None, None),
     ("open", "k", "a", None),
+    ("serving", "old,new", "a", ("old", "new")),  # rotation: both keys open serving meanwhile
+    ("admin", "k", "a1, a2", ("a1", "a2")),
 ])
 def test_accepted_keys_table(access, api, admin, expected):
     assert accepted_keys(access, api, admin) == expected
@@ -170,8 +172,10 @@ def test_keys_from_the_environment_and_flags(monkeypatch):
 
 
 def test_a_key_with_a_space_is_rejected_naming_the_flag():
-    with pytest.raises(ServerArgsError, match="--admin-api-key must be 1-4096 printable ASCII"):
-        ServerArgs(model_path="/m", admin_api_key="two words")
+    for bad in ("two words", "trailing,", ",", "a,,b"):
+        with pytest.raises(ServerArgsError, match="--admin-api-key must be one key, or several separated by commas"):
+            ServerArgs(model_path="/m", admin_api_key=bad)
+    assert ServerArgs(model_path="/m", api_key="old,new").api_key == "old,new"
 
 
 def test_warning_at_start_without_keys(caplog):

@@ -10,7 +10,9 @@ Every request path falls in one access class:
   endpoint added later (weight sync, memory release, adapters, ...) is guarded by default.
 
 Keys are sent as ``Authorization: Bearer <key>`` (what the OpenAI client sends for
-``api_key``). Which key a class takes:
+``api_key``). A key setting may hold several keys separated by commas (``old,new``), each of
+which is accepted: that is how a key is rotated without refusing anyone (add the new key, move
+the clients, remove the old one). Which key a class takes:
 
 ====================  ====================  ================================================
 access class          key configured        accepted
@@ -63,17 +65,21 @@ def access_class(path: str) -> str:
     return "admin"
 
 
+def split_keys(setting: str | None) -> tuple[str, ...]:
+    """The keys of a ``--api-key`` / ``--admin-api-key`` value: comma-separated, blanks dropped."""
+    return tuple(key.strip() for key in (setting or "").split(",") if key.strip())
+
+
 def accepted_keys(access: str, api_key: str | None, admin_key: str | None) -> tuple[str, ...] | None:
     """The keys that open ``access``, or None when it is open (see the module table)."""
+    api, admin = split_keys(api_key), split_keys(admin_key)
     if access == "open":
         return None
     if access == "serving":
-        return (api_key,) if api_key else None
+        return api or None
     if access == "info":
-        return tuple(k for k in (api_key, admin_key) if k) if api_key else None
-    if admin_key:
-        return (admin_key,)
-    return (api_key,) if api_key else None
+        return (api + admin) if api else None
+    return admin or api or None
 
 
 def bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
