@@ -28,13 +28,15 @@ any                   neither               open (with a warning at start)
 ====================  ====================  ================================================
 
 A refusal is HTTP 401 with an OpenAI error object; the message is the same whether the key was
-missing, wrong, or a valid key of the other class, so it never tells which keys exist. Keys
-are compared with :func:`hmac.compare_digest` (constant time for equal lengths) against every
-accepted key, without an early exit.
+missing, wrong, or a valid key of the other class, so it never tells which keys exist. The
+SHA-256 digests of the sent token and of every accepted key are compared with
+:func:`hmac.compare_digest`, without an early exit: the time taken tells neither a key's
+content nor its length.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
@@ -42,6 +44,7 @@ from typing import Any, Awaitable, Callable
 
 logger = logging.getLogger(__name__)
 
+ACCESS_CLASSES = ("open", "serving", "info", "admin")
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 SERVING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate", "/health_generate"})
 INFO_PATHS = frozenset({"/v1/models", "/get_model_info", "/get_server_info"})
@@ -91,11 +94,17 @@ def bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
     return None
 
 
-def key_matches(token: bytes | None, keys: tuple[str, ...]) -> bool:
-    """True when ``token`` equals one of ``keys``; every key is compared in constant time."""
+def _digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def key_matches(token: bytes | None, key_digests: tuple[bytes, ...]) -> bool:
+    """True when ``token`` is one of the keys whose SHA-256 digests are ``key_digests``; every
+    digest is compared in constant time."""
+    sent = _digest(token or b"")
     matched = False
-    for key in keys:
-        matched |= hmac.compare_digest(token or b"", key.encode())
+    for digest in key_digests:
+        matched |= hmac.compare_digest(sent, digest)
     return matched and token is not None
 
 
@@ -109,12 +118,16 @@ class APIKeyMiddleware:
     """
 
     def __init__(self, app: ASGIApp, api_key: str | None, admin_key: str | None) -> None:
-        self.app, self.api_key, self.admin_key = app, api_key or None, admin_key or None
+        self.app = app
+        self._digests: dict[str, tuple[bytes, ...] | None] = {}
+        for access in ACCESS_CLASSES:
+            keys = accepted_keys(access, api_key, admin_key)
+            self._digests[access] = None if keys is None else tuple(_digest(k.encode()) for k in keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            keys = accepted_keys(access_class(scope.get("path", "")), self.api_key, self.admin_key)
-            if keys is not None and not key_matches(bearer_token(scope.get("headers") or []), keys):
+            digests = self._digests[access_class(scope.get("path", ""))]
+            if digests is not None and not key_matches(bearer_token(scope.get("headers") or []), digests):
                 await _unauthorized(send)
                 return
         await self.app(scope, receive, send)
