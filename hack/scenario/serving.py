@@ -2,6 +2,8 @@
 the operator does, and talk to it with the OpenAI client."""
 from __future__ import annotations
 
+import base64
+
 import httpx
 
 from hack.localcluster.rest import RestClient
@@ -16,6 +18,13 @@ def leader_ip(client: RestClient, namespace: str, name: str, group: int = 0) -> 
     if not ip:
         raise RuntimeError(f"pod {namespace}/{name}-g{group}-0 has no podIP yet")
     return ip
+
+
+def admin_headers(client: RestClient, namespace: str, name: str) -> dict[str, str]:
+    """``Authorization`` header with the deployment's admin token (Secret ``<name>-admin-token``,
+    created by the operator), for calls to the control endpoints a user makes by hand."""
+    secret = client.get(f"/api/v1/namespaces/{namespace}/secrets/{name}-admin-token")
+    return {"Authorization": f"Bearer {base64.b64decode(secret['data']['token']).decode()}"}
 
 
 def chat(ip: str, model: str, prompt: str, max_tokens: int = 12, api_key: str | None = None) -> str:

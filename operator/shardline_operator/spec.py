@@ -195,7 +195,7 @@ class DeploymentSpec:
             "scheduling": asdict(self.scheduling),
         }
         if self.auth.api_key_secret is not None or self.credentials_digest:
-            # Only when set, so hashes of deployments without keys stay what they were.
+            # The reconciler always sets the digest; a spec rendered without it (tests) keeps its old hash.
             relevant["auth"] = {"apiKey": asdict(self.auth), "digest": self.credentials_digest}
         text = json.dumps(relevant, sort_keys=True, default=list)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
