@@ -28,7 +28,7 @@ from .render import (
     build_rank_service,
     build_statefulset,
 )
-from .rollout import LeaderClient, RolloutState, advance
+from .rollout import LeaderClient, RolloutState, advance, leader_url
 from .runtime_args import ServedModel
 from .spec import DeploymentSpec, SpecError, parse_spec
 from .status import GroupReport, build_status, invalid_spec_status, record_from_status, status_patch
@@ -96,6 +96,7 @@ class Reconciler:
         self.generation = int(meta.get("generation") or 1)
         self.previous: Mapping[str, Any] = body.get("status") or {}
         self.events: list[Event] = []
+        self.leaders: LeaderClient = ctx.leaders
         self.now = ctx.clock()
 
     def run(self) -> ReconcileResult:
@@ -103,6 +104,8 @@ class Reconciler:
         try:
             spec = parse_spec(self.name, self.namespace, meta.get("uid", ""), self.body.get("spec") or {})
             spec, admin_token = self._credentials(spec)
+            # Every call to a leader carries the admin token (control and info endpoints).
+            self.leaders = self.ctx.leaders_with_token(admin_token)
         except SpecError as exc:
             if self.previous.get("message") != str(exc):
                 self.events.append(("Warning", "InvalidSpec", str(exc)))
@@ -121,7 +124,7 @@ class Reconciler:
         else:
             pending = [g.index for g in groups if _needs_in_place(spec, g) and not _needs_restart(spec, g)]
             outcome = advance(rollout_state, ServedModel.desired(spec), groups, pending, spec.weight_update,
-                              self.ctx.leaders_with_token(admin_token), f"{self.namespace}/{self.name}", self.now)
+                              self.leaders, f"{self.namespace}/{self.name}", self.now)
             for index, served in outcome.apply.items():
                 groups[index] = self._apply_group(spec, groups[index], served)
             overrides.update(outcome.group_phases)
@@ -133,13 +136,27 @@ class Reconciler:
             step = build_status(spec, self.generation, reports, rollout_state, self.previous, self.now)
             self.events.append(("Normal", phase, f"group {index}: {phase}"))
             self._write(step)
-        reports = [GroupReport(g, records[g.index], overrides.get(g.index)) for g in groups]
+        versions = self._weight_versions(groups)
+        reports = [GroupReport(g, records[g.index], overrides.get(g.index), versions.get(g.index)) for g in groups]
         status = build_status(spec, self.generation, reports, rollout_state, self.previous, self.now)
         if status["phase"] != self.previous.get("phase"):
             kind = "Warning" if status["phase"] in ("Degraded", "Failed") else "Normal"
             self.events.append((kind, status["phase"], f"phase {self.previous.get('phase', 'None')} -> "
                                 f"{status['phase']}" + (f": {status['message']}" if status["message"] else "")))
         return self._finish(status)
+
+    def _weight_versions(self, groups: list[GroupObservation]) -> dict[int, str]:
+        """Each ready group's ``weight_version`` from its leader (set by a trainer's weight sync);
+        an unreachable leader keeps the last reported value."""
+        previous = {item.get("index"): item.get("weightVersion") for item in self.previous.get("groups") or []}
+        versions: dict[int, str] = {}
+        for group in groups:
+            url = leader_url(group) if group.ready else None
+            info = self.leaders.server_info(url) if url else None
+            version = (info or {}).get("weight_version") or previous.get(group.index)
+            if isinstance(version, str):
+                versions[group.index] = version
+        return versions
 
     def _write(self, status: dict[str, Any]) -> None:
         status = {**status, "restartBudgetGeneration": self.generation}

@@ -123,6 +123,9 @@ class ServerArgs:
     dist_timeout: int = 600
     watchdog_timeout: int = 300
     drain_timeout: int = 30
+    weight_version: str = "default"
+    enable_weights_cpu_backup: bool = False
+    enable_memory_saver: bool = False
     # Secrets: kept out of repr() so a logged ServerArgs never shows them.
     api_key: str | None = field(default=None, repr=False)
     admin_api_key: str | None = field(default=None, repr=False)
@@ -248,4 +251,8 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
     o.add_argument("--log-level", default=default("log_level"), choices=LOG_LEVELS, help="Log level.")
     o.add_argument("--watchdog-timeout", type=_int_range("--watchdog-timeout", 1), default=default("watchdog_timeout"), help="Seconds a forward step (or a peer rank) may stall before the process exits with an error.")
     o.add_argument("--drain-timeout", type=_int_range("--drain-timeout", 0), default=default("drain_timeout"), help="On SIGTERM: seconds to let running requests finish before aborting them.")
+    w = p.add_argument_group("weight sync and memory release")
+    w.add_argument("--weight-version", default=default("weight_version"), help="Initial weight_version label (every weight update call may set a new one); reported in /get_server_info, /metrics and responses.")
+    w.add_argument("--enable-weights-cpu-backup", action="store_true", help="/release_memory_occupation keeps a CPU copy of the weights, so /resume_memory_occupation restores them without a weight update.")
+    w.add_argument("--enable-memory-saver", action="store_true", help="GPU: allocate weights and KV cache through torch-memory-saver (pip install torch-memory-saver), so release/resume keeps tensor addresses and captured graphs valid.")
     return p
