@@ -5,6 +5,7 @@ endpoint added later cannot slip through unguarded."""
 from __future__ import annotations
 
 import logging
+import re
 
 import httpx
 import openai
@@ -49,8 +50,9 @@ def routes(guarded, serving_checkpoint):
     from shardline_runtime.entrypoints.http_server import build_app
 
     app = build_app(None, ServerArgs(model_path=str(serving_checkpoint)), None, {})
-    found = sorted({(method, route.path) for route in app.routes for method in getattr(route, "methods", None) or ()
-                    if method != "HEAD"})
+    # Path parameters ({model_id:path}) get a real value: the served model's name.
+    found = sorted({(method, re.sub(r"\{[^}]*\}", "tiny-llama", route.path)) for route in app.routes
+                    for method in getattr(route, "methods", None) or () if method != "HEAD"})
     assert ("POST", "/update_weights_from_disk") in found and ("POST", "/v1/chat/completions") in found
     assert ("GET", "/openapi.json") in found and ("GET", "/docs") in found
     return found
@@ -139,6 +141,7 @@ def test_openai_client_with_api_key(guarded):
                                          messages=[{"role": "user", "content": "hello"}])
     assert out.choices[0].message.content is not None
     assert [m.id for m in client.models.list().data] == ["tiny-llama"]
+    assert client.models.retrieve("tiny-llama").id == "tiny-llama"
     stream = client.completions.create(model="tiny-llama", prompt="hello", max_tokens=4, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True})
     assert len([chunk for chunk in stream if chunk.choices]) >= 1  # streams pass through the key check
@@ -168,9 +171,11 @@ def test_accepted_keys_table(access, api, admin, expected):
 
 def test_new_paths_are_control_endpoints_by_default():
     for path in ("/update_weights_from_distributed", "/release_memory_occupation", "/load_lora_adapter",
-                 "/v1/load_lora_adapter", "/start_expert_distribution_record", "/pause_generation", "/docs"):
+                 "/v1/load_lora_adapter", "/start_expert_distribution_record", "/pause_generation", "/docs",
+                 "/v1/modelsx", "/v1"):
         assert access_class(path) == "admin", path
     assert access_class("/health/") == "open"
+    assert access_class("/v1/models/org/model-7b") == "info"
 
 
 def test_keys_from_the_environment_and_flags(monkeypatch):
