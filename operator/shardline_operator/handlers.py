@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 import kopf
@@ -36,6 +37,8 @@ RESYNC_SECONDS = 30.0
 ROLLOUT_POLL_SECONDS = 1.0
 ERROR_RETRY_SECONDS = 5.0
 _OWNED = {labels.LABEL_DEPLOYMENT: kopf.PRESENT}
+# Set by the chart; the runtime pods' NetworkPolicies admit the operator's pod from there.
+OPERATOR_NAMESPACE_ENV = "SHARDLINE_OPERATOR_NAMESPACE"
 _context: Context | None = None
 _wakeups: dict[tuple[str, str], asyncio.Event] = {}
 log = logging.getLogger(__name__)
@@ -50,7 +53,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         prefix=labels.API_GROUP, key="last-handled-configuration")
     settings.persistence.finalizer = f"{labels.API_GROUP}/finalizer"
     settings.posting.level = 20  # logging.INFO: Events for Normal transitions too
-    _context = Context(kube=KubeClient(), leaders=HttpLeaderClient())
+    _context = Context(kube=KubeClient(), leaders=HttpLeaderClient(),
+                       operator_namespace=os.environ.get(OPERATOR_NAMESPACE_ENV) or None)
 
 
 def wake(namespace: str | None, name: str | None) -> None:

@@ -43,7 +43,9 @@ def test_create_then_ready(world):
     kube, body, run = world
     result = run()
     kinds = sorted((k, n) for (k, _, n) in kube.objects)
-    assert kinds == [("PodDisruptionBudget", "llama"), ("Service", "llama"), ("Service", "llama-g0-ranks"),
+    assert kinds == [("NetworkPolicy", "llama-g0"), ("NetworkPolicy", "llama-g1"),
+                     ("PodDisruptionBudget", "llama"), ("Secret", "llama-admin-token"),
+                     ("Service", "llama"), ("Service", "llama-g0-ranks"),
                      ("Service", "llama-g1-ranks"), ("StatefulSet", "llama-g0"), ("StatefulSet", "llama-g1")]
     assert result.status["phase"] == "Pending"
     assert ("Normal", "GroupCreated", "group 0: StatefulSet llama-g0") in result.events
