@@ -19,6 +19,7 @@ from shardline_runtime import distributed
 from shardline_runtime.layers.logits_processor import LogitsProcessorOutput
 from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from shardline_runtime.model_executor.memory_saver import MemorySaver
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class ModelRunnerConfig:
     cuda_graph_max_bs: int = 160
     disable_cuda_graph: bool = False
     random_seed: int = 0
+    enable_weights_cpu_backup: bool = False
+    enable_memory_saver: bool = False
     enable_lora: bool = False
     lora_paths: tuple[str, ...] = ()
     max_loras_per_batch: int = 8
@@ -103,7 +106,8 @@ class ModelRunner:
     Attributes set by the constructor: ``model_config``, ``device``, ``dtype``, ``tp_rank``,
     ``tp_size``, ``model``, ``max_total_num_tokens``, ``req_to_token_pool``,
     ``token_to_kv_pool``, ``token_to_kv_pool_allocator``, ``attn_backend``,
-    ``cuda_graph_runner`` (None unless graphs were captured), ``sampler``.
+    ``cuda_graph_runner`` (None unless graphs were captured), ``sampler``, ``memory_saver``
+    (release/resume of weights, KV cache and graphs; ``model_executor/memory_saver.py``).
 
     Raises (from the constructor):
         ModelConfigError: config.json is invalid or the head count does not fit ``tp_size``
@@ -134,10 +138,13 @@ class ModelRunner:
         )
         distributed.init_expert_parallel(config.ep_size, config.ep_num_redundant_experts)
         torch.manual_seed(config.random_seed)
-        self.load_model()
+        self.memory_saver = MemorySaver(self, config.enable_weights_cpu_backup, config.enable_memory_saver)
+        with self.memory_saver.region("weights"):
+            self.load_model()
         self.init_eplb_manager()
         self.init_lora_manager()
-        self.init_memory_pool()
+        with self.memory_saver.region("kv_cache"):
+            self.init_memory_pool()
         self.init_attention_backend()
         self.sampler = self._make_sampler()
         self.cuda_graph_runner = None
