@@ -65,6 +65,10 @@ class LoRAControl:
             reqs.extend(s.running_batch.reqs)
         return {r.lora_name for r in reqs if getattr(r, "lora_name", None) is not None}
 
+    def is_loaded(self, name: str) -> bool:
+        """``name`` holds a slot and no unload of it is pending."""
+        return name in self.manager.adapters and all(m.lora_name != name for m in self.pending_unloads)
+
     def loaded(self) -> dict[str, str]:
         return {a["name"]: a["path"] for a in self.manager.loaded()}
 

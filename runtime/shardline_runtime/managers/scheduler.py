@@ -194,6 +194,10 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
         if n == 0 or n > self.max_req_input_len:
             self.finish_unscheduled(msg, n, f"the prompt has {n} tokens; this server accepts 1 to {self.max_req_input_len}")
             return
+        if msg.lora_name is not None and (self.lora_control is None or not self.lora_control.is_loaded(msg.lora_name)):
+            # unloaded (or evicted) between the HTTP check and now: never let it reach a forward
+            self.finish_unscheduled(msg, n, f"LoRA adapter {msg.lora_name!r} is not loaded")
+            return
         # The KV pool (not the context) may clip max_new_tokens: the request ends with "length".
         room = self.max_req_len - n
         if params.max_new_tokens is None or params.max_new_tokens > room:
