@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-_NEG = -1.0e30  # a finite "minus infinity": masked rows never produce inf - inf = NaN
+_NEG: tl.constexpr = tl.constexpr(-1.0e30)  # a finite "minus infinity": no inf - inf = NaN
 
 
 @triton.jit
@@ -35,9 +35,7 @@ def _decode_stage1(
     split = tl.program_id(2)
     start = tl.load(kv_indptr + b)
     seq_len = tl.load(kv_indptr + b + 1) - start
-    lo = 0
-    if window > 0:
-        lo = tl.maximum(seq_len - window, 0)
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # sliding window: the last keys only
     per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
     s_lo = lo + split * per_split
     s_hi = tl.minimum(s_lo + per_split, seq_len)
@@ -97,7 +95,7 @@ def _decode_stage2(
     mask_d = offs_d < HEAD_DIM
     lse = tl.load(Lse + b * stride_lb + h * stride_lh + offs_s)
     m = tl.max(lse, 0)
-    w = tl.where(lse > _NEG * 0.5, tl.exp(lse - m), 0.0)
+    w = tl.where(lse > -1.0e29, tl.exp(lse - m), 0.0)
     o = tl.load(Mid + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
                 mask=mask_d[None, :], other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)

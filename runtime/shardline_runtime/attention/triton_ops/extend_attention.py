@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-_NEG = -1.0e30
+_NEG: tl.constexpr = tl.constexpr(-1.0e30)  # a finite "minus infinity": no inf - inf = NaN
 
 
 @triton.jit
@@ -43,10 +43,8 @@ def _extend_kernel(
                     mask=mask_m[:, None] & mask_d[None, :], other=0.0)
         q_pos = prefix + offs_m  # absolute positions of these queries
         hi = tl.minimum(prefix + (mblk + 1) * BLOCK_M, prefix + ext)  # causal: keys < hi
-        lo = 0
-        if window > 0:
-            lo = tl.maximum(prefix + mblk * BLOCK_M - window + 1, 0)
-            lo = (lo // BLOCK_N) * BLOCK_N
+        lo = tl.where(window > 0, tl.maximum(prefix + mblk * BLOCK_M - window + 1, 0), 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
         m_i = tl.full([BLOCK_M], _NEG, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -62,8 +60,7 @@ def _extend_kernel(
             else:
                 qk = tl.dot(q, k)
             allowed = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
-            if window > 0:
-                allowed = allowed & (offs_n[None, :] > q_pos[:, None] - window)
+            allowed = allowed & ((window <= 0) | (offs_n[None, :] > q_pos[:, None] - window))
             qk = tl.where(allowed, qk * sm_scale, _NEG)
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp(qk - m_new[:, None])
