@@ -41,13 +41,13 @@ PY
 
 echo "== gpu tests ($((SECONDS - start)) s)"
 if [[ "$device" == "cuda" ]]; then
-  timeout 200 python3 -m pytest -m gpu tests/runtime -q -p no:cacheprovider --durations=8 || status=$?
+  timeout 150 python3 -m pytest -m gpu tests/runtime -q -p no:cacheprovider --durations=8 || status=$?
 fi
 
 echo "== triton kernels vs torch_native on $device ($((SECONDS - start)) s)"
-timeout 120 python3 -m pytest -q -p no:cacheprovider "${test_args[@]}" || status=$?
+timeout 60 python3 -m pytest -q -p no:cacheprovider "${test_args[@]}" || status=$?
 
 echo "== decode table ($((SECONDS - start)) s)"
-timeout 300 python3 bench/engine.py "${bench_args[@]}" || status=$?
+timeout 200 python3 bench/engine.py "${bench_args[@]}" || status=$?
 echo "== done in $((SECONDS - start)) s, status $status"
 exit "$status"
