@@ -88,12 +88,32 @@ def build_context(worker, prompts):
     return running
 
 
-def engine_steps(worker, batch, steps: int, use_graphs: bool) -> float | None:
-    """Mean seconds per decode step (None: graphs asked for but none captured, e.g. on CPU)."""
-    runner = worker.model_runner
-    saved = runner.cuda_graph_runner
-    if use_graphs and saved is None:
+def replay_only(worker, bs: int, repeats: int = 20) -> float | None:
+    """GPU seconds of one replay of the captured decode graph for ``bs`` (CUDA events, mean of
+    ``repeats``; its static buffers hold the last real step), i.e. the step without host work."""
+    runner = worker.model_runner.cuda_graph_runner
+    if runner is None or not runner.graphs:
         return None
+    graph = runner.graphs[runner.padded_batch_size(bs)]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats
+
+
+def engine_steps(worker, batch, steps: int, use_graphs: bool) -> float | None:
+    """Mean seconds per decode step. On CPU (dry runs) "graphs" is the same static-buffer path
+    run eagerly (``CudaGraphRunner(capture=False)``)."""
+    runner = worker.model_runner
+    if use_graphs and runner.cuda_graph_runner is None:
+        from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner
+
+        runner.cuda_graph_runner = CudaGraphRunner(runner, capture=False, batch_sizes=sorted({1, 8, 32, 64, len(batch.reqs)}))
+    saved = runner.cuda_graph_runner
     if not use_graphs:
         runner.cuda_graph_runner = None
     try:
@@ -155,27 +175,30 @@ def run(args, make_checkpoint, make_worker, prompts) -> None:
     print(f"{name}: measured copy bandwidth {bandwidth / 1e12:.2f} TB/s "
           "(read + write bytes of a device-to-device copy)", flush=True)
     contexts, batches = args.contexts, args.graph_batch_sizes
-    args.context_len = max(contexts) + args.decode_steps + 16
+    # the engine's context length: room for eager, then graph steps on one batch, or more when asked
+    # (torch_native graphs gather this many KV columns per request whatever the real lengths)
+    args.context_len = max(max(contexts) + 2 * (args.decode_steps + 3) + 16, args.table_context_len)
     args.batch_size = max(batches)
     with tempfile.TemporaryDirectory() as tmp:
         path = make_checkpoint(Path(tmp), args)
         workers = {}
-        for backend in ("torch_native", "triton"):
+        for backend in args.backends:
             t0 = time.perf_counter()
             workers[backend] = make_worker(path, args, disable_cuda_graph=False, attention_backend=backend,
                                            max_total_tokens=max(batches) * args.context_len)
             print(f"{backend}: worker ready in {time.perf_counter() - t0:.1f} s (load + KV pool + graph capture)",
                   flush=True)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
+        hf = None if args.no_transformers else transformers.AutoModelForCausalLM.from_pretrained(
             str(path), dtype=getattr(torch, args.dtype), attn_implementation="sdpa").to(device).eval()
-    mr = workers["triton"].model_runner
+    mr = next(iter(workers.values())).model_runner
     weight_bytes = sum(p.numel() * p.element_size() for p in mr.model.parameters())
     embed = mr.model.model.embed_tokens.weight
     embed_bytes = embed.numel() * embed.element_size()
     print(f"model: {mr.model_config.num_hidden_layers} layers x {mr.model_config.hidden_size}, "
           f"{mr.model_config.num_attention_heads} heads / {mr.model_config.num_key_value_heads} KV heads, vocab "
           f"{mr.model_config.vocab_size}, {args.dtype}; {weight_bytes / 1e9:.2f} GB of weights", flush=True)
-    columns = ["torch_native eager", "torch_native graphs", "triton eager", "triton graphs", "transformers"]
+    columns = ["torch_native eager", "torch_native graphs", "triton eager", "triton graphs", "transformers",
+               "triton graph replay"]
     rows = []
     for ctx in contexts:
         for bs in batches:
@@ -189,26 +212,31 @@ def run(args, make_checkpoint, make_worker, prompts) -> None:
                         t = engine_steps(worker, batch, args.decode_steps, graphs)
                         if t is not None:
                             cells[f"{backend} {'graphs' if graphs else 'eager'}"] = t
+                    if backend == "triton" and device.type == "cuda":
+                        cells["triton graph replay"] = replay_only(worker, bs)
                     for req in batch.reqs:
                         batch.release_kv(req)
                 except Exception as exc:  # keep the table going; the cell says what failed
                     print(f"  {backend} bs {bs} ctx {ctx}: {type(exc).__name__}: {exc}", flush=True)
             try:
-                cells["transformers"] = hf_steps(hf, batch_prompts, args.decode_steps, device)
+                if hf is not None:
+                    cells["transformers"] = hf_steps(hf, batch_prompts, args.decode_steps, device)
             except Exception as exc:
                 print(f"  transformers bs {bs} ctx {ctx}: {type(exc).__name__}: {exc}", flush=True)
             torch.cuda.empty_cache()
             rows.append((ctx, bs, useful, cells))
-            line = ", ".join(f"{c} {bs / t:.0f} tok/s ({useful / t / bandwidth:.0%})" for c, t in cells.items())
+            line = ", ".join(f"{c} {bs / t:.0f} tok/s ({useful / t / bandwidth:.0%})" for c, t in cells.items() if t)
             print(f"ctx {ctx} bs {bs}: {line}", flush=True)
-    print("\nDecode tokens/s (share of the HBM roofline: useful bytes per step / step time / copy bandwidth)")
+    print(f"\nDecode tokens/s (share of the HBM roofline: useful bytes per step / step time / copy bandwidth); "
+          f"engine context length {args.context_len}. 'triton graph replay': the captured step alone (GPU time, "
+          "no host work), as if the scheduler hid all host work")
     print("| context | batch | " + " | ".join(columns) + " |")
     print("|---:|---:|" + "---:|" * len(columns))
     for ctx, bs, useful, cells in rows:
         out = []
         for c in columns:
             t = cells.get(c)
-            out.append("n/a" if t is None else f"{bs / t:,.0f} ({useful / t / bandwidth:.0%})")
+            out.append("n/a" if not t else f"{bs / t:,.0f} ({useful / t / bandwidth:.0%})")
         print(f"| {ctx} | {bs} | " + " | ".join(out) + " |")
     print("\nRatios: graphs / eager (triton), triton / torch_native (graphs)")
     for ctx, bs, _, cells in rows:

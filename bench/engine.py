@@ -308,6 +308,11 @@ def main(argv=None) -> None:
                         help="context lengths of the GPU decode table")
     parser.add_argument("--decode-table", action="store_true",
                         help="the GPU decode table (default with --device cuda; on CPU: a dry run of its logic)")
+    parser.add_argument("--table-context-len", type=int, default=0,
+                        help="decode table: the engine's context length (default: just what the table needs)")
+    parser.add_argument("--backends", nargs="+", default=["torch_native", "triton"],
+                        choices=["torch_native", "triton"], help="attention backends of the decode table")
+    parser.add_argument("--no-transformers", action="store_true", help="decode table without the transformers column")
     parser.add_argument("--compare", action="store_true", help="Shardline vs transformers prefill/decode table (CPU default)")
     parser.add_argument("--profile", action="store_true",
                         help="per-operator torch.profiler table of one decode step of each side, then exit")

@@ -26,7 +26,7 @@ if [[ "${GPU_CHECK_DRY_RUN:-0}" == "1" ]]; then
 else
   device=cuda
   bench_args=(--device cuda --preset llama-1b --dtype bfloat16 --graph-batch-sizes 1 8 32 64
-              --contexts 512 4096 --decode-steps 16)
+              --contexts 512 4096 --decode-steps 16 --table-context-len 8192)
   test_args=(tests/runtime/test_triton_attention.py)
 fi
 
@@ -41,11 +41,11 @@ PY
 
 echo "== gpu tests ($((SECONDS - start)) s)"
 if [[ "$device" == "cuda" ]]; then
-  timeout 150 python3 -m pytest -m gpu tests/runtime -q -p no:cacheprovider --durations=8 || status=$?
+  timeout 150 python3 -m pytest -m gpu tests/runtime -q -p no:cacheprovider -p no:tests.kube_fixtures --durations=8 || status=$?
 fi
 
 echo "== triton kernels vs torch_native on $device ($((SECONDS - start)) s)"
-timeout 60 python3 -m pytest -q -p no:cacheprovider "${test_args[@]}" || status=$?
+timeout 60 python3 -m pytest -q -p no:cacheprovider -p no:tests.kube_fixtures "${test_args[@]}" || status=$?
 
 echo "== decode table ($((SECONDS - start)) s)"
 timeout 200 python3 bench/engine.py "${bench_args[@]}" || status=$?
