@@ -93,8 +93,6 @@ def test_decode_graphs_per_backend_and_kv_dtype_on_cuda(tiny_checkpoint, backend
     assert type(graphs.model_runner.attn_backend).__name__.lower().startswith(backend.replace("_", ""))
     expected = run_engine(eager, PROMPTS, GREEDY, mixed=False)
     assert run_engine(graphs, PROMPTS, GREEDY, mixed=False) == expected
-    if kv_cache_dtype == "fp8_e4m3":
+    if kv_cache_dtype == "fp8_e4m3":  # agreement with a full-precision cache: test_kv_cache_dtype.py
         assert graphs.model_runner.token_to_kv_pool.dtype == torch.float8_e4m3fn
-        full = run_engine(make_worker(path, device_override="cuda", disable_cuda_graph=True), PROMPTS, GREEDY)
-        same = sum(a == b for x, y in zip(full, expected) for a, b in zip(x, y)) / sum(map(len, full))
-        assert same >= 0.5, same
+        assert graphs.model_runner.token_to_kv_pool.k_buffer[0].element_size() == 1
