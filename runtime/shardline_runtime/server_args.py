@@ -210,7 +210,7 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
     d_.add_argument("--dist-timeout", type=_int_range("--dist-timeout", 1), default=default("dist_timeout"), help="Seconds to wait for rendezvous and collectives before failing.")
 
     mem = p.add_argument_group("memory and scheduling")
-    mem.add_argument("--mem-fraction-static", type=_float_range("--mem-fraction-static", 0.0, 1.0, True), default=default("mem_fraction_static"), help="Fraction of GPU memory for weights + KV cache.")
+    mem.add_argument("--mem-fraction-static", type=_float_range("--mem-fraction-static", 0.0, 1.0, True), default=default("mem_fraction_static"), help="Fraction of the GPU memory free before loading that weights + KV cache may take.")
     mem.add_argument("--max-total-tokens", type=_int_range("--max-total-tokens", 1), default=None, help="KV cache size in tokens (default: from the memory budget).")
     mem.add_argument("--max-running-requests", type=_int_range("--max-running-requests", 1), default=default("max_running_requests"), help="Maximum requests in the running batch.")
     mem.add_argument("--chunked-prefill-size", type=_int_range("--chunked-prefill-size", -1), default=default("chunked_prefill_size"), help="Maximum prompt tokens of one request per step; -1 or 0 disables chunking.")

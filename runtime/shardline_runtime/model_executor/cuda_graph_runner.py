@@ -7,6 +7,11 @@ rows ``bs..padded_bs-1`` are padding: token 0 at position 0, request row ``dummy
 1 and output slot 0. So padded rows read and write only the dummy slot and never touch a real
 request's KV; their logits are dropped.
 
+Before each replay (and capture) the attention backend is told that a pass starts and refills
+its own static metadata from the static ``req_pool_indices`` / ``seq_lens`` (the triton
+backend: ``kv_indptr`` / ``kv_indices`` of the real lengths; ``init_cuda_graph_state`` sized
+them once), so nothing about lengths is baked into a graph.
+
 On CPU (or with ``capture=False``) the very same static-buffer path runs eagerly, so the
 padding and buffer logic is exercised by CI without a GPU; the real capture is a ``gpu`` test.
 
