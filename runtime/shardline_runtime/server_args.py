@@ -24,6 +24,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOAD_FORMATS = ("auto", "safetensors")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
+RECORDER_MODES = ("stat", "per_pass")
 
 
 class ServerArgsError(ValueError):
@@ -93,6 +94,11 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 8000
     tp_size: int = 1
+    ep_size: int = 1
+    ep_num_redundant_experts: int = 0
+    eplb_rebalance_num_iterations: int = 0
+    expert_distribution_recorder_mode: str = "stat"
+    expert_distribution_recorder_dir: str | None = None
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
@@ -129,6 +135,11 @@ class ServerArgs:
         if not 0 <= self.node_rank < self.nnodes:
             raise ServerArgsError(
                 f"--node-rank must be in [0, {self.nnodes - 1}] for --nnodes {self.nnodes}, got {self.node_rank}"
+            )
+        if self.tp_size % self.ep_size != 0:
+            raise ServerArgsError(
+                f"--ep-size ({self.ep_size}) must divide --tp-size ({self.tp_size}): experts are split over "
+                "ep_size groups of tp_size / ep_size ranks"
             )
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ServerArgsError("--dist-init-addr HOST:PORT is required when --nnodes > 1")
@@ -203,6 +214,7 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
 
     d_ = p.add_argument_group("parallelism")
     d_.add_argument("--tp-size", type=_int_range("--tp-size", 1), default=default("tp_size"), help="Tensor-parallel size across all nodes.")
+    d_.add_argument("--ep-size", type=_int_range("--ep-size", 1), default=default("ep_size"), help="Expert-parallel size (MoE models): experts are split over this many groups of tp_size / ep_size ranks; must divide --tp-size.")
     d_.add_argument("--nnodes", type=_int_range("--nnodes", 1), default=default("nnodes"), help="Number of nodes (pods) of the TP group.")
     d_.add_argument("--node-rank", type=_int_range("--node-rank", 0), default=default("node_rank"), help="This node's rank in [0, nnodes); rank 0 serves the API.")
     d_.add_argument("--dist-init-addr", type=_host_port, default=None, help="HOST:PORT of node 0 for the torch.distributed rendezvous (required when --nnodes > 1).")
@@ -217,6 +229,12 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
     mem.add_argument("--max-prefill-tokens", type=_int_range("--max-prefill-tokens", 1), default=default("max_prefill_tokens"), help="Maximum prompt tokens of all requests in one prefill step.")
     mem.add_argument("--disable-radix-cache", action="store_true", help="Disable the prefix (radix) cache.")
     mem.add_argument("--enable-mixed-chunk", action="store_true", help="Run the running requests' decode in the same forward as a prefill (one step instead of two).")
+
+    e = p.add_argument_group("experts (MoE models)")
+    e.add_argument("--ep-num-redundant-experts", type=_int_range("--ep-num-redundant-experts", 0), default=default("ep_num_redundant_experts"), help="Extra physical expert slots per MoE layer for EPLB replicas; num_experts + this must be divisible by --ep-size.")
+    e.add_argument("--eplb-rebalance-num-iterations", type=_int_range("--eplb-rebalance-num-iterations", 0), default=default("eplb_rebalance_num_iterations"), help="Rebalance the experts (EPLB) every this many forward passes from the load seen since the last one; 0: only on POST /rebalance_experts.")
+    e.add_argument("--expert-distribution-recorder-mode", default=default("expert_distribution_recorder_mode"), choices=RECORDER_MODES, help="Default mode of POST /start_expert_distribution_record: stat (summed) or per_pass.")
+    e.add_argument("--expert-distribution-recorder-dir", default=None, help="Directory POST /dump_expert_distribution_record {\"to_file\": true} writes JSON records into.")
 
     g = p.add_argument_group("CUDA graphs")
     g.add_argument("--cuda-graph-max-bs", type=_int_range("--cuda-graph-max-bs", 1), default=default("cuda_graph_max_bs"), help="Largest decode batch size captured as a CUDA graph.")

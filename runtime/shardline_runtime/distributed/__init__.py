@@ -7,6 +7,13 @@ from shardline_runtime.distributed.communication_op import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from shardline_runtime.distributed.expert_parallel import (
+    ExpertParallelLayout,
+    broadcast_tensor,
+    expert_parallel_combine,
+    get_expert_parallel_layout,
+    init_expert_parallel,
+)
 from shardline_runtime.distributed.parallel_state import (
     DistributedInitError,
     destroy_distributed_environment,
@@ -19,6 +26,11 @@ from shardline_runtime.distributed.parallel_state import (
 
 __all__ = [
     "DistributedInitError",
+    "ExpertParallelLayout",
+    "broadcast_tensor",
+    "expert_parallel_combine",
+    "get_expert_parallel_layout",
+    "init_expert_parallel",
     "all_reduce_min_int",
     "barrier",
     "broadcast_pyobj",

@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError as FastAPIValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from shardline_runtime.entrypoints.expert_routes import add_expert_routes
 from shardline_runtime.entrypoints.generate import serve_generate
 from shardline_runtime.entrypoints.openai_serving import ClientDisconnected, serve_chat, serve_completion
 from shardline_runtime.entrypoints.protocol import (
@@ -177,6 +178,8 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
             raise RequestValidationError("give rid, or abort_all: true", "rid")
         found = await tm.abort(None if body.abort_all else body.rid)
         return {"success": found}
+
+    add_expert_routes(app, tm, getattr(server_args, "expert_distribution_recorder_mode", "stat"))
 
     @app.get("/metrics")
     async def metrics_endpoint():

@@ -3,10 +3,12 @@
 Direction and meaning:
 
 - HTTP -> rank-0 scheduler (and broadcast by rank 0 to every rank): ``TokenizedGenerateReqInput``,
-  ``AbortReq``, ``FlushCacheReqInput``, ``UpdateWeightsFromDiskReqInput``.
+  ``AbortReq``, ``FlushCacheReqInput``, ``UpdateWeightsFromDiskReqInput``,
+  ``ExpertDistributionReqInput``, ``RebalanceExpertsReqInput`` (MoE models).
 - Rank-0 scheduler -> HTTP: ``BatchTokenIDOut`` (new token ids of many requests per step),
-  ``FlushCacheReqOutput``, ``UpdateWeightsFromDiskReqOutput``, ``WeightsPhaseOut``, and
-  ``SchedulerStats`` whenever load or KV usage changed.
+  ``FlushCacheReqOutput``, ``UpdateWeightsFromDiskReqOutput``, ``ExpertDistributionReqOutput``,
+  ``RebalanceExpertsReqOutput``, ``WeightsPhaseOut``, and ``SchedulerStats`` whenever load or KV
+  usage changed.
 
 Token ids are Python ints; logprobs are natural-log floats.
 """
@@ -142,3 +144,36 @@ class BatchTokenIDOut:
     output_top_logprobs: list[list[list[tuple[float, int]]] | None]
     input_token_logprobs: list[list[tuple[float | None, int]] | None]
     input_top_logprobs: list[list[list[tuple[float, int]]] | None]
+
+
+@dataclass
+class ExpertDistributionReqInput:
+    """Expert-distribution recorder control: ``action`` is ``start`` (with ``mode``), ``stop``
+    or ``dump`` (``to_file``: write into ``--expert-distribution-recorder-dir``)."""
+
+    action: str
+    mode: str | None = None
+    to_file: bool = False
+
+
+@dataclass
+class ExpertDistributionReqOutput:
+    success: bool
+    message: str = ""
+    record: dict[str, Any] | None = None
+
+
+@dataclass
+class RebalanceExpertsReqInput:
+    """Re-place the experts (EPLB) from the recorded load, on every rank."""
+
+
+@dataclass
+class RebalanceExpertsReqOutput:
+    """Imbalance is max / mean tokens per expert-parallel rank (1.0 = balanced)."""
+
+    success: bool
+    message: str
+    imbalance_before: float | None = None
+    imbalance_after_expected: float | None = None
+    moved_experts: int = 0

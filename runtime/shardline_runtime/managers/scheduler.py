@@ -28,10 +28,13 @@ from typing import Any
 import zmq
 
 from shardline_runtime.distributed import broadcast_pyobj
+from shardline_runtime.managers.expert_control import handle_expert_control
 from shardline_runtime.managers.io_struct import (
     AbortReq,
+    ExpertDistributionReqInput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
+    RebalanceExpertsReqInput,
     SchedulerInfo,
     TokenizedGenerateReqInput,
     UpdateWeightsFromDiskReqInput,
@@ -167,6 +170,8 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin):
                 self.send(self.flush_cache())
             elif isinstance(msg, UpdateWeightsFromDiskReqInput):
                 self.start_weight_update(msg)
+            elif isinstance(msg, (ExpertDistributionReqInput, RebalanceExpertsReqInput)):
+                self.send(handle_expert_control(self.worker.model_runner, msg))
             else:
                 logger.warning("[tp %d] ignoring unknown message %s", self.tp_rank, type(msg).__name__)
         if self.pending_update is not None:

@@ -47,6 +47,10 @@ class ModelRunnerConfig:
     device: str = "auto"
     tp_rank: int = 0
     tp_size: int = 1
+    ep_size: int = 1
+    ep_num_redundant_experts: int = 0
+    eplb_rebalance_num_iterations: int = 0
+    expert_distribution_recorder_dir: str | None = None
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
@@ -123,6 +127,7 @@ class ModelRunner:
             )
         self.model_config = model_config
         self.model_config.check_tp_size(self.tp_size)
+        self.model_config.check_ep_size(self.tp_size, config.ep_size, config.ep_num_redundant_experts)
         self.dtype = self.model_config.dtype
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -130,14 +135,17 @@ class ModelRunner:
             tp_rank=self.tp_rank, tp_size=self.tp_size, device=self.device,
             dist_init_addr=config.dist_init_addr, timeout_s=config.dist_timeout,
         )
+        distributed.init_expert_parallel(config.ep_size, config.ep_num_redundant_experts)
         pre_model_load_memory = self._memory_available()
         torch.manual_seed(config.random_seed)
         self.initialize(pre_model_load_memory)
 
     def initialize(self, pre_model_load_memory: int) -> None:
-        """The design notes' order: sampler, model, KV dtype, pool, backend, graphs, piecewise graphs."""
+        """The design notes' order: sampler, model (+ EPLB manager for MoE models), KV dtype, pool,
+        backend, graphs, piecewise graphs."""
         self.sampler = self._make_sampler()
         self.load_model()
+        self.init_eplb_manager()
         self.configure_kv_cache_dtype()
         self.init_memory_pool(pre_model_load_memory)
         self.init_attention_backend()
@@ -159,6 +167,16 @@ class ModelRunner:
         logger.info(
             "[tp %d] loaded %s: %.1f MiB of weights on this rank (available %.1f MiB before)",
             self.tp_rank, self.model_config.architecture, self.weight_bytes / 2**20, before / 2**20,
+        )
+
+    def init_eplb_manager(self) -> None:
+        """``eplb_manager`` (expert-distribution recorder and EPLB) for MoE models, else None."""
+        from shardline_runtime.model_executor.eplb_manager import EPLBManager
+
+        self.eplb_manager = EPLBManager.for_model(
+            self.model, self.model_config.num_hidden_layers, self.device,
+            rebalance_num_iterations=self.config.eplb_rebalance_num_iterations,
+            recorder_dir=self.config.expert_distribution_recorder_dir,
         )
 
     def _memory_available(self) -> int:
@@ -283,13 +301,14 @@ class ModelRunner:
         call that does not reach the last layer).
         """
         mode = forward_batch.forward_mode
-        if mode.is_decode() and self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
+        recording = self.eplb_manager is not None and self.eplb_manager.recorder.recording  # graphs do not record
+        if mode.is_decode() and self.cuda_graph_runner is not None and not recording and self.cuda_graph_runner.can_run(forward_batch):
             return self.cuda_graph_runner.replay(forward_batch)
         if mode == ForwardMode.DECODE:
             return self.forward_decode(forward_batch)
         if mode == ForwardMode.EXTEND:
             pw = self.piecewise_cuda_graph_runner
-            if pw is not None and pw.can_run(forward_batch):
+            if pw is not None and not recording and pw.can_run(forward_batch):
                 self._attach(forward_batch)
                 return pw.replay(forward_batch)
             return self.forward_extend(forward_batch)
@@ -303,7 +322,10 @@ class ModelRunner:
         self._attach(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         with torch.inference_mode():
-            return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+            out = self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        if self.eplb_manager is not None:
+            self.eplb_manager.on_forward_pass_end()
+        return out
 
     def _attach(self, forward_batch: ForwardBatch) -> None:
         if forward_batch.req_to_token_pool is None:
