@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass
+import os
+import re
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -25,6 +27,10 @@ LOAD_FORMATS = ("auto", "safetensors")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
 RECORDER_MODES = ("stat", "per_pass")
+API_KEY_ENV = "SHARDLINE_API_KEY"
+ADMIN_API_KEY_ENV = "SHARDLINE_ADMIN_API_KEY"
+# One key or several separated by commas (rotation); each printable ASCII without spaces.
+_API_KEY = re.compile(r"^[\x21-\x2b\x2d-\x7e]{1,4096}(,[\x21-\x2b\x2d-\x7e]{1,4096})*$")
 
 
 class ServerArgsError(ValueError):
@@ -123,6 +129,12 @@ class ServerArgs:
     dist_timeout: int = 600
     watchdog_timeout: int = 300
     drain_timeout: int = 30
+    weight_version: str = "default"
+    enable_weights_cpu_backup: bool = False
+    enable_memory_saver: bool = False
+    # Secrets: kept out of repr() so a logged ServerArgs never shows them.
+    api_key: str | None = field(default=None, repr=False)
+    admin_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -153,6 +165,10 @@ class ServerArgs:
             raise ServerArgsError(
                 f"--piecewise-cuda-graph-max-tokens must be >= 1, got {self.piecewise_cuda_graph_max_tokens}"
             )
+        for flag, key in (("--api-key", self.api_key), ("--admin-api-key", self.admin_api_key)):
+            if key is not None and not _API_KEY.match(key):
+                raise ServerArgsError(f"{flag} must be one key, or several separated by commas, of 1-4096 "
+                                      "printable ASCII characters without spaces or commas (sent in an HTTP header)")
         if self.chunked_prefill_size > self.max_prefill_tokens and self.max_prefill_tokens > 0:
             object.__setattr__(self, "max_prefill_tokens", self.chunked_prefill_size)
 
@@ -181,7 +197,13 @@ class ServerArgs:
     def from_namespace(cls, namespace: argparse.Namespace) -> "ServerArgs":
         """Build ``ServerArgs`` from the namespace returned by :func:`make_parser`."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(namespace).items() if k in names})
+        values = {k: v for k, v in vars(namespace).items() if k in names}
+        # Keys come from the environment unless given as flags (a flag shows in ``ps``; an env
+        # var filled from a Secret does not). Surrounding whitespace (a Secret written from a file
+        # with a final newline) is dropped; an empty value means "no key".
+        for name, env in (("api_key", API_KEY_ENV), ("admin_api_key", ADMIN_API_KEY_ENV)):
+            values[name] = (values.get(name) or os.environ.get(env) or "").strip() or None
+        return cls(**values)
 
 
 def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -211,6 +233,8 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
     h = p.add_argument_group("HTTP server")
     h.add_argument("--host", default=default("host"), help="Address to bind exactly (in a pod: $(POD_IP)).")
     h.add_argument("--port", type=_int_range("--port", 1, 65535), default=default("port"), help="HTTP port (rank>0 nodes serve /health and /ready on it).")
+    h.add_argument("--api-key", default=None, help=f"Key of the serving endpoints (Authorization: Bearer); default: ${API_KEY_ENV}. Without any key every endpoint is open.")
+    h.add_argument("--admin-api-key", default=None, help=f"Key of the control endpoints (weight updates, cache flush, aborts, every endpoint not listed as serving or open); default: ${ADMIN_API_KEY_ENV}, else the API key.")
 
     d_ = p.add_argument_group("parallelism")
     d_.add_argument("--tp-size", type=_int_range("--tp-size", 1), default=default("tp_size"), help="Tensor-parallel size across all nodes.")
@@ -247,4 +271,8 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
     o.add_argument("--log-level", default=default("log_level"), choices=LOG_LEVELS, help="Log level.")
     o.add_argument("--watchdog-timeout", type=_int_range("--watchdog-timeout", 1), default=default("watchdog_timeout"), help="Seconds a forward step (or a peer rank) may stall before the process exits with an error.")
     o.add_argument("--drain-timeout", type=_int_range("--drain-timeout", 0), default=default("drain_timeout"), help="On SIGTERM: seconds to let running requests finish before aborting them.")
+    w = p.add_argument_group("weight sync and memory release")
+    w.add_argument("--weight-version", default=default("weight_version"), help="Initial weight_version label (every weight update call may set a new one); reported in /get_server_info, /metrics and responses.")
+    w.add_argument("--enable-weights-cpu-backup", action="store_true", help="/release_memory_occupation keeps a CPU copy of the weights, so /resume_memory_occupation restores them without a weight update.")
+    w.add_argument("--enable-memory-saver", action="store_true", help="GPU: allocate weights and KV cache through torch-memory-saver (pip install torch-memory-saver), so release/resume keeps tensor addresses and captured graphs valid.")
     return p

@@ -134,5 +134,7 @@ def test_crd_defaults_equal_parser_defaults():
         "restartPolicy.maxGroupRestarts": parsed.restart_policy.max_group_restarts,
         "restartPolicy.backoffSeconds": parsed.restart_policy.backoff_seconds,
         "service.type": parsed.service.type, "service.port": parsed.service.port,
+        "networkPolicy.enabled": parsed.network_policy.enabled,
+        "auth.apiKeySecretRef.key": spec_module.parse_auth({"apiKeySecretRef": {"name": "s"}}).api_key_secret.key,
     }
     assert defaults(schema()["properties"]["spec"]) == expected

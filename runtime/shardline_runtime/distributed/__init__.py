@@ -1,6 +1,7 @@
 """Process groups and collectives; the only package that imports ``torch.distributed``."""
 
 from shardline_runtime.distributed.communication_op import (
+    all_gather_pyobj,
     all_reduce_min_int,
     barrier,
     broadcast_pyobj,
@@ -27,6 +28,7 @@ from shardline_runtime.distributed.parallel_state import (
 __all__ = [
     "DistributedInitError",
     "ExpertParallelLayout",
+    "all_gather_pyobj",
     "broadcast_tensor",
     "expert_parallel_combine",
     "get_expert_parallel_layout",

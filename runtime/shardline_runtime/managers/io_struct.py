@@ -4,10 +4,15 @@ Direction and meaning:
 
 - HTTP -> rank-0 scheduler (and broadcast by rank 0 to every rank): ``TokenizedGenerateReqInput``,
   ``AbortReq``, ``FlushCacheReqInput``, ``UpdateWeightsFromDiskReqInput``,
-  ``ExpertDistributionReqInput``, ``RebalanceExpertsReqInput`` (MoE models).
+  ``ExpertDistributionReqInput``, ``RebalanceExpertsReqInput`` (MoE models), and the weight-sync
+  and memory controls (``UpdateWeightsFromTensorReqInput``, ``UpdateWeightsFromDistributedReqInput``,
+  ``InitWeightsUpdateGroupReqInput``, ``DestroyWeightsUpdateGroupReqInput``,
+  ``GetWeightsByNameReqInput``, ``PauseGenerationReqInput``, ``ContinueGenerationReqInput``,
+  ``ReleaseMemoryOccupationReqInput``, ``ResumeMemoryOccupationReqInput``).
 - Rank-0 scheduler -> HTTP: ``BatchTokenIDOut`` (new token ids of many requests per step),
   ``FlushCacheReqOutput``, ``UpdateWeightsFromDiskReqOutput``, ``ExpertDistributionReqOutput``,
-  ``RebalanceExpertsReqOutput``, ``WeightsPhaseOut``, and ``SchedulerStats`` whenever load or KV
+  ``RebalanceExpertsReqOutput``, ``ControlReqOutput`` (reply to every weight-sync and memory
+  control), ``WeightsPhaseOut``, ``ServingStateOut``, and ``SchedulerStats`` whenever load or KV
   usage changed.
 
 Token ids are Python ints; logprobs are natural-log floats.
@@ -73,6 +78,8 @@ class UpdateWeightsFromDiskReqInput:
     abort_all_requests: bool = False
     cuda_graph_max_bs: int | None = None  # new graph settings (GPU only), applied after the load
     disable_cuda_graph: bool | None = None
+    weight_version: str | None = None
+    flush_cache: bool = True
 
 
 @dataclass
@@ -81,6 +88,96 @@ class UpdateWeightsFromDiskReqOutput:
     message: str
     revision: str | None = None
     model_path: str | None = None
+    weight_version: str | None = None
+
+
+@dataclass
+class UpdateWeightsFromTensorReqInput:
+    """Load full tensors given as the bytes of a safetensors file (checkpoint names)."""
+
+    serialized_named_tensors: bytes
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+@dataclass
+class UpdateWeightsFromDistributedReqInput:
+    """Receive ``names`` by broadcast from rank 0 (the trainer) of weight-sync group ``group_name``."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+@dataclass
+class InitWeightsUpdateGroupReqInput:
+    """Every engine rank joins group ``group_name`` as rank ``rank_offset + tp_rank``."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str = "gloo"
+    timeout_s: float = 120.0
+
+
+@dataclass
+class DestroyWeightsUpdateGroupReqInput:
+    group_name: str
+
+
+@dataclass
+class GetWeightsByNameReqInput:
+    name: str
+    truncate_size: int = 100
+
+
+@dataclass
+class PauseGenerationReqInput:
+    """``mode``: ``abort`` (default), ``retract`` or ``in_place`` (SGLang's three modes)."""
+
+    mode: str = "abort"
+
+
+@dataclass
+class ContinueGenerationReqInput:
+    pass
+
+
+@dataclass
+class ReleaseMemoryOccupationReqInput:
+    tags: list[str] | None = None
+
+
+@dataclass
+class ResumeMemoryOccupationReqInput:
+    tags: list[str] | None = None
+
+
+@dataclass
+class ControlReqOutput:
+    """Reply to a weight-sync or memory control; ``data`` carries e.g. the tensor values of
+    ``get_weights_by_name``; ``weight_version`` is the version serving after the call."""
+
+    success: bool
+    message: str
+    weight_version: str | None = None
+    data: Any = None
+
+
+@dataclass
+class ServingStateOut:
+    """Rank 0 reports why generation cannot run now (``blocked``: released memory or weights
+    missing after a resume, else None) and the pause mode (None when not paused)."""
+
+    blocked: str | None
+    paused: str | None
 
 
 @dataclass
@@ -120,6 +217,7 @@ class SchedulerInfo:
     weights_revision: str | None
     model_path: str
     eos_token_ids: list[int] = field(default_factory=list)
+    weight_version: str = "default"
 
 
 @dataclass

@@ -22,6 +22,7 @@ from shardline_runtime import distributed
 from shardline_runtime.layers.logits_processor import LogitsProcessorOutput
 from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from shardline_runtime.model_executor.memory_saver import MemorySaver
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ class ModelRunnerConfig:
     enable_piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_max_tokens: int = 4096
     random_seed: int = 0
+    enable_weights_cpu_backup: bool = False
+    enable_memory_saver: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -106,7 +109,8 @@ class ModelRunner:
     Attributes set by the constructor: ``model_config``, ``device``, ``dtype``, ``tp_rank``,
     ``tp_size``, ``model``, ``max_total_num_tokens``, ``req_to_token_pool``,
     ``token_to_kv_pool``, ``token_to_kv_pool_allocator``, ``attn_backend``,
-    ``cuda_graph_runner`` (None unless graphs were captured), ``sampler``.
+    ``cuda_graph_runner`` (None unless graphs were captured), ``sampler``, ``memory_saver``
+    (release/resume of weights, KV cache and graphs; ``model_executor/memory_saver.py``).
 
     Raises (from the constructor):
         ModelConfigError: config.json is invalid or the head count does not fit ``tp_size``
@@ -138,16 +142,19 @@ class ModelRunner:
         distributed.init_expert_parallel(config.ep_size, config.ep_num_redundant_experts)
         pre_model_load_memory = self._memory_available()
         torch.manual_seed(config.random_seed)
+        self.memory_saver = MemorySaver(self, config.enable_weights_cpu_backup, config.enable_memory_saver)
         self.initialize(pre_model_load_memory)
 
     def initialize(self, pre_model_load_memory: int) -> None:
         """The design notes' order: sampler, model (+ EPLB manager for MoE models), KV dtype, pool,
         backend, graphs, piecewise graphs."""
         self.sampler = self._make_sampler()
-        self.load_model()
+        with self.memory_saver.region("weights"):
+            self.load_model()
         self.init_eplb_manager()
         self.configure_kv_cache_dtype()
-        self.init_memory_pool(pre_model_load_memory)
+        with self.memory_saver.region("kv_cache"):
+            self.init_memory_pool(pre_model_load_memory)
         self.init_attention_backend()
         self.cuda_graph_runner = None
         self.piecewise_cuda_graph_runner = None

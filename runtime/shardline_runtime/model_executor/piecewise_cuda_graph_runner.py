@@ -182,6 +182,13 @@ class PiecewiseCudaGraphRunner:
         logger.info("captured piecewise EXTEND graphs for %s tokens (%d pieces each)",
                     self.buckets, len(next(iter(self.graphs.values()))) if self.graphs else 0)
 
+    def release_graphs(self) -> None:
+        """Drop every captured piece and the tensors it holds (``capture`` builds them again)."""
+        self.graphs.clear()
+        self.attn_calls.clear()
+        self.outputs.clear()
+        self.graph_pool = None
+
     # ---- replay -----------------------------------------------------------------------------
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
