@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")  # the runtime's --kv-cache-dtype
 STRATEGIES = ("InPlace", "Restart")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -27,7 +28,7 @@ RESERVED_FLAGS = (
     "--model-path", "--served-model-name", "--revision", "--host", "--port", "--tp-size",
     "--nnodes", "--node-rank", "--dist-init-addr", "--dtype", "--mem-fraction-static",
     "--max-total-tokens", "--cuda-graph-max-bs", "--disable-cuda-graph", "--ep-size", "--api-key",
-    "--admin-api-key", "--lora-paths",
+    "--admin-api-key", "--kv-cache-dtype", "--lora-paths",
 )
 DEFAULT_MAX_LORAS_PER_BATCH = 8  # the runtime's --max-loras-per-batch default
 # The keys reach the runtime only through these env vars, filled from Secrets (spec.auth).
@@ -91,6 +92,7 @@ class RuntimeSpec:
     image: str
     image_pull_policy: str = "IfNotPresent"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     mem_fraction_static: float = 0.85
     max_total_tokens: int | None = None
     cuda_graph: CudaGraphSpec = field(default_factory=CudaGraphSpec)
@@ -312,6 +314,7 @@ def parse_runtime(raw: Mapping[str, Any]) -> RuntimeSpec:
         image=image,
         image_pull_policy=_one_of(raw, "imagePullPolicy", path, "IfNotPresent", PULL_POLICIES),
         dtype=_one_of(raw, "dtype", path, "auto", DTYPES),
+        kv_cache_dtype=_one_of(raw, "kvCacheDtype", path, "auto", KV_CACHE_DTYPES),
         mem_fraction_static=float(fraction),
         max_total_tokens=_int_in(raw, "maxTotalTokens", path, None, 1, 2**31 - 1),
         cuda_graph=cuda_graph,
