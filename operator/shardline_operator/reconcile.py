@@ -19,6 +19,7 @@ from . import labels
 from .credentials import api_key_from_secret, credentials_digest, new_admin_token, secret_value
 from .group_health import GroupRecord, decide
 from .kube import KubeClient
+from .lora_sync import LoRAReport, lora_status, sync
 from .observed import GroupObservation, group_pods
 from .render import (
     build_admin_secret,
@@ -35,6 +36,7 @@ from .status import GroupReport, build_status, invalid_spec_status, record_from_
 
 Event = tuple[str, str, str]  # (type, reason, message)
 REAPPLY_SECONDS = 60.0
+LORA_RETRY_SECONDS = 5.0  # adapters not yet on every group: look again soon
 
 
 @dataclass
@@ -146,14 +148,29 @@ class Reconciler:
             step = build_status(spec, self.generation, reports, rollout_state, self.previous, self.now)
             self.events.append(("Normal", phase, f"group {index}: {phase}"))
             self._write(step)
+        lora = self._sync_lora(spec, groups, rollout_state)
         versions = self._weight_versions(groups)
         reports = [GroupReport(g, records[g.index], overrides.get(g.index), versions.get(g.index)) for g in groups]
         status = build_status(spec, self.generation, reports, rollout_state, self.previous, self.now)
+        if spec.lora_adapters or self.previous.get("loraAdapters"):
+            status["loraAdapters"] = lora_status(spec.lora_adapters, lora)
         if status["phase"] != self.previous.get("phase"):
             kind = "Warning" if status["phase"] in ("Degraded", "Failed") else "Normal"
             self.events.append((kind, status["phase"], f"phase {self.previous.get('phase', 'None')} -> "
                                 f"{status['phase']}" + (f": {status['message']}" if status["message"] else "")))
         return self._finish(status)
+
+    def _sync_lora(self, spec: DeploymentSpec, groups: list[GroupObservation], rollout: RolloutState | None) -> LoRAReport:
+        """Load/unload ``spec.loraAdapters`` on Ready leaders (not on a group updating weights)."""
+        if not hasattr(self.leaders, "lora_adapters"):
+            return LoRAReport()
+        busy = {rollout.group} if rollout is not None and rollout.group is not None else set()
+        report = sync(spec.lora_adapters, groups, self.leaders, busy)
+        for name, error in report.errors.items():
+            self.events.append(("Warning", "LoRAAdapterFailed", f"{name}: {error}"))
+        if report.pending:
+            self.requeue_after = min(self.requeue_after or LORA_RETRY_SECONDS, LORA_RETRY_SECONDS)
+        return report
 
     def _weight_versions(self, groups: list[GroupObservation]) -> dict[int, str]:
         """Each ready group's ``weight_version`` from its leader (set by a trainer's weight sync);

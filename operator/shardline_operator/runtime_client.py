@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import httpx
 
 INFO_TIMEOUT_SECONDS = 3.0
+LORA_TIMEOUT_SECONDS = 30.0
 PHASE_POLL_SECONDS = 0.1
 
 
@@ -86,6 +87,26 @@ class HttpLeaderClient:
             return None
         return info if isinstance(info, dict) else None
 
+    def lora_adapters(self, url: str, token: str | None = None) -> Mapping[str, str] | None:
+        """``{name: path}`` of the LoRA adapters ``GET {url}/v1/models`` lists (cards with a
+        ``parent``), or None when unreachable or not the expected JSON."""
+        try:
+            response = httpx.get(f"{url}/v1/models", headers=_auth(token), timeout=INFO_TIMEOUT_SECONDS)
+            response.raise_for_status()
+            cards = response.json()["data"]
+            return {c["id"]: c.get("root", "") for c in cards if c.get("parent")}
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+
+    def load_lora_adapter(self, url: str, name: str, path: str, token: str | None = None) -> tuple[bool, str]:
+        """``POST {url}/load_lora_adapter``: ``(success, message)``."""
+        return _post_json(url, "/load_lora_adapter", {"lora_name": name, "lora_path": path}, LORA_TIMEOUT_SECONDS, token)
+
+    def unload_lora_adapter(self, url: str, name: str, token: str | None = None) -> tuple[bool, str]:
+        """``POST {url}/unload_lora_adapter`` (the runtime answers once the adapter's running
+        requests finished; a timeout is a failure retried next pass)."""
+        return _post_json(url, "/unload_lora_adapter", {"lora_name": name}, LORA_TIMEOUT_SECONDS, token)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -108,6 +129,15 @@ class TokenLeaderClient:
     def observed_phases(self, key: str) -> list[str]:
         return self._client.observed_phases(key)
 
+    def lora_adapters(self, url: str) -> Mapping[str, str] | None:
+        return self._client.lora_adapters(url, self._token)
+
+    def load_lora_adapter(self, url: str, name: str, path: str) -> tuple[bool, str]:
+        return self._client.load_lora_adapter(url, name, path, self._token)
+
+    def unload_lora_adapter(self, url: str, name: str) -> tuple[bool, str]:
+        return self._client.unload_lora_adapter(url, name, self._token)
+
 
 def _auth(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
@@ -116,9 +146,15 @@ def _auth(token: str | None) -> dict[str, str]:
 def _post_update(url: str, body: dict[str, Any], timeout_seconds: float,
                  token: str | None = None) -> tuple[bool, str]:
     """Send the update and return ``(success, message)``; transport errors count as failures."""
+    return _post_json(url, "/update_weights_from_disk", body, timeout_seconds, token)
+
+
+def _post_json(url: str, route: str, body: dict[str, Any], timeout_seconds: float,
+               token: str | None = None) -> tuple[bool, str]:
+    """POST ``body`` to ``url + route``; ``(success, message)`` of a ``{"success", "message"}``
+    reply (transport errors and non-JSON replies are failures naming ``url``)."""
     try:
-        response = httpx.post(f"{url}/update_weights_from_disk", json=body, headers=_auth(token),
-                              timeout=timeout_seconds)
+        response = httpx.post(f"{url}{route}", json=body, headers=_auth(token), timeout=timeout_seconds)
     except httpx.HTTPError as exc:
         return False, f"request to {url} failed: {exc.__class__.__name__}: {exc}"
     try:

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from shardline_runtime.cli import write_termination_log
 from shardline_runtime.entrypoints.auth import guard
+from shardline_runtime.lora.lora_config import parse_lora_paths
 from shardline_runtime.managers.scheduler_process import configure_logging, run_scheduler_process
 from shardline_runtime.server_args import ServerArgs
 
@@ -196,6 +197,7 @@ def _full_app(args: ServerArgs, info, input_addr: str, output_addr: str, state: 
     metrics.set_weights(info.weights_revision, info.model_path)
     metrics.set_weight_version(info.weight_version)
     tm = TokenizerManager(tokenizer, info, input_addr, output_addr, metrics)
+    tm.lora_adapters = parse_lora_paths(list(args.lora_paths))  # loaded by every rank before it reported ready
     tm.start()
     state["tm"] = tm
     return build_app(tm, args, metrics, state)

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardline_runtime.entrypoints.expert_routes import add_expert_routes
 from shardline_runtime.entrypoints.generate import serve_generate
+from shardline_runtime.entrypoints.lora_routes import add_lora_routes
 from shardline_runtime.entrypoints.openai_serving import ClientDisconnected, serve_chat, serve_completion
 from shardline_runtime.entrypoints.weight_sync_routes import add_weight_sync_routes
 from shardline_runtime.entrypoints.protocol import (
@@ -87,8 +88,9 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
         return error_response(499, "client disconnected", err_type="client_closed_request")
 
     def check_model(model: str | None) -> None:
-        if model is not None and model not in (model_name, server_args.model_path):
-            raise RequestValidationError(f"model {model!r} is not served here; available: [{model_name!r}]", "model")
+        if model is not None and model not in (model_name, server_args.model_path) and model not in tm.lora_adapters:
+            available = [model_name, *sorted(tm.lora_adapters)]
+            raise RequestValidationError(f"model {model!r} is not served here; available: {available}", "model")
 
     @app.get("/health")
     async def health():
@@ -119,14 +121,22 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
             "owned_by": "shardline", "root": tm.model_path, "max_model_len": tm.info.context_len,
         }
 
+    def adapter_cards() -> list[dict[str, Any]]:
+        """One card per loaded LoRA adapter: ``id`` its name, ``root`` its path, ``parent`` the base."""
+        return [{**model_card(), "id": name, "root": path, "parent": model_name}
+                for name, path in sorted(tm.lora_adapters.items())]
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *adapter_cards()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str):
+        if model_id in tm.lora_adapters:
+            return next(c for c in adapter_cards() if c["id"] == model_id)
         if model_id not in (model_name, server_args.model_path):
-            return error_response(404, f"The model {model_id!r} does not exist; available: [{model_name!r}]", "model")
+            available = [model_name, *sorted(tm.lora_adapters)]
+            return error_response(404, f"The model {model_id!r} does not exist; available: {available}", "model")
         return model_card()
 
     @app.get("/get_model_info")
@@ -154,12 +164,12 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
         check_model(body.model)
-        return await serve_completion(body, tm, model_name, raw)
+        return await serve_completion(body, tm, body.model if tm.lora_for_model(body.model) else model_name, raw)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
         check_model(body.model)
-        return await serve_chat(body, tm, model_name, raw)
+        return await serve_chat(body, tm, body.model if tm.lora_for_model(body.model) else model_name, raw)
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, raw: Request):
@@ -197,6 +207,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
         return {"success": found}
 
     add_expert_routes(app, tm, getattr(server_args, "expert_distribution_recorder_mode", "stat"))
+    add_lora_routes(app, tm, getattr(server_args, "enable_lora", False))
 
     @app.get("/metrics")
     async def metrics_endpoint():

@@ -95,7 +95,7 @@ async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: 
         r.completion_tokens, r.cached_tokens = chunk.completion_tokens, chunk.cached_tokens
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason_name(chunk.finish_reason)}
 
-    events = run_choices(tm, specs, want_lp, req.logprobs or 0, req.include_stop_str_in_output)
+    events = run_choices(tm, specs, want_lp, req.logprobs or 0, req.include_stop_str_in_output, tm.lora_for_model(req.model))
     if req.stream:
         async def stream() -> AsyncIterator[str]:
             async for index, chunk in events:
@@ -146,7 +146,8 @@ async def serve_chat(req: ChatCompletionRequest, tm: TokenizerManager, model: st
         r.completion_tokens, r.cached_tokens = chunk.completion_tokens, chunk.cached_tokens
         return lp
 
-    events = run_choices(tm, specs, bool(req.logprobs), req.top_logprobs or 0, req.include_stop_str_in_output)
+    events = run_choices(tm, specs, bool(req.logprobs), req.top_logprobs or 0, req.include_stop_str_in_output,
+                         tm.lora_for_model(req.model))
     if req.stream:
         async def stream() -> AsyncIterator[str]:
             for s in specs:
