@@ -23,6 +23,7 @@ Names are checkpoint (HuggingFace) names, as a trainer's ``model.named_parameter
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -154,6 +155,13 @@ def update_weights_from_safetensors(model_runner: Any, data: bytes) -> tuple[boo
     return True, f"loaded {len(loaded)} tensors on tp rank {model_runner.tp_rank}", loaded
 
 
+def _drainable(model: torch.nn.Module, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> bool:
+    """Whether every declared shape can be received: no negative dimension, and no more
+    elements than the largest checkpoint tensor (so draining a rejected update is bounded)."""
+    largest = max((math.prod(s) for s in checkpoint_shapes(model).values()), default=0)
+    return all(min(shape, default=0) >= 0 and math.prod(shape) <= largest for _, _, shape in specs)
+
+
 def update_weights_from_distributed(
     model_runner: Any, group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]],
 ) -> tuple[bool, str, list[str], bool]:
@@ -178,6 +186,11 @@ def update_weights_from_distributed(
         reason = str(exc)
     staged: list[tuple[str, torch.Tensor]] = []
     broken = False
+    if specs is not None and not _drainable(model_runner.model, specs):
+        # A negative or larger-than-any-parameter shape cannot be received (it would crash or
+        # exhaust memory): refuse without receiving; the trainer's broadcast then times out.
+        reason = reason or "shapes: a declared shape is negative or larger than any parameter"
+        specs = None
     if specs is not None:  # drain the broadcast even after a failed check: the trainer sends anyway
         device = model_runner.device if group.backend == "nccl" else torch.device("cpu")
         try:
