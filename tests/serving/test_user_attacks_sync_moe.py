@@ -7,6 +7,8 @@ is a bug found by attacking it:
   was released; unknown fields of these admin bodies are now 400 naming the field;
 - a negative or huge declared shape in ``/update_weights_from_distributed`` crashed the
   scheduler (``torch.empty`` of the declared shape) and the server exited;
+- a trainer update refused before it ran (paused ``in_place``, weights released) left the
+  trainer's broadcast blocked until its timeout;
 - ``/rebalance_experts`` while the weights were released answered an internal ``IndexError``;
 - after a rebalance the record's physical counts were read with the new placement, so
   ``logical_count`` (and the next rebalance) misattributed the load;
@@ -78,18 +80,26 @@ def test_unknown_query_parameter_of_raw_tensor_update_is_400(moe_server):
     assert out.status_code == 400 and out.json()["error"]["param"] == "weight_verison", out.text
 
 
-def test_bad_declared_shapes_are_400_and_the_server_lives(moe_server):
-    from shardline_runtime.distributed.weight_sync_group import destroy_weights_update_group, init_weights_update_group
+def _join_group(server, name: str):
+    """The test process as the trainer (rank 0) of weight-sync group ``name`` with the server."""
+    from shardline_runtime.distributed.weight_sync_group import init_weights_update_group
 
     port, reply = free_port(), {}
-    caller = threading.Thread(target=lambda: reply.update(init=moe_server.post("/init_weights_update_group", {
-        "master_address": "127.0.0.1", "master_port": port, "world_size": 2, "group_name": "attack",
+    caller = threading.Thread(target=lambda: reply.update(init=server.post("/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": port, "world_size": 2, "group_name": name,
         "backend": "gloo", "timeout_s": 10})))
     caller.start()
-    group = init_weights_update_group("127.0.0.1", port, 0, 2, "attack", "gloo", 10)
+    group = init_weights_update_group("127.0.0.1", port, 0, 2, name, "gloo", 10)
     caller.join()
+    assert reply["init"].status_code == 200, reply["init"].text
+    return group
+
+
+def test_bad_declared_shapes_are_400_and_the_server_lives(moe_server):
+    from shardline_runtime.distributed.weight_sync_group import destroy_weights_update_group
+
+    group = _join_group(moe_server, "attack")
     try:
-        assert reply["init"].status_code == 200, reply["init"].text
         update = {"names": ["model.norm.weight"], "dtypes": ["float32"], "group_name": "attack"}
         out = moe_server.post("/update_weights_from_distributed", {**update, "shapes": [[-1, 64]]})
         assert out.status_code == 400 and out.json()["error"]["param"] == "shapes", out.text
@@ -103,6 +113,36 @@ def test_bad_declared_shapes_are_400_and_the_server_lives(moe_server):
         assert again.status_code == 400 and "attack" in again.json()["message"]
     finally:
         destroy_weights_update_group(group)
+
+
+def test_a_refused_trainer_update_still_drains_the_broadcast(moe_server):
+    """Paused ``in_place`` with a request holding KV, an update is refused; the trainer's
+    broadcast must still complete (docs: the trainer is never left blocked)."""
+    from shardline_runtime.distributed.weight_sync_group import broadcast, destroy_weights_update_group
+
+    group = _join_group(moe_server, "refused")
+    long = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    done = {}
+    runner = threading.Thread(target=lambda: done.update(r=moe_server.post("/generate", long)))
+    runner.start()
+    try:
+        while moe_server.get("/get_server_info").json()["num_running_reqs"] == 0:
+            assert runner.is_alive()
+        assert moe_server.post("/pause_generation", {"mode": "in_place"}).status_code == 200
+        reply = {}
+        caller = threading.Thread(target=lambda: reply.update(r=moe_server.post("/update_weights_from_distributed", {
+            "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "refused"})))
+        caller.start()
+        broadcast(group, torch.ones(64))  # raises WeightSyncGroupError after 10 s if nobody receives
+        caller.join()
+        assert reply["r"].status_code == 400 and "in_place" in reply["r"].json()["message"], reply["r"].text
+    finally:
+        moe_server.post("/pause_generation", {"mode": "abort"})  # end the long request now
+        moe_server.post("/continue_generation")
+        runner.join()
+        moe_server.post("/destroy_weights_update_group", {"group_name": "refused"})
+        destroy_weights_update_group(group)
+    assert done["r"].status_code == 200, done["r"].text
 
 
 def test_rebalance_while_weights_are_released_is_a_clear_400(moe_server):

@@ -163,11 +163,13 @@ def _drainable(model: torch.nn.Module, specs: list[tuple[str, torch.dtype, tuple
 
 
 def update_weights_from_distributed(
-    model_runner: Any, group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]],
+    model_runner: Any, group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]], refused: str = "",
 ) -> tuple[bool, str, list[str], bool]:
     """Receive ``names`` from the trainer (rank 0 of ``group``), one broadcast each, then load.
 
     Every TP rank calls it together; the trainer broadcasts the tensors in ``names`` order.
+    With ``refused`` (why the update may not run, e.g. paused in place) the tensors are still
+    received when the declared specs are valid, then discarded.
 
     Returns:
         ``(success, message, names loaded, group_broken)``; ``group_broken`` when a broadcast
@@ -175,7 +177,7 @@ def update_weights_from_distributed(
     """
     from shardline_runtime.distributed.weight_sync_group import WeightSyncGroupError, broadcast
 
-    reason = ""
+    reason = refused
     specs = None
     try:
         if not len(names) == len(dtypes) == len(shapes):
@@ -183,7 +185,7 @@ def update_weights_from_distributed(
         specs = [(n, parse_dtype(d), tuple(int(x) for x in s)) for n, d, s in zip(names, dtypes, shapes)]
         check_specs(model_runner.model, model_runner.dtype, specs)
     except WeightUpdateError as exc:
-        reason = str(exc)
+        reason = reason or str(exc)
     staged: list[tuple[str, torch.Tensor]] = []
     broken = False
     if specs is not None and not _drainable(model_runner.model, specs):
