@@ -191,3 +191,41 @@ def test_file_dumps_in_one_millisecond_do_not_overwrite(tmp_path):
     placement = torch.arange(4).repeat(2, 1)
     paths = {recorder.dump(placement, 4, to_file=True)["path"] for _ in range(30)}
     assert len(paths) == 30 and len(list(tmp_path.iterdir())) == 30
+
+
+@pytest.mark.slow
+def test_sigterm_while_paused_answers_the_held_requests(serving_checkpoint, checkpoint_dir):
+    """Requests held by ``/pause_generation`` get an answer at SIGTERM (503, or a stream that
+    ends with an abort and ``[DONE]``), and the process exits 0 promptly: they were left to the
+    listener's close (500 / a cut stream after the graceful-shutdown timeout)."""
+    import signal
+    import time
+
+    srv = start_server(serving_checkpoint, checkpoint_dir, "--max-total-tokens", "1024", "--drain-timeout", "2")
+    replies: dict = {}
+
+    def send(stream: bool) -> None:
+        body = {"prompt": "hi", "max_tokens": 4, "stream": stream}
+        try:
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+                replies[stream] = (r.status_code, r.read().decode())
+        except httpx.HTTPError as exc:
+            replies[stream] = ("error", repr(exc))
+
+    try:
+        assert srv.post("/pause_generation", {"mode": "abort"}).status_code == 200
+        senders = [threading.Thread(target=send, args=(s,)) for s in (False, True)]
+        for t in senders:
+            t.start()
+        time.sleep(1.0)  # both are held by the pause now
+        started = time.monotonic()
+        assert srv.stop(signal.SIGTERM, timeout=60) == 0
+        for t in senders:
+            t.join(30)
+        assert time.monotonic() - started < 20
+    finally:
+        srv.stop()
+    status, text = replies[False]
+    assert status == 503 and "shutting down" in text, replies
+    status, text = replies[True]
+    assert status == 503 or (status == 200 and text.rstrip().endswith("data: [DONE]")), replies
