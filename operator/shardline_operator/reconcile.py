@@ -16,10 +16,18 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 from . import labels
+from .credentials import api_key_from_secret, credentials_digest, new_admin_token, secret_value
 from .group_health import GroupRecord, decide
 from .kube import KubeClient
 from .observed import GroupObservation, group_pods
-from .render import build_client_service, build_pod_disruption_budget, build_rank_service, build_statefulset
+from .render import (
+    build_admin_secret,
+    build_client_service,
+    build_network_policy,
+    build_pod_disruption_budget,
+    build_rank_service,
+    build_statefulset,
+)
 from .rollout import LeaderClient, RolloutState, advance, leader_url
 from .runtime_args import ServedModel
 from .spec import DeploymentSpec, SpecError, parse_spec
@@ -31,12 +39,19 @@ REAPPLY_SECONDS = 60.0
 
 @dataclass
 class Context:
-    """Process-wide collaborators: the API client, the leader client, a clock, an apply cache."""
+    """Process-wide collaborators: the API client, the leader client, a clock, an apply cache,
+    and the operator's own namespace (None when it runs outside the cluster)."""
 
     kube: KubeClient
     leaders: LeaderClient
     clock: Callable[[], float] = time.time
     applied: dict[str, tuple[str, float]] = field(default_factory=dict)
+    operator_namespace: str | None = None
+
+    def leaders_with_token(self, token: str) -> LeaderClient:
+        """The leader client sending ``token`` as the admin key (when it can send one)."""
+        with_token = getattr(self.leaders, "with_token", None)
+        return with_token(token) if with_token is not None else self.leaders
 
     def apply(self, obj: Mapping[str, Any], now: float) -> None:
         """Server-side apply, skipped when the same content was applied under a minute ago."""
@@ -71,6 +86,15 @@ def _needs_in_place(spec: DeploymentSpec, group: GroupObservation) -> bool:
     return group.served is not None and group.served != ServedModel.desired(spec)
 
 
+def _pruned(value: Any) -> Any:
+    """``value`` without None-valued keys at any depth: what the API server stores of it."""
+    if isinstance(value, Mapping):
+        return {k: _pruned(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_pruned(v) for v in value]
+    return value
+
+
 class Reconciler:
     """Runs passes for one object; holds its spec and live children for the pass."""
 
@@ -81,12 +105,17 @@ class Reconciler:
         self.generation = int(meta.get("generation") or 1)
         self.previous: Mapping[str, Any] = body.get("status") or {}
         self.events: list[Event] = []
+        self.leaders: LeaderClient = ctx.leaders
         self.now = ctx.clock()
+        self.requeue_after: float | None = None  # soonest time-based reason for the next pass
 
     def run(self) -> ReconcileResult:
         meta = self.body["metadata"]
         try:
             spec = parse_spec(self.name, self.namespace, meta.get("uid", ""), self.body.get("spec") or {})
+            spec, admin_token = self._credentials(spec)
+            # Every call to a leader carries the admin token (control and info endpoints).
+            self.leaders = self.ctx.leaders_with_token(admin_token)
         except SpecError as exc:
             if self.previous.get("message") != str(exc):
                 self.events.append(("Warning", "InvalidSpec", str(exc)))
@@ -105,7 +134,7 @@ class Reconciler:
         else:
             pending = [g.index for g in groups if _needs_in_place(spec, g) and not _needs_restart(spec, g)]
             outcome = advance(rollout_state, ServedModel.desired(spec), groups, pending, spec.weight_update,
-                              self.ctx.leaders, f"{self.namespace}/{self.name}", self.now)
+                              self.leaders, f"{self.namespace}/{self.name}", self.now)
             for index, served in outcome.apply.items():
                 groups[index] = self._apply_group(spec, groups[index], served)
             overrides.update(outcome.group_phases)
@@ -133,7 +162,7 @@ class Reconciler:
         versions: dict[int, str] = {}
         for group in groups:
             url = leader_url(group) if group.ready else None
-            info = self.ctx.leaders.server_info(url) if url else None
+            info = self.leaders.server_info(url) if url else None
             version = (info or {}).get("weight_version") or previous.get(group.index)
             if isinstance(version, str):
                 versions[group.index] = version
@@ -141,12 +170,52 @@ class Reconciler:
 
     def _write(self, status: dict[str, Any]) -> None:
         status = {**status, "restartBudgetGeneration": self.generation}
-        self.ctx.kube.patch_deployment_status(self.namespace, self.name, status_patch(self.previous, status))
+        if _pruned(status) != _pruned(self.previous):  # an idle pass (the resync) writes nothing
+            self.ctx.kube.patch_deployment_status(self.namespace, self.name, status_patch(self.previous, status))
         self.previous = status
 
     def _finish(self, status: dict[str, Any]) -> ReconcileResult:
         self._write(status)
-        return ReconcileResult(dict(self.previous), self.events)
+        return ReconcileResult(dict(self.previous), self.events, self.requeue_after)
+
+    def _credentials(self, spec: DeploymentSpec) -> tuple[DeploymentSpec, str]:
+        """Read (or create, once) the admin-token Secret and read the API-key Secret; returns the
+        spec with the keys' digest (see ``credentials.py``) and the admin token.
+
+        Raises:
+            SpecError: the API-key Secret is missing or unusable, or the admin-token Secret has no token.
+        """
+        kube, name = self.ctx.kube, labels.admin_secret_name(self.name)
+        secret = kube.get("v1", "Secret", self.namespace, name)
+        if secret is None:
+            kube.create(build_admin_secret(spec, new_admin_token()))
+            secret = kube.get("v1", "Secret", self.namespace, name) or {}
+            self.events.append(("Normal", "AdminTokenCreated", f"Secret {name} holds the admin token"))
+        token = secret_value(secret, labels.ADMIN_TOKEN_KEY)
+        if not token:
+            raise SpecError(f"Secret {name} has no '{labels.ADMIN_TOKEN_KEY}': delete it and the operator "
+                            "creates a new admin token")
+        api_key = None
+        ref = spec.auth.api_key_secret
+        if ref is not None:
+            api_key = api_key_from_secret(kube.get("v1", "Secret", self.namespace, ref.name), ref.name, ref.key,
+                                          self.namespace)
+        return replace(spec, credentials_digest=credentials_digest(token, api_key)), token
+
+    def _network_policies(self, spec: DeploymentSpec) -> None:
+        """Apply each group's NetworkPolicy (before its pods exist); delete the ones not wanted."""
+        wanted = set()
+        if spec.network_policy.enabled:
+            for index in range(spec.replicas):
+                policy = build_network_policy(spec, index, self.ctx.operator_namespace)
+                self.ctx.apply(policy, self.now)
+                wanted.add(policy["metadata"]["name"])
+        for policy in self.ctx.kube.list("networking.k8s.io/v1", "NetworkPolicy", self.namespace,
+                                         labels.selector_labels(self.name)):
+            if policy["metadata"]["name"] not in wanted:
+                self.ctx.kube.delete("networking.k8s.io/v1", "NetworkPolicy", self.namespace,
+                                     policy["metadata"]["name"])
+                self.ctx.applied.pop(f"NetworkPolicy/{self.namespace}/{policy['metadata']['name']}", None)
 
     def _observe(self, spec: DeploymentSpec) -> tuple[list[GroupObservation], dict[int, GroupRecord]]:
         kube, selector = self.ctx.kube, labels.selector_labels(self.name)
@@ -159,6 +228,7 @@ class Reconciler:
             kube.delete("apps/v1", "StatefulSet", self.namespace, labels.statefulset_name(self.name, index))
             kube.delete("v1", "Service", self.namespace, labels.rank_service_name(self.name, index))
             self.events.append(("Normal", "GroupRemoved", f"group {index} removed (replicas={spec.replicas})"))
+        self._network_policies(spec)
         for index in range(spec.replicas):
             self.ctx.apply(build_rank_service(spec, index), self.now)
         self.ctx.apply(build_client_service(spec), self.now)
@@ -220,6 +290,8 @@ class Reconciler:
                                 f"{spec.restart_policy.max_group_restarts}: {decision.reason}"))
         elif decision.action == "wait":
             overrides[group.index] = "Restarting"
+            if decision.retry_in_seconds is not None:  # no event ends a backoff: come back then
+                self.requeue_after = min(self.requeue_after or decision.retry_in_seconds, decision.retry_in_seconds)
         elif decision.action == "fail":
             self.events.append(("Warning", "GroupFailed", f"group {group.index}: {decision.reason}"))
 
