@@ -92,8 +92,11 @@ class _Server(uvicorn.Server):
         if not self._state["draining"] and loop is not None:
             loop.call_soon_threadsafe(lambda: loop.create_task(self._abort_after_drain()))
         self._state["draining"] = True
-        if self._state.get("tm") is not None:
-            self._state["tm"].draining = True
+        tm = self._state.get("tm")
+        if tm is not None:
+            tm.draining = True
+            if loop is not None:  # requests held by /pause_generation get their 503 now
+                loop.call_soon_threadsafe(tm.start_draining)
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True
         self.should_exit = True

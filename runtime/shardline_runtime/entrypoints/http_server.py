@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
+import typing
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError as FastAPIValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardline_runtime.entrypoints.expert_routes import add_expert_routes
@@ -48,7 +50,17 @@ def error_response(status: int, message: str, param: str | None = None, err_type
     )
 
 
-def _pydantic_message(exc: FastAPIValidationError) -> tuple[str, str | None]:
+def _body_fields(request: Request) -> list[str]:
+    """Field names of the route's body model (for "unknown field" messages), or []."""
+    body_field = getattr(request.scope.get("route"), "body_field", None)
+    annotation = getattr(getattr(body_field, "field_info", None), "annotation", None)
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return list(candidate.model_fields)
+    return []
+
+
+def _pydantic_message(exc: FastAPIValidationError, request: Request | None = None) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request body", None
@@ -58,6 +70,9 @@ def _pydantic_message(exc: FastAPIValidationError) -> tuple[str, str | None]:
     msg = first.get("msg", "invalid value")
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {msg}", None
+    if first.get("type") == "extra_forbidden":
+        allowed = _body_fields(request) if request is not None else []
+        msg = f"unknown field; allowed fields: {allowed}" if allowed else "unknown field"
     return (f"{'.'.join(loc)}: {msg}" if loc else msg), param
 
 
@@ -67,8 +82,8 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
     model_name = server_args.model_name
 
     @app.exception_handler(FastAPIValidationError)
-    async def _validation(_: Request, exc: FastAPIValidationError):
-        message, param = _pydantic_message(exc)
+    async def _validation(request: Request, exc: FastAPIValidationError):
+        message, param = _pydantic_message(exc, request)
         return error_response(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)

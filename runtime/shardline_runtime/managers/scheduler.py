@@ -253,7 +253,7 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
         """Queue an update of any kind (``UPDATE_REQUESTS``); it runs once no request holds KV."""
         refused = "a weight update is already in progress" if self.pending_update is not None else self.refuse_update(msg)
         if refused:
-            self.send(self.update_reply(msg, False, refused))
+            self.send(self.update_reply(msg, False, self.drain_refused_update(msg, refused)))
             return
         self.pending_update = msg
         if msg.abort_all_requests:

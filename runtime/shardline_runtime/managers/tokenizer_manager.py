@@ -328,9 +328,29 @@ class TokenizerManager:
         """A weight-sync or memory control (every rank runs it); see ``scheduler_weight_sync.py``."""
         return await self.control(req, ControlReqOutput, timeout)
 
+    async def admit(self) -> None:
+        """``check_ready``, then hold while generation is paused (SGLang: held, not refused,
+        until ``/continue_generation``) and check again. The HTTP handlers call it before they
+        answer, so a request refused after its hold is a 503, never a cut stream.
+
+        Raises:
+            ServerNotReadyError: draining, weights changing, or memory released.
+        """
+        self.check_ready()
+        if self.paused is not None:
+            await self._unpaused.wait()
+            self.check_ready()
+
+    def start_draining(self) -> None:
+        """Shutting down: refuse new requests, and release those held by ``/pause_generation``
+        (``generate`` then raises ServerNotReadyError: 503) instead of leaving them to the
+        listener's close."""
+        self.draining = True
+        self._unpaused.set()
+
     def set_paused(self, mode: str | None) -> None:
         self.paused = mode
-        if mode is None:
+        if mode is None or self.draining:
             self._unpaused.set()
         else:
             self._unpaused.clear()
