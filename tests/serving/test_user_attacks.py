@@ -102,23 +102,44 @@ def test_out_of_range_and_wrong_type_fields_are_400_naming_the_field(server, pat
     assert err["param"] == param, err
 
 
+def test_control_endpoints_reject_unknown_keys_naming_them(server):
+    """A misspelt key on a control endpoint is a 400 naming it, and nothing is done: with the
+    key ignored, this update (to the checkpoint already served) would succeed."""
+    path = server.get("/get_server_info").json()["model_path"]
+    r = server.post("/update_weights_from_disk", {"model_path": path, "revison": "typo"})
+    err = _error(r)
+    assert err["param"] == "revison" and "revison" in err["message"]
+    r = server.post("/abort_request", {"rid": "nobody", "abort_al": True})
+    assert _error(r)["param"] == "abort_al"
+    _healthy(server)
+
+
 def test_duplicate_rid_and_abort_all_keep_the_server_consistent(server):
     """A second request with a running request's rid is a 400; abort_all ends every running
-    request with finish_reason "abort"; KV returns to baseline."""
+    request with finish_reason "abort"; KV returns to baseline.
+
+    The five requests fill the KV pool between them (about 400 decode steps each, far more than
+    the few round trips the test makes after it sees all five in flight), and a request that
+    still finished first fails the test instead of passing it."""
     import concurrent.futures as cf
 
+    wait_for_baseline(server)
+    room = server.get("/get_server_info").json()["max_total_num_tokens"] // 5 - 8
+
     def gen(rid):
-        return server.post("/generate", {"text": "abc", "rid": rid, "sampling_params": {"max_new_tokens": 350, "ignore_eos": True}})
+        return server.post("/generate", {"text": "abc", "rid": rid,
+                                         "sampling_params": {"max_new_tokens": room, "ignore_eos": True}})
 
     def long(i):
-        return server.post("/v1/completions", {"prompt": f"q{i}", "max_tokens": 350, "ignore_eos": True})
+        return server.post("/v1/completions", {"prompt": f"q{i}", "max_tokens": room, "ignore_eos": True})
 
     with cf.ThreadPoolExecutor(8) as pool:
         first = pool.submit(gen, "user-attacks-dup")
         others = [pool.submit(long, i) for i in range(4)]
-        deadline = time.monotonic() + 30
-        while _load(server) < 5 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        deadline = time.monotonic() + 60
+        while _load(server) < 5:
+            assert time.monotonic() < deadline, f"the five requests never ran together: {_load(server)}"
+            time.sleep(0.02)
         err = _error(gen("user-attacks-dup"))
         assert err["param"] == "rid"
         assert server.post("/abort_request", {"abort_all": True}).json()["success"] is True

@@ -4,7 +4,9 @@ Ranges that pydantic checks here produce a 400 naming the field; the sampling ra
 (temperature, top_p, top_k, min_p, penalties, seed) are checked once, by ``SamplingParams``.
 Documented choices (docs/api.md): ``max_tokens: 0`` is a 400 on the OpenAI endpoints (``/generate``
 accepts ``max_new_tokens: 0`` for prompt logprobs only); ``n > 1`` with a ``seed`` gives choice
-``i`` the seed ``seed + i``; unknown fields are ignored, as OpenAI does.
+``i`` the seed ``seed + i``; unknown fields of the OpenAI and native requests are ignored, as
+OpenAI does, but control endpoints (``/update_weights_from_disk``, ``/abort_request``) reject
+them with a 400 naming the field, so a misspelt key is never silently dropped.
 """
 
 from __future__ import annotations
@@ -111,10 +113,14 @@ class GenerateRequest(BaseModel):
     rid: Optional[str] = None
 
 
-class UpdateWeightsRequest(BaseModel):
-    """``POST /update_weights_from_disk`` (DESIGN 2.4)."""
+class ControlRequest(BaseModel):
+    """Body of a control endpoint: an unknown key is a 400 naming it (never silently dropped)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
+
+
+class UpdateWeightsRequest(ControlRequest):
+    """``POST /update_weights_from_disk`` (DESIGN 2.4)."""
 
     model_path: str = Field(..., min_length=1)
     load_format: Optional[str] = None
@@ -125,7 +131,7 @@ class UpdateWeightsRequest(BaseModel):
     disable_cuda_graph: Optional[bool] = None
 
 
-class AbortRequest(BaseModel):
+class AbortRequest(ControlRequest):
     """``POST /abort_request``: one ``rid``, or every request with ``abort_all``."""
 
     rid: Optional[str] = None
