@@ -17,6 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 # A context longer than the KV pool, so "fits the context but not the pool" (S1) is testable.
 CONTEXT = 4096
 POOL = 2048
+# A context (128) smaller than the KV pool (1024): the context is the limit.
+SMALL_CONTEXT = 128
 
 
 def free_port() -> int:

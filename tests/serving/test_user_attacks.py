@@ -13,9 +13,8 @@ import time
 
 import httpx
 import pytest
-from serving_server import start_server, wait_for_baseline
+from serving_server import SMALL_CONTEXT, start_server, wait_for_baseline
 
-SMALL_CONTEXT = 128
 
 
 def _error(r: httpx.Response, status: int = 400) -> dict:
@@ -34,15 +33,6 @@ def _healthy(server) -> None:
     assert server.get("/health").status_code == 200
     out = server.post("/v1/completions", {"prompt": "hello", "max_tokens": 2})
     assert out.status_code == 200, out.text
-
-
-@pytest.fixture(scope="module")
-def small_ctx_server(serving_checkpoint, checkpoint_dir):
-    """A server whose context (128) is smaller than its KV pool (1024): the context is the limit."""
-    srv = start_server(serving_checkpoint, checkpoint_dir, "--context-length", str(SMALL_CONTEXT),
-                       "--max-total-tokens", "1024")
-    yield srv
-    srv.stop()
 
 
 # ---------------------------------------------------------------- malformed requests (regression checks)
