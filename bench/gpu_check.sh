@@ -17,7 +17,7 @@ PY
 
 echo "== gpu tests"
 status=0
-timeout 150 python3 -m pytest -m gpu tests/runtime -q -p no:cacheprovider || status=$?
+timeout 150 python3 -m pytest -m gpu tests/runtime tests/serving -q -p no:cacheprovider || status=$?
 
 echo "== eager vs CUDA graph decode step (ms)"
 timeout 120 python3 bench/engine.py --device cuda --dtype bfloat16 --graphs \
