@@ -81,8 +81,9 @@ def test_64_concurrent_mixed_requests_equal_alone(server, tokenizer):
 @pytest.mark.slow
 def test_s1_request_larger_than_pool_is_clipped_others_complete(server, tokenizer):
     """A request that fits the context but not the KV pool is clipped to the pool (finish
-    "length"), and small requests sent together with it complete while it still runs: its
-    ~500 decode steps against their 8 make the overlap certain, and the test asserts it."""
+    "length"), and small requests sent while it decodes complete before it does: they ran
+    beside it. Sent at its first token, their 8 steps against its ~500 remaining make the
+    overlap certain on any machine; a server that ran them one at a time fails here."""
     wait_for_baseline(server)
     info = server.get("/get_server_info").json()
     prompt = (list(range(10, 510)) * 3)[:1500]
@@ -90,12 +91,13 @@ def test_s1_request_larger_than_pool_is_clipped_others_complete(server, tokenize
     big_body = {"prompt": prompt, "max_tokens": 2500, "temperature": 0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
 
-    async def big(client):
+    async def big(client, decoding: asyncio.Event):
         reason, usage = None, None
         async with client.stream("POST", server.url + "/v1/completions", json=big_body) as r:
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
                     event = json.loads(line[6:])
+                    decoding.set()
                     reason = next((c["finish_reason"] for c in event["choices"] if c["finish_reason"]), reason)
                     usage = event.get("usage") or usage
         return reason, usage, time.monotonic()
@@ -106,11 +108,15 @@ def test_s1_request_larger_than_pool_is_clipped_others_complete(server, tokenize
         r.raise_for_status()
         return r.json(), time.monotonic()
 
-    async def run_together():
+    async def run():
         async with httpx.AsyncClient(timeout=900) as client:
-            return await asyncio.gather(big(client), *[small(client, i) for i in range(4)])
+            decoding = asyncio.Event()
+            big_task = asyncio.create_task(big(client, decoding))
+            await asyncio.wait_for(decoding.wait(), 600)
+            smalls = await asyncio.gather(*[small(client, i) for i in range(4)])
+            return await big_task, smalls
 
-    (reason, usage, big_end), *smalls = asyncio.run(run_together())
+    (reason, usage, big_end), smalls = asyncio.run(run())
     assert [s["usage"]["completion_tokens"] for s, _ in smalls] == [8] * 4
     assert all(end < big_end for _, end in smalls), "the small requests did not complete while the big one ran"
     assert reason == "length"
