@@ -65,7 +65,7 @@ def server_env(extra: dict | None = None) -> dict:
 
 
 def start_server(model_path, log_dir: Path, *extra: str, host: str = "127.0.0.1", port: int | None = None,
-                 wait_ready: bool = True, timeout: float = 180, env: dict | None = None) -> ServerProcess:
+                 wait_ready: bool = True, timeout: float = 600, env: dict | None = None) -> ServerProcess:
     """Start ``python -m shardline_runtime serve`` and wait for ``/ready`` (unless told not to)."""
     port = port or free_port()
     args = ["--model-path", str(model_path), "--host", host, "--port", str(port), *extra]
