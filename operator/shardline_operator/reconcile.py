@@ -20,7 +20,7 @@ from .group_health import GroupRecord, decide
 from .kube import KubeClient
 from .observed import GroupObservation, group_pods
 from .render import build_client_service, build_pod_disruption_budget, build_rank_service, build_statefulset
-from .rollout import LeaderClient, RolloutState, advance
+from .rollout import LeaderClient, RolloutState, advance, leader_url
 from .runtime_args import ServedModel
 from .spec import DeploymentSpec, SpecError, parse_spec
 from .status import GroupReport, build_status, invalid_spec_status, record_from_status, status_patch
@@ -117,13 +117,27 @@ class Reconciler:
             step = build_status(spec, self.generation, reports, rollout_state, self.previous, self.now)
             self.events.append(("Normal", phase, f"group {index}: {phase}"))
             self._write(step)
-        reports = [GroupReport(g, records[g.index], overrides.get(g.index)) for g in groups]
+        versions = self._weight_versions(groups)
+        reports = [GroupReport(g, records[g.index], overrides.get(g.index), versions.get(g.index)) for g in groups]
         status = build_status(spec, self.generation, reports, rollout_state, self.previous, self.now)
         if status["phase"] != self.previous.get("phase"):
             kind = "Warning" if status["phase"] in ("Degraded", "Failed") else "Normal"
             self.events.append((kind, status["phase"], f"phase {self.previous.get('phase', 'None')} -> "
                                 f"{status['phase']}" + (f": {status['message']}" if status["message"] else "")))
         return self._finish(status)
+
+    def _weight_versions(self, groups: list[GroupObservation]) -> dict[int, str]:
+        """Each ready group's ``weight_version`` from its leader (set by a trainer's weight sync);
+        an unreachable leader keeps the last reported value."""
+        previous = {item.get("index"): item.get("weightVersion") for item in self.previous.get("groups") or []}
+        versions: dict[int, str] = {}
+        for group in groups:
+            url = leader_url(group) if group.ready else None
+            info = self.ctx.leaders.server_info(url) if url else None
+            version = (info or {}).get("weight_version") or previous.get(group.index)
+            if isinstance(version, str):
+                versions[group.index] = version
+        return versions
 
     def _write(self, status: dict[str, Any]) -> None:
         status = {**status, "restartBudgetGeneration": self.generation}

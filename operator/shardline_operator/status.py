@@ -29,6 +29,7 @@ class GroupReport:
     observation: GroupObservation
     record: GroupRecord
     phase_override: str | None = None
+    weight_version: str | None = None  # the leader's /get_server_info weight_version (RL weight sync)
 
 
 def group_phase(report: GroupReport) -> str:
@@ -57,6 +58,8 @@ def group_status(report: GroupReport, phase: str) -> dict[str, Any]:
     }
     if record.last_restart_time is not None:
         item["lastRestartTime"] = to_rfc3339(record.last_restart_time)
+    if report.weight_version is not None:
+        item["weightVersion"] = report.weight_version
     return item
 
 

@@ -191,6 +191,7 @@ def _full_app(args: ServerArgs, info, input_addr: str, output_addr: str, state: 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
     metrics = ServingMetrics(args.model_name)
     metrics.set_weights(info.weights_revision, info.model_path)
+    metrics.set_weight_version(info.weight_version)
     tm = TokenizerManager(tokenizer, info, input_addr, output_addr, metrics)
     tm.start()
     state["tm"] = tm

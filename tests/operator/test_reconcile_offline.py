@@ -263,3 +263,18 @@ def test_restart_strategy_rolls_a_model_change_by_restarting_groups(world):
     assert result.status["phase"] == "Ready" and result.status["servedRevision"] == "rev-b"
     assert leaders.sent == []
     assert not set(uids.values()) & {p["metadata"]["uid"] for p in kube.pods().values()}  # every pod replaced
+
+
+def test_group_status_shows_the_leaders_weight_version(world, spec_dict):
+    kube, body, run = world
+    run()
+    kube.run_statefulsets()
+    leaders = FakeLeaders()
+    ctx = Context(kube=kube, leaders=leaders, clock=lambda: NOW[0])
+    ip = kube.pods()["llama-g0-0"]["status"]["podIP"]
+    leaders.info[f"http://{ip}:{labels.HTTP_PORT}"] = {"weights_phase": "serving", "weight_version": "step-7"}
+    status = reconcile(ctx, copy.deepcopy(body)).status
+    assert status["groups"][0]["weightVersion"] == "step-7"
+    body["status"] = status
+    leaders.info.clear()  # leader unreachable for a pass: the last reported version stays
+    assert reconcile(ctx, copy.deepcopy(body)).status["groups"][0]["weightVersion"] == "step-7"

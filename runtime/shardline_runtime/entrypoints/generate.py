@@ -1,7 +1,7 @@
 """``POST /generate``: SGLang's native API (text or input ids, ``sampling_params``, stream).
 
 Response: ``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
-"completion_tokens", "cached_tokens", "output_token_logprobs", "input_token_logprobs"}}``;
+"completion_tokens", "cached_tokens", "weight_version", "output_token_logprobs", "input_token_logprobs"}}``;
 logprob entries are ``[logprob, token_id, top]`` with ``top`` a list of ``[logprob, token_id]``.
 A stream sends the same object after every step with the text so far (cumulative, as SGLang),
 then ``data: [DONE]``. ``max_new_tokens: 0`` runs the prompt only (for prompt logprobs).
@@ -45,7 +45,10 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
     """Handle ``POST /generate``; raises RequestValidationError (400) / ServerNotReadyError (503)."""
     if (req.text is None) == (req.input_ids is None):
         raise RequestValidationError("give exactly one of text or input_ids", "text")
-    input_ids = tm.tokenize(req.text if req.text is not None else req.input_ids, "text" if req.text is not None else "input_ids")
+    if req.text is not None:
+        input_ids = tm.tokenize(req.text, "text", add_special_tokens=req.add_special_tokens)
+    else:
+        input_ids = tm.tokenize(req.input_ids, "input_ids")
     params = _params(req, input_ids, tm)
     if req.logprob_start_len >= len(input_ids):
         raise RequestValidationError(
@@ -53,7 +56,8 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
         )
     tm.check_ready()
     rid = req.rid or tm.new_rid()
-    out: dict[str, Any] = {"text": "", "output_ids": [], "meta_info": {"id": rid, "finish_reason": None}}
+    out: dict[str, Any] = {"text": "", "output_ids": [], "meta_info": {"id": rid, "finish_reason": None,
+                                                                       "weight_version": tm.weight_version}}
     meta = out["meta_info"]
     if req.return_logprob:
         meta["output_token_logprobs"] = []
@@ -65,7 +69,8 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
             out["text"] += chunk.text
             out["output_ids"] += chunk.token_ids
             meta.update(finish_reason=chunk.finish_reason, prompt_tokens=chunk.prompt_tokens,
-                        completion_tokens=chunk.completion_tokens, cached_tokens=chunk.cached_tokens)
+                        completion_tokens=chunk.completion_tokens, cached_tokens=chunk.cached_tokens,
+                        weight_version=chunk.weight_version or meta["weight_version"])
             if req.return_logprob:
                 meta["output_token_logprobs"] += [[lp, t, [list(x) for x in top]] for lp, t, top in chunk.logprobs]
                 if chunk.prompt_logprobs is not None:

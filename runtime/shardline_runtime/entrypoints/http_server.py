@@ -17,8 +17,10 @@ from fastapi.exceptions import RequestValidationError as FastAPIValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from shardline_runtime.entrypoints.expert_routes import add_expert_routes
 from shardline_runtime.entrypoints.generate import serve_generate
 from shardline_runtime.entrypoints.openai_serving import ClientDisconnected, serve_chat, serve_completion
+from shardline_runtime.entrypoints.weight_sync_routes import add_weight_sync_routes
 from shardline_runtime.entrypoints.protocol import (
     AbortRequest,
     ChatCompletionRequest,
@@ -98,6 +100,8 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
     async def ready():
         if not state.get("healthy", True) or tm.draining or tm.weights_phase in ("loading", "recapturing"):
             return error_response(503, f"not ready (weights_phase {tm.weights_phase}, draining {tm.draining})")
+        if tm.blocked:
+            return error_response(503, f"not ready: {tm.blocked}")
         return PlainTextResponse("OK")
 
     @app.get("/health_generate")
@@ -109,13 +113,21 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
                 return error_response(503, f"generation failed: {chunk.finish_reason.get('message')}")
         return PlainTextResponse("OK")
 
-    @app.get("/v1/models")
-    async def models():
-        card = {
+    def model_card() -> dict[str, Any]:
+        return {
             "id": model_name, "object": "model", "created": int(state.get("started", time.time())),
             "owned_by": "shardline", "root": tm.model_path, "max_model_len": tm.info.context_len,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        if model_id not in (model_name, server_args.model_path):
+            return error_response(404, f"The model {model_id!r} does not exist; available: [{model_name!r}]", "model")
+        return model_card()
 
     @app.get("/get_model_info")
     async def model_info():
@@ -135,7 +147,8 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
             "chunked_prefill_size": server_args.chunked_prefill_size,
             "num_running_reqs": s.num_running_reqs, "num_queued_reqs": s.num_queued_reqs,
             "kv_used_tokens": s.kv_used_tokens, "kv_evictable_tokens": s.kv_evictable_tokens,
-            "draining": tm.draining, "version": "0.1.0",
+            "draining": tm.draining, "version": "0.1.0", "weight_version": tm.weight_version,
+            "generation_paused": tm.paused, "memory_blocked": tm.blocked,
         }
 
     @app.post("/v1/completions")
@@ -164,12 +177,17 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
             return error_response(503, f"a weight update is already running (phase {tm.weights_phase})")
         req = UpdateWeightsFromDiskReqInput(body.model_path, body.load_format, body.revision,
                                             body.recapture_cuda_graph, body.abort_all_requests,
-                                            body.cuda_graph_max_bs, body.disable_cuda_graph)
+                                            body.cuda_graph_max_bs, body.disable_cuda_graph, body.weight_version,
+                                            body.flush_cache)
         out = await tm.update_weights_from_disk(req)
         if metrics is not None and out.success:
             metrics.set_weights(tm.weights_revision, tm.model_path)
+            metrics.set_weight_version(tm.weight_version)
         return JSONResponse({"success": out.success, "message": out.message, "revision": tm.weights_revision,
-                             "model_path": tm.model_path}, status_code=200 if out.success else 400)
+                             "model_path": tm.model_path, "weight_version": tm.weight_version},
+                            status_code=200 if out.success else 400)
+
+    add_weight_sync_routes(app, tm, metrics, error_response, server_args.tp_size)
 
     @app.post("/abort_request")
     async def abort_request(body: AbortRequest):
@@ -177,6 +195,8 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
             raise RequestValidationError("give rid, or abort_all: true", "rid")
         found = await tm.abort(None if body.abort_all else body.rid)
         return {"success": found}
+
+    add_expert_routes(app, tm, getattr(server_args, "expert_distribution_recorder_mode", "stat"))
 
     @app.get("/metrics")
     async def metrics_endpoint():

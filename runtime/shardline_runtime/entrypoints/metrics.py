@@ -46,12 +46,20 @@ class ServingMetrics:
         self.weights = Gauge(
             "shardline:weights_info", "1 for the weights revision being served.", ["model_name", "revision", "model_path"], registry=r
         )
+        self.weight_version = Gauge(
+            "shardline:weight_version_info", "1 for the weight_version being served (set by every weight update).",
+            ["model_name", "weight_version"], registry=r,
+        )
         for metric in (self.prompt_tokens, self.generation_tokens, self.cached_tokens, self.running, self.waiting, self.kv_usage, self.kv_used):
             metric.labels(**labels)
 
     def set_weights(self, revision: str | None, model_path: str) -> None:
         self.weights.clear()
         self.weights.labels(revision=revision or "", model_path=model_path, **self._labels).set(1)
+
+    def set_weight_version(self, weight_version: str) -> None:
+        self.weight_version.clear()
+        self.weight_version.labels(weight_version=weight_version, **self._labels).set(1)
 
     def observe_stats(self, stats) -> None:
         self.running.labels(**self._labels).set(stats.num_running_reqs)

@@ -26,10 +26,12 @@ from shardline_runtime.managers.detokenizer import IncrementalDetokenizer
 from shardline_runtime.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
+    ControlReqOutput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     SchedulerInfo,
     SchedulerStats,
+    ServingStateOut,
     TokenizedGenerateReqInput,
     UpdateWeightsFromDiskReqInput,
     UpdateWeightsFromDiskReqOutput,
@@ -58,7 +60,9 @@ class GenerateChunk:
 
     ``text`` is the safe text delta; ``token_ids`` the tokens it came from (for a stop-string
     finish, only those consumed up to the match); ``logprobs`` pairs with ``token_ids``:
-    ``(logprob, token_id, top)`` where ``top`` is a list of ``(logprob, token_id)``.
+    ``(logprob, token_id, top)`` where ``top`` is a list of ``(logprob, token_id)``;
+    ``text_offsets`` pairs with ``token_ids`` too: where each token's text starts in the
+    request's whole output text (characters).
     ``finish_reason`` is None until the last chunk, then a dict with ``type`` in
     ``stop | length | abort`` (and ``matched`` / ``message``).
     """
@@ -71,6 +75,8 @@ class GenerateChunk:
     completion_tokens: int
     cached_tokens: int
     prompt_logprobs: list[tuple[float | None, int, list[tuple[float, int]]]] | None = None
+    weight_version: str | None = None
+    text_offsets: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -109,6 +115,11 @@ class TokenizerManager:
         self.weights_revision = info.weights_revision
         self.model_path = info.model_path
         self.draining = False
+        self.weight_version = info.weight_version
+        self.blocked: str | None = None  # memory released / weights missing (from the scheduler)
+        self.paused: str | None = None  # pause_generation mode; new requests wait here meanwhile
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
         self._control_lock = asyncio.Lock()
         self._control_waiters: dict[type, asyncio.Future] = {}
         self._recv_task: asyncio.Task | None = None
@@ -120,22 +131,36 @@ class TokenizerManager:
 
     # ---------------------------------------------------------------- validation
 
-    def tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+    def encode_text(self, text: str, add_special_tokens: bool) -> tuple[list[int], int]:
+        """Token ids of ``text`` and how many of them the tokenizer added in front of it.
+
+        ``add_special_tokens=True`` applies the tokenizer's own post-processor (a Llama-style
+        tokenizer prepends BOS), as vLLM and SGLang do for text prompts; a text that already
+        starts with the BOS token gets no second one (vLLM drops the duplicate the same way).
+        """
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not add_special_tokens:
+            return ids, 0
+        full = self.tokenizer.encode(text, add_special_tokens=True)
+        added = next((k for k in range(len(full) - len(ids) + 1) if full[k : k + len(ids)] == ids), 0)
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if added and bos is not None and ids and ids[0] == bos and full[added - 1] == bos:
+            full = full[: added - 1] + full[added:]
+            added -= 1
+        return full, added
+
+    def tokenize(self, prompt: str | list[int], param: str = "prompt", add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``prompt`` (a string, or ids checked against the vocabulary).
+
+        ``add_special_tokens`` applies to a string only (see :meth:`encode_text`); token ids are
+        sent as given.
 
         Raises:
             RequestValidationError: empty prompt, or an id outside ``[0, vocab_size)``.
         """
         if isinstance(prompt, str):
-            if prompt == "":
-                raise RequestValidationError(f"{param} must not be empty", param)
-            # A token covers at most ``_max_token_chars`` characters, so a longer text is surely
-            # over the limit: reject it without tokenizing (which would block the event loop).
-            if len(prompt) > self._max_token_chars * self.info.max_req_input_len:
-                raise RequestValidationError(
-                    f"{param} has {len(prompt)} characters: more than the {self.info.max_req_input_len} tokens "
-                    "this server accepts", param)
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            self.check_text_length(prompt, param)
+            ids, _ = self.encode_text(prompt, add_special_tokens)
         else:
             ids = list(prompt)
             bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.info.vocab_size]
@@ -146,6 +171,21 @@ class TokenizerManager:
         if not ids:
             raise RequestValidationError(f"{param} must contain at least one token", param)
         return ids
+
+    def check_text_length(self, text: str, param: str) -> None:
+        """Reject an empty text, and one surely over the prompt limit without tokenizing it.
+
+        Raises:
+            RequestValidationError: ``text`` is empty or too long.
+        """
+        if text == "":
+            raise RequestValidationError(f"{param} must not be empty", param)
+        # A token covers at most ``_max_token_chars`` characters, so a longer text is surely
+        # over the limit: reject it without tokenizing (which would block the event loop).
+        if len(text) > self._max_token_chars * self.info.max_req_input_len:
+            raise RequestValidationError(
+                f"{param} has {len(text)} characters: more than the {self.info.max_req_input_len} tokens "
+                "this server accepts", param)
 
     def check_lengths(self, input_ids: list[int], max_new_tokens: int | None) -> int:
         """Validate prompt length and ``max_tokens`` against the context; return max_new_tokens.
@@ -183,6 +223,8 @@ class TokenizerManager:
             raise ServerNotReadyError("the server is shutting down")
         if self.weights_phase in ("loading", "recapturing"):
             raise ServerNotReadyError(f"the server is updating its weights (phase {self.weights_phase})")
+        if self.blocked:
+            raise ServerNotReadyError(self.blocked)
 
     # ---------------------------------------------------------------- requests
 
@@ -205,6 +247,9 @@ class TokenizerManager:
         request in the scheduler, which frees its KV within a step.
         """
         self.check_ready()
+        if self.paused is not None:  # SGLang: held (not refused) until /continue_generation
+            await self._unpaused.wait()
+            self.check_ready()
         rid = rid or self.new_rid()
         if rid in self.states:
             raise RequestValidationError(f"request id {rid!r} is already in use", "rid")
@@ -270,6 +315,17 @@ class TokenizerManager:
     async def flush_cache(self) -> FlushCacheReqOutput:
         return await self.control(FlushCacheReqInput(), FlushCacheReqOutput, timeout=60)
 
+    async def control_request(self, req: Any, timeout: float | None = None) -> ControlReqOutput:
+        """A weight-sync or memory control (every rank runs it); see ``scheduler_weight_sync.py``."""
+        return await self.control(req, ControlReqOutput, timeout)
+
+    def set_paused(self, mode: str | None) -> None:
+        self.paused = mode
+        if mode is None:
+            self._unpaused.set()
+        else:
+            self._unpaused.clear()
+
     async def update_weights_from_disk(self, req: UpdateWeightsFromDiskReqInput) -> UpdateWeightsFromDiskReqOutput:
         out = await self.control(req, UpdateWeightsFromDiskReqOutput)
         if out.success:
@@ -296,7 +352,13 @@ class TokenizerManager:
                 self.metrics.observe_stats(msg)
         elif isinstance(msg, WeightsPhaseOut):
             self.weights_phase = msg.phase
+        elif isinstance(msg, ServingStateOut):
+            self.blocked = msg.blocked
+            self.set_paused(msg.paused)
         else:
+            version = getattr(msg, "weight_version", None)
+            if version is not None:  # set here, in arrival order: later chunks ran on it
+                self.weight_version = version
             fut = self._control_waiters.get(type(msg))
             if fut is not None and not fut.done():
                 fut.set_result(msg)
@@ -332,7 +394,8 @@ class TokenizerManager:
                 prompt_logprobs = [(lp, tid, top) for (lp, tid), top in zip(out.input_token_logprobs[i], tops)]
             chunk = GenerateChunk(
                 text, list(new_ids[:consumed]), logprobs, reason, out.prompt_tokens[i],
-                detok.num_tokens, out.cached_tokens[i], prompt_logprobs,
+                detok.num_tokens, out.cached_tokens[i], prompt_logprobs, self.weight_version,
+                detok.token_offsets[before : before + consumed],
             )
             if self.metrics and consumed:
                 self.metrics.observe_tokens(state, now, consumed)
