@@ -19,6 +19,7 @@ from hack.localcluster.rest import ApiError, RestClient
 from .hosts import HostsFile
 from .netshim import build_shim
 from .pod_runner import PodRunner, pod_tmpdir
+from . import service_account
 
 TOKEN_EXPIRATION_S = 24 * 3600
 MAX_JOIN_S = 20.0
@@ -56,6 +57,8 @@ class Agent:
         self.hosts = HostsFile(cluster_id)
         self.bind_shim, message = build_shim(state_dir)
         self.log(message)
+        self.mount_service_accounts, message = service_account.mount_namespaces_work()
+        self.log(message)
         self.runners: dict[str, PodRunner] = {}
         self._lock = threading.Lock()
         self.stopping = False
@@ -73,8 +76,10 @@ class Agent:
     def base_env(self, pod: dict, workdir: Path, pod_ip: str) -> dict[str, str]:
         """What the "image" and the pod's network provide: PATH and Python of this machine,
         HOME, a temp dir, HOSTNAME, GLOO_SOCKET_IFNAME=lo (gloo on loopback), one thread per
-        process, the bind shim (wildcard listens go to ``pod_ip``), and KUBECONFIG with a
-        TokenRequest token of the pod's ServiceAccount when one exists."""
+        process, the bind shim (wildcard listens go to ``pod_ip``), and, when the pod's
+        ServiceAccount exists, a TokenRequest token of it: mounted at the standard path with
+        ``KUBERNETES_SERVICE_HOST`` / ``_PORT`` (see ``service_account.py``), or as KUBECONFIG
+        where mount namespaces are not allowed."""
         env = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL", "PYTHONPATH",
                                           "VIRTUAL_ENV", "SHARDLINE_CACHE",
                                           "PYENV_ROOT", "PYENV_VERSION") if k in os.environ}
@@ -88,12 +93,19 @@ class Agent:
             env["LD_PRELOAD"] = str(self.bind_shim)
             env["SHARDLINE_POD_IP"] = pod_ip
         if pod["spec"].get("automountServiceAccountToken", True):
-            kubeconfig = self._service_account_kubeconfig(pod, workdir)
-            if kubeconfig:
-                env["KUBECONFIG"] = str(kubeconfig)
+            token = self._service_account_token(pod)
+            ns = pod["metadata"]["namespace"]
+            if token and self.mount_service_accounts:
+                service_account.write_volume(workdir / "serviceaccount", token, self.client.ca_cert, ns)
+                env.update(service_account.service_env(self.client.server))
+            elif token:
+                sa = pod["spec"].get("serviceAccountName") or "default"
+                env["KUBECONFIG"] = str(pki.write_kubeconfig(
+                    workdir / "kubeconfig", self.client.server, self.client.ca_cert, token,
+                    user=f"system:serviceaccount:{ns}:{sa}", namespace=ns))
         return env
 
-    def _service_account_kubeconfig(self, pod: dict, workdir: Path) -> Path | None:
+    def _service_account_token(self, pod: dict) -> str | None:
         meta = pod["metadata"]
         ns, sa = meta["namespace"], pod["spec"].get("serviceAccountName") or "default"
         body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
@@ -107,10 +119,7 @@ class Agent:
             if e.status != 404:
                 self.log(f"{ns}/{meta['name']}: TokenRequest for {sa} failed: {e}")
             return None
-        return pki.write_kubeconfig(workdir / "kubeconfig", self.client.server,
-                                    self.client.ca_cert,
-                                    resp["status"]["token"],
-                                    user=f"system:serviceaccount:{ns}:{sa}", namespace=ns)
+        return resp["status"]["token"]
 
     def forget(self, uid: str) -> None:
         with self._lock:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from hack.localcluster.rest import ApiError
 
+from . import service_account
 from .container import Container, now_rfc3339
 from .env import EnvError, container_argv, container_env
 from .hosts import pod_dns_names
@@ -109,6 +110,9 @@ class PodRunner(threading.Thread):
             c.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(e)}}
             return
         self.config_error = ""
+        volume = self.workdir / "serviceaccount"
+        if (volume / "token").exists():
+            argv = service_account.mounted_argv(volume, argv)
         full = dict(self.base_env)
         full["SHARDLINE_TERMINATION_LOG"] = str(c.termination_log)
         full.update(env)

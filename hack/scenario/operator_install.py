@@ -1,6 +1,7 @@
 """Install and remove the Shardline chart with the real helm CLI; the node agent then runs the
-operator's Deployment pod as a local process with a ServiceAccount-token kubeconfig, so the
-chart's RBAC is what the operator really gets."""
+operator's Deployment pod as a local process with its ServiceAccount token mounted where
+kubelet mounts it (the operator's in-cluster branch), so the chart's RBAC is what the operator
+really gets."""
 from __future__ import annotations
 
 from pathlib import Path

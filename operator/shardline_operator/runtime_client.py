@@ -27,6 +27,7 @@ class HttpLeaderClient:
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="leader-update")
         self._futures: dict[str, Future] = {}
         self._phases: dict[str, list[str]] = {}
+        self._samplers: dict[str, threading.Thread] = {}
         self._lock = threading.Lock()
 
     def with_token(self, token: str | None) -> "TokenLeaderClient":
@@ -41,11 +42,13 @@ class HttpLeaderClient:
         shorter than a reconcile interval are still seen (:meth:`observed_phases`).
         """
         future = self._pool.submit(_post_update, url, dict(body), timeout_seconds, token)
+        sampler = threading.Thread(target=self._sample_phases, args=(key, url, future, token), daemon=True,
+                                   name=f"phases-{key}")
         with self._lock:
             self._futures[key] = future
+            self._samplers[key] = sampler
             self._phases[key] = []
-        threading.Thread(target=self._sample_phases, args=(key, url, future, token), daemon=True,
-                         name=f"phases-{key}").start()
+        sampler.start()
 
     def _sample_phases(self, key: str, url: str, future: Future, token: str | None) -> None:
         last = None
@@ -66,14 +69,20 @@ class HttpLeaderClient:
         return seen
 
     def poll(self, key: str) -> tuple[str, str]:
-        """``(state, message)``: ``pending``, ``success``, ``failure`` or ``unknown`` (no request under key)."""
+        """``(state, message)``: ``pending``, ``success``, ``failure`` or ``unknown`` (no request under key).
+
+        ``pending`` lasts until the phase sampler has also stopped, so a phase it read just
+        before the reply is in :meth:`observed_phases` when the result is handed out.
+        """
         with self._lock:
             future = self._futures.get(key)
             if future is None:
                 return "unknown", ""
-            if not future.done():
+            sampler = self._samplers.get(key)
+            if not future.done() or (sampler is not None and sampler.is_alive()):
                 return "pending", ""
             del self._futures[key]
+            self._samplers.pop(key, None)
         success, message = future.result()
         return ("success" if success else "failure"), message
 

@@ -138,13 +138,20 @@ def test_crash_restarts_with_termination_message(kube_cluster, namespace):
 
 
 def test_pod_gets_its_service_account_identity(kube_cluster, namespace):
-    """The agent gives a pod KUBECONFIG with a TokenRequest token of its ServiceAccount, so
-    the pod talks to the API server as that account (the operator pod gets the chart's RBAC)."""
+    """The agent mounts a TokenRequest token of the pod's ServiceAccount where kubelet would
+    (``/var/run/secrets/kubernetes.io/serviceaccount``) and sets ``KUBERNETES_SERVICE_*``, with
+    no KUBECONFIG, so clients take their in-cluster branch and talk to the API server as that
+    account (the operator pod gets the chart's RBAC). Without mount namespaces the agent falls
+    back to a KUBECONFIG."""
+    from hack.node_agent import service_account
+
+    mounted = service_account.mount_namespaces_work()[0]
     kube_cluster.kubectl("create", "serviceaccount", "robot", "-n", namespace)
     script = ("import os, subprocess; who = subprocess.run([os.environ['KUBECTL'], 'auth', "
               "'whoami', '-o', 'jsonpath={.status.userInfo.username}'], capture_output=True, "
               "text=True); open(os.environ['SHARDLINE_TERMINATION_LOG'], 'w').write("
-              "who.stdout or who.stderr)")
+              "(who.stdout or who.stderr) + f\" kubeconfig={'KUBECONFIG' in os.environ}\" "
+              "+ f\" token={os.path.exists('/var/run/secrets/kubernetes.io/serviceaccount/token')}\")")
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "whoami", "namespace": namespace},
            "spec": {"serviceAccountName": "robot", "restartPolicy": "Never",
                     "containers": [{"name": "c", "image": "x", "command": [sys.executable, "-c",
@@ -159,4 +166,6 @@ def test_pod_gets_its_service_account_identity(kube_cluster, namespace):
     st = wait_for("the whoami pod to finish", finished, timeout=60)
     term = st["containerStatuses"][0]["state"]["terminated"]
     assert st["phase"] == "Succeeded"
-    assert term["message"] == f"system:serviceaccount:{namespace}:robot"
+    assert term["message"] == (f"system:serviceaccount:{namespace}:robot"
+                               f" kubeconfig={not mounted} token={mounted}")
+    assert not service_account.MOUNT_PATH.joinpath("token").exists()  # mounted for the pod only

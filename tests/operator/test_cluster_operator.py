@@ -9,6 +9,7 @@ are the real ones. Field cases K1, K2, K4, K5.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -118,6 +119,34 @@ def op(kube_cluster, tmp_path_factory):
     if process is not None:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_operator_pod_uses_the_in_cluster_service_account(op, kube_cluster):
+    """The chart's operator pod runs with no KUBECONFIG and the ServiceAccount token mounted at
+    the standard path, so the operator takes its in-cluster branch (``kube.load_configuration``
+    and Kopf's login); every other test of this module then exercises it."""
+    from hack.node_agent import service_account
+
+    if os.environ.get("SHARDLINE_TEST_OPERATOR") == "local":
+        pytest.skip("the operator runs as a local process of this test, with the test's KUBECONFIG")
+    if not service_account.mount_namespaces_work()[0]:
+        pytest.skip("no mount namespaces here: the node agent gives pods a KUBECONFIG instead")
+    pids = sorted((kube_cluster.state_dir / "pods").glob("shardline-system_*/*.pid"), key=lambda p: p.stat().st_mtime)
+    assert pids, "no operator pod process"
+    pid = int(pids[-1].read_text())
+    environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    env = dict(item.split("=", 1) for item in environ if "=" in item)
+    assert "KUBECONFIG" not in env, env.get("KUBECONFIG")
+    assert env["KUBERNETES_SERVICE_HOST"] and env["KUBERNETES_SERVICE_PORT"]
+    # the token as the operator's mount namespace shows it (/var/run is a link to /run)
+    token_file = Path(f"/proc/{pid}/root") / os.path.realpath(service_account.MOUNT_PATH / "token").lstrip("/")
+    claims = json.loads(base64.urlsafe_b64decode(token_file.read_text().split(".")[1] + "=="))
+    assert claims["sub"].startswith("system:serviceaccount:shardline-system:"), claims["sub"]
+    assert not (service_account.MOUNT_PATH / "token").exists()  # nobody else sees it
+    op.apply(deployment("incluster"))  # with that identity the operator renders and writes status
+    wait_for(lambda: op.status("incluster").get("phase"), 90, "status written by the operator")
+    assert op.client.get(f"/apis/apps/v1/namespaces/{NAMESPACE}/statefulsets/incluster-g0", ok_missing=True)
+    op.kubectl("delete", "infd", "incluster", "--timeout=60s")
 
 
 @pytest.mark.parametrize("change, message", [

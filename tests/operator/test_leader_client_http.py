@@ -11,22 +11,34 @@ import pytest
 
 from shardline_operator.runtime_client import HttpLeaderClient
 
+PHASE_WAIT_SECONDS = 10.0
+
 
 class Leader(BaseHTTPRequestHandler):
+    """Plays a group leader. An update walks through ``loading`` and ``recapturing``, and moves
+    on from a phase only once a ``/get_server_info`` answer has reported it (or after
+    ``PHASE_WAIT_SECONDS``), so the test does not depend on how fast the client's sampler runs."""
+
     phase = "serving"
     reply = (200, {"success": True, "message": "ok"})
-    seconds = 0.5
     bodies: list = []
+    served: list = []  # every weights_phase reported to a client, in order
+    reported = threading.Condition()
 
     def do_GET(self):  # noqa: N802 (http.server API)
-        self._send(200, {"weights_phase": Leader.phase, "weights_revision": "rev-a", "model_path": "/m/rev-a"})
+        with Leader.reported:
+            phase = Leader.phase
+            Leader.served.append(phase)
+            Leader.reported.notify_all()
+        self._send(200, {"weights_phase": phase, "weights_revision": "rev-a", "model_path": "/m/rev-a"})
 
     def do_POST(self):  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         Leader.bodies.append((self.path, body))
         for phase in ("loading", "recapturing"):
-            Leader.phase = phase
-            time.sleep(Leader.seconds / 2)
+            with Leader.reported:
+                Leader.phase = phase
+                Leader.reported.wait_for(lambda p=phase: Leader.served[-1:] == [p], PHASE_WAIT_SECONDS)
         Leader.phase = "serving"
         self._send(*Leader.reply)
 
@@ -47,29 +59,32 @@ def leader_url():
     server = ThreadingHTTPServer(("127.0.0.1", 0), Leader)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    Leader.bodies, Leader.reply = [], (200, {"success": True, "message": "ok"})
+    Leader.bodies, Leader.served, Leader.phase = [], [], "serving"
+    Leader.reply = (200, {"success": True, "message": "ok"})
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
 
 
-def wait_done(client, key):
-    for _ in range(100):
+def wait_done(client, key, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         state, message = client.poll(key)
         if state != "pending":
             return state, message
         time.sleep(0.05)
-    raise AssertionError("update never finished")
+    raise AssertionError(f"update not finished after {timeout} s")
 
 
 def test_success_and_sampled_phases(leader_url):
     client = HttpLeaderClient()
     assert client.poll("k") == ("unknown", "")
-    client.start_update("k", leader_url, {"model_path": "/m/rev-b", "revision": "rev-b"}, 10)
+    client.start_update("k", leader_url, {"model_path": "/m/rev-b", "revision": "rev-b"}, 60)
     assert client.poll("k")[0] == "pending"
     assert wait_done(client, "k") == ("success", "ok")
     assert Leader.bodies == [("/update_weights_from_disk", {"model_path": "/m/rev-b", "revision": "rev-b"})]
     phases = client.observed_phases("k")
-    assert [p for p in phases if p != "serving"] == ["loading", "recapturing"], phases
+    assert "loading" in Leader.served and "recapturing" in Leader.served, Leader.served
+    assert [p for p in phases if p != "serving"] == ["loading", "recapturing"], (phases, Leader.served)
     assert client.observed_phases("k") == []  # each phase is handed out once
     assert client.server_info(leader_url)["weights_revision"] == "rev-a"
 

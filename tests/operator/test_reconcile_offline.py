@@ -238,6 +238,50 @@ def test_an_idle_pass_writes_no_status(world):
     assert len(kube.statuses) == writes + 1
 
 
+def test_restart_strategy_rolls_a_model_change_by_restarting_groups(world):
+    """``weightUpdate.strategy: Restart``: a model change never calls a leader's
+    ``/update_weights_from_disk``; groups restart one at a time from a template that loads the
+    new checkpoint, and the rollout ends Ready with every pod replaced."""
+    kube, body, _ = world
+    body["spec"]["weightUpdate"] = {"strategy": "Restart"}
+    leaders = FakeLeaders()
+    ctx = Context(kube=kube, leaders=leaders, clock=lambda: NOW[0])
+
+    def run(**changes):
+        NOW[0] += 5
+        for key, value in changes.items():
+            body["spec"][key] = value
+            body["metadata"]["generation"] += 1
+        result = reconcile(ctx, copy.deepcopy(body))
+        body["status"] = result.status
+        return result
+
+    run()
+    kube.run_statefulsets()
+    assert run().status["phase"] == "Ready"
+    uids = {n: p["metadata"]["uid"] for n, p in kube.pods().items()}
+    new_path = "/var/lib/shardline/models/tiny-llama/rev-b"
+    result = run(model=dict(body["spec"]["model"], path=new_path, revision="rev-b"))
+    assert leaders.sent == [] and not any(e[1] == "UpdatingWeights" for e in result.events)
+    assert set(kube.pods()) == {"llama-g1-0", "llama-g1-1"}  # group 0 restarts first, group 1 waits
+    assert any(e[1] == "GroupRestart" and "group 0" in e[2] for e in result.events)
+
+    def args(group):
+        sts = kube.objects[("StatefulSet", "default", f"llama-g{group}")]
+        return sts["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    assert new_path in args(0) and new_path not in args(1)
+    kube.run_statefulsets()
+    run()
+    assert set(kube.pods()) == {"llama-g0-0", "llama-g0-1"}  # then group 1
+    assert new_path in args(1)
+    kube.run_statefulsets()
+    result = run()
+    assert result.status["phase"] == "Ready" and result.status["servedRevision"] == "rev-b"
+    assert leaders.sent == []
+    assert not set(uids.values()) & {p["metadata"]["uid"] for p in kube.pods().values()}  # every pod replaced
+
+
 def test_group_status_shows_the_leaders_weight_version(world, spec_dict):
     kube, body, run = world
     run()

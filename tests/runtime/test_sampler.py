@@ -129,17 +129,34 @@ def test_seeded_request_same_alone_and_batched():
     assert other_seed != alone
 
 
-def test_penalties_match_formula():
-    logits = torch.tensor([[2.0, -1.0, 0.5, 0.0] + [0.0] * (VOCAB - 4)])
+def reference_penalties(logits, prompt, output, repetition, frequency, presence):
+    """vLLM's order, written out per token (vllm/model_executor/layers/utils.py,
+    ``apply_penalties``): the repetition penalty on every token seen in the prompt or the
+    output first, then the OpenAI frequency and presence penalties on output tokens."""
+    out = []
+    for token, logit in enumerate(logits):
+        if token in prompt or token in output:
+            logit = logit / repetition if logit > 0 else logit * repetition
+        count = output.count(token)
+        out.append(logit - frequency * count - presence * (count > 0))
+    return out
+
+
+def test_penalties_follow_vllm_order():
+    row = [2.0, -1.0, 0.5, 0.0, 3.0, -2.0] + [0.0] * (VOCAB - 6)
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
-    req = Req("r", [0], params)  # token 0 in the prompt
-    req.output_ids = [1, 1, 2]
+    req = Req("r", [0, 4], params)  # tokens 0 and 4 in the prompt
+    req.output_ids = [1, 1, 2, 4]
     info = SamplingBatchInfo.from_reqs([req], VOCAB, "cpu")
-    got = info.penalties.apply(logits)[0, :4].tolist()
-    # token 0: prompt only -> 2.0 / 2; token 1: -1 - 0.5*2 - 0.25 = -2.25, seen -> *2; token 2: 0.5-0.5-0.25 -> *2
-    assert got == pytest.approx([1.0, -4.5, -0.5, 0.0])
+    got = info.penalties.apply(torch.tensor([row]))[0].tolist()
+    # By hand, repetition first: token 1: -1 * 2 = -2, then - 0.5 * 2 - 0.25 = -3.25;
+    # token 2: 0.5 / 2 = 0.25, then - 0.5 - 0.25 = -0.5 (frequency first would give -4.5 and -0.5).
+    assert got[:4] == pytest.approx([1.0, -3.25, -0.5, 0.0])
+    assert got == pytest.approx(reference_penalties(row, [0, 4], [1, 1, 2, 4], 2.0, 0.5, 0.25))
     info.penalties.cumulate_output_tokens(torch.tensor([3]))
-    assert info.penalties.apply(logits)[0, 3].item() == pytest.approx(-0.75 * 2.0)
+    got = info.penalties.apply(torch.tensor([row]))[0].tolist()
+    assert got[3] == pytest.approx(-0.75)  # 0 is unchanged by the repetition penalty, then -0.5 - 0.25
+    assert got == pytest.approx(reference_penalties(row, [0, 4], [1, 1, 2, 4, 3], 2.0, 0.5, 0.25))
 
 
 def test_logprobs_are_of_the_raw_distribution():

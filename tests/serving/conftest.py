@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from serving_server import CONTEXT, POOL, start_server
+from serving_server import CONTEXT, POOL, SMALL_CONTEXT, start_server
 
 
 @pytest.fixture(scope="session")
@@ -45,6 +45,15 @@ def server(serving_checkpoint, checkpoint_dir):
     """One shared server: pool 2048 tokens, context 4096, revision ``rev-a``."""
     srv = start_server(serving_checkpoint, checkpoint_dir, "--max-total-tokens", str(POOL),
                        "--revision", "rev-a", "--served-model-name", "tiny-llama")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def small_ctx_server(serving_checkpoint, checkpoint_dir):
+    """A server whose context (128) is smaller than its KV pool (1024): the context is the limit."""
+    srv = start_server(serving_checkpoint, checkpoint_dir, "--context-length", str(SMALL_CONTEXT),
+                       "--max-total-tokens", "1024")
     yield srv
     srv.stop()
 

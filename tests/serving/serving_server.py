@@ -17,6 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 # A context longer than the KV pool, so "fits the context but not the pool" (S1) is testable.
 CONTEXT = 4096
 POOL = 2048
+# A context (128) smaller than the KV pool (1024): the context is the limit.
+SMALL_CONTEXT = 128
 
 
 def free_port() -> int:
@@ -63,7 +65,7 @@ def server_env(extra: dict | None = None) -> dict:
 
 
 def start_server(model_path, log_dir: Path, *extra: str, host: str = "127.0.0.1", port: int | None = None,
-                 wait_ready: bool = True, timeout: float = 180, env: dict | None = None) -> ServerProcess:
+                 wait_ready: bool = True, timeout: float = 600, env: dict | None = None) -> ServerProcess:
     """Start ``python -m shardline_runtime serve`` and wait for ``/ready`` (unless told not to)."""
     port = port or free_port()
     args = ["--model-path", str(model_path), "--host", host, "--port", str(port), *extra]

@@ -48,19 +48,88 @@ def _update(server, path, revision, **extra) -> dict:
     return r.json()
 
 
+def _stream_ids(server, prompt: list[int], max_new_tokens: int, progress: dict, key) -> None:
+    """Greedy ``/generate`` stream; ``progress[key]`` holds the output ids so far, then
+    ``(status, ids, finish_reason type)`` when it ends (a refusal has no ids)."""
+    body = {"input_ids": prompt, "stream": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+    ids, reason = [], None
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            r.read()
+            progress[key] = (r.status_code, [], None)
+            return
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                ids = event["output_ids"]
+                progress[key] = list(ids)
+                reason = (event["meta_info"]["finish_reason"] or {}).get("type") or reason
+    progress[key] = (200, ids, reason)
+
+
+def _cold_runs(path, prompts: dict, max_new_tokens: int) -> dict:
+    """Greedy output ids of each prompt on a fresh in-process scheduler loaded from ``path``."""
+    cold = make_scheduler(path, max_total_tokens=4096)
+    cold.process_input_requests([greedy(key, p, max_new_tokens) for key, p in prompts.items()])
+    return {key: r["ids"] for key, r in run_to_completion(cold).items()}
+
+
 @pytest.mark.slow
-def test_w4_update_waits_for_running_requests(weights_server, serving_checkpoint, serving_checkpoint_b):
+def test_w4_streams_running_during_an_update_keep_one_revision(weights_server, serving_checkpoint,
+                                                              serving_checkpoint_b):
+    """Streams running when an update arrives finish on the old weights (docs/api.md, W4): each
+    one's tokens equal a cold run on revision A. Streams sent after the update was posted run
+    whole on one revision (A if they overtook it, else B) or are refused before any token;
+    no stream ever mixes revisions."""
     server = weights_server
-    threads, results = _start_streams(server, 8, 200)
-    out = _update(server, serving_checkpoint_b, "rev-b")
-    assert out["success"] is True, out
+    wait_for_baseline(server)
+    n_running, n_late = 8, 4
+    info = server.get("/get_server_info").json()
+    max_new = info["max_total_num_tokens"] // n_running - 16  # the running streams fill the KV pool
+    prompts = {f"run{i}": [10 + i, 20, 30, 40 + i] for i in range(n_running)}
+    prompts.update({f"late{i}": [50 + i, 60, 70, 80 + i] for i in range(n_late)})
+    progress: dict = {}
+
+    def start(keys) -> list[threading.Thread]:
+        threads = [threading.Thread(target=_stream_ids, args=(server, prompts[k], max_new, progress, k)) for k in keys]
+        for t in threads:
+            t.start()
+        return threads
+
+    threads = start([k for k in prompts if k.startswith("run")])
+    deadline = time.monotonic() + 60
+    while not all(isinstance(progress.get(f"run{i}"), list) and progress[f"run{i}"] for i in range(n_running)):
+        assert time.monotonic() < deadline, f"streams did not start: {progress}"
+        time.sleep(0.02)
+    update: dict = {}
+    updater = threading.Thread(target=lambda: update.update(_update(server, serving_checkpoint_b, "rev-b")))
+    in_flight_at_update = {k: len(v) for k, v in progress.items() if isinstance(v, list)}
+    updater.start()
+    threads += start([k for k in prompts if k.startswith("late")])
+    updater.join(600)
     for t in threads:
         t.join(600)
-    assert len(results) == 8 and all(reason == "length" for _, reason in results.values())
+    assert update.get("success") is True, update
+    assert len(in_flight_at_update) == n_running and max(in_flight_at_update.values()) < max_new, (
+        f"a stream finished before the update was sent, so the update did not overlap it: {in_flight_at_update}")
+    cold_a = _cold_runs(serving_checkpoint, prompts, max_new)
+    cold_b = _cold_runs(serving_checkpoint_b, prompts, max_new)
+    for key in prompts:
+        status, ids, reason = progress[key]
+        if key.startswith("run"):
+            assert (status, reason) == (200, "length"), (key, progress[key])
+            assert ids == cold_a[key], f"{key} (running when the update came) left revision A's tokens"
+        elif status == 200:
+            assert ids in (cold_a[key], cold_b[key]), f"{key} is neither revision A's nor B's tokens: mixed"
+        else:
+            assert status == 503 and ids == [], (key, progress[key])
     info = server.get("/get_server_info").json()
     assert info["weights_revision"] == "rev-b" and info["weights_phase"] == "serving"
     assert info["model_path"] == str(serving_checkpoint_b)
-    assert server.post("/v1/completions", {"prompt": "hello", "max_tokens": 3}).status_code == 200
+    after = server.post("/generate", {"input_ids": prompts["run0"], "sampling_params": {
+        "max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}).json()
+    assert after["output_ids"] == cold_b["run0"]
     assert _update(server, serving_checkpoint, "rev-a")["success"] is True
     wait_for_baseline(server)
 

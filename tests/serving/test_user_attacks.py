@@ -1,8 +1,6 @@
 """A new user's attacks on the runtime server: malformed and edge-case requests, limits, logprobs,
-SIGTERM while busy, and in-place weight updates with mismatching checkpoints.
-
-Tests marked ``xfail(strict=True)`` are bugs found while attacking the server and not fixed yet;
-they flip (XPASS -> failure) when fixed, so remove the mark then.
+SIGTERM while busy, and in-place weight updates with mismatching checkpoints. Each bug these
+attacks found is fixed and its test now asserts the fixed behaviour.
 """
 
 from __future__ import annotations
@@ -15,9 +13,8 @@ import time
 
 import httpx
 import pytest
-from serving_server import start_server, wait_for_baseline
+from serving_server import SMALL_CONTEXT, start_server, wait_for_baseline
 
-SMALL_CONTEXT = 128
 
 
 def _error(r: httpx.Response, status: int = 400) -> dict:
@@ -36,15 +33,6 @@ def _healthy(server) -> None:
     assert server.get("/health").status_code == 200
     out = server.post("/v1/completions", {"prompt": "hello", "max_tokens": 2})
     assert out.status_code == 200, out.text
-
-
-@pytest.fixture(scope="module")
-def small_ctx_server(serving_checkpoint, checkpoint_dir):
-    """A server whose context (128) is smaller than its KV pool (1024): the context is the limit."""
-    srv = start_server(serving_checkpoint, checkpoint_dir, "--context-length", str(SMALL_CONTEXT),
-                       "--max-total-tokens", "1024")
-    yield srv
-    srv.stop()
 
 
 # ---------------------------------------------------------------- malformed requests (regression checks)
@@ -104,23 +92,44 @@ def test_out_of_range_and_wrong_type_fields_are_400_naming_the_field(server, pat
     assert err["param"] == param, err
 
 
+def test_control_endpoints_reject_unknown_keys_naming_them(server):
+    """A misspelt key on a control endpoint is a 400 naming it, and nothing is done: with the
+    key ignored, this update (to the checkpoint already served) would succeed."""
+    path = server.get("/get_server_info").json()["model_path"]
+    r = server.post("/update_weights_from_disk", {"model_path": path, "revison": "typo"})
+    err = _error(r)
+    assert err["param"] == "revison" and "revison" in err["message"]
+    r = server.post("/abort_request", {"rid": "nobody", "abort_al": True})
+    assert _error(r)["param"] == "abort_al"
+    _healthy(server)
+
+
 def test_duplicate_rid_and_abort_all_keep_the_server_consistent(server):
     """A second request with a running request's rid is a 400; abort_all ends every running
-    request with finish_reason "abort"; KV returns to baseline."""
+    request with finish_reason "abort"; KV returns to baseline.
+
+    The five requests fill the KV pool between them (about 400 decode steps each, far more than
+    the few round trips the test makes after it sees all five in flight), and a request that
+    still finished first fails the test instead of passing it."""
     import concurrent.futures as cf
 
+    wait_for_baseline(server)
+    room = server.get("/get_server_info").json()["max_total_num_tokens"] // 5 - 8
+
     def gen(rid):
-        return server.post("/generate", {"text": "abc", "rid": rid, "sampling_params": {"max_new_tokens": 350, "ignore_eos": True}})
+        return server.post("/generate", {"text": "abc", "rid": rid,
+                                         "sampling_params": {"max_new_tokens": room, "ignore_eos": True}})
 
     def long(i):
-        return server.post("/v1/completions", {"prompt": f"q{i}", "max_tokens": 350, "ignore_eos": True})
+        return server.post("/v1/completions", {"prompt": f"q{i}", "max_tokens": room, "ignore_eos": True})
 
     with cf.ThreadPoolExecutor(8) as pool:
         first = pool.submit(gen, "user-attacks-dup")
         others = [pool.submit(long, i) for i in range(4)]
-        deadline = time.monotonic() + 30
-        while _load(server) < 5 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        deadline = time.monotonic() + 60
+        while _load(server) < 5:
+            assert time.monotonic() < deadline, f"the five requests never ran together: {_load(server)}"
+            time.sleep(0.02)
         err = _error(gen("user-attacks-dup"))
         assert err["param"] == "rid"
         assert server.post("/abort_request", {"abort_all": True}).json()["success"] is True
@@ -130,7 +139,7 @@ def test_duplicate_rid_and_abort_all_keep_the_server_consistent(server):
     _healthy(server)
 
 
-# ---------------------------------------------------------------- bugs found (xfail until fixed)
+# ---------------------------------------------------------------- bugs found by these attacks (fixed)
 
 def test_max_tokens_that_exactly_fill_the_context_are_honoured(small_ctx_server):
     n = 100

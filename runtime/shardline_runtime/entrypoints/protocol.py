@@ -7,7 +7,10 @@ Documented choices (docs/api.md): ``max_tokens: 0`` is accepted on ``/v1/complet
 for loglikelihoods), a 400 otherwise; ``/generate`` accepts ``max_new_tokens: 0``;
 ``add_special_tokens`` defaults to the tokenizer's own behaviour for text prompts (completions,
 ``/generate``) and to off for chat (the template writes BOS), as vLLM; ``n > 1`` with a ``seed``
-gives choice ``i`` the seed ``seed + i``; unknown fields are ignored, as OpenAI does.
+gives choice ``i`` the seed ``seed + i``; unknown fields of the OpenAI and native requests are
+ignored, as OpenAI does, but control endpoints (``ControlRequest``: ``/update_weights_from_disk``,
+``/abort_request``, ...) reject them with a 400 naming the field, so a misspelt key is never
+silently dropped.
 """
 
 from __future__ import annotations
@@ -123,10 +126,14 @@ class GenerateRequest(BaseModel):
     add_special_tokens: bool = True  # text only: the tokenizer's own special tokens (SGLang encodes so)
 
 
-class UpdateWeightsRequest(BaseModel):
-    """``POST /update_weights_from_disk`` (DESIGN 2.4)."""
+class ControlRequest(BaseModel):
+    """Body of a control endpoint: an unknown key is a 400 naming it (never silently dropped)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
+
+
+class UpdateWeightsRequest(ControlRequest):
+    """``POST /update_weights_from_disk`` (DESIGN 2.4)."""
 
     model_path: str = Field(..., min_length=1)
     load_format: Optional[str] = None
@@ -139,7 +146,7 @@ class UpdateWeightsRequest(BaseModel):
     flush_cache: bool = True
 
 
-class AbortRequest(BaseModel):
+class AbortRequest(ControlRequest):
     """``POST /abort_request``: one ``rid``, or every request with ``abort_all``."""
 
     rid: Optional[str] = None

@@ -1,11 +1,12 @@
 """Repetition, frequency and presence penalties for a batch, kept up to date incrementally.
 
-Semantics follow vLLM (and the OpenAI API for frequency/presence):
+Semantics and order follow vLLM's ``apply_penalties`` (vllm/model_executor/layers/utils.py):
+the repetition penalty first, then frequency and presence (the OpenAI API's definitions):
 
-- frequency: ``logit -= frequency_penalty * count(token in output)``
-- presence: ``logit -= presence_penalty * (count(token in output) > 0)``
-- repetition (CTRL, Keskar et al. 2019): for every token seen in the prompt *or* the output,
-  ``logit / penalty`` when the logit is positive, ``logit * penalty`` otherwise.
+1. repetition (CTRL, Keskar et al. 2019): for every token seen in the prompt *or* the output,
+   ``logit / penalty`` when the logit is positive, ``logit * penalty`` otherwise.
+2. frequency: ``logit -= frequency_penalty * count(token in output)``
+3. presence: ``logit -= presence_penalty * (count(token in output) > 0)``
 
 The state is two (bs, vocab) tensors built once when the batch is formed, then updated with
 each sampled token (:meth:`BatchedPenalties.cumulate_output_tokens`), filtered and merged with the
@@ -80,11 +81,12 @@ class BatchedPenalties:
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Return penalised logits (bs, vocab) float32; ``logits`` is not modified."""
-        counts = self.output_counts
-        logits = logits - self.frequency[:, None] * counts - self.presence[:, None] * (counts > 0)
         rep = self.repetition[:, None]
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
-        return finite_logits(torch.where(self.seen_mask, penalised, logits))
+        logits = torch.where(self.seen_mask, penalised, logits)
+        counts = self.output_counts
+        logits = logits - self.frequency[:, None] * counts - self.presence[:, None] * (counts > 0)
+        return finite_logits(logits)
 
     def cumulate_output_tokens(self, next_token_ids: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Count freshly sampled tokens.
