@@ -73,8 +73,8 @@ def _host_port(text: str) -> str:
 class ServerArgs:
     """Validated arguments of one runtime process group (one pod).
 
-    Units: ports are TCP ports, ``dist_timeout`` and ``watchdog_timeout`` and
-    ``drain_timeout`` are seconds, token counts are tokens. ``None`` means "derive it":
+    Units: ports are TCP ports, ``dist_timeout``, ``watchdog_timeout``, ``drain_timeout`` and
+    ``weight_update_hold_timeout`` are seconds, token counts are tokens. ``None`` means "derive it":
     ``max_total_tokens`` from the memory budget, ``context_length`` from the model config,
     ``served_model_name`` from ``model_path``, ``tokenizer_path`` = ``model_path``.
 
@@ -111,6 +111,7 @@ class ServerArgs:
     dist_timeout: int = 600
     watchdog_timeout: int = 300
     drain_timeout: int = 30
+    weight_update_hold_timeout: int = 60
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -209,4 +210,5 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
     o.add_argument("--log-level", default=default("log_level"), choices=LOG_LEVELS, help="Log level.")
     o.add_argument("--watchdog-timeout", type=_int_range("--watchdog-timeout", 1), default=default("watchdog_timeout"), help="Seconds a forward step (or a peer rank) may stall before the process exits with an error.")
     o.add_argument("--drain-timeout", type=_int_range("--drain-timeout", 0), default=default("drain_timeout"), help="On SIGTERM: seconds to let running requests finish before aborting them.")
+    o.add_argument("--weight-update-hold-timeout", type=_int_range("--weight-update-hold-timeout", 0), default=default("weight_update_hold_timeout"), help="Seconds a request arriving during a weight update waits for it to finish (then 503 with Retry-After); 0 refuses at once.")
     return p

@@ -51,7 +51,7 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
         raise RequestValidationError(
             f"logprob_start_len must be in [-1, {len(input_ids) - 1}], got {req.logprob_start_len}", "logprob_start_len"
         )
-    tm.check_ready()
+    await tm.admit()  # held while a weight update runs
     rid = req.rid or tm.new_rid()
     out: dict[str, Any] = {"text": "", "output_ids": [], "meta_info": {"id": rid, "finish_reason": None}}
     meta = out["meta_info"]

@@ -122,7 +122,7 @@ def _streaming(gen: AsyncIterator[str]) -> StreamingResponse:
 async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: str, raw: Request):
     """Handle ``POST /v1/completions`` (validated body); raises RequestValidationError for 400s."""
     specs = completion_choices(req, tm)
-    tm.check_ready()
+    await tm.admit()  # held while a weight update runs
     rid, created = f"cmpl-{uuid.uuid4().hex}", now_seconds()
     results = [ChoiceResult(prompt_index=s.prompt_index, text=s.echo_text) for s in specs]
     want_lp = req.logprobs is not None
@@ -174,7 +174,7 @@ async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: 
 async def serve_chat(req: ChatCompletionRequest, tm: TokenizerManager, model: str, raw: Request):
     """Handle ``POST /v1/chat/completions`` (validated body); raises RequestValidationError for 400s."""
     specs = chat_choices(req, tm)
-    tm.check_ready()
+    await tm.admit()  # held while a weight update runs
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", now_seconds()
     results = [ChoiceResult() for _ in specs]
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -7,6 +7,12 @@ detokenizes them incrementally per request (:class:`IncrementalDetokenizer`) and
 :class:`GenerateChunk` objects to the waiting handler. A stop string matched here finishes the
 request at once and tells the scheduler to free it (``AbortReq`` with a ``stop`` reason).
 Leaving the :meth:`generate` iterator early (client disconnect) aborts the request.
+
+During a weight update new requests are *held*, as SGLang's ``TokenizerManager`` does: from the
+moment ``/update_weights_from_disk`` arrives until the schedulers report ``serving`` (or
+``failed``: the old weights keep serving) nothing new is sent to them, so held requests run on
+the new weights. A request held longer than ``--weight-update-hold-timeout`` gets a 503 with
+``Retry-After`` (:class:`WeightUpdateHoldTimeout`).
 """
 
 from __future__ import annotations
@@ -35,9 +41,19 @@ from shardline_runtime.managers.io_struct import (
     UpdateWeightsFromDiskReqOutput,
     WeightsPhaseOut,
 )
+from shardline_runtime.model_loader.checkpoint_digest import checkpoint_digest
 from shardline_runtime.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+def safe_checkpoint_digest(model_path: str) -> str | None:
+    """:func:`checkpoint_digest`, or None (logged) when the files cannot be read from here."""
+    try:
+        return checkpoint_digest(model_path)
+    except (OSError, ValueError) as exc:
+        logger.warning("no weights digest for %s: %s", model_path, exc)
+        return None
 
 
 class RequestValidationError(ValueError):
@@ -49,7 +65,23 @@ class RequestValidationError(ValueError):
 
 
 class ServerNotReadyError(RuntimeError):
-    """The server cannot take the request now (HTTP 503): loading, updating weights, draining."""
+    """The server cannot take the request now (HTTP 503): loading, updating weights, draining.
+
+    ``retry_after_seconds`` (or None) becomes the ``Retry-After`` header.
+    """
+
+    retry_after_seconds: int | None = None
+
+
+class WeightUpdateHoldTimeout(ServerNotReadyError):
+    """A request waited ``--weight-update-hold-timeout`` seconds for a weight update to end."""
+
+    def __init__(self, message: str, retry_after_seconds: int):
+        super().__init__(message)
+        self.retry_after_seconds = retry_after_seconds
+
+
+UPDATING_PHASES = ("loading", "recapturing")
 
 
 @dataclass
@@ -91,9 +123,12 @@ class TokenizerManager:
         scheduler_input_addr: ZMQ address the rank-0 scheduler PULLs requests from.
         output_addr: ZMQ address this process PULLs scheduler outputs on (bound here).
         metrics: a ``ServingMetrics`` (or None).
+        hold_timeout: seconds a request waits for a weight update to end (0: refuse at once).
+        weights_digest: :func:`checkpoint_digest` of the served checkpoint (or None).
     """
 
-    def __init__(self, tokenizer: Any, info: SchedulerInfo, scheduler_input_addr: str, output_addr: str, metrics=None):
+    def __init__(self, tokenizer: Any, info: SchedulerInfo, scheduler_input_addr: str, output_addr: str, metrics=None,
+                 hold_timeout: float = 60.0, weights_digest: str | None = None):
         self.tokenizer = tokenizer
         self.info = info
         self.metrics = metrics
@@ -108,7 +143,13 @@ class TokenizerManager:
         self.weights_phase = "serving"
         self.weights_revision = info.weights_revision
         self.model_path = info.model_path
-        self.draining = False
+        self.weights_digest = weights_digest
+        self.hold_timeout = hold_timeout
+        self._serving = asyncio.Event()  # set unless a weight update is running
+        self._serving.set()
+        self.draining = False  # SIGTERM received: /ready is 503, requests are still served
+        self.closing = False  # the drain ended: new requests are refused
+        self.held = 0  # requests waiting for a weight update to end
         self._control_lock = asyncio.Lock()
         self._control_waiters: dict[type, asyncio.Future] = {}
         self._recv_task: asyncio.Task | None = None
@@ -178,11 +219,53 @@ class TokenizerManager:
         return max_new_tokens
 
     def check_ready(self) -> None:
-        """Raises ServerNotReadyError while draining or while weights change."""
-        if self.draining:
+        """Raises ServerNotReadyError once the server takes no new requests (its drain ended).
+
+        While draining (``/ready`` is 503 so balancers move away) requests are still served, and a
+        weight update does not refuse either: :meth:`admit` holds the request instead.
+        """
+        if self.closing:
             raise ServerNotReadyError("the server is shutting down")
-        if self.weights_phase in ("loading", "recapturing"):
-            raise ServerNotReadyError(f"the server is updating its weights (phase {self.weights_phase})")
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted or held and not yet answered."""
+        return len(self.states) + self.held
+
+    def set_weights_phase(self, phase: str) -> None:
+        """Record the schedulers' weights phase; requests are held while it is an update phase."""
+        self.weights_phase = phase
+        if phase in UPDATING_PHASES:
+            self._serving.clear()
+        else:
+            self._serving.set()
+
+    async def admit(self) -> None:
+        """Return once the request may be sent to the schedulers: at once when serving; after
+        the running weight update when one runs (the request is held, counted in the
+        ``weight_update_held_requests`` metric and its wait in ``weight_update_hold_seconds``).
+
+        Raises:
+            ServerNotReadyError: the server is shutting down.
+            WeightUpdateHoldTimeout: the update outlasted ``hold_timeout`` seconds.
+        """
+        self.check_ready()
+        if self._serving.is_set():
+            return
+        started = time.monotonic()
+        self.held += 1
+        try:
+            await asyncio.wait_for(self._serving.wait(), self.hold_timeout)
+        except asyncio.TimeoutError:
+            raise WeightUpdateHoldTimeout(
+                f"the server is updating its weights (phase {self.weights_phase}) and the request waited "
+                f"{self.hold_timeout:g}s (--weight-update-hold-timeout); retry shortly",
+                retry_after_seconds=max(1, min(30, round(self.hold_timeout / 4)))) from None
+        finally:
+            self.held -= 1
+            if self.metrics:
+                self.metrics.observe_hold(time.monotonic() - started)
+        self.check_ready()
 
     # ---------------------------------------------------------------- requests
 
@@ -202,9 +285,10 @@ class TokenizerManager:
         """Run one request; yields chunks until the one with ``finish_reason`` set.
 
         Leaving the iterator before the end (client disconnect, cancellation) aborts the
-        request in the scheduler, which frees its KV within a step.
+        request in the scheduler, which frees its KV within a step. A request that arrives during
+        a weight update is held first (:meth:`admit`).
         """
-        self.check_ready()
+        await self.admit()
         rid = rid or self.new_rid()
         if rid in self.states:
             raise RequestValidationError(f"request id {rid!r} is already in use", "rid")
@@ -271,10 +355,20 @@ class TokenizerManager:
         return await self.control(FlushCacheReqInput(), FlushCacheReqOutput, timeout=60)
 
     async def update_weights_from_disk(self, req: UpdateWeightsFromDiskReqInput) -> UpdateWeightsFromDiskReqOutput:
-        out = await self.control(req, UpdateWeightsFromDiskReqOutput)
+        """Run a weight update; requests arriving from now until it ends are held (:meth:`admit`).
+
+        On success the new checkpoint's digest is computed (headers only, off the event loop).
+        """
+        self.set_weights_phase("loading")
+        try:
+            out = await self.control(req, UpdateWeightsFromDiskReqOutput)
+        finally:
+            if self.weights_phase in UPDATING_PHASES:  # the schedulers' last phase message was lost
+                self.set_weights_phase("serving")
         if out.success:
             self.weights_revision = out.revision
             self.model_path = out.model_path or self.model_path
+            self.weights_digest = await asyncio.to_thread(safe_checkpoint_digest, self.model_path)
         return out
 
     # ---------------------------------------------------------------- receive loop
@@ -295,7 +389,7 @@ class TokenizerManager:
             if self.metrics:
                 self.metrics.observe_stats(msg)
         elif isinstance(msg, WeightsPhaseOut):
-            self.weights_phase = msg.phase
+            self.set_weights_phase(msg.phase)
         else:
             fut = self._control_waiters.get(type(msg))
             if fut is not None and not fut.done():
