@@ -8,6 +8,7 @@ StatefulSets, never in this process).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import kopf
@@ -19,6 +20,7 @@ from .runtime_client import HttpLeaderClient
 
 RESOURCE = (labels.API_GROUP, labels.API_VERSION, labels.PLURAL)
 TIMER_INTERVAL_SECONDS = 3.0
+REQUEUE_LIMIT_SECONDS = 60.0  # longest a handler keeps following a rollout before the next timer tick
 _context: Context | None = None
 _locks: dict[str, threading.Lock] = {}
 _locks_guard = threading.Lock()
@@ -42,6 +44,17 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 def _run(body: kopf.Body, logger: kopf.Logger) -> None:
+    """Reconcile, then again after ``requeue_after_seconds`` while a pass asks for it (a wave in
+    flight), so each rollout step follows the previous one without waiting for the timer."""
+    deadline = time.monotonic() + REQUEUE_LIMIT_SECONDS
+    while True:
+        requeue = _run_once(body, logger)
+        if requeue is None or time.monotonic() + requeue > deadline:
+            return
+        time.sleep(requeue)
+
+
+def _run_once(body: kopf.Body, logger: kopf.Logger) -> float | None:
     if _context is None:
         raise kopf.TemporaryError("operator is starting", delay=1)
     with _lock_for(body.metadata.uid or ""):
@@ -50,15 +63,16 @@ def _run(body: kopf.Body, logger: kopf.Logger) -> None:
             # status another handler of this object has just written.
             fresh = _context.kube.get_deployment(body.metadata.namespace, body.metadata.name)
             if fresh is None or fresh["metadata"].get("deletionTimestamp"):
-                return
+                return None
             result = reconcile(_context, fresh)
         except KubeError as exc:
             if exc.status == 404:  # the object was deleted meanwhile
-                return
+                return None
             raise kopf.TemporaryError(f"API request failed: {exc}", delay=5) from exc
     for kind, reason, message in result.events:
         kopf.event(body, type=kind, reason=reason, message=message[:1024])
     logger.debug("reconciled: phase=%s", result.status.get("phase"))
+    return result.requeue_after_seconds
 
 
 @kopf.on.resume(*RESOURCE)

@@ -2,9 +2,11 @@
 
 Order of a pass: parse the spec -> list children -> remove groups beyond ``replicas`` ->
 apply Services/PDB and create missing StatefulSets -> group health (whole-group restarts) ->
-restart rollout of changed pod templates (one group at a time) -> in-place weight/graph
-rollout -> status. Every decision is made by a pure module; this one only sequences the I/O,
-so running it twice in a row changes nothing the second time.
+gather the leaders' reports -> restart rollout of changed pod templates (one group at a time,
+``restart_plan``) or the in-place weight/graph rollout (``rollout.plan_rollout``) -> status and
+operator metrics. Every decision is made by a pure module; this one only sequences the I/O, so
+running it twice in a row changes nothing the second time. ``ReconcileResult.requeue_after_seconds``
+asks for the next pass soon while a wave is in flight, so a rollout is bound by the updates.
 """
 
 from __future__ import annotations
@@ -15,18 +17,27 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
-from . import labels
+from . import labels, metrics
 from .group_health import GroupRecord, decide
 from .kube import KubeClient
 from .observed import GroupObservation, group_pods
 from .render import build_client_service, build_pod_disruption_budget, build_rank_service, build_statefulset
-from .rollout import LeaderClient, RolloutState, advance
+from .restart_plan import needs_restart, next_restart
+from .rollout import GroupView, RolloutPlan, plan_rollout
+from .rollout_executor import LeaderClient, gather, start_updates
+from .rollout_state import RolloutState
 from .runtime_args import ServedModel
 from .spec import DeploymentSpec, SpecError, parse_spec
 from .status import GroupReport, build_status, invalid_spec_status, record_from_status, status_patch
 
 Event = tuple[str, str, str]  # (type, reason, message)
 REAPPLY_SECONDS = 60.0
+RESTART_POLL_SECONDS = 2.0
+
+
+def _same(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """``new`` equals ``old`` (a status as read back may hold None for fields removed)."""
+    return {k: v for k, v in old.items() if v is not None} == {k: v for k, v in new.items() if v is not None}
 
 
 @dataclass
@@ -59,18 +70,6 @@ class ReconcileResult:
     requeue_after_seconds: float | None = None
 
 
-def _needs_restart(spec: DeploymentSpec, group: GroupObservation) -> bool:
-    if group.restart_hash != spec.restart_hash():
-        return True
-    served, desired = group.served, ServedModel.desired(spec)
-    return spec.weight_update.strategy == "Restart" and served is not None and (
-        (served.path, served.revision) != (desired.path, desired.revision))
-
-
-def _needs_in_place(spec: DeploymentSpec, group: GroupObservation) -> bool:
-    return group.served is not None and group.served != ServedModel.desired(spec)
-
-
 class Reconciler:
     """Runs passes for one object; holds its spec and live children for the pass."""
 
@@ -93,46 +92,95 @@ class Reconciler:
             return self._finish(invalid_spec_status(str(exc), self.generation, self.previous, self.now))
         groups, records = self._observe(spec)
         overrides: dict[int, str] = {}
+        planned: set[int] = set()
         for group in groups:
             self._check_health(spec, group, records, overrides)
             self._remove_template_drift(group, records, overrides)
+        key_prefix = f"{self.namespace}/{self.name}"
         rollout_state = RolloutState.from_status(self.previous.get("rollout"))
-        in_flight = rollout_state is not None and rollout_state.group is not None
-        stale = [g for g in groups if _needs_restart(spec, g)]
-        trail: list[tuple[int, str]] = []
-        if stale and not in_flight:
-            self._restart_next(spec, stale[0], groups, records, overrides)
-        else:
-            pending = [g.index for g in groups if _needs_in_place(spec, g) and not _needs_restart(spec, g)]
-            outcome = advance(rollout_state, ServedModel.desired(spec), groups, pending, spec.weight_update,
-                              self.ctx.leaders, f"{self.namespace}/{self.name}", self.now)
-            for index, served in outcome.apply.items():
+        digests = {item.get("index"): item.get("weightsDigest") for item in self.previous.get("groups") or []}
+        views = gather(rollout_state, groups, digests, spec.weight_update, self.ctx.leaders, key_prefix)
+        wave_in_flight = rollout_state is not None and bool(rollout_state.wave)
+        failed = {i: r.failed_message is not None for i, r in records.items()}
+        stale = [g.index for g in groups if needs_restart(spec, g)]
+        restart = next_restart(spec, groups, failed, wave_in_flight)
+        plan = RolloutPlan(rollout_state)
+        if restart is not None:
+            self._restart_group(spec, restart, groups, records, overrides)
+            planned.add(restart.index)
+        elif not (stale and not wave_in_flight):
+            plan = plan_rollout(rollout_state, ServedModel.desired(spec), views, spec.weight_update, self.now,
+                                exclude=frozenset(stale))
+            start_updates(plan, groups, spec.weight_update, self.ctx.leaders, key_prefix)
+            for index, served in plan.apply.items():
                 groups[index] = self._apply_group(spec, groups[index], served)
-            overrides.update(outcome.group_phases)
-            self.events.extend(outcome.events)
-            rollout_state, trail = outcome.state, outcome.trail
-        for index, phase in trail:  # phases passed through since the last pass, each as a status write
-            reports = [GroupReport(g, records[g.index], phase if g.index == index else overrides.get(g.index))
-                       for g in groups]
-            step = build_status(spec, self.generation, reports, rollout_state, self.previous, self.now)
+            overrides.update(plan.group_phases)
+            self.events.extend(plan.events)
+            self._observe_metrics(plan)
+        for index in plan.forget_digest:
+            digests[index] = None
+        mixed = {v.index: v.mixed_reason() for v in views}
+        mixed = {i: r for i, r in mixed.items() if r and i not in plan.apply and i not in (plan.state.wave if plan.state else ())}
+
+        def reports(trail_index: int | None = None, trail_phase: str | None = None) -> list[GroupReport]:
+            out = []
+            for g, v in zip(groups, views):
+                digest = digests.get(g.index)
+                if digest is None and g.index not in plan.forget_digest and v.leader is not None \
+                        and v.leader.weights_phase == "serving" and g.index not in mixed:
+                    digest = v.leader.digest
+                phase = trail_phase if g.index == trail_index else overrides.get(g.index)
+                out.append(GroupReport(g, records[g.index], phase, v, digest, mixed.get(g.index),
+                                       planned=g.index in planned))
+            return out
+
+        for index, phase in plan.trail:  # phases passed through since the last pass, each as a status write
+            step = build_status(spec, self.generation, reports(index, phase), plan.state, self.previous, self.now,
+                                restarts_pending=len(stale))
             self.events.append(("Normal", phase, f"group {index}: {phase}"))
             self._write(step)
-        reports = [GroupReport(g, records[g.index], overrides.get(g.index)) for g in groups]
-        status = build_status(spec, self.generation, reports, rollout_state, self.previous, self.now)
+        status = build_status(spec, self.generation, reports(), plan.state, self.previous, self.now,
+                              restarts_pending=len(stale))
+        self._observe_fleet(views, mixed)
         if status["phase"] != self.previous.get("phase"):
             kind = "Warning" if status["phase"] in ("Degraded", "Failed") else "Normal"
             self.events.append((kind, status["phase"], f"phase {self.previous.get('phase', 'None')} -> "
                                 f"{status['phase']}" + (f": {status['message']}" if status["message"] else "")))
-        return self._finish(status)
+        requeue = plan.requeue_after_seconds
+        if stale and requeue is None:
+            requeue = RESTART_POLL_SECONDS  # follow the replaced pods until the group is Ready
+        return self._finish(status, requeue)
+
+    def _observe_metrics(self, plan: RolloutPlan) -> None:
+        """Operator metrics for what the plan saw happen (names in ``metrics.py``)."""
+        for _, seconds in plan.group_update_seconds:
+            metrics.observe_group_update(self.namespace, self.name, seconds)
+        if plan.rollout_seconds is not None:
+            metrics.observe_rollout(self.namespace, self.name, plan.rollout_seconds)
+        if plan.rolled_back:
+            metrics.inc_rollback(self.namespace, self.name)
+        for _ in range(plan.failed_updates):
+            metrics.inc_failed_update(self.namespace, self.name)
+
+    def _observe_fleet(self, views: list[GroupView], mixed: dict[int, str]) -> None:
+        counts: dict[str, int] = {}
+        for view in views:
+            if view.served is not None:
+                counts[view.served.revision] = counts.get(view.served.revision, 0) + 1
+        metrics.set_groups_per_revision(self.namespace, self.name, counts)
+        metrics.set_mixed_versions(self.namespace, self.name, len(mixed))
 
     def _write(self, status: dict[str, Any]) -> None:
+        """Patch status, skipped when nothing changed (status is updated only on change)."""
         status = {**status, "restartBudgetGeneration": self.generation}
+        if _same(self.previous, status):
+            return
         self.ctx.kube.patch_deployment_status(self.namespace, self.name, status_patch(self.previous, status))
         self.previous = status
 
-    def _finish(self, status: dict[str, Any]) -> ReconcileResult:
+    def _finish(self, status: dict[str, Any], requeue_after_seconds: float | None = None) -> ReconcileResult:
         self._write(status)
-        return ReconcileResult(dict(self.previous), self.events)
+        return ReconcileResult(dict(self.previous), self.events, requeue_after_seconds)
 
     def _observe(self, spec: DeploymentSpec) -> tuple[list[GroupObservation], dict[int, GroupRecord]]:
         kube, selector = self.ctx.kube, labels.selector_labels(self.name)
@@ -209,14 +257,9 @@ class Reconciler:
         elif decision.action == "fail":
             self.events.append(("Warning", "GroupFailed", f"group {group.index}: {decision.reason}"))
 
-    def _restart_next(self, spec: DeploymentSpec, group: GroupObservation, groups: list[GroupObservation],
-                      records: dict[int, GroupRecord], overrides: dict[int, str]) -> None:
-        """Roll a changed pod template onto ``group`` once every other group is settled."""
-        def settled(g: GroupObservation) -> bool:
-            return g.ready or records[g.index].failed_message is not None
-
-        if not all(settled(g) for g in groups if g.index != group.index):
-            return
+    def _restart_group(self, spec: DeploymentSpec, group: GroupObservation, groups: list[GroupObservation],
+                       records: dict[int, GroupRecord], overrides: dict[int, str]) -> None:
+        """Roll a changed pod template onto ``group`` (``restart_plan.next_restart`` chose it)."""
         groups[group.index] = self._apply_group(spec, group, ServedModel.desired(spec), relabel=False)
         self._delete_pods(group)
         records[group.index] = replace(records[group.index], pod_uids={}, failed_message=None)
@@ -230,7 +273,8 @@ class Reconciler:
         for pod in group.live_pods if relabel else ():
             self.ctx.kube.merge_patch("v1", "Pod", self.namespace, pod.name,
                                       {"metadata": {"labels": {labels.LABEL_REVISION: served.revision}}})
-        return replace(group, statefulset=sts)
+        pods = tuple(replace(p, revision=served.revision) if relabel and not p.deleting else p for p in group.pods)
+        return replace(group, statefulset=sts, pods=pods)
 
 
 def reconcile(ctx: Context, body: Mapping[str, Any]) -> ReconcileResult:

@@ -14,11 +14,12 @@ from typing import Any, Mapping
 import httpx
 
 INFO_TIMEOUT_SECONDS = 3.0
+GATE_TIMEOUT_SECONDS = 30.0
 PHASE_POLL_SECONDS = 0.1
 
 
 class HttpLeaderClient:
-    """Implements ``rollout.LeaderClient`` over HTTP with a small thread pool."""
+    """Implements ``rollout_executor.LeaderClient`` over HTTP with a small thread pool."""
 
     def __init__(self, max_workers: int = 4) -> None:
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="leader-update")
@@ -78,6 +79,31 @@ class HttpLeaderClient:
         except (httpx.HTTPError, ValueError):
             return None
         return info if isinstance(info, dict) else None
+
+    def verify(self, url: str, verify: Any = None) -> tuple[bool, str]:
+        """The canary gate: ``GET /health_generate`` must answer 200; then, with ``verify`` (a
+        ``spec.VerifySpec``), a greedy ``/v1/completions`` of ``verify.prompt`` must answer 200
+        within ``verify.max_latency_seconds``. Returns ``(passed, what failed or took)``."""
+        try:
+            response = httpx.get(f"{url}/health_generate", timeout=GATE_TIMEOUT_SECONDS)
+        except httpx.HTTPError as exc:
+            return False, f"/health_generate: {exc.__class__.__name__}: {exc}"
+        if response.status_code != 200:
+            return False, f"/health_generate answered HTTP {response.status_code}: {response.text[:200]}"
+        if verify is None:
+            return True, "/health_generate answered 200"
+        body = {"prompt": verify.prompt, "max_tokens": verify.max_tokens, "temperature": 0}
+        started = time.monotonic()
+        try:
+            response = httpx.post(f"{url}/v1/completions", json=body, timeout=verify.max_latency_seconds + 5)
+        except httpx.HTTPError as exc:
+            return False, f"verify prompt: {exc.__class__.__name__}: {exc}"
+        latency = time.monotonic() - started
+        if response.status_code != 200:
+            return False, f"verify prompt answered HTTP {response.status_code}: {response.text[:200]}"
+        if latency > verify.max_latency_seconds:
+            return False, f"verify prompt took {latency:.3f}s, over maxLatencySeconds {verify.max_latency_seconds:g}"
+        return True, f"verify prompt answered in {latency:.3f}s"
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
