@@ -312,8 +312,11 @@ def parse_weight_update(raw: Mapping[str, Any]) -> WeightUpdateSpec:
                 raise SpecError(f"{vpath}.maxLatencySeconds must be in (0, 600], got {latency}")
             verify = VerifySpec(prompt, _int_in(verify_raw, "maxTokens", vpath, 8, 1, 256), float(latency))
         canary = CanarySpec(verify)
+    strategy = _one_of(raw, "strategy", path, "InPlace", STRATEGIES)
+    if canary_raw is not None and strategy != "InPlace":
+        raise SpecError(f"{path}.canary applies to strategy InPlace only, got strategy {strategy}")
     return WeightUpdateSpec(
-        strategy=_one_of(raw, "strategy", path, "InPlace", STRATEGIES),
+        strategy=strategy,
         timeout_seconds=_int_in(raw, "timeoutSeconds", path, 900, 1, 86400),
         rollback_on_failure=_get(raw, "rollbackOnFailure", path, bool, True),
         max_unavailable=_int_in(raw, "maxUnavailable", path, 1, 1, MAX_REPLICAS),

@@ -10,6 +10,9 @@ from ..runtime_args import RUNTIME_COMMAND, ServedModel, runtime_args
 from ..spec import GPU_RESOURCE, DeploymentSpec
 
 PROBE_PERIOD_SECONDS = 10
+# Pre-stop delay: a deleted pod leaves the Service's ready endpoints at once, but clients and
+# proxies take a moment to notice; the runtime keeps serving meanwhile, then drains on SIGTERM.
+PRE_STOP_SECONDS = 5
 MODEL_VOLUME = "model"
 SHM_VOLUME = "dshm"
 
@@ -61,6 +64,9 @@ def build_pod_template(spec: DeploymentSpec, group: int, served: ServedModel) ->
     Probes (DESIGN 3.2): startup ``GET /health`` with a budget of
     ``spec.runtime.startupTimeoutSeconds`` for weight loading and graph capture; liveness
     ``GET /health``; readiness ``GET /ready`` (503 while weights load or graphs recapture).
+    Deletion (restart rollouts, scale-down): a ``preStop`` sleep of :data:`PRE_STOP_SECONDS`
+    while the pod leaves the endpoints, then SIGTERM, on which the runtime drops readiness and
+    keeps its listener open until in-flight requests finish (``--drain-timeout``).
     """
     volumes, mounts = _volumes(spec)
     container = {
@@ -79,6 +85,7 @@ def build_pod_template(spec: DeploymentSpec, group: int, served: ServedModel) ->
         "startupProbe": _probe("/health", math.ceil(spec.runtime.startup_timeout_seconds / PROBE_PERIOD_SECONDS)),
         "livenessProbe": _probe("/health", 6),
         "readinessProbe": _probe("/ready", 3, period=5),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
