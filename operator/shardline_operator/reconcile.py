@@ -99,6 +99,9 @@ class Reconciler:
         key_prefix = f"{self.namespace}/{self.name}"
         rollout_state = RolloutState.from_status(self.previous.get("rollout"))
         digests = {item.get("index"): item.get("weightsDigest") for item in self.previous.get("groups") or []}
+        for group in groups:  # a digest is recorded per incarnation: new pods report afresh
+            if overrides.get(group.index) == "Restarting" or group.leader is None or not group.ready:
+                digests[group.index] = None
         views = gather(rollout_state, groups, digests, spec.weight_update, self.ctx.leaders, key_prefix)
         wave_in_flight = rollout_state is not None and bool(rollout_state.wave)
         failed = {i: r.failed_message is not None for i, r in records.items()}
@@ -108,6 +111,7 @@ class Reconciler:
         if restart is not None:
             self._restart_group(spec, restart, groups, records, overrides)
             planned.add(restart.index)
+            digests[restart.index] = None
         elif not (stale and not wave_in_flight):
             plan = plan_rollout(rollout_state, ServedModel.desired(spec), views, spec.weight_update, self.now,
                                 exclude=frozenset(stale))
@@ -119,15 +123,17 @@ class Reconciler:
             self._observe_metrics(plan)
         for index in plan.forget_digest:
             digests[index] = None
-        mixed = {v.index: v.mixed_reason() for v in views}
-        mixed = {i: r for i, r in mixed.items() if r and i not in plan.apply and i not in (plan.state.wave if plan.state else ())}
+        in_flight = set(rollout_state.wave) if rollout_state is not None else set()
+        mixed = {v.index: v.mixed_reason() for v in views if v.index not in in_flight and v.index not in stale}
+        mixed = {i: r for i, r in mixed.items() if r and i not in plan.apply}
 
         def reports(trail_index: int | None = None, trail_phase: str | None = None) -> list[GroupReport]:
             out = []
             for g, v in zip(groups, views):
                 digest = digests.get(g.index)
                 if digest is None and g.index not in plan.forget_digest and v.leader is not None \
-                        and v.leader.weights_phase == "serving" and g.index not in mixed:
+                        and v.leader.weights_phase == "serving" and g.index not in mixed \
+                        and overrides.get(g.index) != "Restarting":
                     digest = v.leader.digest
                 phase = trail_phase if g.index == trail_index else overrides.get(g.index)
                 out.append(GroupReport(g, records[g.index], phase, v, digest, mixed.get(g.index),

@@ -60,7 +60,8 @@ class GroupView:
     ``weightsDigest`` from the last pass; ``update``: ``(state, message)`` of an update request
     this process sent (``pending``, ``success``, ``failure``, or ``unknown`` when it sent none);
     ``phases``: weights phases sampled while it ran; ``gate``: ``(passed, message)`` of the
-    canary verification when it was run this pass.
+    canary verification when it was run this pass; ``pod_revision``: the revision label of the
+    leader pod (what it was started with or last relabelled to), if known.
     """
 
     index: int
@@ -72,6 +73,7 @@ class GroupView:
     update: tuple[str, str] = ("unknown", "")
     phases: tuple[str, ...] = ()
     gate: tuple[bool, str] | None = None
+    pod_revision: str | None = None
 
     @property
     def served(self) -> ServedModel | None:
@@ -87,8 +89,9 @@ class GroupView:
         served, declared, leader = self.served, self.declared, self.leader
         if served is None or declared is None or leader is None:
             return None
-        if (served.path, served.revision) != (declared.path, declared.revision):
-            return f"group {self.index}: leader serves {served.revision} ({served.path}), expected {declared.revision}"
+        expected = self.pod_revision or declared.revision
+        if served.revision != expected or (expected == declared.revision and served.path != declared.path):
+            return f"group {self.index}: leader serves {served.revision} ({served.path}), expected {expected}"
         if self.recorded_digest and leader.digest and leader.digest != self.recorded_digest:
             return f"group {self.index}: leader serves digest {leader.digest[:19]}, status records {self.recorded_digest[:19]}"
         return None

@@ -62,7 +62,8 @@ def gather(state: RolloutState | None, groups: Sequence[GroupObservation], recor
                 and url is not None and policy.canary is not None):
             gate = client.verify(url, policy.canary.verify)
         views.append(GroupView(group.index, group.served, group.ready, bool(group.live_pods), report,
-                               recorded_digests.get(group.index), update, phases, gate))
+                               recorded_digests.get(group.index), update, phases, gate,
+                               leader.revision if leader is not None else None))
     return views
 
 

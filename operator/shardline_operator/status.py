@@ -127,13 +127,15 @@ def deployment_phase(phases: Sequence[str], ready: int, replicas: int, rollout: 
     ``mixed``: a leader serves another version than recorded; ``planned_restart``: every
     ``Restarting`` group is being replaced by a rollout (not a failure).
     """
+    if mixed:  # detected this pass; the repair that starts now shows as UpdatingWeights next
+        return "Degraded"
     for phase in ROLLOUT_PHASES:
         if phase in phases:
             return phase
     if "Failed" in phases:
         return "Failed" if ready == 0 else "Degraded"
     unplanned = "Restarting" in phases and not planned_restart
-    if mixed or unplanned or (rollout is not None and rollout.phase == FAILED and ready == replicas):
+    if unplanned or (rollout is not None and rollout.phase == FAILED and ready == replicas):
         return "Degraded"
     if rolling:
         return ROLLING_OUT
