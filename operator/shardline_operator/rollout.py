@@ -158,7 +158,7 @@ def plan_rollout(state: RolloutState | None, desired: ServedModel, groups: Seque
         state = replace(state, phase=UPDATING, pause_until=None)
     if state is not None and state.phase == FAILED and state.target == desired:
         return out
-    if state is not None and state.phase == ROLLING_BACK:
+    if state is not None and state.phase == ROLLING_BACK and state.target == desired:
         target = state.previous or desired
         todo = [g for g in groups if g.served == state.target and g.index not in exclude]
     else:

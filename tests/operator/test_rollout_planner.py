@@ -215,6 +215,18 @@ def test_failure_rolls_back_updated_groups_then_holds():
     assert fleet.state.phase == FAILED and "shape mismatch" in fleet.state.message
 
 
+def test_a_new_spec_during_rollback_wins():
+    fleet = Fleet(2)
+    fleet.step(REV_B, 0.0)
+    fleet.finish(0)
+    fleet.step(REV_B, 1.0), fleet.step(REV_B, 1.0)
+    fleet.finish(1, ok=False, message="bad")
+    fleet.step(REV_B, 2.0)
+    assert fleet.state.phase == ROLLING_BACK
+    plan = fleet.step(REV_C, 3.0)  # the user fixed the spec: roll forward to rev-c instead
+    assert fleet.state.phase == UPDATING and fleet.state.target == REV_C and list(plan.start) == [0]
+
+
 def test_failure_without_rollback_and_timeout():
     fleet, policy = Fleet(2), WeightUpdateSpec(timeout_seconds=60, rollback_on_failure=False)
     fleet.step(REV_B, 0.0, policy)
