@@ -224,7 +224,8 @@ def _result(view: GroupView, target: ServedModel) -> tuple[str, str]:
 def _follow_wave(state: RolloutState, views: Mapping[int, GroupView], policy: WeightUpdateSpec, now: float,
                  out: RolloutPlan) -> RolloutPlan:
     """Await every group of the wave in flight; then decide what follows."""
-    target, still, phases, failures = state.target, [], {}, []
+    target = (state.previous or state.target) if state.phase == ROLLING_BACK else state.target
+    still, phases, failures = [], {}, []
     started = state.started_at if state.started_at is not None else now
     for index in state.wave:
         view = views.get(index)
@@ -264,6 +265,8 @@ def _follow_wave(state: RolloutState, views: Mapping[int, GroupView], policy: We
     done = replace(state, wave=(), started_at=None, group_phases={})
     if failures:
         updated = set(out.apply) | {i for i, v in views.items() if v.served == target}
+        if done.phase == ROLLING_BACK:  # a rollback that fails stops where it is
+            updated = set()
         return _fail(done, views, policy, "; ".join(failures), out, updated=bool(updated))
     out.requeue_after_seconds = 0.0
     if done.phase == UPDATING and not done.canary_passed and done.canary is not None:

@@ -120,6 +120,7 @@ def test_canary_gate_failure_rolls_back_in_place_with_the_reason():
     fleet.step(REV_B, 3.0, policy)
     assert fleet.state.phase == FAILED and "canary group 0 failed verification" in fleet.state.message
     assert fleet.events[-1] == "RolledBack" and set(fleet.leader.values()) == {REV_A}
+    assert set(fleet.declared.values()) == {REV_A}  # StatefulSets name what the leaders serve
     sent = len(fleet.sent)
     fleet.step(REV_B, 4.0, policy)
     assert len(fleet.sent) == sent and fleet.state.phase == FAILED  # held until the spec changes
@@ -213,6 +214,7 @@ def test_failure_rolls_back_updated_groups_then_holds():
     fleet.finish(0)
     fleet.step(REV_B, 3.0), fleet.step(REV_B, 3.0)
     assert fleet.state.phase == FAILED and "shape mismatch" in fleet.state.message
+    assert fleet.declared == fleet.leader == {0: REV_A, 1: REV_A}
 
 
 def test_a_new_spec_during_rollback_wins():
