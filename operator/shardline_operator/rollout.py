@@ -157,6 +157,8 @@ def plan_rollout(state: RolloutState | None, desired: ServedModel, groups: Seque
             return out
         state = replace(state, phase=UPDATING, pause_until=None)
     if state is not None and state.phase == FAILED and state.target == desired:
+        if all(g.served == desired for g in groups if g.served is not None):
+            out.state = None  # the target was reached another way (a restart rollout): nothing failed now
         return out
     if state is not None and state.phase == ROLLING_BACK and state.target == desired:
         target = state.previous or desired

@@ -127,6 +127,13 @@ def test_canary_gate_failure_rolls_back_in_place_with_the_reason():
     assert list(fleet.step(REV_C, 5.0, policy).start) == [0]  # a new target: a new rollout, canary first
 
 
+def test_a_failed_target_reached_by_restarts_clears_the_failure():
+    fleet = Fleet(2, REV_B)
+    fleet.state = RolloutState(FAILED, REV_B, REV_A, message="canary failed")
+    plan = fleet.step(REV_B, 0.0)
+    assert plan.state is None and not plan.start
+
+
 def test_canary_pass_lets_the_rest_follow_in_waves():
     fleet = Fleet(3)
     policy = WeightUpdateSpec(timeout_seconds=60, max_unavailable=2, canary=CanarySpec())
