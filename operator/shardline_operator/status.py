@@ -179,9 +179,14 @@ def build_status(spec: DeploymentSpec, generation: int, reports: Sequence[GroupR
     all_updated = len(on_target) == len(reports) and graphs_current
     declared_behind = any(r.observation.served is not None and r.observation.served != desired for r in reports)
     # A group still starting has no leader to report yet: that is Initializing, not a rollout.
-    rolling = (rollout_active or restarts_pending > 0 or declared_behind or any(r.planned for r in reports)
-               or (ready == spec.replicas and not all_updated))
-    phase = deployment_phase(phases, ready, spec.replicas, rollout, rolling, bool(mixed), not unplanned)
+    restarting = restarts_pending > 0 or any(r.planned for r in reports)
+    # A rollout is over when every group is Ready on the target: the last group a restart rollout
+    # replaced is still part of it while it starts (not "Initializing").
+    rolling = (rollout_active or restarting or declared_behind or (ready == spec.replicas and not all_updated)
+               or (previous.get("phase") == ROLLING_OUT and ready < spec.replicas and not unplanned))
+    # While groups are being replaced, an earlier failed in-place rollout is not what is happening.
+    phase = deployment_phase(phases, ready, spec.replicas, None if restarting else rollout, rolling,
+                             bool(mixed), not unplanned)
     failed_messages = [f"group {r.observation.index}: {r.record.failed_message}"
                        for r in reports if r.record.failed_message]
     progress = f"{len(on_target)}/{spec.replicas} groups on {desired.revision}"

@@ -98,6 +98,14 @@ def test_deployment_phase_table():
     assert deployment_phase(["Ready", "Ready"], 2, 2, None, mixed=True) == "Degraded"
 
 
+def test_rolling_out_lasts_until_every_group_is_ready_again(make_spec, make_pod):
+    spec = make_spec()
+    reports = [GroupReport(observed(spec, 0, make_pod), GroupRecord()),
+               GroupReport(observed(spec, 1, make_pod, ready=False), GroupRecord())]
+    assert build_status(spec, 1, reports, None, {"phase": "RollingOut"}, now=0.0)["phase"] == "RollingOut"
+    assert build_status(spec, 1, reports, None, {"phase": "Ready"}, now=0.0)["phase"] == "Initializing"
+
+
 def test_served_revision_order():
     assert served_revision([]) == ""
 
