@@ -1,7 +1,9 @@
 """Engine benchmark: Shardline's TpModelWorker against transformers, same model, side by side.
 
 Measures, for one randomly initialised Llama (default 12 layers, hidden 768, 12 heads, vocab
-32000; the shape of a GPT-2-small-sized Llama):
+32000; the shape of a GPT-2-small-sized Llama), or with ``--arch qwen3_moe`` / ``qwen2_moe`` /
+``mixtral`` a mixture-of-experts model of ``--experts`` experts, top ``--top-k``, expert size
+``--moe-intermediate``:
 
 - prefill: one EXTEND of ``--prefill-batch`` prompts of ``--prompt-len`` tokens
   (Shardline: ``prepare_for_extend`` + ``forward_batch_generation`` incl. greedy sampling;
@@ -26,6 +28,8 @@ Usage::
     python bench/engine.py --device cuda --dtype bfloat16
     python bench/engine.py --device cuda --graphs --graph-batch-sizes 1 8 32
     python bench/engine.py --threads 1 --profile     # per-operator profile of a decode step
+    python bench/engine.py --arch qwen3_moe --layers 4 --hidden 512 --heads 8 --kv-heads 8 \
+        --experts 16 --top-k 2 --moe-intermediate 512 --vocab 8000 --threads 1 --clock cpu   # tiny MoE
 """
 
 from __future__ import annotations
@@ -63,11 +67,18 @@ def sync(device: torch.device) -> None:
 
 
 def make_checkpoint(out: Path, args) -> Path:
+    moe = {}
+    if args.arch in ("qwen3_moe", "qwen2_moe"):
+        moe = dict(num_experts=args.experts, num_experts_per_tok=args.top_k, moe_intermediate_size=args.moe_intermediate,
+                   head_dim=args.hidden // args.heads)
+    elif args.arch == "mixtral":
+        moe = dict(num_local_experts=args.experts, num_experts_per_tok=args.top_k)
+    intermediate = args.moe_intermediate if args.arch == "mixtral" else args.intermediate
     return make_tiny_checkpoint(
-        out, arch="llama", seed=0, vocab_size=args.vocab, tokenizer=False,
+        out, arch=args.arch, seed=0, vocab_size=args.vocab, tokenizer=False,
         hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate,
-        max_position_embeddings=4096, initializer_range=0.02, dtype=args.dtype,
+        num_key_value_heads=args.kv_heads, intermediate_size=intermediate,
+        max_position_embeddings=4096, initializer_range=0.02, dtype=args.dtype, **moe,
     )
 
 
@@ -272,6 +283,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--arch", default="llama", choices=["llama", "qwen3_moe", "qwen2_moe", "mixtral"])
+    parser.add_argument("--experts", type=int, default=16, help="MoE archs: experts per layer")
+    parser.add_argument("--top-k", type=int, default=2, help="MoE archs: experts per token")
+    parser.add_argument("--moe-intermediate", type=int, default=512, help="MoE archs: intermediate size of one expert")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
@@ -307,7 +322,8 @@ def main(argv=None) -> None:
         profile_decode(args)
         return
     results = compare(args)
-    print(f"\nLlama {args.layers} layers x {args.hidden}, vocab {args.vocab}, {args.device} {args.dtype}, "
+    shape = f", {args.experts} experts, top {args.top_k}, expert size {args.moe_intermediate}" if args.arch != "llama" else ""
+    print(f"\n{args.arch} {args.layers} layers x {args.hidden}{shape}, vocab {args.vocab}, {args.device} {args.dtype}, "
           f"{torch.get_num_threads()} threads, {args.clock} clock; prompt {args.prompt_len} tokens")
     print("| measurement | Shardline best (ms) | transformers best (ms) | ratio of best | ratio of medians |")
     print("|---|---:|---:|---:|---:|")

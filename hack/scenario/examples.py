@@ -27,8 +27,22 @@ def tp2_example() -> tuple[Path, dict]:
     for path, doc in inference_deployments():
         par = doc.get("spec", {}).get("parallelism", {})
         seen.append(f"{path.name}: {par}")
-        if par.get("tensor") == 2 and par.get("gpusPerPod", 1) == 1 and \
+        if par.get("tensor") == 2 and par.get("gpusPerPod", 1) == 1 and par.get("expert", 1) == 1 and \
                 len([d for d in yaml.safe_load_all(path.read_text()) if d]) == 1:
             return path, doc
     raise LookupError("no single-document example in examples/ has parallelism "
                       f"{{tensor: 2, gpusPerPod: 1}}; found: {seen or 'none'}")
+
+
+def moe_ep2_example() -> tuple[Path, dict]:
+    """The example serving a mixture-of-experts model with ``parallelism.expert: 2``.
+
+    Raises LookupError listing the examples when none fits.
+    """
+    seen = []
+    for path, doc in inference_deployments():
+        par = doc.get("spec", {}).get("parallelism", {})
+        seen.append(f"{path.name}: {par}")
+        if par.get("expert") == 2:
+            return path, doc
+    raise LookupError(f"no example in examples/ has parallelism.expert 2; found: {seen or 'none'}")

@@ -127,6 +127,8 @@ class Reconciler:
         mixed = {v.index: v.mixed_reason() for v in views if v.index not in in_flight and v.index not in stale}
         mixed = {i: r for i, r in mixed.items() if r and i not in plan.apply}
 
+        versions = self._weight_versions(groups, views)
+
         def reports(trail_index: int | None = None, trail_phase: str | None = None) -> list[GroupReport]:
             out = []
             for g, v in zip(groups, views):
@@ -136,8 +138,8 @@ class Reconciler:
                         and overrides.get(g.index) != "Restarting":
                     digest = v.leader.digest
                 phase = trail_phase if g.index == trail_index else overrides.get(g.index)
-                out.append(GroupReport(g, records[g.index], phase, v, digest, mixed.get(g.index),
-                                       planned=g.index in planned))
+                out.append(GroupReport(g, records[g.index], phase, versions.get(g.index), view=v, digest=digest,
+                                       mixed=mixed.get(g.index), planned=g.index in planned))
             return out
 
         for index, phase in plan.trail:  # phases passed through since the last pass, each as a status write
@@ -157,6 +159,18 @@ class Reconciler:
             requeue = RESTART_POLL_SECONDS  # follow the replaced pods until the group is Ready
         return self._finish(status, requeue)
 
+    def _weight_versions(self, groups: list[GroupObservation], views: list[GroupView]) -> dict[int, str]:
+        """Each ready group's ``weight_version`` from its leader (set by a trainer's weight sync);
+        an unreachable leader keeps the last reported value."""
+        previous = {item.get("index"): item.get("weightVersion") for item in self.previous.get("groups") or []}
+        versions: dict[int, str] = {}
+        for group, view in zip(groups, views):
+            reported = view.leader.weight_version if group.ready and view.leader is not None else None
+            version = reported or previous.get(group.index)
+            if isinstance(version, str):
+                versions[group.index] = version
+        return versions
+
     def _observe_metrics(self, plan: RolloutPlan) -> None:
         """Operator metrics for what the plan saw happen (names in ``metrics.py``)."""
         for _, seconds in plan.group_update_seconds:
@@ -175,6 +189,19 @@ class Reconciler:
                 counts[view.served.revision] = counts.get(view.served.revision, 0) + 1
         metrics.set_groups_per_revision(self.namespace, self.name, counts)
         metrics.set_mixed_versions(self.namespace, self.name, len(mixed))
+
+    def _weight_versions(self, groups: list[GroupObservation]) -> dict[int, str]:
+        """Each ready group's ``weight_version`` from its leader (set by a trainer's weight sync);
+        an unreachable leader keeps the last reported value."""
+        previous = {item.get("index"): item.get("weightVersion") for item in self.previous.get("groups") or []}
+        versions: dict[int, str] = {}
+        for group in groups:
+            url = leader_url(group) if group.ready else None
+            info = self.ctx.leaders.server_info(url) if url else None
+            version = (info or {}).get("weight_version") or previous.get(group.index)
+            if isinstance(version, str):
+                versions[group.index] = version
+        return versions
 
     def _write(self, status: dict[str, Any]) -> None:
         """Patch status, skipped when nothing changed (status is updated only on change)."""

@@ -43,13 +43,16 @@ class LeaderReport:
     revision: str | None = None
     digest: str | None = None
     message: str = ""
+    weight_version: str | None = None
 
     @classmethod
     def from_info(cls, info: Mapping[str, Any] | None) -> "LeaderReport | None":
         if not info:
             return None
+        version = info.get("weight_version")
         return cls(str(info.get("weights_phase", "serving")), info.get("model_path"), info.get("weights_revision"),
-                   info.get("weights_digest"), str(info.get("message") or ""))
+                   info.get("weights_digest"), str(info.get("message") or ""),
+                   version if isinstance(version, str) else None)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,8 @@ def runtime_args(spec: DeploymentSpec, group: int, served: ServedModel) -> list[
         "--dtype", spec.runtime.dtype,
         "--mem-fraction-static", repr(spec.runtime.mem_fraction_static),
     ]
+    if spec.parallelism.expert > 1:
+        args += ["--ep-size", str(spec.parallelism.expert)]
     if spec.runtime.max_total_tokens is not None:
         args += ["--max-total-tokens", str(spec.runtime.max_total_tokens)]
     if served.cuda_graph.enabled:

@@ -26,7 +26,7 @@ MAX_REPLICAS = 100
 RESERVED_FLAGS = (
     "--model-path", "--served-model-name", "--revision", "--host", "--port", "--tp-size",
     "--nnodes", "--node-rank", "--dist-init-addr", "--dtype", "--mem-fraction-static",
-    "--max-total-tokens", "--cuda-graph-max-bs", "--disable-cuda-graph",
+    "--max-total-tokens", "--cuda-graph-max-bs", "--disable-cuda-graph", "--ep-size",
 )
 RESERVED_ENV = ("POD_IP", "POD_NAME", "POD_NAMESPACE", "POD_INDEX")
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -51,10 +51,12 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class ParallelismSpec:
-    """``spec.parallelism``: ``tensor`` TP ranks per group, ``gpus_per_pod`` ranks per pod."""
+    """``spec.parallelism``: ``tensor`` TP ranks per group, ``gpus_per_pod`` ranks per pod,
+    ``expert`` expert-parallel size of MoE models (divides ``tensor``; the runtime's ``--ep-size``)."""
 
     tensor: int = 1
     gpus_per_pod: int = 1
+    expert: int = 1
 
     @property
     def pods_per_group(self) -> int:
@@ -340,7 +342,12 @@ def parse_spec(name: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> 
     parallelism = ParallelismSpec(
         tensor=_int_in(parallel_raw, "tensor", "spec.parallelism", 1, 1, 1024),
         gpus_per_pod=_int_in(parallel_raw, "gpusPerPod", "spec.parallelism", 1, 1, 64),
+        expert=_int_in(parallel_raw, "expert", "spec.parallelism", 1, 1, 1024),
     )
+    if parallelism.tensor % parallelism.expert != 0:
+        raise SpecError(f"spec.parallelism: expert ({parallelism.expert}) must divide tensor ({parallelism.tensor}): "
+                        f"experts are split over expert groups of tensor / expert ranks; allowed: "
+                        f"{[d for d in range(1, parallelism.tensor + 1) if parallelism.tensor % d == 0]}")
     if parallelism.tensor % parallelism.gpus_per_pod != 0:
         raise SpecError(f"spec.parallelism: tensor ({parallelism.tensor}) must be a multiple of "
                         f"gpusPerPod ({parallelism.gpus_per_pod})")

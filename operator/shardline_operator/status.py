@@ -34,7 +34,8 @@ ROLLING_OUT = "RollingOut"
 class GroupReport:
     """A group's observation with its bookkeeping and any phase set by a running action.
 
-    ``view``: what its leader reported this pass; ``digest``: the ``weightsDigest`` to record;
+    ``weight_version``: the leader's ``weight_version``; ``view``: what its leader reported this
+    pass; ``digest``: the ``weightsDigest`` to record;
     ``mixed``: why it is a mixed version, or None; ``planned``: a ``Restarting`` override is part
     of a rollout (not Degraded).
     """
@@ -42,6 +43,7 @@ class GroupReport:
     observation: GroupObservation
     record: GroupRecord
     phase_override: str | None = None
+    weight_version: str | None = None  # the leader's /get_server_info weight_version (RL weight sync)
     view: GroupView | None = None
     digest: str | None = None
     mixed: str | None = None
@@ -97,6 +99,8 @@ def group_status(report: GroupReport, phase: str) -> dict[str, Any]:
         item["weightsDigest"] = report.digest
     if record.last_restart_time is not None:
         item["lastRestartTime"] = to_rfc3339(record.last_restart_time)
+    if report.weight_version is not None:
+        item["weightVersion"] = report.weight_version
     return item
 
 

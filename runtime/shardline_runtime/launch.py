@@ -205,6 +205,7 @@ def _full_app(args: ServerArgs, info, input_addr: str, output_addr: str, state: 
     digest = safe_checkpoint_digest(info.model_path)
     metrics = ServingMetrics(args.model_name)
     metrics.set_weights(info.weights_revision, info.model_path, digest)
+    metrics.set_weight_version(info.weight_version)
     tm = TokenizerManager(tokenizer, info, input_addr, output_addr, metrics,
                           hold_timeout=args.weight_update_hold_timeout, weights_digest=digest)
     tm.start()

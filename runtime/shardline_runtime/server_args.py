@@ -22,6 +22,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cuda", "cpu")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOAD_FORMATS = ("auto", "safetensors")
+RECORDER_MODES = ("stat", "per_pass")
 
 
 class ServerArgsError(ValueError):
@@ -91,6 +92,11 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 8000
     tp_size: int = 1
+    ep_size: int = 1
+    ep_num_redundant_experts: int = 0
+    eplb_rebalance_num_iterations: int = 0
+    expert_distribution_recorder_mode: str = "stat"
+    expert_distribution_recorder_dir: str | None = None
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
@@ -112,6 +118,9 @@ class ServerArgs:
     watchdog_timeout: int = 300
     drain_timeout: int = 30
     weight_update_hold_timeout: int = 60
+    weight_version: str = "default"
+    enable_weights_cpu_backup: bool = False
+    enable_memory_saver: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -124,6 +133,11 @@ class ServerArgs:
         if not 0 <= self.node_rank < self.nnodes:
             raise ServerArgsError(
                 f"--node-rank must be in [0, {self.nnodes - 1}] for --nnodes {self.nnodes}, got {self.node_rank}"
+            )
+        if self.tp_size % self.ep_size != 0:
+            raise ServerArgsError(
+                f"--ep-size ({self.ep_size}) must divide --tp-size ({self.tp_size}): experts are split over "
+                "ep_size groups of tp_size / ep_size ranks"
             )
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ServerArgsError("--dist-init-addr HOST:PORT is required when --nnodes > 1")
@@ -186,6 +200,7 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
 
     d_ = p.add_argument_group("parallelism")
     d_.add_argument("--tp-size", type=_int_range("--tp-size", 1), default=default("tp_size"), help="Tensor-parallel size across all nodes.")
+    d_.add_argument("--ep-size", type=_int_range("--ep-size", 1), default=default("ep_size"), help="Expert-parallel size (MoE models): experts are split over this many groups of tp_size / ep_size ranks; must divide --tp-size.")
     d_.add_argument("--nnodes", type=_int_range("--nnodes", 1), default=default("nnodes"), help="Number of nodes (pods) of the TP group.")
     d_.add_argument("--node-rank", type=_int_range("--node-rank", 0), default=default("node_rank"), help="This node's rank in [0, nnodes); rank 0 serves the API.")
     d_.add_argument("--dist-init-addr", type=_host_port, default=None, help="HOST:PORT of node 0 for the torch.distributed rendezvous (required when --nnodes > 1).")
@@ -201,6 +216,12 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
     mem.add_argument("--disable-radix-cache", action="store_true", help="Disable the prefix (radix) cache.")
     mem.add_argument("--enable-mixed-chunk", action="store_true", help="Run the running requests' decode in the same forward as a prefill (one step instead of two).")
 
+    e = p.add_argument_group("experts (MoE models)")
+    e.add_argument("--ep-num-redundant-experts", type=_int_range("--ep-num-redundant-experts", 0), default=default("ep_num_redundant_experts"), help="Extra physical expert slots per MoE layer for EPLB replicas; num_experts + this must be divisible by --ep-size.")
+    e.add_argument("--eplb-rebalance-num-iterations", type=_int_range("--eplb-rebalance-num-iterations", 0), default=default("eplb_rebalance_num_iterations"), help="Rebalance the experts (EPLB) every this many forward passes from the load seen since the last one; 0: only on POST /rebalance_experts.")
+    e.add_argument("--expert-distribution-recorder-mode", default=default("expert_distribution_recorder_mode"), choices=RECORDER_MODES, help="Default mode of POST /start_expert_distribution_record: stat (summed) or per_pass.")
+    e.add_argument("--expert-distribution-recorder-dir", default=None, help="Directory POST /dump_expert_distribution_record {\"to_file\": true} writes JSON records into.")
+
     g = p.add_argument_group("CUDA graphs")
     g.add_argument("--cuda-graph-max-bs", type=_int_range("--cuda-graph-max-bs", 1), default=default("cuda_graph_max_bs"), help="Largest decode batch size captured as a CUDA graph.")
     g.add_argument("--disable-cuda-graph", action="store_true", help="Run decode eagerly (always the case on CPU).")
@@ -211,4 +232,8 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
     o.add_argument("--watchdog-timeout", type=_int_range("--watchdog-timeout", 1), default=default("watchdog_timeout"), help="Seconds a forward step (or a peer rank) may stall before the process exits with an error.")
     o.add_argument("--drain-timeout", type=_int_range("--drain-timeout", 0), default=default("drain_timeout"), help="On SIGTERM: seconds to let running requests finish before aborting them.")
     o.add_argument("--weight-update-hold-timeout", type=_int_range("--weight-update-hold-timeout", 0), default=default("weight_update_hold_timeout"), help="Seconds a request arriving during a weight update waits for it to finish (then 503 with Retry-After); 0 refuses at once.")
+    w = p.add_argument_group("weight sync and memory release")
+    w.add_argument("--weight-version", default=default("weight_version"), help="Initial weight_version label (every weight update call may set a new one); reported in /get_server_info, /metrics and responses.")
+    w.add_argument("--enable-weights-cpu-backup", action="store_true", help="/release_memory_occupation keeps a CPU copy of the weights, so /resume_memory_occupation restores them without a weight update.")
+    w.add_argument("--enable-memory-saver", action="store_true", help="GPU: allocate weights and KV cache through torch-memory-saver (pip install torch-memory-saver), so release/resume keeps tensor addresses and captured graphs valid.")
     return p

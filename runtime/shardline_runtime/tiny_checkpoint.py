@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral")
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
 
@@ -100,7 +100,8 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any):
     """Return a small ``transformers`` config of ``arch`` (one of ``ARCHITECTURES``).
 
     Defaults: hidden 64, 2 layers, 4 heads, 2 KV heads, intermediate 128, 512 positions,
-    float32. ``overrides`` are passed to the config class (e.g. ``num_key_value_heads=1``,
+    float32; the MoE archs have 8 experts, top-2, expert intermediate 32 (Mixtral: 64), and
+    Qwen2-MoE a shared expert of 48. ``overrides`` are passed to the config class (e.g. ``num_key_value_heads=1``,
     ``rope_scaling={...}``, ``tie_word_embeddings=True``).
 
     Raises:
@@ -113,6 +114,9 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any):
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "mistral": transformers.MistralConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
+        "mixtral": transformers.MixtralConfig,
     }
     if arch not in classes:
         raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
@@ -132,10 +136,16 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any):
         pad_token_id=0,
         dtype="float32",
     )
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = 16
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         kwargs["sliding_window"] = None
+    if arch in ("qwen3_moe", "qwen2_moe"):
+        kwargs.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    if arch == "qwen2_moe":
+        kwargs["shared_expert_intermediate_size"] = 48
+    if arch == "mixtral":
+        kwargs.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64)
     kwargs.update(overrides)
     return classes[arch](**kwargs)
 

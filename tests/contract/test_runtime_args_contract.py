@@ -27,6 +27,8 @@ SPECS = {
     },
     "tp8-two-pods": {"model": {"name": "big", "path": "/models/big/v1"}, "parallelism": {"tensor": 8, "gpusPerPod": 4},
                      "runtime": {"image": "r:1", "cudaGraph": {"maxBatchSize": 32}}},
+    "moe-ep4": {"model": {"name": "moe", "path": "/models/moe/v1"}, "parallelism": {"tensor": 8, "gpusPerPod": 4, "expert": 4},
+                "runtime": {"image": "r:1", "args": ["--ep-num-redundant-experts", "8"]}},
 }
 
 
@@ -60,6 +62,7 @@ def test_rendered_args_parse_with_the_runtime_parser(spec_name):
         assert args.served_model_name == spec.model.name
         assert args.revision == spec.model.revision
         assert args.tp_size == spec.parallelism.tensor
+        assert args.ep_size == spec.parallelism.expert
         assert args.nnodes == spec.parallelism.pods_per_group
         assert args.node_rank == rank
         assert args.host == f"127.0.0.{10 + rank}"

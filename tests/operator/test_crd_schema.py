@@ -128,6 +128,7 @@ def test_crd_defaults_equal_parser_defaults():
     expected = {
         "replicas": parsed.replicas, "model.mountPath": parsed.model.mount_path,
         "parallelism.tensor": parsed.parallelism.tensor, "parallelism.gpusPerPod": parsed.parallelism.gpus_per_pod,
+        "parallelism.expert": parsed.parallelism.expert,
         "runtime.imagePullPolicy": parsed.runtime.image_pull_policy, "runtime.dtype": parsed.runtime.dtype,
         "runtime.memFractionStatic": parsed.runtime.mem_fraction_static,
         "runtime.startupTimeoutSeconds": parsed.runtime.startup_timeout_seconds,

@@ -219,3 +219,18 @@ def test_cuda_graph_change_recaptures_in_place(world):
     assert args[args.index("--cuda-graph-max-bs") + 1] == "16"
     assert status["phase"] == "Ready"
     assert {n: p["metadata"]["uid"] for n, p in kube.pods().items()} == uids
+
+
+def test_group_status_shows_the_leaders_weight_version(world, spec_dict):
+    kube, body, run = world
+    run()
+    kube.run_statefulsets()
+    leaders = FakeLeaders()
+    ctx = Context(kube=kube, leaders=leaders, clock=lambda: NOW[0])
+    ip = kube.pods()["llama-g0-0"]["status"]["podIP"]
+    leaders.info[f"http://{ip}:{labels.HTTP_PORT}"] = {"weights_phase": "serving", "weight_version": "step-7"}
+    status = reconcile(ctx, copy.deepcopy(body)).status
+    assert status["groups"][0]["weightVersion"] == "step-7"
+    body["status"] = status
+    leaders.info.clear()  # leader unreachable for a pass: the last reported version stays
+    assert reconcile(ctx, copy.deepcopy(body)).status["groups"][0]["weightVersion"] == "step-7"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from shardline_operator.spec import SpecError, parse_spec
@@ -83,3 +85,23 @@ def test_restart_hash_ignores_in_place_fields(make_spec):
     image = make_spec({"runtime": {"image": "ghcr.io/shardline/shardline-runtime:0.2.0", "resources": {"limits": {"cpu": "2"}}}})
     assert base.restart_hash() == moved.restart_hash() == graphs.restart_hash()
     assert base.restart_hash() != image.restart_hash()
+
+
+def test_expert_parallelism_defaults_to_one_and_reaches_the_runtime(make_spec):
+    from shardline_operator.runtime_args import ServedModel, runtime_args
+
+    assert make_spec({}).parallelism.expert == 1
+    spec = make_spec({"parallelism": {"tensor": 4, "gpusPerPod": 2, "expert": 2}})
+    args = runtime_args(spec, 0, ServedModel.desired(spec))
+    assert args[args.index("--ep-size") + 1] == "2"
+    assert "--ep-size" not in runtime_args(make_spec({}), 0, ServedModel.desired(make_spec({})))
+
+
+@pytest.mark.parametrize("parallelism, message", [
+    ({"tensor": 4, "expert": 3}, "spec.parallelism: expert (3) must divide tensor (4): experts are split over expert "
+                                 "groups of tensor / expert ranks; allowed: [1, 2, 4]"),
+    ({"tensor": 2, "expert": 0}, "spec.parallelism.expert must be in [1, 1024]"),
+])
+def test_expert_parallelism_that_does_not_divide_the_ranks_is_refused(make_spec, parallelism, message):
+    with pytest.raises(SpecError, match=re.escape(message)):
+        make_spec({"parallelism": parallelism})

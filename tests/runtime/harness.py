@@ -134,14 +134,16 @@ def run_scenario(runner, prompts: list[list[int]], steps: int, split: int = 3) -
 
 
 def tp_worker(rank: int, tp_size: int, port: int, scenarios: list[dict], out_dir: str) -> None:
-    """Body of one TP rank: run each scenario (``path``, ``prompts``, ``steps``) and save
+    """Body of one TP rank: run each scenario (``path``, ``prompts``, ``steps``, optional
+    ``runner_kwargs`` for ``make_runner``) and save
     ``{name: result}`` plus per-rank shard facts to ``out_dir/rank<rank>.pt``."""
     import os
 
     torch.set_num_threads(1)
     results = {}
     for sc in scenarios:
-        runner = make_runner(sc["path"], tp_rank=rank, tp_size=tp_size, dist_init_addr=f"127.0.0.1:{port}")
+        runner = make_runner(sc["path"], tp_rank=rank, tp_size=tp_size, dist_init_addr=f"127.0.0.1:{port}",
+                             **sc.get("runner_kwargs", {}))
         res = run_scenario(runner, sc["prompts"], sc["steps"])
         model = runner.model
         res["lm_head_shard"] = model.lm_head.weight.detach().clone()

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+from shardline_runtime.configs.moe_config import MOE_ARCHITECTURES, moe_parallel_problem, parse_moe_fields
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM") + MOE_ARCHITECTURES
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # Keys each RoPE type needs (besides rope_type and rope_theta), as transformers validates them.
 _ROPE_REQUIRED = {
@@ -119,6 +121,13 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     hidden_act: str = "silu"
+    # mixture of experts (configs/moe_config.py); num_experts == 0 for dense models
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] = ()
     sliding_windows: tuple[int | None, ...] = ()
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -168,6 +177,10 @@ class ModelConfig:
         max_pos = int(cfg.get("max_position_embeddings") or 2048)
         if context_length is not None and context_length < 1:
             raise ModelConfigError(f"context_length must be >= 1, got {context_length}")
+        try:
+            moe = parse_moe_fields(archs[0], cfg, layers, path)
+        except ValueError as e:
+            raise ModelConfigError(str(e)) from None
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ModelConfigError(f"{path}: hidden_act {act!r} is not supported (only 'silu')")
@@ -187,13 +200,14 @@ class ModelConfig:
             context_len=context_length or max_pos,
             dtype=resolve_dtype(dtype, cfg.get("dtype") or cfg.get("torch_dtype"), device_type),
             rope_parameters=parse_rope_parameters(cfg, f"{path / 'config.json'}"),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            o_proj_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
+            qkv_bias=_qkv_bias(arch, cfg),
+            o_proj_bias=arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             hidden_act=act,
             sliding_windows=_sliding_windows(arch, cfg, layers),
             hf_config=cfg,
+            **moe,
         )
 
     def get_num_kv_heads(self, tp_size: int) -> int:
@@ -214,7 +228,25 @@ class ModelConfig:
             return f"tp_size {tp_size} is not a multiple of num_key_value_heads {kv} (KV heads cannot be replicated evenly)"
         if self.intermediate_size % tp_size:
             return f"intermediate_size {self.intermediate_size} is not divisible by tp_size {tp_size}"
+        if self.shared_expert_intermediate_size % tp_size:
+            return f"shared_expert_intermediate_size {self.shared_expert_intermediate_size} is not divisible by tp_size {tp_size}"
         return None
+
+    def check_ep_size(self, tp_size: int, ep_size: int, num_redundant_experts: int = 0) -> None:
+        """Refuse an expert-parallel layout the experts cannot be split over (dense models
+        accept only ``ep_size == 1``).
+
+        Raises:
+            ModelConfigError: names ``ep_size`` and the reason.
+        """
+        if not self.num_experts:
+            if ep_size != 1 or num_redundant_experts:
+                raise ModelConfigError(f"{self.model_path}: ep_size {ep_size} and ep_num_redundant_experts "
+                                       f"{num_redundant_experts} need a mixture-of-experts model; {self.architecture} has no experts")
+            return
+        problem = moe_parallel_problem(self.num_experts, self.moe_intermediate_size, tp_size, ep_size, num_redundant_experts)
+        if problem:
+            raise ModelConfigError(f"{self.model_path}: cannot run at tp_size {tp_size}, ep_size {ep_size}: {problem}")
 
     def check_tp_size(self, tp_size: int) -> None:
         """Refuse a TP size the heads cannot be split over.
@@ -232,9 +264,17 @@ class ModelConfig:
             )
 
 
+def _qkv_bias(arch: str, cfg: dict) -> bool:
+    if arch == "Qwen2ForCausalLM":
+        return True
+    if arch == "Qwen2MoeForCausalLM":
+        return bool(cfg.get("qkv_bias", True))
+    return bool(cfg.get("attention_bias", False))
+
+
 def _sliding_windows(arch: str, cfg: dict, layers: int) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         if not cfg.get("use_sliding_window", False):
             return (None,) * layers
         types = cfg.get("layer_types") or [
@@ -242,6 +282,6 @@ def _sliding_windows(arch: str, cfg: dict, layers: int) -> tuple[int | None, ...
             for i in range(layers)
         ]
         return tuple(window if t == "sliding_attention" else None for t in types)
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return (window,) * layers
     return (None,) * layers

@@ -1,11 +1,19 @@
 """Process groups and collectives; the only package that imports ``torch.distributed``."""
 
 from shardline_runtime.distributed.communication_op import (
+    all_gather_pyobj,
     all_reduce_min_int,
     barrier,
     broadcast_pyobj,
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
+)
+from shardline_runtime.distributed.expert_parallel import (
+    ExpertParallelLayout,
+    broadcast_tensor,
+    expert_parallel_combine,
+    get_expert_parallel_layout,
+    init_expert_parallel,
 )
 from shardline_runtime.distributed.parallel_state import (
     DistributedInitError,
@@ -19,6 +27,12 @@ from shardline_runtime.distributed.parallel_state import (
 
 __all__ = [
     "DistributedInitError",
+    "ExpertParallelLayout",
+    "all_gather_pyobj",
+    "broadcast_tensor",
+    "expert_parallel_combine",
+    "get_expert_parallel_layout",
+    "init_expert_parallel",
     "all_reduce_min_int",
     "barrier",
     "broadcast_pyobj",

@@ -46,6 +46,16 @@ def broadcast_pyobj(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def all_gather_pyobj(obj: Any) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order, on every rank (CPU group)."""
+    group = get_tp_group()
+    if group.size == 1:
+        return [obj]
+    out: list[Any] = [None] * group.size
+    dist.all_gather_object(out, obj, group=group.cpu_group)
+    return out
+
+
 def all_reduce_min_int(value: int) -> int:
     """Minimum of an integer over the TP ranks (CPU group)."""
     group = get_tp_group()

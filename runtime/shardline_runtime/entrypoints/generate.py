@@ -1,7 +1,7 @@
 """``POST /generate``: SGLang's native API (text or input ids, ``sampling_params``, stream).
 
 Response: ``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
-"completion_tokens", "cached_tokens", "output_token_logprobs", "input_token_logprobs"}}``;
+"completion_tokens", "cached_tokens", "weight_version", "output_token_logprobs", "input_token_logprobs"}}``;
 logprob entries are ``[logprob, token_id, top]`` with ``top`` a list of ``[logprob, token_id]``.
 A stream sends the same object after every step with the text so far (cumulative, as SGLang),
 then ``data: [DONE]``. ``max_new_tokens: 0`` runs the prompt only (for prompt logprobs).
@@ -53,7 +53,8 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
         )
     await tm.admit()  # held while a weight update runs
     rid = req.rid or tm.new_rid()
-    out: dict[str, Any] = {"text": "", "output_ids": [], "meta_info": {"id": rid, "finish_reason": None}}
+    out: dict[str, Any] = {"text": "", "output_ids": [], "meta_info": {"id": rid, "finish_reason": None,
+                                                                       "weight_version": tm.weight_version}}
     meta = out["meta_info"]
     if req.return_logprob:
         meta["output_token_logprobs"] = []
@@ -65,7 +66,8 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
             out["text"] += chunk.text
             out["output_ids"] += chunk.token_ids
             meta.update(finish_reason=chunk.finish_reason, prompt_tokens=chunk.prompt_tokens,
-                        completion_tokens=chunk.completion_tokens, cached_tokens=chunk.cached_tokens)
+                        completion_tokens=chunk.completion_tokens, cached_tokens=chunk.cached_tokens,
+                        weight_version=chunk.weight_version or meta["weight_version"])
             if req.return_logprob:
                 meta["output_token_logprobs"] += [[lp, t, [list(x) for x in top]] for lp, t, top in chunk.logprobs]
                 if chunk.prompt_logprobs is not None:

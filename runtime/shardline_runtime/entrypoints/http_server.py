@@ -17,8 +17,10 @@ from fastapi.exceptions import RequestValidationError as FastAPIValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from shardline_runtime.entrypoints.expert_routes import add_expert_routes
 from shardline_runtime.entrypoints.generate import serve_generate
 from shardline_runtime.entrypoints.openai_serving import ClientDisconnected, serve_chat, serve_completion
+from shardline_runtime.entrypoints.weight_sync_routes import add_weight_sync_routes
 from shardline_runtime.entrypoints.protocol import (
     AbortRequest,
     ChatCompletionRequest,
@@ -103,6 +105,8 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
         # still come are held, not refused); /health stays 200.
         if not state.get("healthy", True) or tm.draining or tm.weights_phase in ("loading", "recapturing"):
             return error_response(503, f"not ready (weights_phase {tm.weights_phase}, draining {tm.draining})")
+        if tm.blocked:
+            return error_response(503, f"not ready: {tm.blocked}")
         return PlainTextResponse("OK")
 
     @app.get("/health_generate")
@@ -141,7 +145,8 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
             "chunked_prefill_size": server_args.chunked_prefill_size,
             "num_running_reqs": s.num_running_reqs, "num_queued_reqs": s.num_queued_reqs,
             "kv_used_tokens": s.kv_used_tokens, "kv_evictable_tokens": s.kv_evictable_tokens,
-            "draining": tm.draining, "version": "0.1.0",
+            "draining": tm.draining, "version": "0.1.0", "weight_version": tm.weight_version,
+            "generation_paused": tm.paused, "memory_blocked": tm.blocked,
         }
 
     @app.post("/v1/completions")
@@ -170,13 +175,18 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
             return error_response(503, f"a weight update is already running (phase {tm.weights_phase})")
         req = UpdateWeightsFromDiskReqInput(body.model_path, body.load_format, body.revision,
                                             body.recapture_cuda_graph, body.abort_all_requests,
-                                            body.cuda_graph_max_bs, body.disable_cuda_graph)
+                                            body.cuda_graph_max_bs, body.disable_cuda_graph, body.weight_version,
+                                            body.flush_cache)
         out = await tm.update_weights_from_disk(req)
         if metrics is not None and out.success:
             metrics.set_weights(tm.weights_revision, tm.model_path, tm.weights_digest)
+            metrics.set_weight_version(tm.weight_version)
         return JSONResponse({"success": out.success, "message": out.message, "revision": tm.weights_revision,
-                             "model_path": tm.model_path, "weights_digest": tm.weights_digest},
+                             "model_path": tm.model_path, "weight_version": tm.weight_version,
+                             "weights_digest": tm.weights_digest},
                             status_code=200 if out.success else 400)
+
+    add_weight_sync_routes(app, tm, metrics, error_response, server_args.tp_size)
 
     @app.post("/abort_request")
     async def abort_request(body: AbortRequest):
@@ -184,6 +194,8 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
             raise RequestValidationError("give rid, or abort_all: true", "rid")
         found = await tm.abort(None if body.abort_all else body.rid)
         return {"success": found}
+
+    add_expert_routes(app, tm, getattr(server_args, "expert_distribution_recorder_mode", "stat"))
 
     @app.get("/metrics")
     async def metrics_endpoint():

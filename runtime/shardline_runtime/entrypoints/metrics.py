@@ -55,6 +55,10 @@ class ServingMetrics:
             "shardline:weight_update_hold_seconds", "Seconds a request was held by a weight update.", ["model_name"],
             buckets=_LATENCY_BUCKETS, registry=r,
         )
+        self.weight_version = Gauge(
+            "shardline:weight_version_info", "1 for the weight_version being served (set by every weight update).",
+            ["model_name", "weight_version"], registry=r,
+        )
         for metric in (self.held, self.hold_time, self.prompt_tokens, self.generation_tokens, self.cached_tokens, self.running, self.waiting, self.kv_usage, self.kv_used):
             metric.labels(**labels)
 
@@ -66,6 +70,10 @@ class ServingMetrics:
         """A request was held ``seconds`` by a weight update (then admitted or refused)."""
         self.held.labels(**self._labels).inc()
         self.hold_time.labels(**self._labels).observe(seconds)
+
+    def set_weight_version(self, weight_version: str) -> None:
+        self.weight_version.clear()
+        self.weight_version.labels(weight_version=weight_version, **self._labels).set(1)
 
     def observe_stats(self, stats) -> None:
         self.running.labels(**self._labels).set(stats.num_running_reqs)

@@ -127,14 +127,17 @@ async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: 
     results = [ChoiceResult(prompt_index=s.prompt_index, text=s.echo_text) for s in specs]
     want_lp = req.logprobs is not None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    metadata = {"weight_version": tm.weight_version}  # SGLang's response metadata: the weights that ran
 
     def body(choices: list[dict], usage: dict | None = None) -> dict:
         out = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
         if usage is not None:
             out["usage"] = usage
+        out["metadata"] = metadata
         return out
 
     def absorb(index: int, chunk: GenerateChunk) -> dict:
+        metadata["weight_version"] = chunk.weight_version or metadata["weight_version"]
         r = results[index]
         lp = _completion_logprobs(tm, chunk, len(r.text)) if want_lp else None
         r.text += chunk.text
@@ -178,14 +181,17 @@ async def serve_chat(req: ChatCompletionRequest, tm: TokenizerManager, model: st
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", now_seconds()
     results = [ChoiceResult() for _ in specs]
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    metadata = {"weight_version": tm.weight_version}  # SGLang's response metadata: the weights that ran
 
     def body(choices: list[dict], usage: dict | None = None, obj: str = "chat.completion.chunk") -> dict:
         out = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
         if usage is not None:
             out["usage"] = usage
+        out["metadata"] = metadata
         return out
 
     def absorb(index: int, chunk: GenerateChunk) -> dict | None:
+        metadata["weight_version"] = chunk.weight_version or metadata["weight_version"]
         r = results[index]
         lp = _chat_logprobs(tm, chunk) if req.logprobs else None
         r.text += chunk.text

@@ -123,6 +123,8 @@ class UpdateWeightsRequest(BaseModel):
     abort_all_requests: bool = False
     cuda_graph_max_bs: Optional[int] = Field(None, ge=1, le=4096)
     disable_cuda_graph: Optional[bool] = None
+    weight_version: Optional[str] = Field(None, min_length=1, max_length=256)
+    flush_cache: bool = True
 
 
 class AbortRequest(BaseModel):

@@ -3,10 +3,17 @@
 Direction and meaning:
 
 - HTTP -> rank-0 scheduler (and broadcast by rank 0 to every rank): ``TokenizedGenerateReqInput``,
-  ``AbortReq``, ``FlushCacheReqInput``, ``UpdateWeightsFromDiskReqInput``.
+  ``AbortReq``, ``FlushCacheReqInput``, ``UpdateWeightsFromDiskReqInput``,
+  ``ExpertDistributionReqInput``, ``RebalanceExpertsReqInput`` (MoE models), and the weight-sync
+  and memory controls (``UpdateWeightsFromTensorReqInput``, ``UpdateWeightsFromDistributedReqInput``,
+  ``InitWeightsUpdateGroupReqInput``, ``DestroyWeightsUpdateGroupReqInput``,
+  ``GetWeightsByNameReqInput``, ``PauseGenerationReqInput``, ``ContinueGenerationReqInput``,
+  ``ReleaseMemoryOccupationReqInput``, ``ResumeMemoryOccupationReqInput``).
 - Rank-0 scheduler -> HTTP: ``BatchTokenIDOut`` (new token ids of many requests per step),
-  ``FlushCacheReqOutput``, ``UpdateWeightsFromDiskReqOutput``, ``WeightsPhaseOut``, and
-  ``SchedulerStats`` whenever load or KV usage changed.
+  ``FlushCacheReqOutput``, ``UpdateWeightsFromDiskReqOutput``, ``ExpertDistributionReqOutput``,
+  ``RebalanceExpertsReqOutput``, ``ControlReqOutput`` (reply to every weight-sync and memory
+  control), ``WeightsPhaseOut``, ``ServingStateOut``, and ``SchedulerStats`` whenever load or KV
+  usage changed.
 
 Token ids are Python ints; logprobs are natural-log floats.
 """
@@ -71,6 +78,8 @@ class UpdateWeightsFromDiskReqInput:
     abort_all_requests: bool = False
     cuda_graph_max_bs: int | None = None  # new graph settings (GPU only), applied after the load
     disable_cuda_graph: bool | None = None
+    weight_version: str | None = None
+    flush_cache: bool = True
 
 
 @dataclass
@@ -79,6 +88,96 @@ class UpdateWeightsFromDiskReqOutput:
     message: str
     revision: str | None = None
     model_path: str | None = None
+    weight_version: str | None = None
+
+
+@dataclass
+class UpdateWeightsFromTensorReqInput:
+    """Load full tensors given as the bytes of a safetensors file (checkpoint names)."""
+
+    serialized_named_tensors: bytes
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+@dataclass
+class UpdateWeightsFromDistributedReqInput:
+    """Receive ``names`` by broadcast from rank 0 (the trainer) of weight-sync group ``group_name``."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+@dataclass
+class InitWeightsUpdateGroupReqInput:
+    """Every engine rank joins group ``group_name`` as rank ``rank_offset + tp_rank``."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str = "gloo"
+    timeout_s: float = 120.0
+
+
+@dataclass
+class DestroyWeightsUpdateGroupReqInput:
+    group_name: str
+
+
+@dataclass
+class GetWeightsByNameReqInput:
+    name: str
+    truncate_size: int = 100
+
+
+@dataclass
+class PauseGenerationReqInput:
+    """``mode``: ``abort`` (default), ``retract`` or ``in_place`` (SGLang's three modes)."""
+
+    mode: str = "abort"
+
+
+@dataclass
+class ContinueGenerationReqInput:
+    pass
+
+
+@dataclass
+class ReleaseMemoryOccupationReqInput:
+    tags: list[str] | None = None
+
+
+@dataclass
+class ResumeMemoryOccupationReqInput:
+    tags: list[str] | None = None
+
+
+@dataclass
+class ControlReqOutput:
+    """Reply to a weight-sync or memory control; ``data`` carries e.g. the tensor values of
+    ``get_weights_by_name``; ``weight_version`` is the version serving after the call."""
+
+    success: bool
+    message: str
+    weight_version: str | None = None
+    data: Any = None
+
+
+@dataclass
+class ServingStateOut:
+    """Rank 0 reports why generation cannot run now (``blocked``: released memory or weights
+    missing after a resume, else None) and the pause mode (None when not paused)."""
+
+    blocked: str | None
+    paused: str | None
 
 
 @dataclass
@@ -118,6 +217,7 @@ class SchedulerInfo:
     weights_revision: str | None
     model_path: str
     eos_token_ids: list[int] = field(default_factory=list)
+    weight_version: str = "default"
 
 
 @dataclass
@@ -142,3 +242,36 @@ class BatchTokenIDOut:
     output_top_logprobs: list[list[list[tuple[float, int]]] | None]
     input_token_logprobs: list[list[tuple[float | None, int]] | None]
     input_top_logprobs: list[list[list[tuple[float, int]]] | None]
+
+
+@dataclass
+class ExpertDistributionReqInput:
+    """Expert-distribution recorder control: ``action`` is ``start`` (with ``mode``), ``stop``
+    or ``dump`` (``to_file``: write into ``--expert-distribution-recorder-dir``)."""
+
+    action: str
+    mode: str | None = None
+    to_file: bool = False
+
+
+@dataclass
+class ExpertDistributionReqOutput:
+    success: bool
+    message: str = ""
+    record: dict[str, Any] | None = None
+
+
+@dataclass
+class RebalanceExpertsReqInput:
+    """Re-place the experts (EPLB) from the recorded load, on every rank."""
+
+
+@dataclass
+class RebalanceExpertsReqOutput:
+    """Imbalance is max / mean tokens per expert-parallel rank (1.0 = balanced)."""
+
+    success: bool
+    message: str
+    imbalance_before: float | None = None
+    imbalance_after_expected: float | None = None
+    moved_experts: int = 0

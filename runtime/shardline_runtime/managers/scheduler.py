@@ -28,19 +28,21 @@ from typing import Any
 import zmq
 
 from shardline_runtime.distributed import broadcast_pyobj
+from shardline_runtime.managers.expert_control import handle_expert_control
 from shardline_runtime.managers.io_struct import (
     AbortReq,
+    ExpertDistributionReqInput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
+    RebalanceExpertsReqInput,
     SchedulerInfo,
     TokenizedGenerateReqInput,
-    UpdateWeightsFromDiskReqInput,
-    UpdateWeightsFromDiskReqOutput,
     WeightsPhaseOut,
 )
 from shardline_runtime.managers.req import FinishReason, Req
 from shardline_runtime.managers.scheduler_output import SchedulerOutputMixin
 from shardline_runtime.managers.scheduler_policy import SchedulerPolicyMixin
+from shardline_runtime.managers.scheduler_weight_sync import UPDATE_REQUESTS, SchedulerWeightSyncMixin
 from shardline_runtime.mem_cache.radix_cache import RadixCache
 
 logger = logging.getLogger(__name__)
@@ -64,7 +66,7 @@ def eos_token_ids(model_config: Any) -> list[int]:
     return ids
 
 
-class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin):
+class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncMixin):
     """Request queue, batching, KV budget and finishing for one TP rank.
 
     Args:
@@ -94,7 +96,7 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin):
         self.waiting_queue: deque[Req] = deque()
         self.running_batch = None  # ScheduleBatch of decoding requests
         self.chunked_req: Req | None = None
-        self.pending_update: UpdateWeightsFromDiskReqInput | None = None
+        self.pending_update: Any = None  # one of UPDATE_REQUESTS, waiting for running requests to finish
         self.last_weights_phase_sent = "serving"  # what the HTTP process believes
         self.new_token_ratio = self.init_new_token_ratio = 0.4
         self.num_retractions = 0
@@ -118,7 +120,7 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin):
             tp_rank=self.tp_rank, max_total_num_tokens=self.max_total_num_tokens, max_req_len=self.max_req_len,
             max_req_input_len=self.max_req_input_len, context_len=info["context_len"], vocab_size=info["vocab_size"],
             max_running_requests=self.max_running_requests, weights_revision=info["weights_revision"],
-            model_path=info["model_path"], eos_token_ids=self.eos_token_ids,
+            model_path=info["model_path"], eos_token_ids=self.eos_token_ids, weight_version=info["weight_version"],
         )
 
     # ------------------------------------------------------------------ loop
@@ -138,6 +140,8 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin):
             self.step_started = None
 
     def is_idle(self) -> bool:
+        if self.pending_update is None and self.generation_blocked():
+            return True  # nothing can run until a control message arrives: poll at the idle pace
         running = self.running_batch is not None and not self.running_batch.is_empty()
         return not running and not self.waiting_queue and self.chunked_req is None and self.pending_update is None
 
@@ -165,9 +169,11 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin):
                 self.abort_request(msg.rid, msg.finish_reason)
             elif isinstance(msg, FlushCacheReqInput):
                 self.send(self.flush_cache())
-            elif isinstance(msg, UpdateWeightsFromDiskReqInput):
+            elif isinstance(msg, UPDATE_REQUESTS):
                 self.start_weight_update(msg)
-            else:
+            elif isinstance(msg, (ExpertDistributionReqInput, RebalanceExpertsReqInput)):
+                self.send(handle_expert_control(self.worker.model_runner, msg))
+            elif not self.handle_control(msg):
                 logger.warning("[tp %d] ignoring unknown message %s", self.tp_rank, type(msg).__name__)
         if self.pending_update is not None:
             self.maybe_run_weight_update()
@@ -219,14 +225,17 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin):
     # ------------------------------------------------------------------ control
 
     def flush_cache(self) -> FlushCacheReqOutput:
-        if not self.is_idle():
+        # Requests waiting while generation is paused hold no KV (SGLang: flushable after a retract).
+        if self.holds_kv() or self.pending_update is not None or (self.waiting_queue and self.paused_mode is None):
             return FlushCacheReqOutput(False, "requests are running or queued; flush when idle")
         self.tree_cache.reset()
         return FlushCacheReqOutput(True, "prefix cache flushed")
 
-    def start_weight_update(self, msg: UpdateWeightsFromDiskReqInput) -> None:
-        if self.pending_update is not None:
-            self.send(UpdateWeightsFromDiskReqOutput(False, "a weight update is already in progress"))
+    def start_weight_update(self, msg: Any) -> None:
+        """Queue an update of any kind (``UPDATE_REQUESTS``); it runs once no request holds KV."""
+        refused = "a weight update is already in progress" if self.pending_update is not None else self.refuse_update(msg)
+        if refused:
+            self.send(self.update_reply(msg, False, refused))
             return
         self.pending_update = msg
         if msg.abort_all_requests:
@@ -240,18 +249,18 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin):
         msg, self.pending_update = self.pending_update, None
         self.step_started = None  # loading a checkpoint may take longer than one step's watchdog
         self.send_weights_phase("loading")
-        ok, message = self.worker.update_weights_from_disk(
-            msg.model_path, msg.load_format or "auto", msg.revision, msg.recapture_cuda_graph,
-            on_phase=lambda phase: self.send_weights_phase(phase.value),
-        )
-        if ok and (msg.cuda_graph_max_bs is not None or msg.disable_cuda_graph is not None):
+        ok, message = self.run_weight_update(msg)
+        if ok and (getattr(msg, "cuda_graph_max_bs", None) is not None or getattr(msg, "disable_cuda_graph", None) is not None):
             self.apply_cuda_graph_settings(msg.cuda_graph_max_bs, bool(msg.disable_cuda_graph))
         # Old KV must never serve new weights; after a failed update the cache is still valid,
-        # but flushing it costs only recomputation, so do it in every case.
-        self.tree_cache.reset()
+        # but flushing it costs only recomputation, so do it in every case (a trainer sending
+        # buckets passes flush_cache false on all but the last).
+        if msg.flush_cache:
+            self.tree_cache.reset()
         phase = getattr(self.worker.weights_phase, "value", str(self.worker.weights_phase))
         self.send_weights_phase(phase)
-        self.send(UpdateWeightsFromDiskReqOutput(ok, message, self.worker.weights_revision, self.worker.model_path))
+        self.send(self.update_reply(msg, ok, message))
+        self.send_serving_state()
 
     def apply_cuda_graph_settings(self, max_bs: int | None, disable: bool) -> None:
         """New decode-graph settings from an update request (GPU only; CPU runs eagerly)."""

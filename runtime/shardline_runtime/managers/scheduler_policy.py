@@ -74,6 +74,8 @@ class SchedulerPolicyMixin:
     # ------------------------------------------------------------------ next batch
 
     def get_next_batch_to_run(self):
+        if self.generation_blocked():  # paused, or memory released: no forward at all
+            return None
         # A pending weight update pauses admission, but a started chunked prefill must finish.
         batch = self.get_new_batch_prefill(admit_new=self.pending_update is None)
         if batch is not None:

@@ -32,10 +32,12 @@ from shardline_runtime.managers.detokenizer import IncrementalDetokenizer
 from shardline_runtime.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
+    ControlReqOutput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     SchedulerInfo,
     SchedulerStats,
+    ServingStateOut,
     TokenizedGenerateReqInput,
     UpdateWeightsFromDiskReqInput,
     UpdateWeightsFromDiskReqOutput,
@@ -103,6 +105,7 @@ class GenerateChunk:
     completion_tokens: int
     cached_tokens: int
     prompt_logprobs: list[tuple[float | None, int, list[tuple[float, int]]]] | None = None
+    weight_version: str | None = None
 
 
 @dataclass
@@ -150,6 +153,11 @@ class TokenizerManager:
         self.draining = False  # SIGTERM received: /ready is 503, requests are still served
         self.closing = False  # the drain ended: new requests are refused
         self.held = 0  # requests waiting for a weight update to end
+        self.weight_version = info.weight_version
+        self.blocked: str | None = None  # memory released / weights missing (from the scheduler)
+        self.paused: str | None = None  # pause_generation mode; new requests wait here meanwhile
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
         self._control_lock = asyncio.Lock()
         self._control_waiters: dict[type, asyncio.Future] = {}
         self._recv_task: asyncio.Task | None = None
@@ -226,6 +234,8 @@ class TokenizerManager:
         """
         if self.closing:
             raise ServerNotReadyError("the server is shutting down")
+        if self.blocked:
+            raise ServerNotReadyError(self.blocked)
 
     @property
     def in_flight(self) -> int:
@@ -289,6 +299,9 @@ class TokenizerManager:
         a weight update is held first (:meth:`admit`).
         """
         await self.admit()
+        if self.paused is not None:  # SGLang: held (not refused) until /continue_generation
+            await self._unpaused.wait()
+            self.check_ready()
         rid = rid or self.new_rid()
         if rid in self.states:
             raise RequestValidationError(f"request id {rid!r} is already in use", "rid")
@@ -354,6 +367,17 @@ class TokenizerManager:
     async def flush_cache(self) -> FlushCacheReqOutput:
         return await self.control(FlushCacheReqInput(), FlushCacheReqOutput, timeout=60)
 
+    async def control_request(self, req: Any, timeout: float | None = None) -> ControlReqOutput:
+        """A weight-sync or memory control (every rank runs it); see ``scheduler_weight_sync.py``."""
+        return await self.control(req, ControlReqOutput, timeout)
+
+    def set_paused(self, mode: str | None) -> None:
+        self.paused = mode
+        if mode is None:
+            self._unpaused.set()
+        else:
+            self._unpaused.clear()
+
     async def update_weights_from_disk(self, req: UpdateWeightsFromDiskReqInput) -> UpdateWeightsFromDiskReqOutput:
         """Run a weight update; requests arriving from now until it ends are held (:meth:`admit`).
 
@@ -390,7 +414,13 @@ class TokenizerManager:
                 self.metrics.observe_stats(msg)
         elif isinstance(msg, WeightsPhaseOut):
             self.set_weights_phase(msg.phase)
+        elif isinstance(msg, ServingStateOut):
+            self.blocked = msg.blocked
+            self.set_paused(msg.paused)
         else:
+            version = getattr(msg, "weight_version", None)
+            if version is not None:  # set here, in arrival order: later chunks ran on it
+                self.weight_version = version
             fut = self._control_waiters.get(type(msg))
             if fut is not None and not fut.done():
                 fut.set_result(msg)
@@ -426,7 +456,7 @@ class TokenizerManager:
                 prompt_logprobs = [(lp, tid, top) for (lp, tid), top in zip(out.input_token_logprobs[i], tops)]
             chunk = GenerateChunk(
                 text, list(new_ids[:consumed]), logprobs, reason, out.prompt_tokens[i],
-                detok.num_tokens, out.cached_tokens[i], prompt_logprobs,
+                detok.num_tokens, out.cached_tokens[i], prompt_logprobs, self.weight_version,
             )
             if self.metrics and consumed:
                 self.metrics.observe_tokens(state, now, consumed)

@@ -92,6 +92,8 @@ class TpModelWorker:
         self.model_path = self.model_config.model_path
         self.weights_revision = getattr(server_args, "revision", None)
         self.weights_phase = WeightsPhase.SERVING
+        self.weight_version = str(getattr(server_args, "weight_version", "default"))
+        self.weight_sync_groups: dict[str, Any] = {}
 
     @staticmethod
     def _broadcast_token_ids(ids: torch.Tensor) -> None:
@@ -111,6 +113,7 @@ class TpModelWorker:
             "model_path": self.model_path,
             "weights_revision": self.weights_revision,
             "weights_phase": self.weights_phase.value,
+            "weight_version": self.weight_version,
         }
 
     @property
@@ -210,3 +213,68 @@ class TpModelWorker:
             self.weights_revision = revision
         logger.info("[tp %d] update_weights_from_disk(%s): %s %s", self.tp_rank, model_path, ok, message)
         return ok, message
+
+    # ---- weight sync from a trainer (model_executor/weight_sync.py) ----------------------------
+
+    def update_weights_from_tensor(self, data: bytes) -> tuple[bool, str, list[str]]:
+        """All-or-nothing load of the tensors in ``data`` (safetensors bytes) on every rank."""
+        from shardline_runtime.model_executor.weight_sync import update_weights_from_safetensors
+
+        return update_weights_from_safetensors(self.model_runner, data)
+
+    def init_weights_update_group(self, msg: Any) -> tuple[bool, str]:
+        """Every rank joins ``msg.group_name`` as rank ``rank_offset + tp_rank`` (or none does)."""
+        from shardline_runtime.distributed import all_reduce_min_int
+        from shardline_runtime.distributed.weight_sync_group import (
+            WeightSyncGroupError, destroy_weights_update_group, init_weights_update_group,
+        )
+
+        group, reason = None, ""
+        if msg.group_name in self.weight_sync_groups:
+            reason = f"group_name {msg.group_name!r} is already initialised; destroy it first"
+        else:
+            try:
+                group = init_weights_update_group(
+                    msg.master_address, msg.master_port, msg.rank_offset + self.tp_rank, msg.world_size,
+                    msg.group_name, msg.backend, msg.timeout_s, self.device,
+                )
+            except WeightSyncGroupError as exc:
+                reason = str(exc)
+        if all_reduce_min_int(0 if reason else 1) != 1:
+            if group is not None:
+                destroy_weights_update_group(group)
+            return False, f"init_weights_update_group failed on some rank; no group was formed. {reason}".strip()
+        self.weight_sync_groups[msg.group_name] = group
+        return True, f"joined weight-sync group {msg.group_name!r} as rank {group.rank} of {group.world_size}"
+
+    def update_weights_from_distributed(self, msg: Any) -> tuple[bool, str, list[str]]:
+        """Receive and load ``msg.names`` from the trainer; a broken broadcast drops the group."""
+        from shardline_runtime.distributed.weight_sync_group import destroy_weights_update_group
+        from shardline_runtime.model_executor.weight_sync import update_weights_from_distributed
+
+        group = self.weight_sync_groups.get(msg.group_name)
+        if group is None:
+            known = sorted(self.weight_sync_groups)
+            return False, f"group_name {msg.group_name!r} is not initialised (initialised: {known}); call /init_weights_update_group", []
+        ok, message, names, broken = update_weights_from_distributed(
+            self.model_runner, group, msg.names, msg.dtypes, msg.shapes
+        )
+        if broken:
+            destroy_weights_update_group(self.weight_sync_groups.pop(msg.group_name))
+            message += f" Group {msg.group_name!r} was destroyed; init a new one."
+        return ok, message, names
+
+    def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
+        from shardline_runtime.distributed.weight_sync_group import destroy_weights_update_group
+
+        group = self.weight_sync_groups.pop(group_name, None)
+        if group is None:
+            return False, f"group_name {group_name!r} is not initialised (initialised: {sorted(self.weight_sync_groups)})"
+        destroy_weights_update_group(group)
+        return True, f"destroyed weight-sync group {group_name!r}"
+
+    def get_weights_by_name(self, name: str, truncate_size: int) -> list:
+        """First ``truncate_size`` rows of the full tensor ``name`` (every rank calls it)."""
+        from shardline_runtime.model_executor.weight_sync import get_weights_by_name
+
+        return get_weights_by_name(self.model_runner, name, truncate_size)

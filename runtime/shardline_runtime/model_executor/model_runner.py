@@ -19,6 +19,7 @@ from shardline_runtime import distributed
 from shardline_runtime.layers.logits_processor import LogitsProcessorOutput
 from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from shardline_runtime.model_executor.memory_saver import MemorySaver
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,10 @@ class ModelRunnerConfig:
     device: str = "auto"
     tp_rank: int = 0
     tp_size: int = 1
+    ep_size: int = 1
+    ep_num_redundant_experts: int = 0
+    eplb_rebalance_num_iterations: int = 0
+    expert_distribution_recorder_dir: str | None = None
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
@@ -55,6 +60,8 @@ class ModelRunnerConfig:
     cuda_graph_max_bs: int = 160
     disable_cuda_graph: bool = False
     random_seed: int = 0
+    enable_weights_cpu_backup: bool = False
+    enable_memory_saver: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -94,7 +101,8 @@ class ModelRunner:
     Attributes set by the constructor: ``model_config``, ``device``, ``dtype``, ``tp_rank``,
     ``tp_size``, ``model``, ``max_total_num_tokens``, ``req_to_token_pool``,
     ``token_to_kv_pool``, ``token_to_kv_pool_allocator``, ``attn_backend``,
-    ``cuda_graph_runner`` (None unless graphs were captured), ``sampler``.
+    ``cuda_graph_runner`` (None unless graphs were captured), ``sampler``, ``memory_saver``
+    (release/resume of weights, KV cache and graphs; ``model_executor/memory_saver.py``).
 
     Raises (from the constructor):
         ModelConfigError: config.json is invalid or the head count does not fit ``tp_size``
@@ -115,6 +123,7 @@ class ModelRunner:
             )
         self.model_config = model_config
         self.model_config.check_tp_size(self.tp_size)
+        self.model_config.check_ep_size(self.tp_size, config.ep_size, config.ep_num_redundant_experts)
         self.dtype = self.model_config.dtype
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -122,9 +131,14 @@ class ModelRunner:
             tp_rank=self.tp_rank, tp_size=self.tp_size, device=self.device,
             dist_init_addr=config.dist_init_addr, timeout_s=config.dist_timeout,
         )
+        distributed.init_expert_parallel(config.ep_size, config.ep_num_redundant_experts)
         torch.manual_seed(config.random_seed)
-        self.load_model()
-        self.init_memory_pool()
+        self.memory_saver = MemorySaver(self, config.enable_weights_cpu_backup, config.enable_memory_saver)
+        with self.memory_saver.region("weights"):
+            self.load_model()
+        self.init_eplb_manager()
+        with self.memory_saver.region("kv_cache"):
+            self.init_memory_pool()
         self.init_attention_backend()
         self.sampler = self._make_sampler()
         self.cuda_graph_runner = None
@@ -143,6 +157,16 @@ class ModelRunner:
         logger.info(
             "[tp %d] loaded %s: %.1f MiB of weights on this rank (available %.1f MiB before)",
             self.tp_rank, self.model_config.architecture, self.weight_bytes / 2**20, before / 2**20,
+        )
+
+    def init_eplb_manager(self) -> None:
+        """``eplb_manager`` (expert-distribution recorder and EPLB) for MoE models, else None."""
+        from shardline_runtime.model_executor.eplb_manager import EPLBManager
+
+        self.eplb_manager = EPLBManager.for_model(
+            self.model, self.model_config.num_hidden_layers, self.device,
+            rebalance_num_iterations=self.config.eplb_rebalance_num_iterations,
+            recorder_dir=self.config.expert_distribution_recorder_dir,
         )
 
     def _memory_available(self) -> int:
@@ -235,7 +259,8 @@ class ModelRunner:
         call that does not reach the last layer).
         """
         mode = forward_batch.forward_mode
-        if mode.is_decode() and self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
+        recording = self.eplb_manager is not None and self.eplb_manager.recorder.recording  # graphs do not record
+        if mode.is_decode() and self.cuda_graph_runner is not None and not recording and self.cuda_graph_runner.can_run(forward_batch):
             return self.cuda_graph_runner.replay(forward_batch)
         if mode == ForwardMode.DECODE:
             return self.forward_decode(forward_batch)
@@ -251,7 +276,10 @@ class ModelRunner:
         self._attach(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         with torch.inference_mode():
-            return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+            out = self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        if self.eplb_manager is not None:
+            self.eplb_manager.on_forward_pass_end()
+        return out
 
     def _attach(self, forward_batch: ForwardBatch) -> None:
         if forward_batch.req_to_token_pool is None:

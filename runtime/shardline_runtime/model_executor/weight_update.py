@@ -39,6 +39,7 @@ _BEHAVIOUR_FIELDS = (
     "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings",
     "rope_parameters", "hidden_act", "qk_norm", "qkv_bias", "o_proj_bias", "mlp_bias",
     "sliding_windows", "max_position_embeddings", "context_len",
+    "num_experts", "num_experts_per_tok", "norm_topk_prob", "moe_layers",
 )
 
 
@@ -86,7 +87,12 @@ def load_candidate(model_runner: Any, model_path: str, load_format: str = "auto"
             f"config field architectures: old {live.architecture!r}, new {new_config.architecture!r}"
         )
     new_config.check_tp_size(model_runner.tp_size)
-    return new_config, load_model(new_config, model_path, torch.device("cpu"))
+    from shardline_runtime.layers.moe.expert_location import copy_expert_placement
+
+    def same_expert_placement(candidate: torch.nn.Module) -> None:
+        copy_expert_placement(model_runner.model, candidate)
+
+    return new_config, load_model(new_config, model_path, torch.device("cpu"), prepare=same_expert_placement)
 
 
 def compare_models(live_config: Any, live_model: torch.nn.Module, new_config: Any, new_model: torch.nn.Module) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -41,16 +42,21 @@ def build_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     return model.eval()
 
 
-def load_model(model_config: ModelConfig, model_path: str, device: torch.device) -> nn.Module:
+def load_model(model_config: ModelConfig, model_path: str, device: torch.device,
+               prepare: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """Check the files (fails fast on a missing/short shard), build the model, load weights.
 
     The model's ``config`` attribute is the config it was built with (see :func:`resolve_tying`).
+    ``prepare(model)`` runs between building and loading (a weight update gives a candidate MoE
+    model the live expert placement there, so it loads the experts the live slots hold).
 
     Raises:
         CheckpointError: file problems or a missing/unexpected/duplicate parameter.
     """
     tensors = discover_checkpoint(model_path)
     model = build_model(resolve_tying(model_config, tensors), device)
+    if prepare is not None:
+        prepare(model)
     with torch.no_grad():
         model.load_weights(iterate_weights(tensors))
     return model

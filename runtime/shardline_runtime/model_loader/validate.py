@@ -15,7 +15,7 @@ from shardline_runtime.models.registry import get_model_class
 
 # Config fields that change the meaning of weights with identical shapes.
 _SEMANTIC_FIELDS = ("architecture", "rope_parameters", "rms_norm_eps", "tie_word_embeddings", "qk_norm",
-                    "sliding_windows", "hidden_act")
+                    "sliding_windows", "hidden_act", "num_experts_per_tok", "norm_topk_prob", "moe_layers")
 
 
 def _fmt(shape: tuple[int, ...] | None) -> str:

@@ -27,15 +27,19 @@ from shardline_runtime.models.weight_loading import load_named_weights
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """SwiGLU MLP of ``intermediate_size`` (default: the config's); ``reduce_results=False``
+    returns this rank's partial sum (a MoE shared expert adds it to the experts' before one
+    all-reduce)."""
+
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None, reduce_results: bool = True):
         super().__init__()
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=config.mlp_bias)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=config.mlp_bias, reduce_results=reduce_results)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # (T, hidden), all-reduced
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # (T, hidden), all-reduced unless asked
 
 
 class LlamaAttention(nn.Module):
@@ -81,9 +85,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
         self.self_attn = self.attention_cls(config, layer_id)
-        self.mlp = LlamaMLP(config)
+        self.mlp = self.build_mlp(config, layer_id)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def build_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
+        """The feed-forward block of layer ``layer_id`` (a sparse MoE block in MoE models)."""
+        return LlamaMLP(config)
 
     def forward(self, positions, hidden_states, forward_batch, residual):
         if residual is None:

@@ -7,14 +7,20 @@ from torch import nn
 from shardline_runtime.configs.model_config import ModelConfigError
 from shardline_runtime.models.llama import LlamaForCausalLM
 from shardline_runtime.models.mistral import MistralForCausalLM
+from shardline_runtime.models.mixtral import MixtralForCausalLM
 from shardline_runtime.models.qwen2 import Qwen2ForCausalLM
+from shardline_runtime.models.qwen2_moe import Qwen2MoeForCausalLM
 from shardline_runtime.models.qwen3 import Qwen3ForCausalLM
+from shardline_runtime.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 

@@ -20,8 +20,13 @@ def load_named_weights(
     weights: Iterable[tuple[str, torch.Tensor]],
     stacked_params_mapping: Iterable[tuple[str, str, object]],
     ignored: Iterable[str] = (),
+    expert_params_mapping: Iterable[tuple[str, str, int, str]] = (),
 ) -> None:
     """Copy ``weights`` (checkpoint name, full tensor) into ``model`` via each ``weight_loader``.
+
+    ``expert_params_mapping`` rows ``(checkpoint fragment, parameter fragment, expert_id,
+    shard_id)`` (e.g. ``(".experts.3.gate_proj.", ".experts.w13_", 3, "w1")``) are tried before
+    the stacked mapping and call ``weight_loader(param, tensor, expert_id, shard_id)``.
 
     Raises:
         CheckpointError: a name matches no parameter, a (parameter, shard) is written twice, a
@@ -29,20 +34,29 @@ def load_named_weights(
     """
     params = dict(model.named_parameters(remove_duplicate=True))
     ignored = tuple(ignored)
+    expert_params_mapping = tuple(expert_params_mapping)
     expected: dict[str, set] = {name: {None} for name in params}
     for name in params:
         for _, stacked, shard_id in stacked_params_mapping:
             if stacked in name:
                 expected[name] = {s for _, st, s in stacked_params_mapping if st == stacked}
+        for _, fused, _, _ in expert_params_mapping:
+            if fused in name:
+                expected[name] = {(e, s) for _, f, e, s in expert_params_mapping if f == fused}
     written: dict[str, set] = {name: set() for name in params}
     for ckpt_name, tensor in weights:
         if any(ckpt_name.endswith(i) for i in ignored):
             continue
         target, shard_id = ckpt_name, None
-        for fragment, stacked, sid in stacked_params_mapping:
+        for fragment, fused, expert_id, sid in expert_params_mapping:
             if fragment in ckpt_name:
-                target, shard_id = ckpt_name.replace(fragment, stacked), sid
+                target, shard_id = ckpt_name.replace(fragment, fused), (expert_id, sid)
                 break
+        else:
+            for fragment, stacked, sid in stacked_params_mapping:
+                if fragment in ckpt_name:
+                    target, shard_id = ckpt_name.replace(fragment, stacked), sid
+                    break
         if target not in params:
             raise CheckpointError(f"unexpected parameter {ckpt_name!r} in the checkpoint (no such parameter in {type(model).__name__})")
         if shard_id in written[target]:
@@ -53,6 +67,8 @@ def load_named_weights(
         try:
             if shard_id is None:
                 param.weight_loader(param, tensor)
+            elif isinstance(shard_id, tuple):
+                param.weight_loader(param, tensor, *shard_id)
             else:
                 param.weight_loader(param, tensor, shard_id)
         except ShardShapeError as e:

@@ -1,0 +1,183 @@
+"""Scheduler side of weight sync, pause/continue and memory release (every rank in lockstep).
+
+- Weight updates of every kind (disk, tensor, distributed) go through the Scheduler's one update
+  path: ``start_weight_update`` queues the message, admission pauses, running requests finish
+  (or are aborted with ``abort_all_requests``), then :meth:`run_weight_update` runs it on every
+  rank and the prefix cache is flushed (unless ``flush_cache`` is false: a trainer sending
+  buckets flushes on the last one).
+- ``pause_generation`` (SGLang's modes): ``abort`` aborts every request; ``retract`` frees the KV
+  of running requests and puts them back at the front of the queue (they are prefilled again,
+  with whatever weights serve then); ``in_place`` keeps them and their KV. While paused no
+  forward runs; new requests are held by the HTTP process until ``continue_generation``. A weight
+  update while paused ``in_place`` with requests holding KV is refused (that KV came from the old
+  weights).
+- ``release_memory_occupation`` needs no request to hold KV (pause first); it flushes the prefix
+  cache and frees memory (``model_executor/memory_saver.py``). Generation stays blocked until
+  resumed and, after a release without CPU backup, until every tensor was written again.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from shardline_runtime.managers.io_struct import (
+    ContinueGenerationReqInput,
+    ControlReqOutput,
+    DestroyWeightsUpdateGroupReqInput,
+    GetWeightsByNameReqInput,
+    InitWeightsUpdateGroupReqInput,
+    PauseGenerationReqInput,
+    ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput,
+    ServingStateOut,
+    UpdateWeightsFromDiskReqInput,
+    UpdateWeightsFromDiskReqOutput,
+    UpdateWeightsFromDistributedReqInput,
+    UpdateWeightsFromTensorReqInput,
+)
+from shardline_runtime.model_executor.memory_saver import MemorySaverError
+from shardline_runtime.model_executor.weight_update import WeightsPhase
+
+logger = logging.getLogger(__name__)
+
+UPDATE_REQUESTS = (UpdateWeightsFromDiskReqInput, UpdateWeightsFromTensorReqInput, UpdateWeightsFromDistributedReqInput)
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class SchedulerWeightSyncMixin:
+    """Controls of :class:`~shardline_runtime.managers.scheduler.Scheduler` beyond requests."""
+
+    paused_mode: str | None = None
+    last_serving_state: tuple = (None, None)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def memory_saver(self):
+        return self.worker.model_runner.memory_saver
+
+    def generation_blocked(self) -> bool:
+        """No forward may run: paused, memory released, or weights missing after a resume."""
+        return self.paused_mode is not None or self.memory_saver.blocked_reason() is not None
+
+    def holds_kv(self) -> bool:
+        running = self.running_batch is not None and not self.running_batch.is_empty()
+        return running or self.chunked_req is not None
+
+    def send_serving_state(self) -> None:
+        state = (self.memory_saver.blocked_reason(), self.paused_mode)
+        if state != self.last_serving_state:
+            self.last_serving_state = state
+            self.send(ServingStateOut(*state))
+
+    def update_reply(self, msg: Any, ok: bool, message: str) -> Any:
+        if isinstance(msg, UpdateWeightsFromDiskReqInput):
+            return UpdateWeightsFromDiskReqOutput(ok, message, self.worker.weights_revision, self.worker.model_path,
+                                                  self.worker.weight_version)
+        return ControlReqOutput(ok, message, self.worker.weight_version)
+
+    # ------------------------------------------------------------------ dispatch
+
+    def handle_control(self, msg: Any) -> bool:
+        """Run a non-update control message now; False when ``msg`` is not one."""
+        handlers = {
+            InitWeightsUpdateGroupReqInput: lambda m: self.worker.init_weights_update_group(m),
+            DestroyWeightsUpdateGroupReqInput: lambda m: self.worker.destroy_weights_update_group(m.group_name),
+            GetWeightsByNameReqInput: self.get_weights_by_name,
+            PauseGenerationReqInput: self.pause_generation,
+            ContinueGenerationReqInput: self.continue_generation,
+            ReleaseMemoryOccupationReqInput: self.release_memory_occupation,
+            ResumeMemoryOccupationReqInput: self.resume_memory_occupation,
+        }
+        handler = handlers.get(type(msg))
+        if handler is None:
+            return False
+        self.step_started = None  # joining a group or gathering may outlast one step's watchdog
+        result = handler(msg)
+        ok, message = result[0], result[1]
+        data = result[2] if len(result) > 2 else None
+        self.send(ControlReqOutput(ok, message, self.worker.weight_version, data))
+        self.send_serving_state()
+        return True
+
+    def refuse_update(self, msg: Any) -> str | None:
+        """Why an update cannot be queued now, or None."""
+        if self.paused_mode == "in_place" and self.holds_kv():
+            return ("generation is paused in_place with requests holding KV computed by the old weights; "
+                    "pause with mode 'retract' or 'abort' before updating weights")
+        if self.memory_saver.released.intersection({"weights"}):
+            return "weights are released; POST /resume_memory_occupation with tag 'weights' first"
+        return None
+
+    def run_weight_update(self, msg: Any) -> tuple[bool, str]:
+        """Run a queued update of any kind on this rank (every rank together); sets
+        ``weight_version`` and records the tensors written for the memory saver."""
+        worker = self.worker
+        if isinstance(msg, UpdateWeightsFromDiskReqInput):
+            ok, message = worker.update_weights_from_disk(
+                msg.model_path, msg.load_format or "auto", msg.revision, msg.recapture_cuda_graph,
+                on_phase=lambda phase: self.send_weights_phase(phase.value),
+            )
+            names = None
+        elif isinstance(msg, UpdateWeightsFromTensorReqInput):
+            ok, message, names = worker.update_weights_from_tensor(msg.serialized_named_tensors)
+        else:
+            ok, message, names = worker.update_weights_from_distributed(msg)
+        if ok:
+            if names is not None:  # a trainer's update: a disk update reports its own phases
+                worker.weights_phase = WeightsPhase.SERVING
+            self.memory_saver.note_loaded(names)
+            if msg.weight_version is not None:
+                worker.weight_version = msg.weight_version
+        logger.info("[tp %d] %s: %s %s (weight_version %s)", self.tp_rank, type(msg).__name__, ok, message,
+                    worker.weight_version)
+        return ok, message
+
+    # ------------------------------------------------------------------ controls
+
+    def get_weights_by_name(self, msg: GetWeightsByNameReqInput) -> tuple:
+        if "weights" in self.memory_saver.released:
+            return False, "weights are released; POST /resume_memory_occupation first"
+        from shardline_runtime.model_executor.weight_update import WeightUpdateError
+
+        try:
+            return True, f"first {msg.truncate_size} rows of {msg.name}", self.worker.get_weights_by_name(msg.name, msg.truncate_size)
+        except WeightUpdateError as exc:
+            return False, str(exc)
+
+    def pause_generation(self, msg: PauseGenerationReqInput) -> tuple[bool, str]:
+        if msg.mode not in PAUSE_MODES:
+            return False, f"mode must be one of {list(PAUSE_MODES)}, got {msg.mode!r}"
+        if msg.mode == "abort":
+            self.abort_request(None, {"type": "abort", "message": "aborted by /pause_generation"})
+        elif msg.mode == "retract":
+            batch = self.running_batch
+            while batch is not None and not batch.is_empty():
+                self.retract_one(batch)
+            if self.chunked_req is not None:
+                req, self.chunked_req = self.chunked_req, None
+                self.release_req(req)
+                self.waiting_queue.appendleft(req)
+        self.paused_mode = msg.mode
+        return True, f"generation paused ({msg.mode})"
+
+    def continue_generation(self, _msg: ContinueGenerationReqInput) -> tuple[bool, str]:
+        was, self.paused_mode = self.paused_mode, None
+        return True, "generation continues" if was else "generation was not paused"
+
+    def release_memory_occupation(self, msg: ReleaseMemoryOccupationReqInput) -> tuple[bool, str]:
+        if self.holds_kv() or self.pending_update is not None:
+            return False, ("requests are running; POST /pause_generation (mode 'abort' or 'retract') or let them "
+                           "finish before releasing memory")
+        try:
+            self.tree_cache.reset()  # its KV is about to be freed
+            return True, self.memory_saver.release(msg.tags)
+        except MemorySaverError as exc:
+            return False, str(exc)
+
+    def resume_memory_occupation(self, msg: ResumeMemoryOccupationReqInput) -> tuple[bool, str]:
+        try:
+            return True, self.memory_saver.resume(msg.tags)
+        except MemorySaverError as exc:
+            return False, str(exc)

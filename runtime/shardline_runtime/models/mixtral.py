@@ -1,0 +1,15 @@
+"""Mixtral (Jiang et al. 2024): the Mistral block (optional sliding window) with every MLP a
+sparse MoE block, top-2 of 8 by default, weights always renormalised over the chosen experts.
+Checkpoints name the block ``block_sparse_moe`` and the expert projections ``w1`` (gate),
+``w3`` (up), ``w2`` (down); they load into the same ``mlp.experts`` parameters as Qwen-MoE."""
+
+from __future__ import annotations
+
+from shardline_runtime.models.sparse_moe_block import MoeForCausalLM
+
+
+class MixtralForCausalLM(MoeForCausalLM):
+    """Mixtral causal LM (same interface as :class:`LlamaForCausalLM`)."""
+
+    moe_block_name = "block_sparse_moe"
+    expert_names = {"w1": "w1", "w2": "w2", "w3": "w3"}
