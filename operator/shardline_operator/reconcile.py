@@ -190,19 +190,6 @@ class Reconciler:
         metrics.set_groups_per_revision(self.namespace, self.name, counts)
         metrics.set_mixed_versions(self.namespace, self.name, len(mixed))
 
-    def _weight_versions(self, groups: list[GroupObservation]) -> dict[int, str]:
-        """Each ready group's ``weight_version`` from its leader (set by a trainer's weight sync);
-        an unreachable leader keeps the last reported value."""
-        previous = {item.get("index"): item.get("weightVersion") for item in self.previous.get("groups") or []}
-        versions: dict[int, str] = {}
-        for group in groups:
-            url = leader_url(group) if group.ready else None
-            info = self.ctx.leaders.server_info(url) if url else None
-            version = (info or {}).get("weight_version") or previous.get(group.index)
-            if isinstance(version, str):
-                versions[group.index] = version
-        return versions
-
     def _write(self, status: dict[str, Any]) -> None:
         """Patch status, skipped when nothing changed (status is updated only on change)."""
         status = {**status, "restartBudgetGeneration": self.generation}
