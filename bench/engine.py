@@ -18,14 +18,18 @@ of each side, the least disturbed by other load on a shared machine, and also th
 medians. Ratios are Shardline / transformers (< 1: Shardline is faster).
 Both produce the same greedy tokens (checked), so they do the same work.
 
-With ``--graphs`` (CUDA only) it instead prints eager vs CUDA-graph decode step times of the
-engine at ``--graph-batch-sizes``.
+With ``--device cuda`` it instead prints the GPU decode table of ``bench/decode_table.py``
+(torch_native / triton backends, eager / CUDA graphs, and transformers with a static cache, at
+``--graph-batch-sizes`` x ``--contexts``, with the HBM-roofline share); ``--preset llama-1b``
+gives the 1B-shaped model (16 layers, hidden 2048, 32 heads, 8 KV heads, vocab 128256).
+``--compare`` keeps the CPU-style Shardline-vs-transformers table on CUDA. With ``--graphs``
+(CUDA only) it prints eager vs CUDA-graph decode step times at ``--graph-batch-sizes``.
 
 Usage::
 
     python bench/engine.py                       # CPU float32 defaults, a few minutes on 2 cores
     python bench/engine.py --threads 1 --clock cpu   # the same, robust to other load on the machine
-    python bench/engine.py --device cuda --dtype bfloat16
+    python bench/engine.py --device cuda --preset llama-1b --dtype bfloat16   # the decode table
     python bench/engine.py --device cuda --graphs --graph-batch-sizes 1 8 32
     python bench/engine.py --threads 1 --profile     # per-operator profile of a decode step
     python bench/engine.py --arch qwen3_moe --layers 4 --hidden 512 --heads 8 --kv-heads 8 \
@@ -44,6 +48,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from shardline_runtime.managers.schedule_batch import Req  # noqa: E402
 from shardline_runtime.managers.tp_worker import TpModelWorker  # noqa: E402
@@ -51,6 +56,10 @@ from shardline_runtime.sampling import SamplingParams  # noqa: E402
 from shardline_runtime.server_args import ServerArgs  # noqa: E402
 from shardline_runtime.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
+PRESETS = {
+    "gpt2-small": dict(layers=12, hidden=768, heads=12, kv_heads=12, intermediate=2048, vocab=32000),
+    "llama-1b": dict(layers=16, hidden=2048, heads=32, kv_heads=8, intermediate=8192, vocab=128256),
+}
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=None, ignore_eos=True)
 _CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 _clock = time.perf_counter
@@ -78,17 +87,19 @@ def make_checkpoint(out: Path, args) -> Path:
         out, arch=args.arch, seed=0, vocab_size=args.vocab, tokenizer=False,
         hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads, intermediate_size=intermediate,
-        max_position_embeddings=4096, initializer_range=0.02, dtype=args.dtype, **moe,
+        max_position_embeddings=max(4096, args.context_len), initializer_range=0.02, dtype=args.dtype, **moe,
     )
 
 
-def make_worker(path: Path, args, disable_cuda_graph: bool = True) -> TpModelWorker:
+def make_worker(path: Path, args, disable_cuda_graph: bool = True, attention_backend: str = "auto",
+                max_total_tokens: int | None = None) -> TpModelWorker:
     server_args = ServerArgs(
         model_path=str(path), device=args.device, dtype=args.dtype,
-        max_total_tokens=(args.prompt_len + args.decode_steps + 8) * max(args.batch_size, args.prefill_batch, 32),
+        max_total_tokens=max_total_tokens or (args.prompt_len + args.decode_steps + 8) * max(
+            args.batch_size, args.prefill_batch, 32),
         max_running_requests=max(args.batch_size, args.prefill_batch, 32),
         disable_cuda_graph=disable_cuda_graph, cuda_graph_max_bs=max(args.graph_batch_sizes),
-        context_length=args.context_len,
+        context_length=args.context_len, attention_backend=attention_backend,
     )
     return TpModelWorker(server_args, 0)
 
@@ -306,9 +317,23 @@ def main(argv=None) -> None:
                              "time spent waiting for the CPU is not counted)")
     parser.add_argument("--graphs", action="store_true", help="eager vs CUDA graph decode (CUDA only)")
     parser.add_argument("--graph-batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="model shape preset (overrides --layers/--hidden/--heads/--kv-heads/--intermediate/--vocab)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096],
+                        help="context lengths of the GPU decode table")
+    parser.add_argument("--decode-table", action="store_true",
+                        help="the GPU decode table (default with --device cuda; on CPU: a dry run of its logic)")
+    parser.add_argument("--table-context-len", type=int, default=0,
+                        help="decode table: the engine's context length (default: just what the table needs)")
+    parser.add_argument("--backends", nargs="+", default=["torch_native", "triton"],
+                        choices=["torch_native", "triton"], help="attention backends of the decode table")
+    parser.add_argument("--no-transformers", action="store_true", help="decode table without the transformers column")
+    parser.add_argument("--compare", action="store_true", help="Shardline vs transformers prefill/decode table (CPU default)")
     parser.add_argument("--profile", action="store_true",
                         help="per-operator torch.profiler table of one decode step of each side, then exit")
     args = parser.parse_args(argv)
+    for key, value in PRESETS.get(args.preset, {}).items():
+        setattr(args, key, value)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.clock == "cpu" and (args.device != "cpu" or torch.get_num_threads() != 1):
@@ -320,6 +345,11 @@ def main(argv=None) -> None:
         return
     if args.profile:
         profile_decode(args)
+        return
+    if args.decode_table or (args.device == "cuda" and not args.compare):
+        import decode_table
+
+        decode_table.run(args, make_checkpoint, make_worker, prompts)
         return
     results = compare(args)
     shape = f", {args.experts} experts, top {args.top_k}, expert size {args.moe_intermediate}" if args.arch != "llama" else ""

@@ -1,25 +1,53 @@
 #!/usr/bin/env bash
-# One prepared check for a CUDA machine (about 3-4 minutes on one GPU):
-#   1. every `gpu`-marked test (real CUDA-graph capture, weight updates with captured graphs, ...);
-#   2. eager vs CUDA-graph decode step times of the engine at batch sizes 1, 8 and 32
-#      (12-layer, 768-wide Llama, bfloat16), printed as a Markdown table.
+# One prepared check for a CUDA machine (target: about 4 minutes, at most 8, on one GPU):
+#   1. every `gpu`-marked test: decode graphs per attention backend and KV dtype (fp8 too),
+#      piecewise EXTEND graphs with a weight update that recaptures them, weight updates with
+#      captured decode graphs, the CUDA runner against transformers;
+#   2. the Triton kernels on CUDA (test_triton_attention.py: attention against the torch_native
+#      backend; test_triton_fused_moe.py: fused MoE), the modules CI runs under Triton's interpreter;
+#   3. bench/engine.py --device cuda: the decode table (tokens/s at batch 1, 8, 32, 64 and
+#      contexts 512, 4096; torch_native / triton, eager / graphs, transformers; HBM-roofline share)
+#      on a random bf16 Llama shaped like a 1B model.
 # Usage: bash bench/gpu_check.sh        (or: make gpu-check)
-set -euo pipefail
+# CPU dry run of the same steps (tiny sizes, Triton's interpreter): GPU_CHECK_DRY_RUN=1 bash bench/gpu_check.sh
+set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="runtime:operator:.${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+status=0
+start=$SECONDS
 
-python3 - <<'PY'
-import sys, torch
-if not torch.cuda.is_available():
+if [[ "${GPU_CHECK_DRY_RUN:-0}" == "1" ]]; then
+  export TRITON_INTERPRET=1
+  device=cpu
+  bench_args=(--device cpu --decode-table --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128
+              --vocab 512 --dtype float32 --graph-batch-sizes 1 2 --contexts 16 32 --decode-steps 2)
+  test_args=(tests/runtime/test_triton_attention.py -k "not tiny_model")
+else
+  device=cuda
+  bench_args=(--device cuda --preset llama-1b --dtype bfloat16 --graph-batch-sizes 1 8 32 64
+              --contexts 512 4096 --decode-steps 16 --table-context-len 8192)
+  test_args=(tests/runtime/test_triton_attention.py tests/runtime/test_triton_fused_moe.py)
+fi
+
+python3 - "$device" <<'PY' || exit 1
+import sys, torch, triton, transformers
+if sys.argv[1] == "cuda" and not torch.cuda.is_available():
     sys.exit("bench/gpu_check.sh: no CUDA device visible to torch; run it on a GPU machine")
-print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")
+name = torch.cuda.get_device_name(0) if sys.argv[1] == "cuda" else "CPU dry run"
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton.__version__}, "
+      f"transformers {transformers.__version__}, {name}")
 PY
 
-echo "== gpu tests"
-status=0
-timeout 150 python3 -m pytest -m gpu tests/runtime -q -p no:cacheprovider || status=$?
+echo "== gpu tests ($((SECONDS - start)) s)"
+if [[ "$device" == "cuda" ]]; then
+  timeout 150 python3 -m pytest -m gpu tests/runtime -q -p no:cacheprovider -p no:tests.kube_fixtures --durations=8 || status=$?
+fi
 
-echo "== eager vs CUDA graph decode step (ms)"
-timeout 120 python3 bench/engine.py --device cuda --dtype bfloat16 --graphs \
-  --graph-batch-sizes 1 8 32 --prompt-len 128 --decode-steps 32 --repeats 3 --vocab 32000 || status=$?
+echo "== triton kernels on $device ($((SECONDS - start)) s)"
+timeout 60 python3 -m pytest -q -p no:cacheprovider -p no:tests.kube_fixtures "${test_args[@]}" || status=$?
+
+echo "== decode table ($((SECONDS - start)) s)"
+timeout 200 python3 bench/engine.py "${bench_args[@]}" || status=$?
+echo "== done in $((SECONDS - start)) s, status $status"
 exit "$status"

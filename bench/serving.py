@@ -12,6 +12,10 @@ the longest ``max_tokens`` of the batch, cut each output to its length, next bat
 ITL come from per-step timestamps (a logits processor).
 
     python bench/serving.py --concurrency 1 4 16 64 --out docs/figures/serving_throughput.png
+
+``--client guidellm`` (or ``both``) also drives the server with guidellm on the same requests
+(``bench/guidellm_client.py``): its synchronous / concurrent profile at each level, then its
+throughput profile beside our client with every request in flight at once.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ BENCH_MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, 
 class Request:
     prompt_ids: list[int]
     max_tokens: int
+    prompt_text: str | None = None  # sent instead of the ids when set (the guidellm comparison)
 
 
 @dataclass
@@ -93,7 +98,8 @@ def process_tree_cpu_seconds(pid: int) -> float:
     return sum(stats[p][1] for p in tree if p in stats)
 
 
-def summarize(name: str, concurrency: int, results: list[Result], wall: float, cpu: float | None = None) -> dict:
+def summarize(name: str, concurrency: int, results: list[Result], wall: float, cpu: float | None = None,
+              client_cpu: float | None = None) -> dict:
     tokens = sum(r.output_tokens for r in results)
     itls = [x for r in results for x in r.itls]
     ttfts = [r.ttft for r in results if r.ttft is not None]
@@ -108,13 +114,14 @@ def summarize(name: str, concurrency: int, results: list[Result], wall: float, c
         "mean_e2e_ms": ms(statistics.fmean(e2es)) if e2es else None,
         "cpu_s": None if cpu is None else round(cpu, 3),
         "output_tok_per_cpu_s": None if not cpu else round(tokens / cpu, 1),
+        "client_cpu_s": None if client_cpu is None else round(client_cpu, 2),
     }
 
 
 # ------------------------------------------------------------------ Shardline over HTTP
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, req: Request) -> Result:
-    body = {"model": model, "prompt": req.prompt_ids, "max_tokens": req.max_tokens, "temperature": 0,
+    body = {"model": model, "prompt": req.prompt_text or req.prompt_ids, "max_tokens": req.max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     res = Result()
     start = last = time.perf_counter()
@@ -138,11 +145,12 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, req: Request) ->
 
 
 async def run_load(url: str, model: str, requests: list[Request], concurrency: int | None,
-                   request_rate: float | None, seed: int) -> tuple[list[Result], float]:
-    """Closed loop at ``concurrency``, or open loop with Poisson arrivals at ``request_rate``/s."""
+                   request_rate: float | None, seed: int) -> tuple[list[Result], float, float]:
+    """Closed loop at ``concurrency``, or open loop with Poisson arrivals at ``request_rate``/s.
+    Returns the results, the wall seconds, and the CPU seconds this client process used."""
     limits = httpx.Limits(max_connections=(concurrency or len(requests)) + 8)
     async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
-        start = time.perf_counter()
+        start, client_cpu = time.perf_counter(), time.process_time()
         if request_rate:
             rng = random.Random(seed)
             tasks = []
@@ -160,7 +168,7 @@ async def run_load(url: str, model: str, requests: list[Request], concurrency: i
                     results[i] = await _one(client, url, model, req)
 
             await asyncio.gather(*[worker() for _ in range(concurrency)])
-        return results, time.perf_counter() - start
+        return results, time.perf_counter() - start, time.process_time() - client_cpu
 
 
 # ------------------------------------------------------------------ transformers static batching
@@ -241,6 +249,36 @@ def plot(rows: list[dict], path: Path, key: str = "output_tok_per_s") -> None:
     fig.savefig(path, dpi=120)
 
 
+def run_guidellm_level(args, url: str, model: str, model_path: str, requests: list[Request], concurrency: int | None,
+                       server) -> list[dict]:
+    """guidellm on ``requests`` (as text) at ``concurrency`` (None: its throughput profile), then,
+    with ``--client both``, our client on the same text prompts right after it (same load)."""
+    from guidellm_client import report_rows, run_guidellm, write_dataset
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    for r in requests:
+        r.prompt_text = r.prompt_text or tok.decode(r.prompt_ids)
+    dataset = write_dataset([r.prompt_text for r in requests], [len(r.prompt_ids) for r in requests],
+                            [r.max_tokens for r in requests], Path(tempfile.mkdtemp(prefix="guidellm-data-")) / "data.jsonl")
+    profile = "throughput" if concurrency is None else "synchronous" if concurrency == 1 else "concurrent"
+    level = concurrency or len(requests)
+    cpu0 = process_tree_cpu_seconds(server.proc.pid) if server is not None else None
+    report = run_guidellm(args.guidellm_bin, url, model or "default", model_path, dataset, profile, level, len(requests))
+    rows = report_rows(report, level)
+    if server is not None:  # the server's CPU seconds over the whole guidellm run (it adds a warm-up request or so)
+        cpu = process_tree_cpu_seconds(server.proc.pid) - cpu0
+        rows[-1].update(cpu_s=round(cpu, 3), output_tok_per_cpu_s=round(rows[-1]["output_tokens"] / cpu, 1))
+    if args.client == "both":
+        cpu0 = process_tree_cpu_seconds(server.proc.pid) if server is not None else None
+        results, wall, client_cpu = asyncio.run(run_load(url, model, requests, level, None, args.seed))
+        cpu = process_tree_cpu_seconds(server.proc.pid) - cpu0 if server is not None else None
+        rows.append(summarize("shardline-text", level, results, wall, cpu, client_cpu))
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-path", help="checkpoint dir (default: build a 4-layer, 256-wide llama with a fixed seed)")
@@ -259,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch threads of the server's scheduler and of the transformers baseline (same for both)")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="throughput per wall second, or per CPU second of the serving processes (robust on a shared machine)")
+    p.add_argument("--client", choices=["ours", "guidellm", "both"], default="ours",
+                   help="load generator: this script's, guidellm on the same requests (text prompts), or both")
+    p.add_argument("--guidellm-bin", default="guidellm", help="the guidellm executable")
     p.add_argument("--json", type=Path, default=None, help="write the result rows here")
     p.add_argument("--out", type=Path, default=None, help="PNG plot of throughput vs concurrency")
     args = p.parse_args(argv)
@@ -279,16 +320,22 @@ def main(argv: list[str] | None = None) -> int:
             n = args.requests_per_level or max(16, 4 * c)
             requests = make_workload(n, args.seed + c, tuple(args.prompt_len), tuple(args.output_len),
                                      args.long_fraction, tuple(args.long_output))
+            if args.client != "ours":
+                rows += run_guidellm_level(args, url, model, model_path, requests, c, server)
+                if args.client == "guidellm":
+                    continue
             asyncio.run(run_load(url, model, requests[: min(4, n)], c, None, args.seed))  # warm-up
             cpu0 = process_tree_cpu_seconds(server.proc.pid) if server is not None else None
-            results, wall = asyncio.run(run_load(url, model, requests, c, args.request_rate, args.seed))
+            results, wall, client_cpu = asyncio.run(run_load(url, model, requests, c, args.request_rate, args.seed))
             cpu = process_tree_cpu_seconds(server.proc.pid) - cpu0 if server is not None else None
-            rows.append(summarize("shardline", c, results, wall, cpu))
+            rows.append(summarize("shardline", c, results, wall, cpu, client_cpu))
             print(json.dumps(rows[-1]), flush=True)
             if args.baseline == "hf":
                 results, wall, cpu = run_hf_static(model_path, requests, c, args.threads)
                 rows.append(summarize("transformers-static", c, results, wall, cpu))
                 print(json.dumps(rows[-1]), flush=True)
+        if args.client != "ours":
+            rows += run_guidellm_level(args, url, model, model_path, requests, None, server)
     finally:
         if server is not None:
             server.stop()

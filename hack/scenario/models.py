@@ -59,3 +59,30 @@ def write_revisions(root: Path = MODELS_ROOT) -> dict[str, Path]:
         "rev-broken": write_tiny_model(base / "rev-broken", seed=3,
                                        overrides={"hidden_size": "128"}),
     }
+
+
+def write_text_revisions(root: Path = MODELS_ROOT, log=print) -> dict[str, Path]:
+    """The demo's readable model (``hack/scenario/text_model.py``: trained once and cached)
+    copied to ``<root>/text-llama/{rev-a,rev-b}``, each written to a temporary sibling and
+    renamed into place."""
+    from hack.scenario.text_model import ensure_text_model
+
+    base = root / "text-llama"
+    base.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for name, source in ensure_text_model(log).items():
+        target = base / name
+        marker = target / ".source"
+        if not (marker.is_file() and marker.read_text() == str(source)):
+            tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=base))
+            shutil.copytree(source, tmp, dirs_exist_ok=True)
+            (tmp / ".source").write_text(str(source))
+            tmp.chmod(0o755)
+            if target.exists():
+                shutil.rmtree(target)
+            try:
+                tmp.rename(target)
+            except OSError:  # another session won the race with the same files
+                shutil.rmtree(tmp, ignore_errors=True)
+        out[name] = target
+    return out

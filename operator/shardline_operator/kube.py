@@ -20,6 +20,8 @@ REQUEST_TIMEOUT_SECONDS = 30
 RESOURCES = {
     ("v1", "Service"): ("/api/v1", "services"),
     ("v1", "Pod"): ("/api/v1", "pods"),
+    ("v1", "Secret"): ("/api/v1", "secrets"),
+    ("networking.k8s.io/v1", "NetworkPolicy"): ("/apis/networking.k8s.io/v1", "networkpolicies"),
     ("apps/v1", "StatefulSet"): ("/apis/apps/v1", "statefulsets"),
     ("policy/v1", "PodDisruptionBudget"): ("/apis/policy/v1", "poddisruptionbudgets"),
     (f"{labels.API_GROUP}/{labels.API_VERSION}", labels.KIND): (
@@ -91,6 +93,26 @@ class KubeClient:
         path = resource_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
         return self.request("PATCH", path, [("fieldManager", labels.FIELD_MANAGER), ("force", "true")],
                             body=obj, content_type="application/apply-patch+yaml")
+
+    def create(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Create ``obj``; None when an object of that name exists already (it is left as is)."""
+        meta = obj["metadata"]
+        try:
+            return self.request("POST", resource_path(obj["apiVersion"], obj["kind"], meta["namespace"]),
+                                body=dict(obj))
+        except KubeError as exc:
+            if exc.status == 409:
+                return None
+            raise
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """One object, or None when it does not exist."""
+        try:
+            return self.request("GET", resource_path(api_version, kind, namespace, name))
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
 
     def list(self, api_version: str, kind: str, namespace: str, selector: Mapping[str, str]) -> list[dict[str, Any]]:
         """Objects of ``kind`` in ``namespace`` matching the label ``selector``."""

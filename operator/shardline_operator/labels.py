@@ -32,6 +32,9 @@ ANNOTATION_MODEL_REVISION = "shardline.dev/model-revision"
 ANNOTATION_CUDA_GRAPH = "shardline.dev/cuda-graph"
 
 HTTP_PORT = 8000
+ADMIN_TOKEN_KEY = "token"  # data key of the admin-token Secret
+# The runtime image's user (Dockerfile: useradd --uid 10001); pods run as it (restricted PSS).
+RUNTIME_UID = 10001
 DIST_PORT = 29500
 COMPONENT_RUNTIME = "runtime"
 
@@ -49,6 +52,11 @@ def rank_service_name(name: str, group: int) -> str:
 def pod_name(name: str, group: int, rank: int) -> str:
     """Pod ``rank`` of group ``group`` (StatefulSet naming: ``<sts>-<ordinal>``)."""
     return f"{statefulset_name(name, group)}-{rank}"
+
+
+def admin_secret_name(name: str) -> str:
+    """``<name>-admin-token``: the Secret holding the admin token of deployment ``name``."""
+    return f"{name}-admin-token"
 
 
 def dist_port(group: int) -> int:

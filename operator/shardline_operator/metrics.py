@@ -9,7 +9,7 @@ Served over HTTP by :func:`serve` (``shardline-operator --metrics-port``).
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -79,6 +79,52 @@ def forget(namespace: str, name: str) -> None:
         pass
 
 
-def serve(port: int, addr: str = "0.0.0.0", registry: CollectorRegistry = REGISTRY) -> None:
-    """Serve ``/metrics`` on ``addr:port`` from a daemon thread."""
-    start_http_server(port, addr=addr, registry=registry)
+def serve(port: int, addr: str = "0.0.0.0", registry: CollectorRegistry = REGISTRY) -> tuple[Any, Any]:
+    """Serve ``/metrics`` on ``addr:port`` from a daemon thread; returns ``(server, thread)``
+    (``server.shutdown()`` stops it). Raises OSError when the port is taken."""
+    return start_http_server(port, addr=addr, registry=registry)
+
+
+# Facts the chart's alerts need, read from the status a pass wrote (see observe_status).
+ROLLOUT_IN_PROGRESS = Gauge(
+    "shardline_operator_rollout_in_progress",
+    "1 while a rollout has groups left to update or roll back (status.rollout), else 0.", _LABELS)
+FAILED_GROUPS = Gauge(
+    "shardline_operator_failed_groups", "Groups in phase Failed (restart budget exhausted).", _LABELS)
+GROUP_RESTARTS = Gauge(
+    "shardline_operator_group_restarts",
+    "Whole-group restarts counted against the restart budget since the spec last changed.", (*_LABELS, "group"))
+RESTART_BUDGET = Gauge(
+    "shardline_operator_restart_budget", "spec.restartPolicy.maxGroupRestarts of the deployment.", _LABELS)
+_SETTLED_ROLLOUT_PHASES = ("", "Failed", "Complete", "Completed")
+
+
+def observe_status(namespace: str, name: str, status: Mapping[str, Any], max_group_restarts: int) -> None:
+    """Mirror one written ``status`` (and the spec's restart budget) into the alerting gauges.
+
+    ``status``: the InferenceDeployment's status as a pass wrote it (``groups[].index``,
+    ``groups[].phase``, ``groups[].restarts``, ``rollout.phase``); missing keys read as empty.
+    """
+    groups = status.get("groups") or []
+    rollout_phase = str((status.get("rollout") or {}).get("phase") or "")
+    ROLLOUT_IN_PROGRESS.labels(namespace, name).set(0 if rollout_phase in _SETTLED_ROLLOUT_PHASES else 1)
+    FAILED_GROUPS.labels(namespace, name).set(sum(1 for g in groups if g.get("phase") == "Failed"))
+    RESTART_BUDGET.labels(namespace, name).set(max_group_restarts)
+    current = {str(g.get("index")) for g in groups}
+    for labels in list(GROUP_RESTARTS._metrics):  # noqa: SLF001 (no public API to list children)
+        if labels[:2] == (namespace, name) and labels[2] not in current:
+            GROUP_RESTARTS.remove(*labels)
+    for group in groups:
+        GROUP_RESTARTS.labels(namespace, name, str(group.get("index"))).set(int(group.get("restarts") or 0))
+
+
+def forget_status(namespace: str, name: str) -> None:
+    """Drop a deleted deployment's :func:`observe_status` gauges."""
+    for gauge in (ROLLOUT_IN_PROGRESS, FAILED_GROUPS, RESTART_BUDGET):
+        try:
+            gauge.remove(namespace, name)
+        except KeyError:
+            pass
+    for labels in list(GROUP_RESTARTS._metrics):  # noqa: SLF001
+        if labels[:2] == (namespace, name):
+            GROUP_RESTARTS.remove(*labels)

@@ -18,10 +18,18 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 from . import labels, metrics
+from .credentials import api_key_from_secret, credentials_digest, new_admin_token, secret_value
 from .group_health import GroupRecord, decide
 from .kube import KubeClient
 from .observed import GroupObservation, group_pods
-from .render import build_client_service, build_pod_disruption_budget, build_rank_service, build_statefulset
+from .render import (
+    build_admin_secret,
+    build_client_service,
+    build_network_policy,
+    build_pod_disruption_budget,
+    build_rank_service,
+    build_statefulset,
+)
 from .restart_plan import needs_restart, next_restart
 from .rollout import GroupView, RolloutPlan, plan_rollout
 from .rollout_executor import LeaderClient, gather, start_updates
@@ -35,19 +43,21 @@ REAPPLY_SECONDS = 60.0
 RESTART_POLL_SECONDS = 2.0
 
 
-def _same(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
-    """``new`` equals ``old`` (a status as read back may hold None for fields removed)."""
-    return {k: v for k, v in old.items() if v is not None} == {k: v for k, v in new.items() if v is not None}
-
-
 @dataclass
 class Context:
-    """Process-wide collaborators: the API client, the leader client, a clock, an apply cache."""
+    """Process-wide collaborators: the API client, the leader client, a clock, an apply cache,
+    and the operator's own namespace (None when it runs outside the cluster)."""
 
     kube: KubeClient
     leaders: LeaderClient
     clock: Callable[[], float] = time.time
     applied: dict[str, tuple[str, float]] = field(default_factory=dict)
+    operator_namespace: str | None = None
+
+    def leaders_with_token(self, token: str) -> LeaderClient:
+        """The leader client sending ``token`` as the admin key (when it can send one)."""
+        with_token = getattr(self.leaders, "with_token", None)
+        return with_token(token) if with_token is not None else self.leaders
 
     def apply(self, obj: Mapping[str, Any], now: float) -> None:
         """Server-side apply, skipped when the same content was applied under a minute ago."""
@@ -70,6 +80,15 @@ class ReconcileResult:
     requeue_after_seconds: float | None = None
 
 
+def _pruned(value: Any) -> Any:
+    """``value`` without None-valued keys at any depth: what the API server stores of it."""
+    if isinstance(value, Mapping):
+        return {k: _pruned(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_pruned(v) for v in value]
+    return value
+
+
 class Reconciler:
     """Runs passes for one object; holds its spec and live children for the pass."""
 
@@ -80,12 +99,17 @@ class Reconciler:
         self.generation = int(meta.get("generation") or 1)
         self.previous: Mapping[str, Any] = body.get("status") or {}
         self.events: list[Event] = []
+        self.leaders: LeaderClient = ctx.leaders
         self.now = ctx.clock()
+        self.requeue_after: float | None = None  # soonest time-based reason for the next pass
 
     def run(self) -> ReconcileResult:
         meta = self.body["metadata"]
         try:
             spec = parse_spec(self.name, self.namespace, meta.get("uid", ""), self.body.get("spec") or {})
+            spec, admin_token = self._credentials(spec)
+            # Every call to a leader carries the admin token (control and info endpoints).
+            self.leaders = self.ctx.leaders_with_token(admin_token)
         except SpecError as exc:
             if self.previous.get("message") != str(exc):
                 self.events.append(("Warning", "InvalidSpec", str(exc)))
@@ -102,7 +126,7 @@ class Reconciler:
         for group in groups:  # a digest is recorded per incarnation: new pods report afresh
             if overrides.get(group.index) == "Restarting" or group.leader is None or not group.ready:
                 digests[group.index] = None
-        views = gather(rollout_state, groups, digests, spec.weight_update, self.ctx.leaders, key_prefix)
+        views = gather(rollout_state, groups, digests, spec.weight_update, self.leaders, key_prefix)
         wave_in_flight = rollout_state is not None and bool(rollout_state.wave)
         failed = {i: r.failed_message is not None for i, r in records.items()}
         stale = [g.index for g in groups if needs_restart(spec, g)]
@@ -115,7 +139,7 @@ class Reconciler:
         elif not (stale and not wave_in_flight):
             plan = plan_rollout(rollout_state, ServedModel.desired(spec), views, spec.weight_update, self.now,
                                 exclude=frozenset(stale))
-            start_updates(plan, groups, spec.weight_update, self.ctx.leaders, key_prefix)
+            start_updates(plan, groups, spec.weight_update, self.leaders, key_prefix)
             for index, served in plan.apply.items():
                 groups[index] = self._apply_group(spec, groups[index], served)
             overrides.update(plan.group_phases)
@@ -193,14 +217,54 @@ class Reconciler:
     def _write(self, status: dict[str, Any]) -> None:
         """Patch status, skipped when nothing changed (status is updated only on change)."""
         status = {**status, "restartBudgetGeneration": self.generation}
-        if _same(self.previous, status):
-            return
-        self.ctx.kube.patch_deployment_status(self.namespace, self.name, status_patch(self.previous, status))
+        if _pruned(status) != _pruned(self.previous):  # an idle pass (the resync) writes nothing
+            self.ctx.kube.patch_deployment_status(self.namespace, self.name, status_patch(self.previous, status))
         self.previous = status
 
     def _finish(self, status: dict[str, Any], requeue_after_seconds: float | None = None) -> ReconcileResult:
         self._write(status)
+        if self.requeue_after is not None:  # a health backoff ends sooner
+            requeue_after_seconds = min(requeue_after_seconds or self.requeue_after, self.requeue_after)
         return ReconcileResult(dict(self.previous), self.events, requeue_after_seconds)
+
+    def _credentials(self, spec: DeploymentSpec) -> tuple[DeploymentSpec, str]:
+        """Read (or create, once) the admin-token Secret and read the API-key Secret; returns the
+        spec with the keys' digest (see ``credentials.py``) and the admin token.
+
+        Raises:
+            SpecError: the API-key Secret is missing or unusable, or the admin-token Secret has no token.
+        """
+        kube, name = self.ctx.kube, labels.admin_secret_name(self.name)
+        secret = kube.get("v1", "Secret", self.namespace, name)
+        if secret is None:
+            kube.create(build_admin_secret(spec, new_admin_token()))
+            secret = kube.get("v1", "Secret", self.namespace, name) or {}
+            self.events.append(("Normal", "AdminTokenCreated", f"Secret {name} holds the admin token"))
+        token = secret_value(secret, labels.ADMIN_TOKEN_KEY)
+        if not token:
+            raise SpecError(f"Secret {name} has no '{labels.ADMIN_TOKEN_KEY}': delete it and the operator "
+                            "creates a new admin token")
+        api_key = None
+        ref = spec.auth.api_key_secret
+        if ref is not None:
+            api_key = api_key_from_secret(kube.get("v1", "Secret", self.namespace, ref.name), ref.name, ref.key,
+                                          self.namespace)
+        return replace(spec, credentials_digest=credentials_digest(token, api_key)), token
+
+    def _network_policies(self, spec: DeploymentSpec) -> None:
+        """Apply each group's NetworkPolicy (before its pods exist); delete the ones not wanted."""
+        wanted = set()
+        if spec.network_policy.enabled:
+            for index in range(spec.replicas):
+                policy = build_network_policy(spec, index, self.ctx.operator_namespace)
+                self.ctx.apply(policy, self.now)
+                wanted.add(policy["metadata"]["name"])
+        for policy in self.ctx.kube.list("networking.k8s.io/v1", "NetworkPolicy", self.namespace,
+                                         labels.selector_labels(self.name)):
+            if policy["metadata"]["name"] not in wanted:
+                self.ctx.kube.delete("networking.k8s.io/v1", "NetworkPolicy", self.namespace,
+                                     policy["metadata"]["name"])
+                self.ctx.applied.pop(f"NetworkPolicy/{self.namespace}/{policy['metadata']['name']}", None)
 
     def _observe(self, spec: DeploymentSpec) -> tuple[list[GroupObservation], dict[int, GroupRecord]]:
         kube, selector = self.ctx.kube, labels.selector_labels(self.name)
@@ -213,6 +277,7 @@ class Reconciler:
             kube.delete("apps/v1", "StatefulSet", self.namespace, labels.statefulset_name(self.name, index))
             kube.delete("v1", "Service", self.namespace, labels.rank_service_name(self.name, index))
             self.events.append(("Normal", "GroupRemoved", f"group {index} removed (replicas={spec.replicas})"))
+        self._network_policies(spec)
         for index in range(spec.replicas):
             self.ctx.apply(build_rank_service(spec, index), self.now)
         self.ctx.apply(build_client_service(spec), self.now)
@@ -274,6 +339,8 @@ class Reconciler:
                                 f"{spec.restart_policy.max_group_restarts}: {decision.reason}"))
         elif decision.action == "wait":
             overrides[group.index] = "Restarting"
+            if decision.retry_in_seconds is not None:  # no event ends a backoff: come back then
+                self.requeue_after = min(self.requeue_after or decision.retry_in_seconds, decision.retry_in_seconds)
         elif decision.action == "fail":
             self.events.append(("Warning", "GroupFailed", f"group {group.index}: {decision.reason}"))
 

@@ -49,6 +49,7 @@ def runtime_args(spec: DeploymentSpec, group: int, served: ServedModel) -> list[
         "--node-rank", "$(POD_INDEX)",
         "--dist-init-addr", labels.dist_init_addr(spec.name, spec.namespace, group),
         "--dtype", spec.runtime.dtype,
+        "--kv-cache-dtype", spec.runtime.kv_cache_dtype,
         "--mem-fraction-static", repr(spec.runtime.mem_fraction_static),
     ]
     if spec.parallelism.expert > 1:

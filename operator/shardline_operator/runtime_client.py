@@ -2,6 +2,8 @@
 
 An update can take minutes (weight load + graph recapture) and the runtime answers only when
 it is done, so the POST runs on a background thread and the reconciler polls it by key.
+Every call carries the deployment's admin token as ``Authorization: Bearer`` when given one
+(:meth:`HttpLeaderClient.with_token`).
 """
 
 from __future__ import annotations
@@ -27,23 +29,28 @@ class HttpLeaderClient:
         self._phases: dict[str, list[str]] = {}
         self._lock = threading.Lock()
 
-    def start_update(self, key: str, url: str, body: Mapping[str, Any], timeout_seconds: float) -> None:
+    def with_token(self, token: str | None) -> "TokenLeaderClient":
+        """This client as a ``rollout.LeaderClient`` that sends ``token`` on every call."""
+        return TokenLeaderClient(self, token)
+
+    def start_update(self, key: str, url: str, body: Mapping[str, Any], timeout_seconds: float,
+                     token: str | None = None) -> None:
         """Start ``POST {url}/update_weights_from_disk``; a previous request under ``key`` is forgotten.
 
         A second thread samples ``weights_phase`` every 0.1 s while the request runs, so phases
         shorter than a reconcile interval are still seen (:meth:`observed_phases`).
         """
-        future = self._pool.submit(_post_update, url, dict(body), timeout_seconds)
+        future = self._pool.submit(_post_update, url, dict(body), timeout_seconds, token)
         with self._lock:
             self._futures[key] = future
             self._phases[key] = []
-        threading.Thread(target=self._sample_phases, args=(key, url, future), daemon=True,
+        threading.Thread(target=self._sample_phases, args=(key, url, future, token), daemon=True,
                          name=f"phases-{key}").start()
 
-    def _sample_phases(self, key: str, url: str, future: Future) -> None:
+    def _sample_phases(self, key: str, url: str, future: Future, token: str | None) -> None:
         last = None
         while not future.done():
-            phase = (self.server_info(url) or {}).get("weights_phase")
+            phase = (self.server_info(url, token) or {}).get("weights_phase")
             if phase and phase != last:
                 with self._lock:
                     if self._futures.get(key) is not future:
@@ -70,22 +77,22 @@ class HttpLeaderClient:
         success, message = future.result()
         return ("success" if success else "failure"), message
 
-    def server_info(self, url: str) -> Mapping[str, Any] | None:
-        """``GET {url}/get_server_info`` as a dict, or None when unreachable or not JSON."""
+    def server_info(self, url: str, token: str | None = None) -> Mapping[str, Any] | None:
+        """``GET {url}/get_server_info`` as a dict, or None when unreachable, refused or not JSON."""
         try:
-            response = httpx.get(f"{url}/get_server_info", timeout=INFO_TIMEOUT_SECONDS)
+            response = httpx.get(f"{url}/get_server_info", headers=_auth(token), timeout=INFO_TIMEOUT_SECONDS)
             response.raise_for_status()
             info = response.json()
         except (httpx.HTTPError, ValueError):
             return None
         return info if isinstance(info, dict) else None
 
-    def verify(self, url: str, verify: Any = None) -> tuple[bool, str]:
+    def verify(self, url: str, verify: Any = None, token: str | None = None) -> tuple[bool, str]:
         """The canary gate: ``GET /health_generate`` must answer 200; then, with ``verify`` (a
         ``spec.VerifySpec``), a greedy ``/v1/completions`` of ``verify.prompt`` must answer 200
         within ``verify.max_latency_seconds``. Returns ``(passed, what failed or took)``."""
         try:
-            response = httpx.get(f"{url}/health_generate", timeout=GATE_TIMEOUT_SECONDS)
+            response = httpx.get(f"{url}/health_generate", headers=_auth(token), timeout=GATE_TIMEOUT_SECONDS)
         except httpx.HTTPError as exc:
             return False, f"/health_generate: {exc.__class__.__name__}: {exc}"
         if response.status_code != 200:
@@ -95,7 +102,8 @@ class HttpLeaderClient:
         body = {"prompt": verify.prompt, "max_tokens": verify.max_tokens, "temperature": 0}
         started = time.monotonic()
         try:
-            response = httpx.post(f"{url}/v1/completions", json=body, timeout=verify.max_latency_seconds + 5)
+            response = httpx.post(f"{url}/v1/completions", json=body, headers=_auth(token),
+                                  timeout=verify.max_latency_seconds + 5)
         except httpx.HTTPError as exc:
             return False, f"verify prompt: {exc.__class__.__name__}: {exc}"
         latency = time.monotonic() - started
@@ -109,10 +117,38 @@ class HttpLeaderClient:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _post_update(url: str, body: dict[str, Any], timeout_seconds: float) -> tuple[bool, str]:
+class TokenLeaderClient:
+    """A view of an :class:`HttpLeaderClient` (same requests in flight) that sends one admin token."""
+
+    def __init__(self, client: HttpLeaderClient, token: str | None) -> None:
+        self._client, self._token = client, token
+
+    def start_update(self, key: str, url: str, body: Mapping[str, Any], timeout_seconds: float) -> None:
+        self._client.start_update(key, url, body, timeout_seconds, self._token)
+
+    def poll(self, key: str) -> tuple[str, str]:
+        return self._client.poll(key)
+
+    def server_info(self, url: str) -> Mapping[str, Any] | None:
+        return self._client.server_info(url, self._token)
+
+    def observed_phases(self, key: str) -> list[str]:
+        return self._client.observed_phases(key)
+
+    def verify(self, url: str, verify: Any = None) -> tuple[bool, str]:
+        return self._client.verify(url, verify, self._token)
+
+
+def _auth(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _post_update(url: str, body: dict[str, Any], timeout_seconds: float,
+                 token: str | None = None) -> tuple[bool, str]:
     """Send the update and return ``(success, message)``; transport errors count as failures."""
     try:
-        response = httpx.post(f"{url}/update_weights_from_disk", json=body, timeout=timeout_seconds)
+        response = httpx.post(f"{url}/update_weights_from_disk", json=body, headers=_auth(token),
+                              timeout=timeout_seconds)
     except httpx.HTTPError as exc:
         return False, f"request to {url} failed: {exc.__class__.__name__}: {exc}"
     try:

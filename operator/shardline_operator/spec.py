@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")  # the runtime's --kv-cache-dtype
 STRATEGIES = ("InPlace", "Restart")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -26,12 +27,19 @@ MAX_REPLICAS = 100
 RESERVED_FLAGS = (
     "--model-path", "--served-model-name", "--revision", "--host", "--port", "--tp-size",
     "--nnodes", "--node-rank", "--dist-init-addr", "--dtype", "--mem-fraction-static",
-    "--max-total-tokens", "--cuda-graph-max-bs", "--disable-cuda-graph", "--ep-size",
+    "--max-total-tokens", "--cuda-graph-max-bs", "--disable-cuda-graph", "--ep-size", "--api-key",
+    "--admin-api-key", "--kv-cache-dtype",
 )
-RESERVED_ENV = ("POD_IP", "POD_NAME", "POD_NAMESPACE", "POD_INDEX")
+# The keys reach the runtime only through these env vars, filled from Secrets (spec.auth).
+API_KEY_ENV = "SHARDLINE_API_KEY"
+ADMIN_API_KEY_ENV = "SHARDLINE_ADMIN_API_KEY"
+RESERVED_ENV = ("POD_IP", "POD_NAME", "POD_NAMESPACE", "POD_INDEX", API_KEY_ENV, ADMIN_API_KEY_ENV)
 GPU_RESOURCE = "nvidia.com/gpu"
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
 _DNS_LABEL = re.compile(r"^[a-z]([a-z0-9-]*[a-z0-9])?$")
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 
 
 class SpecError(ValueError):
@@ -83,6 +91,7 @@ class RuntimeSpec:
     image: str
     image_pull_policy: str = "IfNotPresent"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     mem_fraction_static: float = 0.85
     max_total_tokens: int | None = None
     cuda_graph: CudaGraphSpec = field(default_factory=CudaGraphSpec)
@@ -153,6 +162,29 @@ class ServiceSpec:
 
 
 @dataclass(frozen=True)
+class SecretKeyRef:
+    """A key of a Secret in the deployment's namespace."""
+
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class AuthSpec:
+    """``spec.auth``: where the serving API key lives (None: serving endpoints are open)."""
+
+    api_key_secret: SecretKeyRef | None = None
+
+
+@dataclass(frozen=True)
+class NetworkPolicySpec:
+    """``spec.networkPolicy``: render one NetworkPolicy per group; extra client namespaces."""
+
+    enabled: bool = True
+    allowed_namespaces: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class DeploymentSpec:
     """A validated ``InferenceDeployment``: identity (name, namespace, uid) plus its spec."""
 
@@ -167,13 +199,19 @@ class DeploymentSpec:
     restart_policy: RestartPolicySpec = field(default_factory=RestartPolicySpec)
     scheduling: SchedulingSpec = field(default_factory=SchedulingSpec)
     service: ServiceSpec = field(default_factory=ServiceSpec)
+    auth: AuthSpec = field(default_factory=AuthSpec)
+    network_policy: NetworkPolicySpec = field(default_factory=NetworkPolicySpec)
+    # Not in the CR: a digest of the keys' current values, filled in by the reconciler after it
+    # read the Secrets, so that a rotated key changes the restart hash (pods read keys at start).
+    credentials_digest: str = ""
 
     def restart_hash(self) -> str:
         """Hash (12 hex chars) of every field whose change needs a pod restart.
 
         Excluded: ``model.path``/``model.revision`` (rolled in place with ``InPlace``),
-        ``runtime.cudaGraph`` (recaptured in place), replicas, weightUpdate, restartPolicy and
-        service (they never touch a running pod).
+        ``runtime.cudaGraph`` (recaptured in place), replicas, weightUpdate, restartPolicy,
+        service and networkPolicy (they never touch a running pod). Included: ``auth`` and the
+        digest of the keys' values, which the runtime reads once at start.
         """
         relevant = {
             "modelName": self.model.name,
@@ -183,6 +221,9 @@ class DeploymentSpec:
             "runtime": {k: v for k, v in asdict(self.runtime).items() if k != "cuda_graph"},
             "scheduling": asdict(self.scheduling),
         }
+        if self.auth.api_key_secret is not None or self.credentials_digest:
+            # The reconciler always sets the digest; a spec rendered without it (tests) keeps its old hash.
+            relevant["auth"] = {"apiKey": asdict(self.auth), "digest": self.credentials_digest}
         text = json.dumps(relevant, sort_keys=True, default=list)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
@@ -286,6 +327,7 @@ def parse_runtime(raw: Mapping[str, Any]) -> RuntimeSpec:
         image=image,
         image_pull_policy=_one_of(raw, "imagePullPolicy", path, "IfNotPresent", PULL_POLICIES),
         dtype=_one_of(raw, "dtype", path, "auto", DTYPES),
+        kv_cache_dtype=_one_of(raw, "kvCacheDtype", path, "auto", KV_CACHE_DTYPES),
         mem_fraction_static=float(fraction),
         max_total_tokens=_int_in(raw, "maxTotalTokens", path, None, 1, 2**31 - 1),
         cuda_graph=cuda_graph,
@@ -325,6 +367,34 @@ def parse_weight_update(raw: Mapping[str, Any]) -> WeightUpdateSpec:
         pause_seconds=_int_in(raw, "pauseSeconds", path, 0, 0, 86400),
         canary=canary,
     )
+
+
+def parse_auth(raw: Mapping[str, Any]) -> AuthSpec:
+    """Parse ``spec.auth``. Raises :class:`SpecError`."""
+    ref = _get(raw, "apiKeySecretRef", "spec.auth", dict)
+    if ref is None:
+        return AuthSpec()
+    path = "spec.auth.apiKeySecretRef"
+    name = _get(ref, "name", path, str, required=True)
+    key = _get(ref, "key", path, str, "api-key")
+    if len(name) > 253 or not _SECRET_NAME.match(name):
+        raise SpecError(f"{path}.name must be a Secret name (lowercase letters, digits, '-', '.'; "
+                        f"at most 253 characters), got {name!r}")
+    if len(key) > 253 or not _SECRET_KEY.match(key):
+        raise SpecError(f"{path}.key must be a Secret data key ([-._a-zA-Z0-9]+), got {key!r}")
+    return AuthSpec(api_key_secret=SecretKeyRef(name=name, key=key))
+
+
+def parse_network_policy(raw: Mapping[str, Any]) -> NetworkPolicySpec:
+    """Parse ``spec.networkPolicy``. Raises :class:`SpecError`."""
+    path = "spec.networkPolicy"
+    namespaces = _get(raw, "allowedNamespaces", path, list, [])
+    for namespace in namespaces:
+        if not isinstance(namespace, str) or len(namespace) > 63 or not _NAMESPACE.match(namespace):
+            raise SpecError(f"{path}.allowedNamespaces items must be namespace names (DNS-1123 labels), "
+                            f"got {namespace!r}")
+    return NetworkPolicySpec(enabled=_get(raw, "enabled", path, bool, True),
+                             allowed_namespaces=tuple(dict.fromkeys(namespaces)))
 
 
 def parse_spec(name: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> DeploymentSpec:
@@ -378,4 +448,6 @@ def parse_spec(name: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> 
             type=_one_of(service_raw, "type", "spec.service", "ClusterIP", SERVICE_TYPES),
             port=_int_in(service_raw, "port", "spec.service", 8000, 1, 65535),
         ),
+        auth=parse_auth(_get(spec, "auth", "spec", dict, {})),
+        network_policy=parse_network_policy(_get(spec, "networkPolicy", "spec", dict, {})),
     )

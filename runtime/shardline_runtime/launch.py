@@ -30,6 +30,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from shardline_runtime.cli import write_termination_log
+from shardline_runtime.entrypoints.auth import guard
 from shardline_runtime.managers.scheduler_process import configure_logging, run_scheduler_process
 from shardline_runtime.server_args import ServerArgs
 
@@ -155,7 +156,9 @@ async def _serve(args: ServerArgs, procs, ipc_dir: str, input_addr: str, output_
     state: dict[str, Any] = {"healthy": True, "ready": False, "draining": False, "fatal": None, "tm": None,
                              "started": time.time()}
     switch = _SwitchApp(_status_app(state))
-    config = uvicorn.Config(switch, host=args.host, port=args.port, log_level=args.log_level,
+    # The key check wraps the whole server, so no route (present or future) is served around it.
+    app = guard(switch, args.api_key, args.admin_api_key, args.port)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.drain_timeout + 3, access_log=args.log_level == "debug")
     server = _Server(config, state, args.drain_timeout)
     state["loop"] = asyncio.get_running_loop()

@@ -15,14 +15,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass
+import os
+import re
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cuda", "cpu")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOAD_FORMATS = ("auto", "safetensors")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
+ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
 RECORDER_MODES = ("stat", "per_pass")
+API_KEY_ENV = "SHARDLINE_API_KEY"
+ADMIN_API_KEY_ENV = "SHARDLINE_ADMIN_API_KEY"
+# One key or several separated by commas (rotation); each printable ASCII without spaces.
+_API_KEY = re.compile(r"^[\x21-\x2b\x2d-\x7e]{1,4096}(,[\x21-\x2b\x2d-\x7e]{1,4096})*$")
 
 
 class ServerArgsError(ValueError):
@@ -110,8 +118,12 @@ class ServerArgs:
     context_length: int | None = None
     disable_radix_cache: bool = False
     enable_mixed_chunk: bool = False
+    kv_cache_dtype: str = "auto"
+    attention_backend: str = "auto"
     cuda_graph_max_bs: int = 160
     disable_cuda_graph: bool = False
+    enable_piecewise_cuda_graph: bool = False
+    piecewise_cuda_graph_max_tokens: int = 4096
     random_seed: int = 0
     log_level: str = "info"
     dist_timeout: int = 600
@@ -121,6 +133,9 @@ class ServerArgs:
     weight_version: str = "default"
     enable_weights_cpu_backup: bool = False
     enable_memory_saver: bool = False
+    # Secrets: kept out of repr() so a logged ServerArgs never shows them.
+    api_key: str | None = field(default=None, repr=False)
+    admin_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -141,6 +156,20 @@ class ServerArgs:
             )
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ServerArgsError("--dist-init-addr HOST:PORT is required when --nnodes > 1")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ServerArgsError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ServerArgsError(
+                f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
+            )
+        if self.piecewise_cuda_graph_max_tokens < 1:
+            raise ServerArgsError(
+                f"--piecewise-cuda-graph-max-tokens must be >= 1, got {self.piecewise_cuda_graph_max_tokens}"
+            )
+        for flag, key in (("--api-key", self.api_key), ("--admin-api-key", self.admin_api_key)):
+            if key is not None and not _API_KEY.match(key):
+                raise ServerArgsError(f"{flag} must be one key, or several separated by commas, of 1-4096 "
+                                      "printable ASCII characters without spaces or commas (sent in an HTTP header)")
         if self.chunked_prefill_size > self.max_prefill_tokens and self.max_prefill_tokens > 0:
             object.__setattr__(self, "max_prefill_tokens", self.chunked_prefill_size)
 
@@ -169,7 +198,13 @@ class ServerArgs:
     def from_namespace(cls, namespace: argparse.Namespace) -> "ServerArgs":
         """Build ``ServerArgs`` from the namespace returned by :func:`make_parser`."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(namespace).items() if k in names})
+        values = {k: v for k, v in vars(namespace).items() if k in names}
+        # Keys come from the environment unless given as flags (a flag shows in ``ps``; an env
+        # var filled from a Secret does not). Surrounding whitespace (a Secret written from a file
+        # with a final newline) is dropped; an empty value means "no key".
+        for name, env in (("api_key", API_KEY_ENV), ("admin_api_key", ADMIN_API_KEY_ENV)):
+            values[name] = (values.get(name) or os.environ.get(env) or "").strip() or None
+        return cls(**values)
 
 
 def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -192,11 +227,15 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
     m.add_argument("--tokenizer-path", default=None, help="Tokenizer directory (default: --model-path).")
     m.add_argument("--load-format", default=default("load_format"), choices=LOAD_FORMATS, help="Checkpoint format.")
     m.add_argument("--dtype", default=default("dtype"), choices=DTYPES, help="Weight and activation dtype; auto takes config.json's torch_dtype (float32 on CPU for half types).")
+    m.add_argument("--kv-cache-dtype", default=default("kv_cache_dtype"), choices=KV_CACHE_DTYPES, help="KV cache storage dtype; auto: the model dtype. fp8 types store K/V divided by per-layer k_scale/v_scale (1.0, or the checkpoint's).")
+    m.add_argument("--attention-backend", default=default("attention_backend"), choices=ATTENTION_BACKENDS, help="Attention kernels; auto: triton on CUDA, torch_native on CPU.")
     m.add_argument("--context-length", type=_int_range("--context-length", 1), default=None, help="Maximum tokens per request (prompt + output); default: the model's max_position_embeddings.")
 
     h = p.add_argument_group("HTTP server")
     h.add_argument("--host", default=default("host"), help="Address to bind exactly (in a pod: $(POD_IP)).")
     h.add_argument("--port", type=_int_range("--port", 1, 65535), default=default("port"), help="HTTP port (rank>0 nodes serve /health and /ready on it).")
+    h.add_argument("--api-key", default=None, help=f"Key of the serving endpoints (Authorization: Bearer); default: ${API_KEY_ENV}. Without any key every endpoint is open.")
+    h.add_argument("--admin-api-key", default=None, help=f"Key of the control endpoints (weight updates, cache flush, aborts, every endpoint not listed as serving or open); default: ${ADMIN_API_KEY_ENV}, else the API key.")
 
     d_ = p.add_argument_group("parallelism")
     d_.add_argument("--tp-size", type=_int_range("--tp-size", 1), default=default("tp_size"), help="Tensor-parallel size across all nodes.")
@@ -208,7 +247,7 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
     d_.add_argument("--dist-timeout", type=_int_range("--dist-timeout", 1), default=default("dist_timeout"), help="Seconds to wait for rendezvous and collectives before failing.")
 
     mem = p.add_argument_group("memory and scheduling")
-    mem.add_argument("--mem-fraction-static", type=_float_range("--mem-fraction-static", 0.0, 1.0, True), default=default("mem_fraction_static"), help="Fraction of GPU memory for weights + KV cache.")
+    mem.add_argument("--mem-fraction-static", type=_float_range("--mem-fraction-static", 0.0, 1.0, True), default=default("mem_fraction_static"), help="Fraction of the GPU memory free before loading that weights + KV cache may take.")
     mem.add_argument("--max-total-tokens", type=_int_range("--max-total-tokens", 1), default=None, help="KV cache size in tokens (default: from the memory budget).")
     mem.add_argument("--max-running-requests", type=_int_range("--max-running-requests", 1), default=default("max_running_requests"), help="Maximum requests in the running batch.")
     mem.add_argument("--chunked-prefill-size", type=_int_range("--chunked-prefill-size", -1), default=default("chunked_prefill_size"), help="Maximum prompt tokens of one request per step; -1 or 0 disables chunking.")
@@ -225,6 +264,8 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
     g = p.add_argument_group("CUDA graphs")
     g.add_argument("--cuda-graph-max-bs", type=_int_range("--cuda-graph-max-bs", 1), default=default("cuda_graph_max_bs"), help="Largest decode batch size captured as a CUDA graph.")
     g.add_argument("--disable-cuda-graph", action="store_true", help="Run decode eagerly (always the case on CPU).")
+    g.add_argument("--enable-piecewise-cuda-graph", action="store_true", help="Run EXTEND (prefill) through CUDA graphs of the non-attention pieces, attention eager between them.")
+    g.add_argument("--piecewise-cuda-graph-max-tokens", type=_int_range("--piecewise-cuda-graph-max-tokens", 1), default=default("piecewise_cuda_graph_max_tokens"), help="Largest EXTEND token count run through piecewise graphs (larger steps run eagerly).")
 
     o = p.add_argument_group("operation")
     o.add_argument("--random-seed", type=_int_range("--random-seed", 0), default=default("random_seed"), help="Seed of the sampler for requests without their own seed.")

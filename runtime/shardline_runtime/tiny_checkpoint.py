@@ -60,18 +60,21 @@ def _corpus(lines: int = 2000, seed: int = 0) -> list[str]:
     return out
 
 
-def train_tokenizer(out_dir: str | Path, vocab_size: int = 512):
+def train_tokenizer(out_dir: str | Path, vocab_size: int = 512, add_bos: bool = False, chat_template: str = CHAT_TEMPLATE):
     """Train a byte-level BPE tokenizer and save it as a HuggingFace fast tokenizer.
 
     Args:
         out_dir: directory to write ``tokenizer.json`` and ``tokenizer_config.json`` into.
         vocab_size: total vocabulary size including the special tokens (ids 0..4 are
             ``<|pad|> <|bos|> <|eos|> <|im_start|> <|im_end|>``).
+        add_bos: give the tokenizer a post-processor that prepends ``<|bos|>`` when special
+            tokens are added (Llama-style), instead of none.
+        chat_template: the Jinja chat template saved with the tokenizer.
 
     Returns:
         The ``transformers.PreTrainedTokenizerFast`` that was saved.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -84,6 +87,10 @@ def train_tokenizer(out_dir: str | Path, vocab_size: int = 512):
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
+    if add_bos:
+        bos_id = tok.token_to_id("<|bos|>")
+        tok.post_processor = processors.TemplateProcessing(
+            single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", bos_id)])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|bos|>",
@@ -91,7 +98,7 @@ def train_tokenizer(out_dir: str | Path, vocab_size: int = 512):
         pad_token="<|pad|>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(str(out_dir))
     return fast
 
@@ -157,6 +164,8 @@ def make_tiny_checkpoint(
     vocab_size: int = 512,
     max_shard_size: str | None = None,
     tokenizer: bool = True,
+    add_bos: bool = False,
+    chat_template: str = CHAT_TEMPLATE,
     **overrides: Any,
 ) -> Path:
     """Write a randomly initialised checkpoint of ``arch`` into ``out_dir``.
@@ -169,6 +178,7 @@ def make_tiny_checkpoint(
         max_shard_size: e.g. ``"20KB"`` to force several safetensors shards plus
             ``model.safetensors.index.json``.
         tokenizer: also train and save the tokenizer into ``out_dir``.
+        add_bos / chat_template: passed to :func:`train_tokenizer`.
         overrides: passed to :func:`tiny_config`.
 
     Returns:
@@ -188,7 +198,7 @@ def make_tiny_checkpoint(
         kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(str(out), **kwargs)
     if tokenizer:
-        train_tokenizer(out, vocab_size=min(512, vocab_size))
+        train_tokenizer(out, vocab_size=min(512, vocab_size), add_bos=add_bos, chat_template=chat_template)
     return out
 
 

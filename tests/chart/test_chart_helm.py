@@ -68,4 +68,14 @@ def test_rbac_is_least_privilege(helm):
     assert "create" not in granted[("", "pods")]
     assert granted[("shardline.dev", "inferencedeployments")] == {"get", "list", "watch", "patch"}
     assert granted[("shardline.dev", "inferencedeployments/status")] == {"get", "patch"}
-    assert ("", "secrets") not in granted
+    # Secrets: the admin token is created once and read, the API key read; never listed or changed.
+    assert granted[("", "secrets")] == {"get", "create"}
+    assert granted[("networking.k8s.io", "networkpolicies")] == {"get", "list", "watch", "create", "patch", "delete"}
+
+
+@pytest.mark.parametrize("extra,expected", [([], "shardline-system"),
+                                            (["--set", "networkPolicy.operatorNamespace=ops"], "ops")])
+def test_operator_knows_the_namespace_runtime_policies_admit(helm, extra, expected):
+    (deployment,) = [d for d in render(helm, extra) if d["kind"] == "Deployment"]
+    env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["SHARDLINE_OPERATOR_NAMESPACE"] == expected

@@ -4,15 +4,22 @@ helm installs the chart (the operator runs as the chart's Deployment pod under i
 ServiceAccount), ``kubectl apply -f examples/<tp2>.yaml`` serves a tiny model over two pods,
 then: roll to revision B in place, roll to a broken checkpoint, kill rank 1, scale to two
 groups, delete. The tests run in order and share one deployment.
+
+Auth is on throughout: the example is applied with ``spec.auth.apiKeySecretRef`` pointing at a
+Secret holding a user key, every chat sends that key, and every rollout goes through the admin
+token the operator keeps in ``<name>-admin-token`` (the runtime refuses control calls without it).
 """
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import time
 import uuid
 
+import httpx
+import openai
 import pytest
 import yaml
 
@@ -39,6 +46,7 @@ class Job:
         self.client = kube.client()
         self.watch = StatusWatcher(self.client, namespace, name).start()
         self.answers: dict[str, list[str]] = {}
+        self.api_key = f"sk-e2e-{secrets.token_hex(12)}"
 
     def kubectl(self, *args, **kw):
         return self.kube.kubectl(*args, "-n", self.namespace, **kw)
@@ -49,7 +57,7 @@ class Job:
 
     def ask(self, group: int = 0) -> list[str]:
         ip = leader_ip(self.client, self.namespace, self.name, group)
-        return [chat(ip, self.model, p) for p in PROMPTS]
+        return [chat(ip, self.model, p, api_key=self.api_key) for p in PROMPTS]
 
     def wait_ready(self, revision: str, since: int, replicas: int = 1):
         return self.watch.wait(
@@ -90,7 +98,10 @@ def _report_on_failure(request, job):
 
 def test_a_apply_example_serves_chat(job):
     mark = job.watch.mark()
-    job.kubectl("apply", "-f", str(job.example_path))
+    job.kubectl("create", "secret", "generic", f"{job.name}-api-key", f"--from-literal=api-key={job.api_key}")
+    doc = yaml.safe_load(job.example_path.read_text())
+    doc["spec"]["auth"] = {"apiKeySecretRef": {"name": f"{job.name}-api-key"}}
+    job.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
     job.wait_ready("rev-a", mark)
     out = job.kubectl("get", "infd", job.name).stdout.splitlines()
     header, row = out[0].split(), out[1].split()
@@ -100,6 +111,24 @@ def test_a_apply_example_serves_chat(job):
     assert sorted(p["metadata"]["name"] for p in pods) == [f"{job.name}-g0-0", f"{job.name}-g0-1"]
     job.answers["rev-a"] = job.ask()
     assert all(isinstance(a, str) and a for a in job.answers["rev-a"])
+
+
+def test_a2_keys_guard_the_leader(job):
+    ip = leader_ip(job.client, job.namespace, job.name)
+    with pytest.raises(openai.AuthenticationError):
+        chat(ip, job.model, PROMPTS[0], api_key="sk-wrong")
+    base = f"http://{ip}:8000"
+    update = {"model_path": str(job.revisions["rev-b"])}
+    refused = httpx.post(f"{base}/update_weights_from_disk", json=update, timeout=30)
+    assert refused.status_code == 401, refused.text
+    with_user_key = httpx.post(f"{base}/update_weights_from_disk", json=update, timeout=30,
+                               headers={"Authorization": f"Bearer {job.api_key}"})
+    assert with_user_key.status_code == 401, "the serving key must not open the control endpoints"
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200  # probes need no key
+    secret = json.loads(job.kubectl("get", "secret", f"{job.name}-admin-token", "-o", "json").stdout)
+    assert secret["metadata"]["ownerReferences"][0]["name"] == job.name
+    policies = job.kubectl("get", "networkpolicies", "-o", "name").stdout.split()
+    assert f"networkpolicy.networking.k8s.io/{job.name}-g0" in policies
 
 
 def test_b_roll_to_revision_b_in_place(job):
@@ -172,7 +201,7 @@ def test_f_delete_removes_all_children(job):
     job.kubectl("delete", "infd", job.name, "--timeout=120s", timeout=180)
     deadline = time.monotonic() + 180
     while True:
-        left = job.kubectl("get", "statefulsets,services,pods,poddisruptionbudgets", "-o",
+        left = job.kubectl("get", "statefulsets,services,pods,poddisruptionbudgets,secrets,networkpolicies", "-o",
                            "name", "-l", f"shardline.dev/deployment={job.name}").stdout.split()
         if not left:
             break

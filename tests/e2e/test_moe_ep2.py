@@ -13,7 +13,7 @@ import pytest
 from hack.scenario.examples import moe_ep2_example
 from hack.scenario.models import MODELS_ROOT, write_tiny_model
 from hack.scenario.operator_install import install_operator, operator_logs
-from hack.scenario.serving import HTTP_PORT, chat, leader_ip
+from hack.scenario.serving import HTTP_PORT, admin_headers, chat, leader_ip
 from hack.scenario.status_watch import StatusWatcher
 from tests.kube_fixtures import agent_nodes_only
 
@@ -53,11 +53,14 @@ def test_moe_example_serves_with_expert_parallelism_and_rebalances(moe_job):
     uids = sorted(p["metadata"]["uid"] for p in pods)
     ip = leader_ip(cluster.client(), ns, name)
     url = f"http://{ip}:{HTTP_PORT}"
-    assert httpx.post(url + "/start_expert_distribution_record", timeout=60).status_code == 200
+    # Control endpoints take the admin token the operator keeps in <name>-admin-token.
+    admin = admin_headers(cluster.client(), ns, name)
+    assert httpx.post(url + "/start_expert_distribution_record", timeout=60).status_code == 401
+    assert httpx.post(url + "/start_expert_distribution_record", headers=admin, timeout=60).status_code == 200
     answers = [chat(ip, model, p) for p in PROMPTS]
-    record = httpx.post(url + "/dump_expert_distribution_record", timeout=60).json()
+    record = httpx.post(url + "/dump_expert_distribution_record", headers=admin, timeout=60).json()
     assert all(sum(layer) > 0 for layer in record["logical_count"])
-    out = httpx.post(url + "/rebalance_experts", timeout=300)
+    out = httpx.post(url + "/rebalance_experts", headers=admin, timeout=300)
     assert out.status_code == 200, out.text
     assert [chat(ip, model, p) for p in PROMPTS] == answers
     pods = json.loads(cluster.kubectl("get", "pods", "-n", ns, "-o", "json").stdout)["items"]

@@ -27,6 +27,16 @@ class FakeKube:
         self.objects[key] = stored
         return copy.deepcopy(stored)
 
+    def create(self, obj):
+        meta = obj["metadata"]
+        if (obj["kind"], meta["namespace"], meta["name"]) in self.objects:
+            return None
+        return self.apply(obj)
+
+    def get(self, api_version, kind, namespace, name):
+        obj = self.objects.get((kind, namespace, name))
+        return copy.deepcopy(obj) if obj is not None else None
+
     def list(self, api_version, kind, namespace, selector):
         return [copy.deepcopy(o) for (k, ns, _), o in sorted(self.objects.items())
                 if k == kind and ns == namespace

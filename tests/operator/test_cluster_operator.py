@@ -97,7 +97,7 @@ def op(kube_cluster, tmp_path_factory):
         env = dict(kube_cluster.env, PYTHONPATH=str(ROOT / "operator"))
         process = subprocess.Popen(
             [sys.executable, "-m", "shardline_operator.cli", "--namespace", NAMESPACE,
-             "--liveness-endpoint", "http://127.0.0.1:0/healthz"],
+             "--liveness-endpoint", "http://127.0.0.1:0/healthz", "--metrics-port", "0"],
             env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
         logs = log.read_text
     else:

@@ -99,6 +99,7 @@ def test_enums_and_reserved_flags_match_the_parser():
     spec_schema = schema()["properties"]["spec"]["properties"]
     runtime = spec_schema["runtime"]["properties"]
     assert tuple(runtime["dtype"]["enum"]) == spec_module.DTYPES
+    assert tuple(runtime["kvCacheDtype"]["enum"]) == spec_module.KV_CACHE_DTYPES
     assert tuple(runtime["imagePullPolicy"]["enum"]) == spec_module.PULL_POLICIES
     assert tuple(spec_schema["weightUpdate"]["properties"]["strategy"]["enum"]) == spec_module.STRATEGIES
     assert tuple(spec_schema["service"]["properties"]["type"]["enum"]) == spec_module.SERVICE_TYPES
@@ -130,6 +131,7 @@ def test_crd_defaults_equal_parser_defaults():
         "parallelism.tensor": parsed.parallelism.tensor, "parallelism.gpusPerPod": parsed.parallelism.gpus_per_pod,
         "parallelism.expert": parsed.parallelism.expert,
         "runtime.imagePullPolicy": parsed.runtime.image_pull_policy, "runtime.dtype": parsed.runtime.dtype,
+        "runtime.kvCacheDtype": parsed.runtime.kv_cache_dtype,
         "runtime.memFractionStatic": parsed.runtime.mem_fraction_static,
         "runtime.startupTimeoutSeconds": parsed.runtime.startup_timeout_seconds,
         "runtime.cudaGraph.enabled": parsed.runtime.cuda_graph.enabled,
@@ -145,5 +147,7 @@ def test_crd_defaults_equal_parser_defaults():
         "restartPolicy.maxGroupRestarts": parsed.restart_policy.max_group_restarts,
         "restartPolicy.backoffSeconds": parsed.restart_policy.backoff_seconds,
         "service.type": parsed.service.type, "service.port": parsed.service.port,
+        "networkPolicy.enabled": parsed.network_policy.enabled,
+        "auth.apiKeySecretRef.key": spec_module.parse_auth({"apiKeySecretRef": {"name": "s"}}).api_key_secret.key,
     }
     assert defaults(schema()["properties"]["spec"]) == expected

@@ -43,7 +43,9 @@ def test_create_then_ready(world):
     kube, body, run = world
     result = run()
     kinds = sorted((k, n) for (k, _, n) in kube.objects)
-    assert kinds == [("PodDisruptionBudget", "llama"), ("Service", "llama"), ("Service", "llama-g0-ranks"),
+    assert kinds == [("NetworkPolicy", "llama-g0"), ("NetworkPolicy", "llama-g1"),
+                     ("PodDisruptionBudget", "llama"), ("Secret", "llama-admin-token"),
+                     ("Service", "llama"), ("Service", "llama-g0-ranks"),
                      ("Service", "llama-g1-ranks"), ("StatefulSet", "llama-g0"), ("StatefulSet", "llama-g1")]
     assert result.status["phase"] == "Pending"
     assert ("Normal", "GroupCreated", "group 0: StatefulSet llama-g0") in result.events
@@ -219,6 +221,21 @@ def test_cuda_graph_change_recaptures_in_place(world):
     assert args[args.index("--cuda-graph-max-bs") + 1] == "16"
     assert status["phase"] == "Ready"
     assert {n: p["metadata"]["uid"] for n, p in kube.pods().items()} == uids
+
+
+def test_an_idle_pass_writes_no_status(world):
+    """The resync of an object where nothing changed costs reads only, no status PATCH."""
+    kube, body, run = world
+    run()
+    kube.run_statefulsets()
+    run()
+    writes = len(kube.statuses)
+    body["status"] = {k: v for k, v in body["status"].items() if v is not None}  # as the API stores it
+    assert run().status["phase"] == "Ready" and run().status["phase"] == "Ready"
+    assert len(kube.statuses) == writes
+    kube.set_ready("llama-g1-0", False)
+    run()
+    assert len(kube.statuses) == writes + 1
 
 
 def test_group_status_shows_the_leaders_weight_version(world, spec_dict):

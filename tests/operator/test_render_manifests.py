@@ -30,9 +30,12 @@ def by_kind_name(children):
                     "priorityClassName": "inference"}},
     {"runtime": {"image": "r:1", "env": [{"name": "HF_HOME", "value": "/tmp/hf"}], "args": ["--log-level", "debug"],
                  "maxTotalTokens": 4096, "cudaGraph": {"enabled": False}, "resources": {"requests": {"memory": "8Gi"}}}},
+    {"auth": {"apiKeySecretRef": {"name": "llama-api-key", "key": "key"}},
+     "networkPolicy": {"allowedNamespaces": ["apps", "gateway"]}},
+    {"networkPolicy": {"enabled": False}},
 ])
 def test_every_child_validates_strictly(make_spec, overrides):
-    children = render_children(make_spec(overrides))
+    children = render_children(make_spec(overrides), operator_namespace="shardline-system")
     assert children
     for child in children:
         kubernetes_validate.validate(child, K8S_VERSION, strict=True)
@@ -41,7 +44,8 @@ def test_every_child_validates_strictly(make_spec, overrides):
 def test_children_per_group(make_spec):
     spec = make_spec({"replicas": 2})
     kinds = sorted((c["kind"], c["metadata"]["name"]) for c in render_children(spec))
-    assert kinds == [("PodDisruptionBudget", "llama"), ("Service", "llama"), ("Service", "llama-g0-ranks"),
+    assert kinds == [("NetworkPolicy", "llama-g0"), ("NetworkPolicy", "llama-g1"),
+                     ("PodDisruptionBudget", "llama"), ("Service", "llama"), ("Service", "llama-g0-ranks"),
                      ("Service", "llama-g1-ranks"), ("StatefulSet", "llama-g0"), ("StatefulSet", "llama-g1")]
 
 

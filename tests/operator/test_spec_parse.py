@@ -42,6 +42,8 @@ def test_pods_per_group(make_spec):
      "spec.model.volume must hold exactly one volume source"),
     ({"runtime": {}}, "spec.runtime.image is required"),
     ({"runtime": {"image": "i", "dtype": "int4"}}, "spec.runtime.dtype must be one of auto, float32, float16, bfloat16"),
+    ({"runtime": {"image": "i", "kvCacheDtype": "int8"}},
+     "spec.runtime.kvCacheDtype must be one of auto, bfloat16, float16, fp8_e4m3, fp8_e5m2"),
     ({"runtime": {"image": "i", "memFractionStatic": 0}}, "spec.runtime.memFractionStatic must be in (0, 1]"),
     ({"runtime": {"image": "i", "args": ["--tp-size=4"]}}, "spec.runtime.args must not set --tp-size"),
     ({"runtime": {"image": "i", "args": [7]}}, "spec.runtime.args must be a list of strings"),

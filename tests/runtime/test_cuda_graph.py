@@ -79,3 +79,20 @@ def test_real_capture_matches_eager_on_cuda(tiny_checkpoint):
     assert graphs.model_runner.cuda_graph_runner.graphs
     expected = run_engine(eager, PROMPTS, GREEDY, mixed=False)
     assert run_engine(graphs, PROMPTS, GREEDY, mixed=False) == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend, kv_cache_dtype", [("triton", "auto"), ("torch_native", "auto"), ("triton", "fp8_e4m3")])
+def test_decode_graphs_per_backend_and_kv_dtype_on_cuda(tiny_checkpoint, backend, kv_cache_dtype):
+    """Captured decode == eager decode for each backend (and an fp8 cache); with triton the
+    graph reads kv_indptr / kv_indices refilled before each replay (no bound baked in)."""
+    path = tiny_checkpoint("llama", seed=0)
+    kwargs = dict(device_override="cuda", attention_backend=backend, kv_cache_dtype=kv_cache_dtype)
+    eager = make_worker(path, disable_cuda_graph=True, **kwargs)
+    graphs = make_worker(path, cuda_graph_max_bs=8, **kwargs)
+    assert type(graphs.model_runner.attn_backend).__name__.lower().startswith(backend.replace("_", ""))
+    expected = run_engine(eager, PROMPTS, GREEDY, mixed=False)
+    assert run_engine(graphs, PROMPTS, GREEDY, mixed=False) == expected
+    if kv_cache_dtype == "fp8_e4m3":  # agreement with a full-precision cache: test_kv_cache_dtype.py
+        assert graphs.model_runner.token_to_kv_pool.dtype == torch.float8_e4m3fn
+        assert graphs.model_runner.token_to_kv_pool.k_buffer[0].element_size() == 1

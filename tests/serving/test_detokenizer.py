@@ -73,3 +73,31 @@ def test_held_back_tail_released_at_finish(tokenizer):
     first = detok.add_tokens(ids)
     assert not first.endswith("thr")
     assert first + detok.finish() == "one two thr"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_offsets_index_the_text(tokenizer, text):
+    """Offsets (completions ``text_offset``): each token's text starts at its offset; the byte
+    pieces of one character all start where the character does."""
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer, [])
+    for t in ids:
+        detok.add_tokens([t])
+    detok.finish()
+    assert len(detok.token_offsets) == len(ids)
+    for k, (offset, t) in enumerate(zip(detok.token_offsets, ids)):
+        whole = tokenizer.decode([t]).rstrip("\ufffd")  # its complete characters
+        if whole:
+            assert detok.text[offset:].startswith(whole)
+        else:  # only bytes of a character split over tokens: it starts at that character
+            assert offset == len(tokenizer.decode(ids[:k]).rstrip("\ufffd"))
+
+
+def test_token_offsets_after_an_invalid_byte_sequence(tokenizer):
+    """A lone continuation byte never completes: U+FFFD is emitted with the next token, whose own
+    text starts after it."""
+    lone = next(t for t in range(tokenizer.vocab_size) if tokenizer.decode([t]) == "\ufffd")
+    ids = [lone] + tokenizer.encode("hello")
+    detok = IncrementalDetokenizer(tokenizer, [])
+    detok.add_tokens(ids)
+    assert detok.text.startswith("\ufffd") and detok.token_offsets[:2] == [0, 1]

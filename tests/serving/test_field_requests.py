@@ -61,7 +61,7 @@ def test_r2_max_tokens_edges(server):
     assert out["usage"]["completion_tokens"] == 1 and out["choices"][0]["finish_reason"] == "length"
     err = _error(server.post("/v1/completions", {"prompt": "hi", "max_tokens": -1}))
     assert err["param"] == "max_tokens"
-    # documented choice (docs/api.md): max_tokens 0 is a 400 on the OpenAI endpoints
+    # documented choice (docs/api.md): max_tokens 0 is a 400 on the OpenAI endpoints unless echo is set
     err = _error(server.post("/v1/completions", {"prompt": "hi", "max_tokens": 0}))
     assert err["param"] == "max_tokens" and ">= 1" in err["message"]
     err = _error(server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}))

@@ -7,7 +7,7 @@ from typing import Any
 
 from .. import labels
 from ..runtime_args import RUNTIME_COMMAND, ServedModel, runtime_args
-from ..spec import GPU_RESOURCE, DeploymentSpec
+from ..spec import ADMIN_API_KEY_ENV, API_KEY_ENV, GPU_RESOURCE, DeploymentSpec
 
 PROBE_PERIOD_SECONDS = 10
 # Pre-stop delay: a deleted pod leaves the Service's ready endpoints at once, but clients and
@@ -21,12 +21,21 @@ def _field_env(name: str, field_path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": field_path}}}
 
 
+def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
 def _env(spec: DeploymentSpec) -> list[dict[str, Any]]:
+    """Downward-API env, the keys from Secrets (never in args, which ``ps`` shows), user env."""
+    keys = [_secret_env(ADMIN_API_KEY_ENV, labels.admin_secret_name(spec.name), labels.ADMIN_TOKEN_KEY)]
+    if spec.auth.api_key_secret is not None:
+        keys.append(_secret_env(API_KEY_ENV, spec.auth.api_key_secret.name, spec.auth.api_key_secret.key))
     return [
         _field_env("POD_IP", "status.podIP"),
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_NAMESPACE", "metadata.namespace"),
         _field_env("POD_INDEX", f"metadata.labels['{labels.LABEL_POD_INDEX}']"),
+        *keys,
         *[dict(item) for item in spec.runtime.env],
     ]
 
@@ -64,9 +73,16 @@ def build_pod_template(spec: DeploymentSpec, group: int, served: ServedModel) ->
     Probes (DESIGN 3.2): startup ``GET /health`` with a budget of
     ``spec.runtime.startupTimeoutSeconds`` for weight loading and graph capture; liveness
     ``GET /health``; readiness ``GET /ready`` (503 while weights load or graphs recapture).
+    These stay open when API keys are set, so probes need no key.
+
     Deletion (restart rollouts, scale-down): a ``preStop`` sleep of :data:`PRE_STOP_SECONDS`
     while the pod leaves the endpoints, then SIGTERM, on which the runtime drops readiness and
     keeps its listener open until in-flight requests finish (``--drain-timeout``).
+
+    Security: the pod meets the ``restricted`` Pod Security Standard (non-root user 10001 of
+    the runtime image, ``RuntimeDefault`` seccomp, no privilege escalation, every capability
+    dropped); GPUs come from the device plugin and need none of them. A ``hostPath`` model
+    volume is the user's choice and is outside ``restricted`` (and ``baseline``).
     """
     volumes, mounts = _volumes(spec)
     container = {
@@ -91,6 +107,8 @@ def build_pod_template(spec: DeploymentSpec, group: int, served: ServedModel) ->
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
     pod_spec: dict[str, Any] = {
+        "securityContext": {"runAsNonRoot": True, "runAsUser": labels.RUNTIME_UID, "runAsGroup": labels.RUNTIME_UID,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
         "volumes": volumes,
         "restartPolicy": "Always",

@@ -11,7 +11,12 @@ it gathers a fixed ``kv_len_bound`` columns of ``req_to_token`` and masks positi
 
 DECODE per step (not per layer): the flattened slot indices and the masks are built by the first
 layer of each forward pass (inside the model forward, so a captured graph recomputes them from
-its static input tensors on every replay) and shared by the other layers. The pool is
+its static input tensors on every replay) and shared by the other layers; the start-of-pass
+calls of :class:`AttentionBackend` drop them, so a new pass is told, never inferred.
+
+Under CUDA graphs this backend gathers the whole ``req_to_token`` row (the context length) per
+request whatever the real lengths: it is the simple reference, the ``triton`` backend is the
+fast one (see docs/benchmarks.md). The pool is
 head-major (see ``TokenToKVPool``), so the gathered K/V are (heads, bs, kv_len_bound, head_dim)
 with each (request, head) block contiguous; see ``paged_decode.py`` for the CPU computation.
 """
@@ -23,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from shardline_runtime.attention.base import AttentionBackend
 from shardline_runtime.attention.paged_decode import DecodeScratch, decode_attention_cpu
 
 
@@ -46,7 +52,7 @@ class DecodeTensors:
     masks: dict = field(default_factory=dict)
 
 
-class TorchNativeAttnBackend:
+class TorchNativeAttnBackend(AttentionBackend):
     """Attention over the paged KV pool with plain torch ops.
 
     Args:
@@ -55,12 +61,10 @@ class TorchNativeAttnBackend:
     """
 
     def __init__(self, model_runner):
-        self.req_to_token_pool = model_runner.req_to_token_pool
-        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        super().__init__(model_runner)
         self.max_context_len = self.req_to_token_pool.req_to_token.shape[1]
         self.forward_metadata = ForwardMetadata()
         self._decode: DecodeTensors | None = None
-        self._last_layer_id = -1
         self._scratch = DecodeScratch()
 
     # ---- metadata ----------------------------------------------------------------------------
@@ -73,23 +77,23 @@ class TorchNativeAttnBackend:
             bound = max(lens) if lens else int(forward_batch.seq_lens.max()) if forward_batch.batch_size else 0
             self.forward_metadata = ForwardMetadata(kv_len_bound=bound)
 
-    def init_forward_metadata_capture_cuda_graph(self, kv_len_bound: int | None = None) -> None:
-        """Graph capture: use a fixed bound (default: the whole ``req_to_token`` row)."""
+    def init_forward_metadata_capture_cuda_graph(self, bs: int = 0, req_pool_indices=None, seq_lens=None) -> None:
+        """Graph capture: a fixed bound, the whole ``req_to_token`` row (the slots and masks are
+        then computed inside the graph from its static tensors)."""
         self._decode = None
-        self.forward_metadata = ForwardMetadata(kv_len_bound=kv_len_bound or self.max_context_len)
+        self.forward_metadata = ForwardMetadata(kv_len_bound=self.max_context_len)
 
-    def init_forward_metadata_replay_cuda_graph(self, kv_len_bound: int | None = None) -> None:
+    def init_forward_metadata_replay_cuda_graph(self, bs: int = 0, req_pool_indices=None, seq_lens=None) -> None:
         """Graph replay: the same fixed bound as at capture (nothing else is read from Python)."""
-        self.init_forward_metadata_capture_cuda_graph(kv_len_bound)
+        self.init_forward_metadata_capture_cuda_graph(bs, req_pool_indices, seq_lens)
 
     def _decode_tensors(self, layer, forward_batch, bs: int, bound: int, device: torch.device) -> DecodeTensors:
-        """This pass's DECODE tensors: rebuilt when a new forward pass starts (a layer id not
-        above the previous call's), reused by the pass's later layers."""
-        if self._decode is None or layer.layer_id <= self._last_layer_id:
+        """This pass's DECODE tensors: built by its first layer, reused by the later ones; the
+        start-of-pass calls reset them."""
+        if self._decode is None:
             req_to_token = self._req_to_token(forward_batch)
             slots = req_to_token[forward_batch.req_pool_indices, :bound].reshape(bs * bound)
             self._decode = DecodeTensors(slots=slots)
-        self._last_layer_id = layer.layer_id
         window = layer.sliding_window
         if window not in self._decode.masks:
             pos = torch.arange(bound, device=device)[None, :]
@@ -104,24 +108,6 @@ class TorchNativeAttnBackend:
 
     # ---- compute -----------------------------------------------------------------------------
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, forward_batch) -> torch.Tensor:
-        """q (T, Hq*D), k/v (T, Hkv*D) -> (T, Hq*D); writes k/v into the pool first."""
-        kv_pool = forward_batch.token_to_kv_pool or self.token_to_kv_pool
-        q = q.view(-1, layer.tp_q_head_num, layer.head_dim)
-        k = k.view(-1, layer.tp_k_head_num, layer.head_dim)
-        v = v.view(-1, layer.tp_k_head_num, layer.head_dim)
-        if q.shape[0]:
-            kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
-        if forward_batch.forward_mode.is_decode():
-            out = self.forward_decode(q, layer, forward_batch, kv_pool)
-        else:
-            out = self.forward_extend(q, layer, forward_batch, kv_pool)
-        return out.reshape(-1, layer.tp_q_head_num * layer.head_dim)
-
-    def _req_to_token(self, forward_batch) -> torch.Tensor:
-        pool = forward_batch.req_to_token_pool or self.req_to_token_pool
-        return pool.req_to_token
-
     def forward_extend(self, q: torch.Tensor, layer, forward_batch, kv_pool) -> torch.Tensor:
         """q (T, Hq, D) -> (T, Hq, D); causal within each request, after its cached prefix."""
         out = torch.empty_like(q)
@@ -133,8 +119,8 @@ class TorchNativeAttnBackend:
         for i, (prefix, ext) in enumerate(zip(forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu)):
             seq_len = prefix + ext
             slots = req_to_token[forward_batch.req_pool_indices[i], :seq_len]
-            k_all = k_buf.index_select(1, slots).to(q.dtype)  # (Hkv, L, D)
-            v_all = v_buf.index_select(1, slots).to(q.dtype)
+            k_all = _dequant(k_buf.index_select(1, slots), layer.k_scale, q.dtype)  # (Hkv, L, D)
+            v_all = _dequant(v_buf.index_select(1, slots), layer.v_scale, q.dtype)
             mask = None
             if prefix or layer.sliding_window is not None:
                 q_pos = torch.arange(prefix, seq_len, device=q.device)[:, None]  # (ext, 1)
@@ -160,13 +146,21 @@ class TorchNativeAttnBackend:
         mask = meta.masks[layer.sliding_window]
         k_buf, v_buf = kv_pool.get_kv_buffer_head_major(layer.layer_id)  # (Hkv, size + 1, D)
         hkv, head_dim = layer.tp_k_head_num, layer.head_dim
-        if q.device.type == "cpu":
+        if q.device.type == "cpu" and k_buf.dtype == q.dtype:
             return decode_attention_cpu(q, k_buf, v_buf, meta.slots, mask, layer.scaling, self._scratch)
-        # GPU: fresh gathers (allocated from the graph pool while capturing), SDPA kernels
-        k = k_buf.index_select(1, meta.slots).view(hkv, bs, bound, head_dim).transpose(0, 1).to(q.dtype)
-        v = v_buf.index_select(1, meta.slots).view(hkv, bs, bound, head_dim).transpose(0, 1).to(q.dtype)
+        # GPU (or an fp8 cache): fresh gathers (allocated from the graph pool while capturing), SDPA
+        k = _dequant(k_buf.index_select(1, meta.slots), layer.k_scale, q.dtype).view(hkv, bs, bound, head_dim).transpose(0, 1)
+        v = _dequant(v_buf.index_select(1, meta.slots), layer.v_scale, q.dtype).view(hkv, bs, bound, head_dim).transpose(0, 1)
+        if mask.dtype != torch.bool:
+            mask = mask == 0
         o = F.scaled_dot_product_attention(
             q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=layer.scaling,
             enable_gqa=layer.tp_q_head_num != hkv,
         )  # (bs, Hq, 1, D)
         return o.reshape(bs, layer.tp_q_head_num, head_dim)
+
+
+def _dequant(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Stored K/V -> ``dtype``: a plain cast, times ``scale`` when it is not 1 (fp8 caches)."""
+    x = x.to(dtype)
+    return x if scale == 1.0 else x * scale

@@ -29,6 +29,8 @@ class ChoiceSpec:
     params: SamplingParams
     prompt_index: int = 0
     echo_text: str = ""
+    logprob_start_len: int = -1  # 0: return prompt logprobs (echo + logprobs)
+    added_prefix: int = 0  # tokens the tokenizer put before a text prompt (BOS)
 
 
 @dataclass
@@ -73,9 +75,12 @@ def _check_common(req, tm: TokenizerManager) -> None:
             raise RequestValidationError(f"stop_token_ids must be in [0, {tm.info.vocab_size}), got {bad[0]}", "stop_token_ids")
 
 
-def _max_tokens(value: int | None, name: str) -> int | None:
-    if value is not None and value < 1:
-        raise RequestValidationError(f"{name} must be >= 1, got {value}", name)
+def _max_tokens(value: int | None, name: str, echo: bool = False) -> int | None:
+    """``max_tokens`` checked: >= 1, or 0 with ``echo`` (score the prompt only, as lm-eval asks;
+    vLLM and OpenAI's legacy completions accept it too)."""
+    if value is not None and value < (0 if echo else 1):
+        allowed = ">= 0 with echo" if echo else ">= 1 (0 only with echo: true)"
+        raise RequestValidationError(f"{name} must be {allowed}, got {value}", name)
     return value
 
 
@@ -93,19 +98,35 @@ def completion_choices(req: CompletionRequest, tm: TokenizerManager) -> list[Cho
         prompts = list(prompt)
     if not prompts:
         raise RequestValidationError("prompt must not be empty", "prompt")
-    max_tokens = _max_tokens(req.max_tokens, "max_tokens")
+    max_tokens = _max_tokens(req.max_tokens, "max_tokens", req.echo)
+    prompt_logprobs = req.echo and req.logprobs is not None
     specs = []
     for k, p in enumerate(prompts):
-        ids = tm.tokenize(p, "prompt")
+        added = 0
+        if isinstance(p, str):
+            tm.check_text_length(p, "prompt")
+            p_ids, added = tm.encode_text(p, req.add_special_tokens)
+        ids = tm.tokenize(p_ids if isinstance(p, str) else p, "prompt")  # checks ids and emptiness
         budget = tm.check_lengths(ids, max_tokens)
         echo = (p if isinstance(p, str) else tm.tokenizer.decode(ids)) if req.echo else ""
         for j in range(req.n):
-            specs.append(ChoiceSpec(len(specs), ids, build_params(req, budget, j), k, echo))
+            specs.append(ChoiceSpec(len(specs), ids, build_params(req, budget, j), k, echo,
+                                    0 if prompt_logprobs else -1, added))
     return specs
 
 
 def chat_prompt_ids(req: ChatCompletionRequest, tm: TokenizerManager) -> list[int]:
-    """Apply the tokenizer's chat template to ``messages``."""
+    """Apply the tokenizer's chat template to ``messages`` and tokenize the text.
+
+    The template usually writes BOS itself, so special tokens are not added unless the request
+    says ``add_special_tokens: true`` (vLLM's default and override). A template that raises (many
+    do on purpose, e.g. when roles do not alternate) is the client's error: a 400 on ``messages``
+    carrying the template's message.
+
+    Raises:
+        RequestValidationError: non-text content parts, no chat template, the template raised,
+            or the prompt is empty or too long.
+    """
     messages = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -116,11 +137,20 @@ def chat_prompt_ids(req: ChatCompletionRequest, tm: TokenizerManager) -> list[in
                     raise RequestValidationError(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
                 parts.append(part["text"])
             content = "".join(parts)
-        messages.append({"role": m.role, "content": content or ""})
+        message = {"role": m.role, "content": content or ""}
+        message.update({k: v for k, v in (("name", m.name), ("tool_call_id", m.tool_call_id),
+                                           ("tool_calls", m.tool_calls)) if v is not None})
+        messages.append(message)
     if getattr(tm.tokenizer, "chat_template", None) is None:
         raise RequestValidationError("this model's tokenizer has no chat template; use /v1/completions", "messages")
-    text = tm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt)
-    ids = tm.tokenizer.encode(text, add_special_tokens=False)
+    try:
+        text = tm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt)
+    except Exception as exc:  # whatever a template raises on these messages is a bad request
+        raise RequestValidationError(f"messages: the chat template rejected them: {exc}", "messages") from None
+    if not isinstance(text, str):
+        raise RequestValidationError("messages: the chat template did not produce text", "messages")
+    tm.check_text_length(text, "messages")
+    ids, _ = tm.encode_text(text, req.add_special_tokens)
     if not ids:
         raise RequestValidationError("messages produce an empty prompt", "messages")
     return ids
@@ -152,7 +182,8 @@ async def run_choices(
     async def pump(spec: ChoiceSpec) -> None:
         try:
             async for chunk in tm.generate(spec.input_ids, spec.params, return_logprob=return_logprob,
-                                           top_logprobs_num=top_logprobs, include_stop_str_in_output=include_stop):
+                                           top_logprobs_num=top_logprobs, logprob_start_len=spec.logprob_start_len,
+                                           include_stop_str_in_output=include_stop):
                 queue.put_nowait((spec.index, chunk))
         except Exception as exc:  # surfaced to the consumer below
             queue.put_nowait((spec.index, exc))

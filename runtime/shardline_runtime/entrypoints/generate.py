@@ -45,7 +45,10 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
     """Handle ``POST /generate``; raises RequestValidationError (400) / ServerNotReadyError (503)."""
     if (req.text is None) == (req.input_ids is None):
         raise RequestValidationError("give exactly one of text or input_ids", "text")
-    input_ids = tm.tokenize(req.text if req.text is not None else req.input_ids, "text" if req.text is not None else "input_ids")
+    if req.text is not None:
+        input_ids = tm.tokenize(req.text, "text", add_special_tokens=req.add_special_tokens)
+    else:
+        input_ids = tm.tokenize(req.input_ids, "input_ids")
     params = _params(req, input_ids, tm)
     if req.logprob_start_len >= len(input_ids):
         raise RequestValidationError(

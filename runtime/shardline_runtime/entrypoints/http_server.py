@@ -118,13 +118,21 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
                 return error_response(503, f"generation failed: {chunk.finish_reason.get('message')}")
         return PlainTextResponse("OK")
 
-    @app.get("/v1/models")
-    async def models():
-        card = {
+    def model_card() -> dict[str, Any]:
+        return {
             "id": model_name, "object": "model", "created": int(state.get("started", time.time())),
             "owned_by": "shardline", "root": tm.model_path, "max_model_len": tm.info.context_len,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        if model_id not in (model_name, server_args.model_path):
+            return error_response(404, f"The model {model_id!r} does not exist; available: [{model_name!r}]", "model")
+        return model_card()
 
     @app.get("/get_model_info")
     async def model_info():

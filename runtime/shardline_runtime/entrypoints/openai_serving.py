@@ -26,6 +26,7 @@ from shardline_runtime.entrypoints.choices import (
     sse,
     usage_dict,
 )
+from shardline_runtime.entrypoints.logprobs import chat_logprobs, completion_logprobs, merge_logprobs, prompt_text_offsets
 from shardline_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from shardline_runtime.managers.tokenizer_manager import GenerateChunk, TokenizerManager
 
@@ -34,68 +35,6 @@ _DISCONNECT_POLL_S = 0.1
 
 class ClientDisconnected(Exception):
     """The client of a non-streamed request went away; its requests were aborted."""
-
-
-def _token_text(tm: TokenizerManager, token_id: int) -> str:
-    return tm.tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def _completion_logprobs(tm: TokenizerManager, chunk: GenerateChunk, offset: int) -> dict[str, list]:
-    tokens, lps, tops, offsets = [], [], [], []
-    for lp, tid, top in chunk.logprobs:
-        text = _token_text(tm, tid)
-        tokens.append(text)
-        lps.append(lp)
-        best: dict[str, float] = {}
-        for v, t in top:  # tokens with the same text (e.g. partial UTF-8 bytes) share one key
-            key = _token_text(tm, t)
-            best[key] = max(v, best.get(key, v))
-        tops.append(best)
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def _gpt2_byte_decoder() -> dict[str, int]:
-    """Inverse of GPT-2's ``bytes_to_unicode``: the printable character each byte-level BPE
-    vocabulary uses for a byte -> that byte (Radford et al. 2019, used by every ByteLevel tokenizer)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = list(printable), 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
-
-
-_BYTE_DECODER = _gpt2_byte_decoder()
-
-
-def _token_bytes(tm: TokenizerManager, token_id: int, text: str) -> list[int]:
-    """The token's own bytes (a partial UTF-8 byte token is not U+FFFD's bytes)."""
-    backend = getattr(tm.tokenizer, "backend_tokenizer", None)
-    if backend is not None and type(backend.decoder).__name__ == "ByteLevel":
-        piece = tm.tokenizer.convert_ids_to_tokens(token_id)
-        if isinstance(piece, str) and all(ch in _BYTE_DECODER for ch in piece):
-            return [_BYTE_DECODER[ch] for ch in piece]
-    return list(text.encode("utf-8"))
-
-
-def _chat_logprobs(tm: TokenizerManager, chunk: GenerateChunk) -> dict[str, list]:
-    def entry(lp: float, tid: int) -> dict[str, Any]:
-        text = _token_text(tm, tid)
-        return {"token": text, "logprob": lp, "bytes": _token_bytes(tm, tid, text)}
-
-    return {"content": [dict(entry(lp, tid), top_logprobs=[entry(v, t) for v, t in top]) for lp, tid, top in chunk.logprobs]}
-
-
-def _merge_logprobs(acc: dict | None, new: dict) -> dict:
-    if acc is None:
-        return new
-    for key, value in new.items():
-        acc[key] = acc[key] + value
-    return acc
 
 
 async def until_disconnect(raw: Request, work: Callable[[], Any]) -> Any:
@@ -124,7 +63,8 @@ async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: 
     specs = completion_choices(req, tm)
     await tm.admit()  # held while a weight update runs
     rid, created = f"cmpl-{uuid.uuid4().hex}", now_seconds()
-    results = [ChoiceResult(prompt_index=s.prompt_index, text=s.echo_text) for s in specs]
+    results = [ChoiceResult(prompt_index=s.prompt_index) for s in specs]
+    started: set[int] = set()
     want_lp = req.logprobs is not None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     metadata = {"weight_version": tm.weight_version}  # SGLang's response metadata: the weights that ran
@@ -137,24 +77,30 @@ async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: 
         return out
 
     def absorb(index: int, chunk: GenerateChunk) -> dict:
+        """Fold ``chunk`` into choice ``index``; the first chunk also carries the echoed prompt
+        (and its logprobs, which arrive with it)."""
         metadata["weight_version"] = chunk.weight_version or metadata["weight_version"]
-        r = results[index]
-        lp = _completion_logprobs(tm, chunk, len(r.text)) if want_lp else None
-        r.text += chunk.text
-        r.logprobs = _merge_logprobs(r.logprobs or None, lp) if lp else r.logprobs
+        r, spec = results[index], specs[index]
+        text = chunk.text
+        lp = completion_logprobs(tm, chunk.logprobs, chunk.text_offsets, len(spec.echo_text)) if want_lp else None
+        if index not in started:
+            started.add(index)
+            text = spec.echo_text + text
+            if want_lp and chunk.prompt_logprobs is not None:
+                offsets = prompt_text_offsets(tm, spec.input_ids, spec.added_prefix, spec.echo_text)
+                lp = merge_logprobs(completion_logprobs(tm, chunk.prompt_logprobs, offsets, 0), lp)
+        r.text += text
+        r.logprobs = merge_logprobs(r.logprobs or None, lp) if lp else r.logprobs
         r.finish_reason, r.prompt_tokens = chunk.finish_reason, chunk.prompt_tokens
         r.completion_tokens, r.cached_tokens = chunk.completion_tokens, chunk.cached_tokens
-        return {"index": index, "text": chunk.text, "logprobs": lp, "finish_reason": finish_reason_name(chunk.finish_reason)}
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason_name(chunk.finish_reason)}
 
     events = run_choices(tm, specs, want_lp, req.logprobs or 0, req.include_stop_str_in_output)
     if req.stream:
         async def stream() -> AsyncIterator[str]:
-            for s in specs:
-                if s.echo_text:
-                    yield sse(body([{"index": s.index, "text": s.echo_text, "logprobs": None, "finish_reason": None}]))
             async for index, chunk in events:
                 choice = absorb(index, chunk)
-                if choice["text"] or choice["finish_reason"] or chunk.logprobs:
+                if choice["text"] or choice["finish_reason"] or (choice["logprobs"] and choice["logprobs"]["tokens"]):
                     yield sse(body([choice]))
             if include_usage:
                 yield sse(body([], usage_dict(results)))
@@ -193,9 +139,9 @@ async def serve_chat(req: ChatCompletionRequest, tm: TokenizerManager, model: st
     def absorb(index: int, chunk: GenerateChunk) -> dict | None:
         metadata["weight_version"] = chunk.weight_version or metadata["weight_version"]
         r = results[index]
-        lp = _chat_logprobs(tm, chunk) if req.logprobs else None
+        lp = chat_logprobs(tm, chunk.logprobs) if req.logprobs else None
         r.text += chunk.text
-        r.logprobs = _merge_logprobs(r.logprobs or None, lp) if lp else r.logprobs
+        r.logprobs = merge_logprobs(r.logprobs or None, lp) if lp else r.logprobs
         r.finish_reason, r.prompt_tokens = chunk.finish_reason, chunk.prompt_tokens
         r.completion_tokens, r.cached_tokens = chunk.completion_tokens, chunk.cached_tokens
         return lp

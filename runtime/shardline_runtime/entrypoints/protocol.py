@@ -2,9 +2,12 @@
 
 Ranges that pydantic checks here produce a 400 naming the field; the sampling ranges
 (temperature, top_p, top_k, min_p, penalties, seed) are checked once, by ``SamplingParams``.
-Documented choices (docs/api.md): ``max_tokens: 0`` is a 400 on the OpenAI endpoints (``/generate``
-accepts ``max_new_tokens: 0`` for prompt logprobs only); ``n > 1`` with a ``seed`` gives choice
-``i`` the seed ``seed + i``; unknown fields are ignored, as OpenAI does.
+Documented choices (docs/api.md): ``max_tokens: 0`` is accepted on ``/v1/completions`` with
+``echo: true`` only (the prompt is scored, nothing is generated: how lm-evaluation-harness asks
+for loglikelihoods), a 400 otherwise; ``/generate`` accepts ``max_new_tokens: 0``;
+``add_special_tokens`` defaults to the tokenizer's own behaviour for text prompts (completions,
+``/generate``) and to off for chat (the template writes BOS), as vLLM; ``n > 1`` with a ``seed``
+gives choice ``i`` the seed ``seed + i``; unknown fields are ignored, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class CompletionRequest(_SamplingFields):
     best_of: Optional[int] = None
     logit_bias: Optional[dict[str, float]] = None
     suffix: Optional[str] = None
+    add_special_tokens: bool = True
 
 
 class ChatMessage(BaseModel):
@@ -78,6 +82,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Optional[Union[str, list[dict[str, Any]]]] = None
     name: Optional[str] = None
+    tool_call_id: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -90,6 +96,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     logit_bias: Optional[dict[str, float]] = None
     add_generation_prompt: bool = True
+    add_special_tokens: bool = False
     # Not supported: a request that sets them gets a 400 instead of silently free text.
     response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[Any]] = None
@@ -109,6 +116,7 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     logprob_start_len: int = Field(-1, ge=-1)
     rid: Optional[str] = None
+    add_special_tokens: bool = True  # text only: the tokenizer's own special tokens (SGLang encodes so)
 
 
 class UpdateWeightsRequest(BaseModel):

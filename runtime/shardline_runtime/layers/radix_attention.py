@@ -17,6 +17,11 @@ class RadixAttention(nn.Module):
         num_kv_heads: KV heads on this rank.
         layer_id: index into the KV pool.
         sliding_window: attend to the last ``sliding_window`` positions only (None: all).
+
+    Attributes:
+        k_scale, v_scale: float dequantisation scales of this layer's stored K / V (an fp8 KV
+            cache stores ``k / k_scale``); 1.0 unless the checkpoint carries them
+            (``model_executor/kv_cache_dtype.py``).
     """
 
     def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int,
@@ -28,6 +33,8 @@ class RadixAttention(nn.Module):
         self.scaling = scaling
         self.layer_id = layer_id
         self.sliding_window = sliding_window
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch) -> torch.Tensor:
         """q (T, num_heads * head_dim), k/v (T, num_kv_heads * head_dim) -> (T, num_heads * head_dim)."""

@@ -7,11 +7,18 @@ transformers so logits match it; the rotation is transformers' non-interleaved "
 ``dynamic`` depends on the longest position of the step (transformers recomputes it per
 forward from ``max(position_ids) + 1``); every other type is a static cos/sin table indexed by
 position, which CUDA graphs can replay.
+
+One table per model: :func:`get_rope` hands every attention layer of a model the same
+:class:`RotaryEmbedding` module (as nano-vllm's and mini-sglang's ``get_rope`` do), so a model
+holds one (max_positions, head_dim) cos/sin pair, not one per layer (at 131,072 positions and
+head_dim 128 that pair is 128 MiB).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -141,3 +148,24 @@ class RotaryEmbedding(nn.Module):
         cos = cos.to(q.dtype).unsqueeze(1)  # (T, 1, head_dim)
         sin = sin.to(q.dtype).unsqueeze(1)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+_ROPE_CACHE: "weakref.WeakValueDictionary[tuple, RotaryEmbedding]" = weakref.WeakValueDictionary()
+
+
+def get_rope(head_dim: int, rope_parameters: dict[str, Any], max_position_embeddings: int,
+             max_positions: int) -> RotaryEmbedding:
+    """The shared :class:`RotaryEmbedding` for these arguments on the current default device.
+
+    Layers of one model (and models alive at the same time with the same RoPE on the same device)
+    get the same module, hence one cos/sin table; it is built under the caller's
+    ``torch.device`` context like any other module. Kept only while some model holds it.
+    """
+    device = str(torch.get_default_device())
+    key = (head_dim, json.dumps(rope_parameters, sort_keys=True, default=str), max_position_embeddings,
+           max_positions, device)
+    rope = _ROPE_CACHE.get(key)
+    if rope is None:
+        rope = RotaryEmbedding(head_dim, rope_parameters, max_position_embeddings, max_positions)
+        _ROPE_CACHE[key] = rope
+    return rope

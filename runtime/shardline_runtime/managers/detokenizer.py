@@ -54,6 +54,8 @@ class IncrementalDetokenizer:
         self.text = ""  # all decoded output text (after a stop match: cut at it)
         self._emitted = 0  # characters of ``text`` already returned as deltas
         self.num_tokens = 0  # output tokens consumed (up to and including a stop match)
+        # Per consumed token: where its text starts in ``text`` (see :meth:`_offset`).
+        self.token_offsets: list[int] = []
         self.matched_stop: str | None = None
 
     @property
@@ -72,6 +74,19 @@ class IncrementalDetokenizer:
             self._read_offset = len(self._ids)
             return full[len(prefix) :]
         return ""
+
+    def _offset(self, token_id: int, delta: str, held: str) -> int:
+        """Where the token's own text starts, relative to the end of ``text``, when earlier tokens
+        were held back (their text so far: ``held``, possibly ending in U+FFFD).
+
+        A token holding bytes of a character split over tokens starts where that character
+        does; a whole token after a byte sequence that never became a character (shown as
+        U+FFFD) starts after it.
+        """
+        own = self._tokenizer.decode([token_id], skip_special_tokens=self._skip)
+        if own and _REPLACEMENT not in own and delta.endswith(own):
+            return len(delta) - len(own)
+        return len(held.rstrip(_REPLACEMENT))
 
     def _pending_bytes_text(self) -> str:
         """Text of tokens held back for an incomplete character (flushed at the end)."""
@@ -113,15 +128,23 @@ class IncrementalDetokenizer:
             exclude_last: the last id is a stop token (EOS or a ``stop_token_ids`` entry) whose
                 text is not part of the output; it still counts in ``num_tokens``.
         """
+        first = len(self.token_offsets)
         for j, token_id in enumerate(token_ids):
             if self.stopped:
                 break
             self.num_tokens += 1
             if exclude_last and j == len(token_ids) - 1:
+                self.token_offsets.append(len(self.text))
                 break
             old_len = len(self.text)
-            self.text += self._decode_new(int(token_id))
+            held = self._pending_bytes_text() if len(self._ids) > self._read_offset else None
+            delta = self._decode_new(int(token_id))
+            self.token_offsets.append(old_len + (self._offset(int(token_id), delta, held) if held is not None else 0))
+            self.text += delta
             self._check_stop(old_len)
+        if self.stopped:  # tokens inside a cut stop string start at the end of the text
+            for k in range(first, len(self.token_offsets)):
+                self.token_offsets[k] = min(self.token_offsets[k], len(self.text))
         return self._take(self._safe_end())
 
     def finish(self) -> str:

@@ -92,7 +92,9 @@ class GenerateChunk:
 
     ``text`` is the safe text delta; ``token_ids`` the tokens it came from (for a stop-string
     finish, only those consumed up to the match); ``logprobs`` pairs with ``token_ids``:
-    ``(logprob, token_id, top)`` where ``top`` is a list of ``(logprob, token_id)``.
+    ``(logprob, token_id, top)`` where ``top`` is a list of ``(logprob, token_id)``;
+    ``text_offsets`` pairs with ``token_ids`` too: where each token's text starts in the
+    request's whole output text (characters).
     ``finish_reason`` is None until the last chunk, then a dict with ``type`` in
     ``stop | length | abort`` (and ``matched`` / ``message``).
     """
@@ -106,6 +108,7 @@ class GenerateChunk:
     cached_tokens: int
     prompt_logprobs: list[tuple[float | None, int, list[tuple[float, int]]]] | None = None
     weight_version: str | None = None
+    text_offsets: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -169,22 +172,36 @@ class TokenizerManager:
 
     # ---------------------------------------------------------------- validation
 
-    def tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+    def encode_text(self, text: str, add_special_tokens: bool) -> tuple[list[int], int]:
+        """Token ids of ``text`` and how many of them the tokenizer added in front of it.
+
+        ``add_special_tokens=True`` applies the tokenizer's own post-processor (a Llama-style
+        tokenizer prepends BOS), as vLLM and SGLang do for text prompts; a text that already
+        starts with the BOS token gets no second one (vLLM drops the duplicate the same way).
+        """
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not add_special_tokens:
+            return ids, 0
+        full = self.tokenizer.encode(text, add_special_tokens=True)
+        added = next((k for k in range(len(full) - len(ids) + 1) if full[k : k + len(ids)] == ids), 0)
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if added and bos is not None and ids and ids[0] == bos and full[added - 1] == bos:
+            full = full[: added - 1] + full[added:]
+            added -= 1
+        return full, added
+
+    def tokenize(self, prompt: str | list[int], param: str = "prompt", add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``prompt`` (a string, or ids checked against the vocabulary).
+
+        ``add_special_tokens`` applies to a string only (see :meth:`encode_text`); token ids are
+        sent as given.
 
         Raises:
             RequestValidationError: empty prompt, or an id outside ``[0, vocab_size)``.
         """
         if isinstance(prompt, str):
-            if prompt == "":
-                raise RequestValidationError(f"{param} must not be empty", param)
-            # A token covers at most ``_max_token_chars`` characters, so a longer text is surely
-            # over the limit: reject it without tokenizing (which would block the event loop).
-            if len(prompt) > self._max_token_chars * self.info.max_req_input_len:
-                raise RequestValidationError(
-                    f"{param} has {len(prompt)} characters: more than the {self.info.max_req_input_len} tokens "
-                    "this server accepts", param)
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            self.check_text_length(prompt, param)
+            ids, _ = self.encode_text(prompt, add_special_tokens)
         else:
             ids = list(prompt)
             bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.info.vocab_size]
@@ -195,6 +212,21 @@ class TokenizerManager:
         if not ids:
             raise RequestValidationError(f"{param} must contain at least one token", param)
         return ids
+
+    def check_text_length(self, text: str, param: str) -> None:
+        """Reject an empty text, and one surely over the prompt limit without tokenizing it.
+
+        Raises:
+            RequestValidationError: ``text`` is empty or too long.
+        """
+        if text == "":
+            raise RequestValidationError(f"{param} must not be empty", param)
+        # A token covers at most ``_max_token_chars`` characters, so a longer text is surely
+        # over the limit: reject it without tokenizing (which would block the event loop).
+        if len(text) > self._max_token_chars * self.info.max_req_input_len:
+            raise RequestValidationError(
+                f"{param} has {len(text)} characters: more than the {self.info.max_req_input_len} tokens "
+                "this server accepts", param)
 
     def check_lengths(self, input_ids: list[int], max_new_tokens: int | None) -> int:
         """Validate prompt length and ``max_tokens`` against the context; return max_new_tokens.
@@ -457,6 +489,7 @@ class TokenizerManager:
             chunk = GenerateChunk(
                 text, list(new_ids[:consumed]), logprobs, reason, out.prompt_tokens[i],
                 detok.num_tokens, out.cached_tokens[i], prompt_logprobs, self.weight_version,
+                detok.token_offsets[before : before + consumed],
             )
             if self.metrics and consumed:
                 self.metrics.observe_tokens(state, now, consumed)

@@ -81,7 +81,7 @@ class TokenToKVPool:
         num_layers: transformer layers.
         num_kv_heads_per_rank: KV heads this TP rank holds.
         head_dim: per-head dimension.
-        dtype: element dtype of the cache (the model dtype).
+        dtype: element dtype of the cache (the KV cache dtype: the model dtype, or an fp8 type).
         device: where the buffers live.
 
     Attributes:
@@ -143,16 +143,29 @@ class TokenToKVPool:
         """K and V storage of a layer: contiguous (heads, size + 1, head_dim)."""
         return self.k_buffer_head_major[layer_id], self.v_buffer_head_major[layer_id]
 
-    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         """Write K/V of new tokens.
 
         Args:
             layer_id: layer index.
             loc: (T,) int64 slots.
-            k, v: (T, num_kv_heads_per_rank, head_dim), cast to the cache dtype.
+            k, v: (T, num_kv_heads_per_rank, head_dim), stored as ``k / k_scale`` (``v / v_scale``)
+                cast to the cache dtype; fp8 values are clamped to the type's finite range first
+                (a plain cast of a larger value gives NaN).
         """
-        self.k_buffer[layer_id][loc] = k.to(self.dtype)
-        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+        self.k_buffer[layer_id][loc] = self._quantize(k, k_scale)
+        self.v_buffer[layer_id][loc] = self._quantize(v, v_scale)
+
+    def _quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        if scale != 1.0:
+            x = x / scale
+        if self.dtype == x.dtype:
+            return x
+        if self.dtype.is_floating_point and self.dtype.itemsize == 1:
+            limit = torch.finfo(self.dtype).max
+            x = x.clamp(-limit, limit)
+        return x.to(self.dtype)
 
 
 class TokenToKVPoolAllocator:

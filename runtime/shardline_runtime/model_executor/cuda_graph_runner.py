@@ -7,6 +7,11 @@ rows ``bs..padded_bs-1`` are padding: token 0 at position 0, request row ``dummy
 1 and output slot 0. So padded rows read and write only the dummy slot and never touch a real
 request's KV; their logits are dropped.
 
+Before each replay (and capture) the attention backend is told that a pass starts and refills
+its own static metadata from the static ``req_pool_indices`` / ``seq_lens`` (the triton
+backend: ``kv_indptr`` / ``kv_indices`` of the real lengths; ``init_cuda_graph_state`` sized
+them once), so nothing about lengths is baked into a graph.
+
 On CPU (or with ``capture=False``) the very same static-buffer path runs eagerly, so the
 padding and buffer logic is exercised by CI without a GPU; the real capture is a ``gpu`` test.
 
@@ -88,6 +93,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Any] = {}
         self.graph_pool = None
+        model_runner.attn_backend.init_cuda_graph_state(self.max_bs)
         if self.use_graphs:
             self.capture()
 
@@ -140,11 +146,12 @@ class CudaGraphRunner:
             for bs in reversed(self.capture_bs):
                 self._fill_padding(0, bs)
                 batch = self._static_batch(bs)
-                backend.init_forward_metadata_capture_cuda_graph()
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # warm up: lazy inits and allocator state happen outside the graph
+                        backend.init_forward_metadata_capture_cuda_graph(bs, self.req_pool_indices, self.seq_lens)
                         self._run_model(batch)
+                    backend.init_forward_metadata_capture_cuda_graph(bs, self.req_pool_indices, self.seq_lens)
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 try:
@@ -191,8 +198,9 @@ class CudaGraphRunner:
         self.req_pool_indices[:bs].copy_(forward_batch.req_pool_indices)
         self.seq_lens[:bs].copy_(forward_batch.seq_lens)
         self._fill_padding(bs, padded)
-        # Same metadata as at capture (a fixed KV bound read from no Python int of this batch).
-        self.model_runner.attn_backend.init_forward_metadata_replay_cuda_graph()
+        # The start of this pass: the backend refills its static metadata from the static
+        # buffers (the triton backend: kv_indptr / kv_indices of the real lengths).
+        self.model_runner.attn_backend.init_forward_metadata_replay_cuda_graph(padded, self.req_pool_indices, self.seq_lens)
         if self.use_graphs:
             self.graphs[padded].replay()
             output = self.outputs[padded]

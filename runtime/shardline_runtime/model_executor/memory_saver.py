@@ -15,7 +15,8 @@ the tags are ``weights``, ``kv_cache`` and ``cuda_graph``.
 - Without a CPU backup the weights' values are lost: after resume every checkpoint tensor must
   be written again by a weight update before the server serves (as in SGLang); ``missing``
   counts those not yet written.
-- ``cuda_graph`` drops the captured decode graphs (and their memory pool) until resume.
+- ``cuda_graph`` drops the captured decode graphs and the piecewise EXTEND graphs (and their
+  memory pools) until resume.
 
 The caller (Scheduler) releases only while no request holds KV, and flushes the prefix cache.
 """
@@ -136,6 +137,10 @@ class MemorySaver:
             self._graph_runner.graphs.clear()
             self._graph_runner.outputs.clear()
             self._graph_runner.graph_pool = None
+        piecewise = getattr(runner, "piecewise_cuda_graph_runner", None)
+        if piecewise is not None and ("cuda_graph" in tags or (self.tms is None and tags)):
+            self._piecewise_runner, runner.piecewise_cuda_graph_runner = piecewise, None
+            piecewise.release_graphs()
         if "weights" in tags:
             self._release_weights()
         if "kv_cache" in tags:
@@ -161,6 +166,11 @@ class MemorySaver:
             self._graph_runner = None
             graphs.capture()
             self.runner.cuda_graph_runner = graphs
+        piecewise = getattr(self, "_piecewise_runner", None)
+        if piecewise is not None and not self.released.intersection({"weights", "kv_cache", "cuda_graph"}):
+            self._piecewise_runner = None
+            piecewise.capture()
+            self.runner.piecewise_cuda_graph_runner = piecewise
         note = f"; {len(self.missing)} tensors need a weight update before serving" if self.missing else ""
         return (f"resumed {sorted(tags)}" if tags else "nothing to resume") + note
 

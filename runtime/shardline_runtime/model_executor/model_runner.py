@@ -1,9 +1,12 @@
 """ModelRunner: one TP rank's model, KV pools and attention backend, and one step of it.
 
-Life (after SGLang's ``ModelRunner``): parse the config and refuse impossible TP layouts before
-reading any weight -> join the TP process group -> load the weights (this rank's shards) ->
-size the KV cache from what memory is left -> build the attention backend -> capture CUDA
-graphs (``CudaGraphRunner``, GPU only). ``forward`` then runs one :class:`ForwardBatch`.
+Life (the design notes' ``initialize`` order, after SGLang's ``ModelRunner``): parse the config
+and refuse impossible TP layouts before reading any weight -> join the TP process group and
+measure the free memory *before* loading -> sampler -> load the weights (this rank's shards) ->
+KV cache dtype (``kv_cache_dtype.py``) -> size the KV pool from the pre-load free memory ->
+attention backend (``attention/registry.py``) -> decode CUDA graphs (``CudaGraphRunner``) ->
+piecewise CUDA graphs for EXTEND (``PiecewiseCudaGraphRunner``; GPU only, when enabled).
+``forward`` then runs one :class:`ForwardBatch`.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ class KVCacheMemoryError(RuntimeError):
 class ModelRunnerConfig:
     """What a ModelRunner needs from the server arguments, for one TP rank.
 
-    Units: ``mem_fraction_static`` is a fraction of total GPU memory (weights + KV cache),
+    Units: ``mem_fraction_static`` is the fraction of the GPU memory free before loading that
+    weights + KV cache may take,
     ``max_total_tokens`` is KV-cache tokens, ``cpu_kv_cache_bytes`` bytes (CPU budget when
     ``max_total_tokens`` is None), ``dist_timeout`` seconds.
     """
@@ -59,6 +63,10 @@ class ModelRunnerConfig:
     context_length: int | None = None
     cuda_graph_max_bs: int = 160
     disable_cuda_graph: bool = False
+    kv_cache_dtype: str = "auto"
+    attention_backend: str = "auto"
+    enable_piecewise_cuda_graph: bool = False
+    piecewise_cuda_graph_max_tokens: int = 4096
     random_seed: int = 0
     enable_weights_cpu_backup: bool = False
     enable_memory_saver: bool = False
@@ -132,17 +140,26 @@ class ModelRunner:
             dist_init_addr=config.dist_init_addr, timeout_s=config.dist_timeout,
         )
         distributed.init_expert_parallel(config.ep_size, config.ep_num_redundant_experts)
+        pre_model_load_memory = self._memory_available()
         torch.manual_seed(config.random_seed)
         self.memory_saver = MemorySaver(self, config.enable_weights_cpu_backup, config.enable_memory_saver)
+        self.initialize(pre_model_load_memory)
+
+    def initialize(self, pre_model_load_memory: int) -> None:
+        """The design notes' order: sampler, model (+ EPLB manager for MoE models), KV dtype, pool,
+        backend, graphs, piecewise graphs."""
+        self.sampler = self._make_sampler()
         with self.memory_saver.region("weights"):
             self.load_model()
         self.init_eplb_manager()
+        self.configure_kv_cache_dtype()
         with self.memory_saver.region("kv_cache"):
-            self.init_memory_pool()
+            self.init_memory_pool(pre_model_load_memory)
         self.init_attention_backend()
-        self.sampler = self._make_sampler()
         self.cuda_graph_runner = None
+        self.piecewise_cuda_graph_runner = None
         self.init_cuda_graphs()
+        self.init_piecewise_cuda_graphs()
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -174,26 +191,37 @@ class ModelRunner:
             return torch.cuda.mem_get_info(self.device)[0]
         return self.config.cpu_kv_cache_bytes
 
-    def profile_max_num_token(self) -> int:
+    def configure_kv_cache_dtype(self) -> None:
+        """Set ``kv_cache_dtype`` (``--kv-cache-dtype``) and, for fp8, each layer's K/V scales."""
+        from shardline_runtime.model_executor.kv_cache_dtype import configure_kv_cache_dtype
+
+        self.kv_cache_dtype = configure_kv_cache_dtype(
+            self.model, self.model_config.model_path, self.config.kv_cache_dtype, self.dtype
+        )
+
+    def profile_max_num_token(self, pre_model_load_memory: int) -> int:
         """KV-cache tokens that fit on this rank (minimum over ranks).
 
-        GPU: ``free - total * (1 - mem_fraction_static)`` bytes after loading, as in SGLang.
-        CPU: ``cpu_kv_cache_bytes``. Either is divided by the bytes one token takes on a rank.
+        GPU: ``free_now - pre_model_load_memory * (1 - mem_fraction_static)`` bytes, where
+        ``pre_model_load_memory`` is the free memory measured before loading (SGLang's
+        ``profile_max_num_token``): weights + KV cache take ``mem_fraction_static`` of what was
+        free, whatever else shares the GPU. CPU: ``cpu_kv_cache_bytes``. Either is divided by the
+        bytes one token takes on a rank in the KV cache dtype.
         """
         mc = self.model_config
         per_token = TokenToKVPool.bytes_per_token(
-            mc.num_hidden_layers, mc.get_num_kv_heads(self.tp_size), mc.head_dim, self.dtype
+            mc.num_hidden_layers, mc.get_num_kv_heads(self.tp_size), mc.head_dim, self.kv_cache_dtype
         )
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            rest = free - total * (1.0 - self.config.mem_fraction_static)
+            free = torch.cuda.mem_get_info(self.device)[0]
+            rest = free - pre_model_load_memory * (1.0 - self.config.mem_fraction_static)
         else:
             rest = self.config.cpu_kv_cache_bytes
         tokens = int(max(rest, 0) // per_token)
         return distributed.all_reduce_min_int(tokens)
 
-    def init_memory_pool(self) -> None:
-        """Create ``req_to_token_pool``, ``token_to_kv_pool`` and its allocator.
+    def init_memory_pool(self, pre_model_load_memory: int) -> None:
+        """Create ``req_to_token_pool``, ``token_to_kv_pool`` (in ``kv_cache_dtype``) and its allocator.
 
         Raises:
             KVCacheMemoryError: fewer than 1 token fits (names ``--mem-fraction-static`` /
@@ -203,9 +231,9 @@ class ModelRunner:
         if self.config.max_total_tokens is not None:
             tokens = self.config.max_total_tokens
             if self.device.type == "cuda":
-                tokens = min(tokens, self.profile_max_num_token())
+                tokens = min(tokens, self.profile_max_num_token(pre_model_load_memory))
         else:
-            tokens = self.profile_max_num_token()
+            tokens = self.profile_max_num_token(pre_model_load_memory)
         if tokens < 1:
             raise KVCacheMemoryError(
                 f"no memory left for the KV cache after loading {self.weight_bytes / 2**20:.1f} MiB of weights "
@@ -217,18 +245,21 @@ class ModelRunner:
             size=self.config.max_running_requests + 1, max_context_len=mc.context_len + 4, device=self.device
         )
         self.token_to_kv_pool = TokenToKVPool(
-            tokens, mc.num_hidden_layers, mc.get_num_kv_heads(self.tp_size), mc.head_dim, self.dtype, self.device
+            tokens, mc.num_hidden_layers, mc.get_num_kv_heads(self.tp_size), mc.head_dim, self.kv_cache_dtype,
+            self.device,
         )
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(tokens, device=self.device)
         logger.info(
-            "[tp %d] KV cache: %d tokens, %.1f MiB", self.tp_rank, tokens, self.token_to_kv_pool.mem_usage_bytes() / 2**20
+            "[tp %d] KV cache: %d tokens, %s, %.1f MiB", self.tp_rank, tokens, self.kv_cache_dtype,
+            self.token_to_kv_pool.mem_usage_bytes() / 2**20,
         )
 
     def init_attention_backend(self) -> None:
-        """Create the attention backend (torch-native: CPU and GPU)."""
-        from shardline_runtime.attention.torch_native_backend import TorchNativeAttnBackend
+        """Create the backend ``--attention-backend`` names (auto: triton on CUDA, torch_native on CPU)."""
+        from shardline_runtime.attention.registry import create_attention_backend, resolve_attention_backend
 
-        self.attn_backend = TorchNativeAttnBackend(self)
+        self.attention_backend_name = resolve_attention_backend(self.config.attention_backend, self.device)
+        self.attn_backend = create_attention_backend(self.attention_backend_name, self)
 
     def init_cuda_graphs(self) -> None:
         """Capture decode graphs with ``CudaGraphRunner`` (GPU, unless disabled)."""
@@ -242,6 +273,24 @@ class ModelRunner:
         from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner
 
         self.cuda_graph_runner = CudaGraphRunner(self)
+
+    def init_piecewise_cuda_graphs(self) -> None:
+        """Capture EXTEND piecewise graphs (GPU, with ``--enable-piecewise-cuda-graph``)."""
+        self.piecewise_cuda_graph_runner = None
+        if self.device.type != "cuda" or not self.config.enable_piecewise_cuda_graph:
+            return
+        if self.model_config.rope_parameters["rope_type"] == "dynamic":
+            logger.warning("[tp %d] piecewise CUDA graphs disabled: rope_type 'dynamic'", self.tp_rank)
+            return
+        from shardline_runtime.model_executor.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
+
+        self.piecewise_cuda_graph_runner = PiecewiseCudaGraphRunner(self)
+
+    def recapture_graphs(self) -> None:
+        """Capture the decode and piecewise graphs again (after a weight update)."""
+        for runner in (self.cuda_graph_runner, self.piecewise_cuda_graph_runner):
+            if runner is not None:
+                runner.capture()
 
     def _make_sampler(self):
         try:
@@ -265,6 +314,10 @@ class ModelRunner:
         if mode == ForwardMode.DECODE:
             return self.forward_decode(forward_batch)
         if mode == ForwardMode.EXTEND:
+            pw = self.piecewise_cuda_graph_runner
+            if pw is not None and not recording and pw.can_run(forward_batch):
+                self._attach(forward_batch)
+                return pw.replay(forward_batch)
             return self.forward_extend(forward_batch)
         if mode == ForwardMode.SPLIT_PREFILL:
             return self.forward_split_prefill(forward_batch)

@@ -13,7 +13,7 @@ Steps, each rank:
      rank keeps its old weights and returns ``(False, message)``.
   3. Copy each new tensor into the existing parameter storage (``param.data.copy_``), so every
      ``data_ptr`` stays the same and captured CUDA graphs read the new weights.
-  4. ``recapturing`` (when asked and graphs exist): capture the decode graphs again.
+  4. ``recapturing`` (when asked and graphs exist): capture the decode and piecewise graphs again.
   5. ``serving``; a failed update leaves ``failed`` (the old weights keep serving).
 
 Peak extra memory is one CPU copy of this rank's weights; device memory does not grow.
@@ -184,9 +184,11 @@ def update_weights_from_disk(
     copied = copy_weights_in_place(model_runner.model, new_model)
     del new_model
     model_runner.model_config = new_config  # same shapes and behaviour; reports the new path
-    runner = getattr(model_runner, "cuda_graph_runner", None)
-    if recapture_cuda_graph and runner is not None:
+    runners = [r for r in (getattr(model_runner, "cuda_graph_runner", None),
+                           getattr(model_runner, "piecewise_cuda_graph_runner", None)) if r is not None]
+    if recapture_cuda_graph and runners:
         phase(WeightsPhase.RECAPTURING)
-        runner.capture()
+        for runner in runners:  # decode graphs, then the EXTEND pieces
+            runner.capture()
     phase(WeightsPhase.SERVING)
     return True, f"loaded {model_path} in place ({copied / 2**20:.1f} MiB on tp rank {model_runner.tp_rank})"

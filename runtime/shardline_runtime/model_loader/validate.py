@@ -52,7 +52,7 @@ def validate_checkpoint(model_path: str | Path, model_config: ModelConfig, model
         )
     tensors = discover_checkpoint(model_path)
     want = get_model_class(model_config.architecture).checkpoint_shapes(model_config)
-    ignored = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if model_config.tie_word_embeddings else ())
+    ignored = ("rotary_emb.inv_freq", ".k_scale", ".v_scale") + (("lm_head.weight",) if model_config.tie_word_embeddings else ())
     for name, shape in want.items():
         info = tensors.get(name)
         got = info.shape if info else None

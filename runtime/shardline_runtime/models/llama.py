@@ -21,7 +21,7 @@ from shardline_runtime.layers.layernorm import RMSNorm
 from shardline_runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from shardline_runtime.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from shardline_runtime.layers.radix_attention import RadixAttention
-from shardline_runtime.layers.rotary_embedding import RotaryEmbedding
+from shardline_runtime.layers.rotary_embedding import get_rope
 from shardline_runtime.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from shardline_runtime.models.weight_loading import load_named_weights
 
@@ -55,7 +55,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias
         )
-        self.rotary_emb = RotaryEmbedding(
+        self.rotary_emb = get_rope(  # one table shared by every layer
             config.head_dim, config.rope_parameters, config.max_position_embeddings,
             max_positions=max(config.context_len, config.max_position_embeddings) + 8,
         )
@@ -196,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
 
     def ignored_checkpoint_names(self) -> tuple[str, ...]:
         """Checkpoint names that are not parameters (skipped silently)."""
-        names = ("rotary_emb.inv_freq",)
+        names = ("rotary_emb.inv_freq", ".k_scale", ".v_scale")  # KV scales: model_executor/kv_cache_dtype.py
         return names + (("lm_head.weight",) if self.config.tie_word_embeddings else ())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,84 @@
+"""The attention-backend interface every backend implements (after SGLang's ``AttentionBackend``).
+
+A model step calls, in this order:
+
+1. exactly one *start-of-pass* call, which is the backend's explicit signal that a new forward
+   pass begins (per-pass metadata is rebuilt there, never inferred from layer ids):
+   :meth:`init_forward_metadata` for an eager step, or
+   :meth:`init_forward_metadata_capture_cuda_graph` / :meth:`init_forward_metadata_replay_cuda_graph`
+   around a captured decode graph (after :meth:`init_cuda_graph_state` once);
+2. then :meth:`forward` once per attention layer (it writes the layer's new K/V into the pool,
+   then dispatches to :meth:`forward_extend` or :meth:`forward_decode`).
+
+Tensor shapes: ``q`` (T, Hq * D), ``k``/``v`` (T, Hkv * D) in the model dtype; the pool of one
+layer is (Hkv, slots, D) head-major (``TokenToKVPool.get_kv_buffer_head_major``), stored in the
+KV cache dtype and dequantised with the layer's ``k_scale`` / ``v_scale``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class AttentionBackend(ABC):
+    """Base class of attention backends; see the module doc for the call order.
+
+    Args:
+        model_runner: supplies ``req_to_token_pool``, ``token_to_kv_pool`` and ``device``.
+    """
+
+    def __init__(self, model_runner):
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.device = torch.device(getattr(model_runner, "device", "cpu"))
+
+    # ---- start of a forward pass ----------------------------------------------------------------
+
+    @abstractmethod
+    def init_forward_metadata(self, forward_batch) -> None:
+        """An eager forward pass starts: build its metadata (may read the batch's ``*_cpu`` lists)."""
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        """Allocate the static buffers captured decode graphs read (once, before any capture)."""
+
+    @abstractmethod
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor) -> None:
+        """A decode graph of ``bs`` rows is about to be captured over these static (bs,) tensors."""
+
+    @abstractmethod
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor) -> None:
+        """A captured decode graph of ``bs`` rows is about to replay: refill its static metadata
+        from the (already filled) static ``req_pool_indices`` / ``seq_lens``."""
+
+    # ---- per layer --------------------------------------------------------------------------------
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, forward_batch) -> torch.Tensor:
+        """q (T, Hq*D), k/v (T, Hkv*D) -> (T, Hq*D); writes k/v into the pool first."""
+        kv_pool = forward_batch.token_to_kv_pool or self.token_to_kv_pool
+        q = q.view(-1, layer.tp_q_head_num, layer.head_dim)
+        k = k.view(-1, layer.tp_k_head_num, layer.head_dim)
+        v = v.view(-1, layer.tp_k_head_num, layer.head_dim)
+        if q.shape[0]:
+            kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v,
+                                  k_scale=layer.k_scale, v_scale=layer.v_scale)
+        if forward_batch.forward_mode.is_decode():
+            out = self.forward_decode(q, layer, forward_batch, kv_pool)
+        else:
+            out = self.forward_extend(q, layer, forward_batch, kv_pool)
+        return out.reshape(-1, layer.tp_q_head_num * layer.head_dim)
+
+    @abstractmethod
+    def forward_extend(self, q: torch.Tensor, layer, forward_batch, kv_pool) -> torch.Tensor:
+        """q (T, Hq, D) -> (T, Hq, D): each request's new tokens, causal, after its cached prefix."""
+
+    @abstractmethod
+    def forward_decode(self, q: torch.Tensor, layer, forward_batch, kv_pool) -> torch.Tensor:
+        """q (bs, Hq, D) -> (bs, Hq, D): one query per request over its ``seq_lens`` keys."""
+
+    def _req_to_token(self, forward_batch) -> torch.Tensor:
+        pool = forward_batch.req_to_token_pool or self.req_to_token_pool
+        return pool.req_to_token
