@@ -58,15 +58,17 @@ def test_requests_during_update_are_held_and_run_on_new_weights(hold_server, ser
     # A running request keeps the update pending (it waits for running requests to finish), so
     # the window in which new requests arrive is a second or more even on a tiny model.
     done: dict = {}
-    stream = threading.Thread(target=_long_stream, args=(server, 20, done))
+    stream = threading.Thread(target=_long_stream, args=(server, 60, done))
     stream.start()
     _wait_running(server, 1)
     with cf.ThreadPoolExecutor(16) as pool:
         update = pool.submit(server.post, "/update_weights_from_disk",
                              {"model_path": str(serving_checkpoint_b), "revision": "rev-b"})
-        while server.get("/get_server_info").json()["weights_phase"] == "serving":
+        # The HTTP process turns /ready 503 the moment the update request arrives (before the
+        # running stream ends and the load starts), so this sees it while the update runs.
+        while (ready := server.get("/ready").status_code) == 200 and not update.done():
             time.sleep(0.01)
-        ready, health = server.get("/ready").status_code, server.get("/health").status_code
+        health = server.get("/health").status_code
         held = []
         while not update.done():  # open loop: a request every 100 ms while the update runs
             held.append(pool.submit(_greedy, server, prompt))
