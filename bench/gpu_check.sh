@@ -4,7 +4,7 @@
 #      piecewise EXTEND graphs with a weight update that recaptures them, weight updates with
 #      captured decode graphs, the CUDA runner against transformers;
 #   2. the Triton kernels on CUDA (test_triton_attention.py: attention against the torch_native
-#      backend; test_triton_fused_moe.py: fused MoE), the modules CI runs under Triton's interpreter;
+#      backend; test_triton_fused_moe.py: fused MoE; tests/lora/test_triton_segment.py: LoRA), the modules CI runs under Triton's interpreter;
 #   3. bench/engine.py --device cuda: the decode table (tokens/s at batch 1, 8, 32, 64 and
 #      contexts 512, 4096; torch_native / triton, eager / graphs, transformers; HBM-roofline share)
 #      on a random bf16 Llama shaped like a 1B model.
@@ -27,7 +27,7 @@ else
   device=cuda
   bench_args=(--device cuda --preset llama-1b --dtype bfloat16 --graph-batch-sizes 1 8 32 64
               --contexts 512 4096 --decode-steps 16 --table-context-len 8192)
-  test_args=(tests/runtime/test_triton_attention.py tests/runtime/test_triton_fused_moe.py)
+  test_args=(tests/runtime/test_triton_attention.py tests/runtime/test_triton_fused_moe.py tests/lora/test_triton_segment.py)
 fi
 
 python3 - "$device" <<'PY' || exit 1

@@ -25,6 +25,7 @@ class Snapshot:
     conditions: dict[str, tuple[str, str, str]]  # type -> (status, reason, message)
     observed_generation: int
     generation: int
+    lora_adapters: tuple = ()  # status.loraAdapters entries
 
     def line(self) -> str:
         conds = ", ".join(f"{k}={v[0]}" for k, v in sorted(self.conditions.items()))
@@ -41,7 +42,7 @@ def snapshot(obj: dict) -> Snapshot:
                     st.get("targetRevision", ""), int(st.get("readyReplicas") or 0),
                     int(obj.get("spec", {}).get("replicas", 0)), conds,
                     int(st.get("observedGeneration") or 0),
-                    int(obj["metadata"].get("generation") or 0))
+                    int(obj["metadata"].get("generation") or 0), tuple(st.get("loraAdapters") or ()))
 
 
 @dataclass

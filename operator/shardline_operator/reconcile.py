@@ -21,6 +21,7 @@ from . import labels, metrics
 from .credentials import api_key_from_secret, credentials_digest, new_admin_token, secret_value
 from .group_health import GroupRecord, decide
 from .kube import KubeClient
+from .lora_sync import LoRAReport, lora_status, sync
 from .observed import GroupObservation, group_pods
 from .render import (
     build_admin_secret,
@@ -41,6 +42,7 @@ from .status import GroupReport, build_status, invalid_spec_status, record_from_
 Event = tuple[str, str, str]  # (type, reason, message)
 REAPPLY_SECONDS = 60.0
 RESTART_POLL_SECONDS = 2.0
+LORA_RETRY_SECONDS = 5.0  # adapters not yet on every group: look again soon
 
 
 @dataclass
@@ -171,8 +173,11 @@ class Reconciler:
                                 restarts_pending=len(stale))
             self.events.append(("Normal", phase, f"group {index}: {phase}"))
             self._write(step)
+        lora = self._sync_lora(spec, groups, plan.state)
         status = build_status(spec, self.generation, reports(), plan.state, self.previous, self.now,
                               restarts_pending=len(stale))
+        if spec.lora_adapters or self.previous.get("loraAdapters"):
+            status["loraAdapters"] = lora_status(spec.lora_adapters, lora)
         self._observe_fleet(views, mixed)
         if status["phase"] != self.previous.get("phase"):
             kind = "Warning" if status["phase"] in ("Degraded", "Failed") else "Normal"
@@ -182,6 +187,18 @@ class Reconciler:
         if stale and requeue is None:
             requeue = RESTART_POLL_SECONDS  # follow the replaced pods until the group is Ready
         return self._finish(status, requeue)
+
+    def _sync_lora(self, spec: DeploymentSpec, groups: list[GroupObservation], rollout: RolloutState | None) -> LoRAReport:
+        """Load/unload ``spec.loraAdapters`` on Ready leaders (not on a group updating weights)."""
+        if not hasattr(self.leaders, "lora_adapters"):
+            return LoRAReport()
+        busy = set(rollout.wave) if rollout is not None else set()
+        report = sync(spec.lora_adapters, groups, self.leaders, busy)
+        for name, error in report.errors.items():
+            self.events.append(("Warning", "LoRAAdapterFailed", f"{name}: {error}"))
+        if report.pending:
+            self.requeue_after = min(self.requeue_after or LORA_RETRY_SECONDS, LORA_RETRY_SECONDS)
+        return report
 
     def _weight_versions(self, groups: list[GroupObservation], views: list[GroupView]) -> dict[int, str]:
         """Each ready group's ``weight_version`` from its leader (set by a trainer's weight sync);

@@ -60,4 +60,6 @@ def runtime_args(spec: DeploymentSpec, group: int, served: ServedModel) -> list[
         args += ["--cuda-graph-max-bs", str(served.cuda_graph.max_batch_size)]
     else:
         args.append("--disable-cuda-graph")
+    if spec.lora_adapters:  # loaded at start; later changes are loaded/unloaded in place (lora_sync.py)
+        args += ["--enable-lora", "--lora-paths", *(f"{a.name}={a.path}" for a in spec.lora_adapters)]
     return args + list(spec.runtime.args)

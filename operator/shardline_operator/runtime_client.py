@@ -17,6 +17,7 @@ import httpx
 
 INFO_TIMEOUT_SECONDS = 3.0
 GATE_TIMEOUT_SECONDS = 30.0
+LORA_TIMEOUT_SECONDS = 30.0
 PHASE_POLL_SECONDS = 0.1
 
 
@@ -112,6 +113,25 @@ class HttpLeaderClient:
         if latency > verify.max_latency_seconds:
             return False, f"verify prompt took {latency:.3f}s, over maxLatencySeconds {verify.max_latency_seconds:g}"
         return True, f"verify prompt answered in {latency:.3f}s"
+    def lora_adapters(self, url: str, token: str | None = None) -> Mapping[str, str] | None:
+        """``{name: path}`` of the LoRA adapters ``GET {url}/v1/models`` lists (cards with a
+        ``parent``), or None when unreachable or not the expected JSON."""
+        try:
+            response = httpx.get(f"{url}/v1/models", headers=_auth(token), timeout=INFO_TIMEOUT_SECONDS)
+            response.raise_for_status()
+            cards = response.json()["data"]
+            return {c["id"]: c.get("root", "") for c in cards if c.get("parent")}
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+
+    def load_lora_adapter(self, url: str, name: str, path: str, token: str | None = None) -> tuple[bool, str]:
+        """``POST {url}/load_lora_adapter``: ``(success, message)``."""
+        return _post_json(url, "/load_lora_adapter", {"lora_name": name, "lora_path": path}, LORA_TIMEOUT_SECONDS, token)
+
+    def unload_lora_adapter(self, url: str, name: str, token: str | None = None) -> tuple[bool, str]:
+        """``POST {url}/unload_lora_adapter`` (the runtime answers once the adapter's running
+        requests finished; a timeout is a failure retried next pass)."""
+        return _post_json(url, "/unload_lora_adapter", {"lora_name": name}, LORA_TIMEOUT_SECONDS, token)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -137,6 +157,14 @@ class TokenLeaderClient:
 
     def verify(self, url: str, verify: Any = None) -> tuple[bool, str]:
         return self._client.verify(url, verify, self._token)
+    def lora_adapters(self, url: str) -> Mapping[str, str] | None:
+        return self._client.lora_adapters(url, self._token)
+
+    def load_lora_adapter(self, url: str, name: str, path: str) -> tuple[bool, str]:
+        return self._client.load_lora_adapter(url, name, path, self._token)
+
+    def unload_lora_adapter(self, url: str, name: str) -> tuple[bool, str]:
+        return self._client.unload_lora_adapter(url, name, self._token)
 
 
 def _auth(token: str | None) -> dict[str, str]:
@@ -146,9 +174,15 @@ def _auth(token: str | None) -> dict[str, str]:
 def _post_update(url: str, body: dict[str, Any], timeout_seconds: float,
                  token: str | None = None) -> tuple[bool, str]:
     """Send the update and return ``(success, message)``; transport errors count as failures."""
+    return _post_json(url, "/update_weights_from_disk", body, timeout_seconds, token)
+
+
+def _post_json(url: str, route: str, body: dict[str, Any], timeout_seconds: float,
+               token: str | None = None) -> tuple[bool, str]:
+    """POST ``body`` to ``url + route``; ``(success, message)`` of a ``{"success", "message"}``
+    reply (transport errors and non-JSON replies are failures naming ``url``)."""
     try:
-        response = httpx.post(f"{url}/update_weights_from_disk", json=body, headers=_auth(token),
-                              timeout=timeout_seconds)
+        response = httpx.post(f"{url}{route}", json=body, headers=_auth(token), timeout=timeout_seconds)
     except httpx.HTTPError as exc:
         return False, f"request to {url} failed: {exc.__class__.__name__}: {exc}"
     try:

@@ -28,8 +28,9 @@ RESERVED_FLAGS = (
     "--model-path", "--served-model-name", "--revision", "--host", "--port", "--tp-size",
     "--nnodes", "--node-rank", "--dist-init-addr", "--dtype", "--mem-fraction-static",
     "--max-total-tokens", "--cuda-graph-max-bs", "--disable-cuda-graph", "--ep-size", "--api-key",
-    "--admin-api-key", "--kv-cache-dtype",
+    "--admin-api-key", "--kv-cache-dtype", "--lora-paths",
 )
+DEFAULT_MAX_LORAS_PER_BATCH = 8  # the runtime's --max-loras-per-batch default
 # The keys reach the runtime only through these env vars, filled from Secrets (spec.auth).
 API_KEY_ENV = "SHARDLINE_API_KEY"
 ADMIN_API_KEY_ENV = "SHARDLINE_ADMIN_API_KEY"
@@ -162,6 +163,14 @@ class ServiceSpec:
 
 
 @dataclass(frozen=True)
+class LoRAAdapterSpec:
+    """One ``spec.loraAdapters`` entry: served ``name`` and adapter directory ``path`` in the pod."""
+
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
 class SecretKeyRef:
     """A key of a Secret in the deployment's namespace."""
 
@@ -199,6 +208,7 @@ class DeploymentSpec:
     restart_policy: RestartPolicySpec = field(default_factory=RestartPolicySpec)
     scheduling: SchedulingSpec = field(default_factory=SchedulingSpec)
     service: ServiceSpec = field(default_factory=ServiceSpec)
+    lora_adapters: tuple[LoRAAdapterSpec, ...] = ()
     auth: AuthSpec = field(default_factory=AuthSpec)
     network_policy: NetworkPolicySpec = field(default_factory=NetworkPolicySpec)
     # Not in the CR: a digest of the keys' current values, filled in by the reconciler after it
@@ -221,6 +231,8 @@ class DeploymentSpec:
             "runtime": {k: v for k, v in asdict(self.runtime).items() if k != "cuda_graph"},
             "scheduling": asdict(self.scheduling),
         }
+        if self.lora_adapters:  # --enable-lora needs a restart; adding/removing adapters does not
+            relevant["lora"] = True
         if self.auth.api_key_secret is not None or self.credentials_digest:
             # The reconciler always sets the digest; a spec rendered without it (tests) keeps its old hash.
             relevant["auth"] = {"apiKey": asdict(self.auth), "digest": self.credentials_digest}
@@ -448,6 +460,42 @@ def parse_spec(name: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> 
             type=_one_of(service_raw, "type", "spec.service", "ClusterIP", SERVICE_TYPES),
             port=_int_in(service_raw, "port", "spec.service", 8000, 1, 65535),
         ),
+        lora_adapters=parse_lora_adapters(_get(spec, "loraAdapters", "spec", list, []),
+                                          _max_loras_per_batch(_get(spec, "runtime", "spec", dict, {}))),
         auth=parse_auth(_get(spec, "auth", "spec", dict, {})),
         network_policy=parse_network_policy(_get(spec, "networkPolicy", "spec", dict, {})),
     )
+
+
+def _max_loras_per_batch(runtime_raw: Mapping[str, Any]) -> int:
+    args = [str(a) for a in runtime_raw.get("args") or []]
+    for i, arg in enumerate(args):
+        key, _, value = arg.partition("=")
+        if key == "--max-loras-per-batch":
+            value = value or (args[i + 1] if i + 1 < len(args) else "")
+            return int(value) if value.isdigit() else DEFAULT_MAX_LORAS_PER_BATCH
+    return DEFAULT_MAX_LORAS_PER_BATCH
+
+
+def parse_lora_adapters(raw: list, max_loaded: int) -> tuple[LoRAAdapterSpec, ...]:
+    """Parse ``spec.loraAdapters``: unique names (the OpenAI ``model`` a client sends),
+    absolute paths, at most ``max_loaded`` (the runtime's ``--max-loras-per-batch``).
+    Raises :class:`SpecError`."""
+    out: list[LoRAAdapterSpec] = []
+    for i, item in enumerate(raw):
+        path = f"spec.loraAdapters[{i}]"
+        if not isinstance(item, Mapping):
+            raise SpecError(f"{path} must be an object with name and path")
+        name = _get(item, "name", path, str, required=True)
+        adapter_path = _get(item, "path", path, str, required=True)
+        if not _LABEL_VALUE.match(name):
+            raise SpecError(f"{path}.name must be 1-63 characters [A-Za-z0-9._-], starting and ending alphanumeric, got {name!r}")
+        if not posixpath.isabs(adapter_path):
+            raise SpecError(f"{path}.path must be an absolute directory path in the pod, got {adapter_path!r}")
+        if any(a.name == name for a in out):
+            raise SpecError(f"{path}.name {name!r} is repeated; adapter names must be unique")
+        out.append(LoRAAdapterSpec(name=name, path=adapter_path))
+    if len(out) > max_loaded:
+        raise SpecError(f"spec.loraAdapters has {len(out)} adapters but the runtime holds {max_loaded} at once "
+                        "(--max-loras-per-batch in spec.runtime.args)")
+    return tuple(out)

@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from shardline_runtime.cli import write_termination_log
 from shardline_runtime.entrypoints.auth import guard
+from shardline_runtime.lora.lora_config import parse_lora_paths
 from shardline_runtime.managers.scheduler_process import configure_logging, run_scheduler_process
 from shardline_runtime.server_args import ServerArgs
 
@@ -102,6 +103,7 @@ class _Server(uvicorn.Server):
             self.should_exit = True
             return
         tm.draining = True
+        loop.call_soon_threadsafe(tm.start_draining)  # requests held by /pause_generation get their 503 now
         loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
 
     async def _drain(self) -> None:
@@ -211,6 +213,7 @@ def _full_app(args: ServerArgs, info, input_addr: str, output_addr: str, state: 
     metrics.set_weight_version(info.weight_version)
     tm = TokenizerManager(tokenizer, info, input_addr, output_addr, metrics,
                           hold_timeout=args.weight_update_hold_timeout, weights_digest=digest)
+    tm.lora_adapters = parse_lora_paths(list(args.lora_paths))  # loaded by every rank before it reported ready
     tm.start()
     state["tm"] = tm
     return build_app(tm, args, metrics, state)

@@ -136,6 +136,11 @@ class ServerArgs:
     # Secrets: kept out of repr() so a logged ServerArgs never shows them.
     api_key: str | None = field(default=None, repr=False)
     admin_api_key: str | None = field(default=None, repr=False)
+    enable_lora: bool = False
+    lora_paths: tuple[str, ...] = ()
+    max_loras_per_batch: int = 8
+    max_lora_rank: int | None = None
+    lora_target_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -156,6 +161,7 @@ class ServerArgs:
             )
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ServerArgsError("--dist-init-addr HOST:PORT is required when --nnodes > 1")
+        self._check_lora()
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ServerArgsError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -172,6 +178,22 @@ class ServerArgs:
                                       "printable ASCII characters without spaces or commas (sent in an HTTP header)")
         if self.chunked_prefill_size > self.max_prefill_tokens and self.max_prefill_tokens > 0:
             object.__setattr__(self, "max_prefill_tokens", self.chunked_prefill_size)
+
+    def _check_lora(self) -> None:
+        from shardline_runtime.lora.lora_config import parse_lora_paths, resolve_target_modules
+
+        object.__setattr__(self, "lora_paths", tuple(self.lora_paths or ()))
+        object.__setattr__(self, "lora_target_modules", tuple(self.lora_target_modules or ()))
+        if self.lora_paths and not self.enable_lora:
+            object.__setattr__(self, "enable_lora", True)  # --lora-paths implies --enable-lora, as in SGLang
+        try:
+            paths = parse_lora_paths(list(self.lora_paths))
+            resolve_target_modules(list(self.lora_target_modules))
+        except ValueError as e:
+            raise ServerArgsError(str(e)) from None
+        if len(paths) > self.max_loras_per_batch:
+            raise ServerArgsError(
+                f"--lora-paths names {len(paths)} adapters but --max-loras-per-batch is {self.max_loras_per_batch}")
 
     @property
     def tp_size_per_node(self) -> int:
@@ -266,6 +288,13 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--disable-cuda-graph", action="store_true", help="Run decode eagerly (always the case on CPU).")
     g.add_argument("--enable-piecewise-cuda-graph", action="store_true", help="Run EXTEND (prefill) through CUDA graphs of the non-attention pieces, attention eager between them.")
     g.add_argument("--piecewise-cuda-graph-max-tokens", type=_int_range("--piecewise-cuda-graph-max-tokens", 1), default=default("piecewise_cuda_graph_max_tokens"), help="Largest EXTEND token count run through piecewise graphs (larger steps run eagerly).")
+
+    lo = p.add_argument_group("LoRA adapters")
+    lo.add_argument("--enable-lora", action="store_true", help="Serve PEFT LoRA adapters next to the base model (disables the prefix cache and CUDA graphs).")
+    lo.add_argument("--lora-paths", nargs="*", default=[], metavar="NAME=PATH", help="Adapters loaded at start-up (a directory with adapter_config.json and adapter_model.safetensors); implies --enable-lora.")
+    lo.add_argument("--max-loras-per-batch", type=_int_range("--max-loras-per-batch", 1), default=default("max_loras_per_batch"), help="Slots of the LoRA memory pool: adapters loaded at once.")
+    lo.add_argument("--max-lora-rank", type=_int_range("--max-lora-rank", 1), default=None, help="Largest adapter rank r the pool holds (default: the largest of --lora-paths, else 16).")
+    lo.add_argument("--lora-target-modules", nargs="*", default=[], help="HF modules LoRA may touch: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all (default).")
 
     o = p.add_argument_group("operation")
     o.add_argument("--random-seed", type=_int_range("--random-seed", 0), default=default("random_seed"), help="Seed of the sampler for requests without their own seed.")

@@ -173,9 +173,11 @@ def chat_choices(req: ChatCompletionRequest, tm: TokenizerManager) -> list[Choic
 
 
 async def run_choices(
-    tm: TokenizerManager, specs: list[ChoiceSpec], return_logprob: bool, top_logprobs: int, include_stop: bool
+    tm: TokenizerManager, specs: list[ChoiceSpec], return_logprob: bool, top_logprobs: int, include_stop: bool,
+    lora_name: str | None = None,
 ) -> AsyncIterator[tuple[int, GenerateChunk]]:
-    """Run every choice; yield ``(index, chunk)`` in arrival order. Leaving early aborts them all."""
+    """Run every choice (with LoRA adapter ``lora_name``, None: the base model); yield
+    ``(index, chunk)`` in arrival order. Leaving early aborts them all."""
     tm.check_ready()
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -183,7 +185,7 @@ async def run_choices(
         try:
             async for chunk in tm.generate(spec.input_ids, spec.params, return_logprob=return_logprob,
                                            top_logprobs_num=top_logprobs, logprob_start_len=spec.logprob_start_len,
-                                           include_stop_str_in_output=include_stop):
+                                           include_stop_str_in_output=include_stop, lora_name=lora_name):
                 queue.put_nowait((spec.index, chunk))
         except Exception as exc:  # surfaced to the consumer below
             queue.put_nowait((spec.index, exc))

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import logging
 import time
+import typing
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError as FastAPIValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardline_runtime.entrypoints.expert_routes import add_expert_routes
 from shardline_runtime.entrypoints.generate import serve_generate
+from shardline_runtime.entrypoints.lora_routes import add_lora_routes
 from shardline_runtime.entrypoints.openai_serving import ClientDisconnected, serve_chat, serve_completion
 from shardline_runtime.entrypoints.weight_sync_routes import add_weight_sync_routes
 from shardline_runtime.entrypoints.protocol import (
@@ -47,7 +50,17 @@ def error_response(status: int, message: str, param: str | None = None, err_type
     )
 
 
-def _pydantic_message(exc: FastAPIValidationError) -> tuple[str, str | None]:
+def _body_fields(request: Request) -> list[str]:
+    """Field names of the route's body model (for "unknown field" messages), or []."""
+    body_field = getattr(request.scope.get("route"), "body_field", None)
+    annotation = getattr(getattr(body_field, "field_info", None), "annotation", None)
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return list(candidate.model_fields)
+    return []
+
+
+def _pydantic_message(exc: FastAPIValidationError, request: Request | None = None) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request body", None
@@ -57,6 +70,9 @@ def _pydantic_message(exc: FastAPIValidationError) -> tuple[str, str | None]:
     msg = first.get("msg", "invalid value")
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {msg}", None
+    if first.get("type") == "extra_forbidden":
+        allowed = _body_fields(request) if request is not None else []
+        msg = f"unknown field; allowed fields: {allowed}" if allowed else "unknown field"
     return (f"{'.'.join(loc)}: {msg}" if loc else msg), param
 
 
@@ -66,8 +82,8 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
     model_name = server_args.model_name
 
     @app.exception_handler(FastAPIValidationError)
-    async def _validation(_: Request, exc: FastAPIValidationError):
-        message, param = _pydantic_message(exc)
+    async def _validation(request: Request, exc: FastAPIValidationError):
+        message, param = _pydantic_message(exc, request)
         return error_response(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
@@ -90,8 +106,9 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
         return error_response(499, "client disconnected", err_type="client_closed_request")
 
     def check_model(model: str | None) -> None:
-        if model is not None and model not in (model_name, server_args.model_path):
-            raise RequestValidationError(f"model {model!r} is not served here; available: [{model_name!r}]", "model")
+        if model is not None and model not in (model_name, server_args.model_path) and model not in tm.lora_adapters:
+            available = [model_name, *sorted(tm.lora_adapters)]
+            raise RequestValidationError(f"model {model!r} is not served here; available: {available}", "model")
 
     @app.get("/health")
     async def health():
@@ -124,14 +141,22 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
             "owned_by": "shardline", "root": tm.model_path, "max_model_len": tm.info.context_len,
         }
 
+    def adapter_cards() -> list[dict[str, Any]]:
+        """One card per loaded LoRA adapter: ``id`` its name, ``root`` its path, ``parent`` the base."""
+        return [{**model_card(), "id": name, "root": path, "parent": model_name}
+                for name, path in sorted(tm.lora_adapters.items())]
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *adapter_cards()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str):
+        if model_id in tm.lora_adapters:
+            return next(c for c in adapter_cards() if c["id"] == model_id)
         if model_id not in (model_name, server_args.model_path):
-            return error_response(404, f"The model {model_id!r} does not exist; available: [{model_name!r}]", "model")
+            available = [model_name, *sorted(tm.lora_adapters)]
+            return error_response(404, f"The model {model_id!r} does not exist; available: {available}", "model")
         return model_card()
 
     @app.get("/get_model_info")
@@ -160,12 +185,12 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
         check_model(body.model)
-        return await serve_completion(body, tm, model_name, raw)
+        return await serve_completion(body, tm, body.model if tm.lora_for_model(body.model) else model_name, raw)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
         check_model(body.model)
-        return await serve_chat(body, tm, model_name, raw)
+        return await serve_chat(body, tm, body.model if tm.lora_for_model(body.model) else model_name, raw)
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, raw: Request):
@@ -204,6 +229,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
         return {"success": found}
 
     add_expert_routes(app, tm, getattr(server_args, "expert_distribution_recorder_mode", "stat"))
+    add_lora_routes(app, tm, getattr(server_args, "enable_lora", False))
 
     @app.get("/metrics")
     async def metrics_endpoint():

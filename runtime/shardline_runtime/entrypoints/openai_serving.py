@@ -61,7 +61,7 @@ def _streaming(gen: AsyncIterator[str]) -> StreamingResponse:
 async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: str, raw: Request):
     """Handle ``POST /v1/completions`` (validated body); raises RequestValidationError for 400s."""
     specs = completion_choices(req, tm)
-    await tm.admit()  # held while a weight update runs
+    await tm.admit()  # held during a weight update or a pause, 503 now: before a stream's headers go out
     rid, created = f"cmpl-{uuid.uuid4().hex}", now_seconds()
     results = [ChoiceResult(prompt_index=s.prompt_index) for s in specs]
     started: set[int] = set()
@@ -95,7 +95,7 @@ async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: 
         r.completion_tokens, r.cached_tokens = chunk.completion_tokens, chunk.cached_tokens
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason_name(chunk.finish_reason)}
 
-    events = run_choices(tm, specs, want_lp, req.logprobs or 0, req.include_stop_str_in_output)
+    events = run_choices(tm, specs, want_lp, req.logprobs or 0, req.include_stop_str_in_output, tm.lora_for_model(req.model))
     if req.stream:
         async def stream() -> AsyncIterator[str]:
             async for index, chunk in events:
@@ -123,7 +123,7 @@ async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: 
 async def serve_chat(req: ChatCompletionRequest, tm: TokenizerManager, model: str, raw: Request):
     """Handle ``POST /v1/chat/completions`` (validated body); raises RequestValidationError for 400s."""
     specs = chat_choices(req, tm)
-    await tm.admit()  # held while a weight update runs
+    await tm.admit()  # held during a weight update or a pause, 503 now: before a stream's headers go out
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", now_seconds()
     results = [ChoiceResult() for _ in specs]
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -146,7 +146,8 @@ async def serve_chat(req: ChatCompletionRequest, tm: TokenizerManager, model: st
         r.completion_tokens, r.cached_tokens = chunk.completion_tokens, chunk.cached_tokens
         return lp
 
-    events = run_choices(tm, specs, bool(req.logprobs), req.top_logprobs or 0, req.include_stop_str_in_output)
+    events = run_choices(tm, specs, bool(req.logprobs), req.top_logprobs or 0, req.include_stop_str_in_output,
+                         tm.lora_for_model(req.model))
     if req.stream:
         async def stream() -> AsyncIterator[str]:
             for s in specs:

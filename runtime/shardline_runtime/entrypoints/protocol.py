@@ -116,6 +116,10 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     logprob_start_len: int = Field(-1, ge=-1)
     rid: Optional[str] = None
+    lora_path: Optional[str] = None  # name of a loaded LoRA adapter (SGLang's field name)
+    input_embeds: Optional[list[list[float]]] = None  # (T, hidden_size) instead of text / input_ids
+    replace_embeds: Optional[list[list[float]]] = None  # (P, hidden_size) at replace_positions
+    replace_positions: Optional[list[StrictInt]] = None
     add_special_tokens: bool = True  # text only: the tokenizer's own special tokens (SGLang encodes so)
 
 

@@ -27,6 +27,10 @@ def handle_expert_control(model_runner: Any, msg: ExpertDistributionReqInput | R
     if isinstance(msg, RebalanceExpertsReqInput):
         if manager is None:
             return RebalanceExpertsReqOutput(False, NOT_MOE)
+        saver = getattr(model_runner, "memory_saver", None)
+        if saver is not None and "weights" in saver.released:  # no expert weights to move
+            return RebalanceExpertsReqOutput(False, "weights are released; POST /resume_memory_occupation with tag "
+                                                    "'weights' before /rebalance_experts")
         r = manager.rebalance()
         return RebalanceExpertsReqOutput(r.success, r.message, r.imbalance_before, r.imbalance_after_expected, r.moved_experts)
     if manager is None:

@@ -41,6 +41,10 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     stream: bool = False
+    lora_name: str | None = None  # a loaded LoRA adapter (None: the base model)
+    # Caller-given embeddings of prompt positions (validated: in range, hidden_size floats each).
+    input_embeds_positions: list[int] | None = None
+    input_embeds_values: list[list[float]] | None = None
 
 
 @dataclass
@@ -218,6 +222,7 @@ class SchedulerInfo:
     model_path: str
     eos_token_ids: list[int] = field(default_factory=list)
     weight_version: str = "default"
+    hidden_size: int = 0  # width of one input_embeds vector
 
 
 @dataclass

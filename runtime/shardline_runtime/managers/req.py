@@ -43,6 +43,11 @@ class Req:
         finished_reason: ``None`` while running.
     """
 
+    lora_name: str | None = None  # the LoRA adapter this request runs with (None: the base model)
+    # Caller-given prompt embeddings: positions (P,) and vectors (P, hidden_size) float32.
+    input_embeds_positions: list[int] | None = None
+    input_embeds_values: torch.Tensor | None = None
+
     def __init__(
         self,
         rid: str,

@@ -238,7 +238,7 @@ class ScheduleBatch:
                 min(max(r.logprob_start_len - p, 0), n) if r.return_logprob and r.logprob_start_len >= 0 else n
                 for r, p, n in zip(reqs, self.prefix_lens, self.extend_lens)
             ]
-        return ForwardBatch.init_new(
+        forward_batch = ForwardBatch.init_new(
             forward_mode=self.forward_mode,
             input_ids=self.input_ids,
             req_pool_indices=self.req_pool_indices,
@@ -252,3 +252,23 @@ class ScheduleBatch:
             sampling_info=self.sampling_info,
             device=self.device,
         )
+        if any(r.lora_name is not None for r in reqs):
+            forward_batch.lora_names = [r.lora_name for r in reqs]
+        if extend and any(r.input_embeds_positions is not None for r in reqs):
+            self._attach_input_embeds(forward_batch)
+        return forward_batch
+
+    def _attach_input_embeds(self, forward_batch: ForwardBatch) -> None:
+        """Rows of this step's packed tokens whose embedding the request gave (prompt
+        positions in ``[prefix, prefix + extend_len)``) and their vectors."""
+        rows, values, start = [], [], 0
+        for req, prefix, n in zip(self.reqs, self.prefix_lens, self.extend_lens):
+            if req.input_embeds_positions is not None:
+                for j, pos in enumerate(req.input_embeds_positions):
+                    if prefix <= pos < prefix + n:
+                        rows.append(start + pos - prefix)
+                        values.append(req.input_embeds_values[j])
+            start += n
+        if rows:
+            forward_batch.input_embeds_indices = torch.tensor(rows, dtype=torch.int64)
+            forward_batch.input_embeds_values = torch.stack(values)

@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Any
 
+import torch
 import zmq
 
 from shardline_runtime.distributed import broadcast_pyobj
@@ -39,6 +40,7 @@ from shardline_runtime.managers.io_struct import (
     TokenizedGenerateReqInput,
     WeightsPhaseOut,
 )
+from shardline_runtime.managers.lora_control import LoadLoRAAdapterReqInput, LoRAControl, UnloadLoRAAdapterReqInput
 from shardline_runtime.managers.req import FinishReason, Req
 from shardline_runtime.managers.scheduler_output import SchedulerOutputMixin
 from shardline_runtime.managers.scheduler_policy import SchedulerPolicyMixin
@@ -91,7 +93,10 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
         self.max_prefill_tokens = server_args.max_prefill_tokens
         self.allocator = worker.token_to_kv_pool_allocator
         self.req_to_token_pool = worker.req_to_token_pool
-        self.tree_cache = RadixCache(self.allocator.free, disable=server_args.disable_radix_cache)
+        # KV computed under one LoRA adapter must not serve another: no shared prefixes with LoRA.
+        lora = getattr(server_args, "enable_lora", False)
+        self.tree_cache = RadixCache(self.allocator.free, disable=server_args.disable_radix_cache or lora)
+        self.lora_control = LoRAControl(self) if lora else None
         self.eos_token_ids = eos_token_ids(worker.model_config)
         self.waiting_queue: deque[Req] = deque()
         self.running_batch = None  # ScheduleBatch of decoding requests
@@ -121,6 +126,7 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
             max_req_input_len=self.max_req_input_len, context_len=info["context_len"], vocab_size=info["vocab_size"],
             max_running_requests=self.max_running_requests, weights_revision=info["weights_revision"],
             model_path=info["model_path"], eos_token_ids=self.eos_token_ids, weight_version=info["weight_version"],
+            hidden_size=getattr(self.worker.model_config, "hidden_size", 0),
         )
 
     # ------------------------------------------------------------------ loop
@@ -171,18 +177,26 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
                 self.send(self.flush_cache())
             elif isinstance(msg, UPDATE_REQUESTS):
                 self.start_weight_update(msg)
+            elif isinstance(msg, (LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput)) and self.lora_control is not None:
+                self.lora_control.handle(msg)
             elif isinstance(msg, (ExpertDistributionReqInput, RebalanceExpertsReqInput)):
                 self.send(handle_expert_control(self.worker.model_runner, msg))
             elif not self.handle_control(msg):
                 logger.warning("[tp %d] ignoring unknown message %s", self.tp_rank, type(msg).__name__)
         if self.pending_update is not None:
             self.maybe_run_weight_update()
+        if self.lora_control is not None:
+            self.lora_control.poll()
 
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
         n = len(msg.input_ids)
         params = msg.sampling_params
         if n == 0 or n > self.max_req_input_len:
             self.finish_unscheduled(msg, n, f"the prompt has {n} tokens; this server accepts 1 to {self.max_req_input_len}")
+            return
+        if msg.lora_name is not None and (self.lora_control is None or not self.lora_control.is_loaded(msg.lora_name)):
+            # unloaded (or evicted) between the HTTP check and now: never let it reach a forward
+            self.finish_unscheduled(msg, n, f"LoRA adapter {msg.lora_name!r} is not loaded")
             return
         # The KV pool (not the context) may clip max_new_tokens: the request ends with "length".
         room = self.max_req_len - n
@@ -196,6 +210,10 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
         req.cached_tokens = 0
         req.input_logprobs_sent = False
         req.prompt_logprobs = []
+        req.lora_name = msg.lora_name
+        if msg.input_embeds_positions is not None:
+            req.input_embeds_positions = list(msg.input_embeds_positions)
+            req.input_embeds_values = torch.tensor(msg.input_embeds_values, dtype=torch.float32)
         self.waiting_queue.append(req)
 
     def abort_request(self, rid: str | None, reason: dict) -> None:
@@ -235,7 +253,7 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
         """Queue an update of any kind (``UPDATE_REQUESTS``); it runs once no request holds KV."""
         refused = "a weight update is already in progress" if self.pending_update is not None else self.refuse_update(msg)
         if refused:
-            self.send(self.update_reply(msg, False, refused))
+            self.send(self.update_reply(msg, False, self.drain_refused_update(msg, refused)))
             return
         self.pending_update = msg
         if msg.abort_all_requests:

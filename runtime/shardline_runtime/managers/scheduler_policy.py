@@ -60,7 +60,8 @@ class SchedulerPolicyMixin:
             row, kv_len = req.req_pool_idx, req.kv_len
             tokens = (req.origin_input_ids + req.output_ids)[:kv_len]
             slots = self.req_to_token_pool.req_to_token[row, :kv_len].clone().cpu()
-            existing = self.tree_cache.insert(tokens, slots)
+            # KV of caller-given embeddings is not keyed by its (placeholder) token ids
+            existing = self.tree_cache.insert(tokens, slots) if req.input_embeds_positions is None else kv_len
             if existing > req.tree_prefix_len:
                 self.allocator.free(slots[req.tree_prefix_len : existing])
             self.req_to_token_pool.free(row)
@@ -123,6 +124,8 @@ class SchedulerPolicyMixin:
             key = full
             if req.return_logprob and req.logprob_start_len >= 0:
                 key = full[: req.logprob_start_len]  # prompt logprobs need those positions computed
+            if req.input_embeds_positions is not None:
+                key = []  # caller-given embeddings: the token ids do not identify the KV
             prefix, node = self.tree_cache.match_prefix(key)
             req.init_next_round_input(prefix, min(chunk, budget_tokens))
             remaining_out = req.sampling_params.max_new_tokens - len(req.output_ids)

@@ -110,6 +110,15 @@ class SchedulerWeightSyncMixin:
             return "weights are released; POST /resume_memory_occupation with tag 'weights' first"
         return None
 
+    def drain_refused_update(self, msg: Any, refused: str) -> str:
+        """The reply message for a refused update. A refused trainer update still receives (and
+        discards) the broadcast the trainer sends anyway, so the trainer is not left blocked
+        until its timeout (except while another update owns the group's broadcasts)."""
+        if not isinstance(msg, UpdateWeightsFromDistributedReqInput) or self.pending_update is not None:
+            return refused
+        self.step_started = None  # receiving may outlast one step's watchdog
+        return self.worker.update_weights_from_distributed(msg, refused=refused)[1]
+
     def run_weight_update(self, msg: Any) -> tuple[bool, str]:
         """Run a queued update of any kind on this rank (every rank together); sets
         ``weight_version`` and records the tensors written for the memory saver."""

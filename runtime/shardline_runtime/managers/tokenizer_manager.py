@@ -165,6 +165,7 @@ class TokenizerManager:
         self._control_waiters: dict[type, asyncio.Future] = {}
         self._recv_task: asyncio.Task | None = None
         self._counter = itertools.count()
+        self.lora_adapters: dict[str, str] = {}  # loaded LoRA adapters, name -> path (set by the launcher)
 
     def start(self) -> None:
         """Start the receive loop (call from inside the running event loop)."""
@@ -287,12 +288,16 @@ class TokenizerManager:
         the running weight update when one runs (the request is held, counted in the
         ``weight_update_held_requests`` metric and its wait in ``weight_update_hold_seconds``).
 
+        Then, while generation is paused, hold until ``/continue_generation``. The HTTP handlers
+        call it before they answer, so a request refused after its hold is a 503, never a cut stream.
+
         Raises:
-            ServerNotReadyError: the server is shutting down.
+            ServerNotReadyError: the server is shutting down, or memory is released.
             WeightUpdateHoldTimeout: the update outlasted ``hold_timeout`` seconds.
         """
         self.check_ready()
         if self._serving.is_set():
+            await self._hold_while_paused()
             return
         started = time.monotonic()
         self.held += 1
@@ -307,6 +312,17 @@ class TokenizerManager:
             self.held -= 1
             if self.metrics:
                 self.metrics.observe_hold(time.monotonic() - started)
+        self.check_ready()
+        await self._hold_while_paused()
+
+    async def _hold_while_paused(self) -> None:
+        """Hold while generation is paused (SGLang: held, not refused, until
+        ``/continue_generation``); a shutdown releases the held requests with a 503."""
+        if self.paused is None:
+            return
+        await self._unpaused.wait()
+        if self.paused is not None and self.draining:
+            raise ServerNotReadyError("the server is shutting down")
         self.check_ready()
 
     # ---------------------------------------------------------------- requests
@@ -323,6 +339,9 @@ class TokenizerManager:
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
         include_stop_str_in_output: bool = False,
+        lora_name: str | None = None,
+        input_embeds_positions: list[int] | None = None,
+        input_embeds_values: list[list[float]] | None = None,
     ) -> AsyncIterator[GenerateChunk]:
         """Run one request; yields chunks until the one with ``finish_reason`` set.
 
@@ -331,9 +350,9 @@ class TokenizerManager:
         a weight update is held first (:meth:`admit`).
         """
         await self.admit()
-        if self.paused is not None:  # SGLang: held (not refused) until /continue_generation
-            await self._unpaused.wait()
-            self.check_ready()
+        if lora_name is not None and lora_name not in self.lora_adapters:
+            raise RequestValidationError(
+                f"LoRA adapter {lora_name!r} is not loaded; loaded: {sorted(self.lora_adapters)}", "lora_path")
         rid = rid or self.new_rid()
         if rid in self.states:
             raise RequestValidationError(f"request id {rid!r} is already in use", "rid")
@@ -342,7 +361,9 @@ class TokenizerManager:
         )
         state = _ReqState(detok)
         self.states[rid] = state
-        msg = TokenizedGenerateReqInput(rid, input_ids, params, return_logprob, top_logprobs_num, logprob_start_len)
+        msg = TokenizedGenerateReqInput(rid, input_ids, params, return_logprob, top_logprobs_num, logprob_start_len,
+                                        lora_name=lora_name, input_embeds_positions=input_embeds_positions,
+                                        input_embeds_values=input_embeds_values)
         await self.send_socket.send_pyobj(msg)
         try:
             while True:
@@ -403,9 +424,16 @@ class TokenizerManager:
         """A weight-sync or memory control (every rank runs it); see ``scheduler_weight_sync.py``."""
         return await self.control(req, ControlReqOutput, timeout)
 
+    def start_draining(self) -> None:
+        """Shutting down: ``/ready`` turns 503 (requests are still served while the listener is
+        open), and those held by ``/pause_generation`` are released with a 503 instead of being
+        left to the listener's close."""
+        self.draining = True
+        self._unpaused.set()
+
     def set_paused(self, mode: str | None) -> None:
         self.paused = mode
-        if mode is None:
+        if mode is None or self.draining:
             self._unpaused.set()
         else:
             self._unpaused.clear()
@@ -425,6 +453,28 @@ class TokenizerManager:
             self.weights_revision = out.revision
             self.model_path = out.model_path or self.model_path
             self.weights_digest = await asyncio.to_thread(safe_checkpoint_digest, self.model_path)
+        return out
+
+    def lora_for_model(self, model: str | None) -> str | None:
+        """The LoRA adapter an OpenAI ``model`` names (None: the base model)."""
+        return model if model is not None and model in self.lora_adapters else None
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> "LoRAAdapterReqOutput":
+        """Load on every rank; the adapter serves as soon as this returns successfully."""
+        from shardline_runtime.managers.lora_control import LoadLoRAAdapterReqInput, LoRAAdapterReqOutput
+
+        out = await self.control(LoadLoRAAdapterReqInput(lora_name, lora_path), LoRAAdapterReqOutput, timeout=600)
+        self.lora_adapters = dict(out.loaded)  # an eviction may have removed another adapter
+        return out
+
+    async def unload_lora_adapter(self, lora_name: str) -> "LoRAAdapterReqOutput":
+        """Stop admitting requests for ``lora_name`` now; unload once its requests finished."""
+        from shardline_runtime.managers.lora_control import LoRAAdapterReqOutput, UnloadLoRAAdapterReqInput
+
+        path = self.lora_adapters.pop(lora_name, None)
+        out = await self.control(UnloadLoRAAdapterReqInput(lora_name), LoRAAdapterReqOutput, timeout=600)
+        if not out.success and path is not None and lora_name in out.loaded:
+            self.lora_adapters[lora_name] = path
         return out
 
     # ---------------------------------------------------------------- receive loop

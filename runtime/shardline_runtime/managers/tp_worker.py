@@ -247,8 +247,9 @@ class TpModelWorker:
         self.weight_sync_groups[msg.group_name] = group
         return True, f"joined weight-sync group {msg.group_name!r} as rank {group.rank} of {group.world_size}"
 
-    def update_weights_from_distributed(self, msg: Any) -> tuple[bool, str, list[str]]:
-        """Receive and load ``msg.names`` from the trainer; a broken broadcast drops the group."""
+    def update_weights_from_distributed(self, msg: Any, refused: str = "") -> tuple[bool, str, list[str]]:
+        """Receive and load ``msg.names`` from the trainer; a broken broadcast drops the group.
+        With ``refused`` (why the update cannot run) the tensors are received and discarded."""
         from shardline_runtime.distributed.weight_sync_group import destroy_weights_update_group
         from shardline_runtime.model_executor.weight_sync import update_weights_from_distributed
 
@@ -257,7 +258,7 @@ class TpModelWorker:
             known = sorted(self.weight_sync_groups)
             return False, f"group_name {msg.group_name!r} is not initialised (initialised: {known}); call /init_weights_update_group", []
         ok, message, names, broken = update_weights_from_distributed(
-            self.model_runner, group, msg.names, msg.dtypes, msg.shapes
+            self.model_runner, group, msg.names, msg.dtypes, msg.shapes, refused
         )
         if broken:
             destroy_weights_update_group(self.weight_sync_groups.pop(msg.group_name))

@@ -125,6 +125,10 @@ class EPLBManager:
             result = RebalanceResult(False, f"rebalance failed; old placement kept. {e}", before)
         else:
             result = RebalanceResult(True, f"experts re-placed ({moved} slots changed on this rank)", before, after, moved)
+            if not torch.equal(old, placement.to(old.dtype)):
+                # The record's physical slots now hold other experts: counts taken under the old
+                # placement would be misread (logical_count, the next rebalance); start afresh.
+                self.recorder.reset_counts()
         logger.info("EPLB: %s (imbalance %.3f -> %s)", result.message, before, after)
         self.last_result = result
         return result

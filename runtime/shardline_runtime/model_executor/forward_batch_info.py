@@ -100,6 +100,11 @@ class ForwardBatch:
     # Hidden states carried between SPLIT_PREFILL calls: (T, hidden_size) and the residual.
     split_hidden_states: torch.Tensor | None = None
     split_residual: torch.Tensor | None = None
+    # LoRA adapter name per request (None: the base model); None when no request uses one.
+    lora_names: list[str | None] | None = None
+    # Caller-given embeddings: packed token rows (K,) int64 and their vectors (K, hidden_size).
+    input_embeds_indices: torch.Tensor | None = None
+    input_embeds_values: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -70,6 +70,11 @@ class ModelRunnerConfig:
     random_seed: int = 0
     enable_weights_cpu_backup: bool = False
     enable_memory_saver: bool = False
+    enable_lora: bool = False
+    lora_paths: tuple[str, ...] = ()
+    max_loras_per_batch: int = 8
+    max_lora_rank: int | None = None
+    lora_target_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -153,6 +158,7 @@ class ModelRunner:
             self.load_model()
         self.init_eplb_manager()
         self.configure_kv_cache_dtype()
+        self.init_lora_manager()
         with self.memory_saver.region("kv_cache"):
             self.init_memory_pool(pre_model_load_memory)
         self.init_attention_backend()
@@ -185,6 +191,22 @@ class ModelRunner:
             rebalance_num_iterations=self.config.eplb_rebalance_num_iterations,
             recorder_dir=self.config.expert_distribution_recorder_dir,
         )
+
+    def init_lora_manager(self) -> None:
+        """``lora_manager`` (``lora/lora_manager.py``) with ``--lora-paths`` loaded, or None
+        without ``--enable-lora``. Raises LoRAAdapterError for a bad start-up adapter."""
+        self.lora_manager = None
+        if not self.config.enable_lora:
+            return
+        from shardline_runtime.lora.lora_config import LoRAConfig, parse_lora_paths, resolve_target_modules
+        from shardline_runtime.lora.lora_manager import LoRAManager
+
+        paths = parse_lora_paths(list(self.config.lora_paths))
+        max_rank = self.config.max_lora_rank or max([LoRAConfig.from_path(p).r for p in paths.values()] or [16])
+        self.lora_manager = LoRAManager(self.model, self.config.max_loras_per_batch, max_rank,
+                                        resolve_target_modules(list(self.config.lora_target_modules)))
+        for name, path in paths.items():
+            self.lora_manager.load_adapter(name, path)
 
     def _memory_available(self) -> int:
         if self.device.type == "cuda":
@@ -266,6 +288,9 @@ class ModelRunner:
         self.cuda_graph_runner = None
         if self.device.type != "cuda" or self.config.disable_cuda_graph:
             return
+        if self.lora_manager is not None:
+            logger.warning("[tp %d] CUDA graphs disabled: LoRA batches vary per step", self.tp_rank)
+            return
         if self.model_config.rope_parameters["rope_type"] == "dynamic":
             # dynamic NTK recomputes frequencies from the step's longest position (a host sync)
             logger.warning("[tp %d] CUDA graphs disabled: rope_type 'dynamic' depends on each step's positions", self.tp_rank)
@@ -278,6 +303,9 @@ class ModelRunner:
         """Capture EXTEND piecewise graphs (GPU, with ``--enable-piecewise-cuda-graph``)."""
         self.piecewise_cuda_graph_runner = None
         if self.device.type != "cuda" or not self.config.enable_piecewise_cuda_graph:
+            return
+        if self.lora_manager is not None:
+            logger.warning("[tp %d] piecewise CUDA graphs disabled: LoRA batches vary per step", self.tp_rank)
             return
         if self.model_config.rope_parameters["rope_type"] == "dynamic":
             logger.warning("[tp %d] piecewise CUDA graphs disabled: rope_type 'dynamic'", self.tp_rank)
@@ -315,7 +343,8 @@ class ModelRunner:
             return self.forward_decode(forward_batch)
         if mode == ForwardMode.EXTEND:
             pw = self.piecewise_cuda_graph_runner
-            if pw is not None and not recording and pw.can_run(forward_batch):
+            # a graph embeds the token ids itself: caller-given embeddings run eagerly
+            if pw is not None and not recording and forward_batch.input_embeds_indices is None and pw.can_run(forward_batch):
                 self._attach(forward_batch)
                 return pw.replay(forward_batch)
             return self.forward_extend(forward_batch)
@@ -327,12 +356,26 @@ class ModelRunner:
 
     def _run(self, forward_batch: ForwardBatch):
         self._attach(forward_batch)
+        if self.lora_manager is not None:
+            per_req = forward_batch.extend_seq_lens_cpu if forward_batch.forward_mode.is_extend() else [1] * forward_batch.batch_size
+            self.lora_manager.prepare_lora_batch(forward_batch.lora_names, per_req)
         self.attn_backend.init_forward_metadata(forward_batch)
         with torch.inference_mode():
-            out = self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+            embeds = self.input_embeds(forward_batch)
+            out = self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch, input_embeds=embeds)
         if self.eplb_manager is not None:
             self.eplb_manager.on_forward_pass_end()
         return out
+
+    def input_embeds(self, forward_batch: ForwardBatch) -> torch.Tensor | None:
+        """(T, hidden_size): the token embeddings with rows ``input_embeds_indices`` replaced by
+        ``input_embeds_values`` (the placeholder mechanism of multimodal models), or None."""
+        if forward_batch.input_embeds_indices is None:
+            return None
+        embeds = self.model.get_input_embeddings()(forward_batch.input_ids)  # (T, hidden)
+        rows = forward_batch.input_embeds_indices.to(self.device)
+        embeds[rows] = forward_batch.input_embeds_values.to(device=self.device, dtype=embeds.dtype)
+        return embeds
 
     def _attach(self, forward_batch: ForwardBatch) -> None:
         if forward_batch.req_to_token_pool is None:

@@ -23,6 +23,7 @@ Names are checkpoint (HuggingFace) names, as a trainer's ``model.named_parameter
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -154,12 +155,21 @@ def update_weights_from_safetensors(model_runner: Any, data: bytes) -> tuple[boo
     return True, f"loaded {len(loaded)} tensors on tp rank {model_runner.tp_rank}", loaded
 
 
+def _drainable(model: torch.nn.Module, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> bool:
+    """Whether every declared shape can be received: no negative dimension, and no more
+    elements than the largest checkpoint tensor (so draining a rejected update is bounded)."""
+    largest = max((math.prod(s) for s in checkpoint_shapes(model).values()), default=0)
+    return all(min(shape, default=0) >= 0 and math.prod(shape) <= largest for _, _, shape in specs)
+
+
 def update_weights_from_distributed(
-    model_runner: Any, group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]],
+    model_runner: Any, group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]], refused: str = "",
 ) -> tuple[bool, str, list[str], bool]:
     """Receive ``names`` from the trainer (rank 0 of ``group``), one broadcast each, then load.
 
     Every TP rank calls it together; the trainer broadcasts the tensors in ``names`` order.
+    With ``refused`` (why the update may not run, e.g. paused in place) the tensors are still
+    received when the declared specs are valid, then discarded.
 
     Returns:
         ``(success, message, names loaded, group_broken)``; ``group_broken`` when a broadcast
@@ -167,7 +177,7 @@ def update_weights_from_distributed(
     """
     from shardline_runtime.distributed.weight_sync_group import WeightSyncGroupError, broadcast
 
-    reason = ""
+    reason = refused
     specs = None
     try:
         if not len(names) == len(dtypes) == len(shapes):
@@ -175,9 +185,14 @@ def update_weights_from_distributed(
         specs = [(n, parse_dtype(d), tuple(int(x) for x in s)) for n, d, s in zip(names, dtypes, shapes)]
         check_specs(model_runner.model, model_runner.dtype, specs)
     except WeightUpdateError as exc:
-        reason = str(exc)
+        reason = reason or str(exc)
     staged: list[tuple[str, torch.Tensor]] = []
     broken = False
+    if specs is not None and not _drainable(model_runner.model, specs):
+        # A negative or larger-than-any-parameter shape cannot be received (it would crash or
+        # exhaust memory): refuse without receiving; the trainer's broadcast then times out.
+        reason = reason or "shapes: a declared shape is negative or larger than any parameter"
+        specs = None
     if specs is not None:  # drain the broadcast even after a failed check: the trainer sends anyway
         device = model_runner.device if group.backend == "nccl" else torch.device("cpu")
         try:

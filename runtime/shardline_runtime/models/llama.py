@@ -134,14 +134,21 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch) -> LogitsProcessorOutput | None:
+    def get_input_embeddings(self) -> nn.Module:
+        """The token embedding: (T,) int64 ids -> (T, hidden_size)."""
+        return self.model.embed_tokens
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch,
+                input_embeds: torch.Tensor | None = None) -> LogitsProcessorOutput | None:
         """Runs layers ``[split_forward_start_layer, split_forward_end_layer)`` (all by default);
-        returns None when the range stops before the last layer (states kept on the batch)."""
+        returns None when the range stops before the last layer (states kept on the batch).
+        ``input_embeds`` (T, hidden_size), when given, replaces the token embedding."""
         n = len(self.model.layers)
         start = forward_batch.split_forward_start_layer or 0
         end = forward_batch.split_forward_end_layer if forward_batch.split_forward_end_layer is not None else n
         if start == 0:
-            hidden_states, residual = self.model.embed_tokens(input_ids), None  # (T, hidden)
+            hidden_states = self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds  # (T, hidden)
+            residual = None
         else:
             hidden_states, residual = forward_batch.split_hidden_states, forward_batch.split_residual
         for layer in self.model.layers[start:end]:

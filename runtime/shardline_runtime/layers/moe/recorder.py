@@ -19,6 +19,7 @@ user records.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -76,6 +77,16 @@ class ExpertDistributionRecorder:
         self._pass_counts.zero_()
         self._user_active = True
         self.recording = True
+
+    def reset_counts(self) -> None:
+        """Drop every count (record and EPLB window) but keep recording as before: called after
+        the placement changed, when the recorded physical slots stopped meaning their experts."""
+        self._stat.zero_()
+        self._passes = []
+        self._num_recorded_passes = 0
+        self._pass_counts.zero_()
+        if self._window is not None:
+            self._window.zero_()
 
     def stop(self) -> None:
         """Stop recording; the record stays available to :meth:`dump`."""
@@ -167,7 +178,12 @@ class ExpertDistributionRecorder:
         if not self.dump_dir:
             raise RecorderError("dump to a file needs --expert-distribution-recorder-dir; none was given")
         os.makedirs(self.dump_dir, exist_ok=True)
-        path = os.path.join(self.dump_dir, f"expert_distribution_{int(time.time() * 1000)}.json")
-        with open(path, "w") as f:
-            json.dump(record, f)
-        return {"path": path}
+        stamp = int(time.time() * 1000)
+        for n in itertools.count():  # two dumps in one millisecond must not overwrite each other
+            path = os.path.join(self.dump_dir, f"expert_distribution_{stamp}{f'_{n}' if n else ''}.json")
+            try:
+                with open(path, "x") as f:
+                    json.dump(record, f)
+            except FileExistsError:
+                continue
+            return {"path": path}
