@@ -88,7 +88,7 @@ def test_sigterm_drains_and_exits_zero(serving_checkpoint, checkpoint_dir):
     def stream():
         text = ""
         with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
-                          json={"prompt": "hello", "max_tokens": 64, "ignore_eos": True, "stream": True}) as r:
+                          json={"prompt": "hello", "max_tokens": 1000, "ignore_eos": True, "stream": True}) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     event = json.loads(line[6:])
