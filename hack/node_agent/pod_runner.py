@@ -209,6 +209,12 @@ class PodRunner(threading.Thread):
                          self.pod["spec"].get("terminationGracePeriodSeconds", 30))
         grace = 0.0 if self.gone else min(float(grace), SHUTDOWN_GRACE_S if self.stopping
                                           else MAX_GRACE_S)
+        # preStop sleep hooks (the only kind Shardline renders) run first, within the grace period.
+        pre_stop = max((float(((c.get("lifecycle") or {}).get("preStop") or {}).get("sleep", {}).get("seconds", 0))
+                        for c in self.pod["spec"].get("containers", [])), default=0.0)
+        if pre_stop > 0 and grace > 0 and not self.stopping:
+            time.sleep(min(pre_stop, grace))
+            grace = max(grace - pre_stop, 0.1)
         for c in self.init + self.containers:
             c.kill(grace)
         if delete:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
 from .observed import GroupObservation
-from .rollout import leader_url
+from .rollout_executor import leader_url
 from .spec import LoRAAdapterSpec
 
 

@@ -25,6 +25,8 @@ class PodObservation:
     terminated: bool
     error_message: str | None
     restart_hash: str | None
+    node: str | None = None
+    revision: str | None = None
 
     @classmethod
     def from_api(cls, pod: Mapping[str, Any]) -> "PodObservation":
@@ -48,6 +50,8 @@ class PodObservation:
             terminated=any("terminated" in (s.get("state") or {}) for s in statuses),
             error_message=_first_error_line(statuses),
             restart_hash=annotations.get(labels.ANNOTATION_RESTART_HASH),
+            node=(pod.get("spec") or {}).get("nodeName"),
+            revision=pod_labels.get(labels.LABEL_REVISION),
         )
 
     @property

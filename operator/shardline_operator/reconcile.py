@@ -2,9 +2,11 @@
 
 Order of a pass: parse the spec -> list children -> remove groups beyond ``replicas`` ->
 apply Services/PDB and create missing StatefulSets -> group health (whole-group restarts) ->
-restart rollout of changed pod templates (one group at a time) -> in-place weight/graph
-rollout -> status. Every decision is made by a pure module; this one only sequences the I/O,
-so running it twice in a row changes nothing the second time.
+gather the leaders' reports -> restart rollout of changed pod templates (one group at a time,
+``restart_plan``) or the in-place weight/graph rollout (``rollout.plan_rollout``) -> status and
+operator metrics. Every decision is made by a pure module; this one only sequences the I/O, so
+running it twice in a row changes nothing the second time. ``ReconcileResult.requeue_after_seconds``
+asks for the next pass soon while a wave is in flight, so a rollout is bound by the updates.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
-from . import labels
+from . import labels, metrics
 from .credentials import api_key_from_secret, credentials_digest, new_admin_token, secret_value
 from .group_health import GroupRecord, decide
 from .kube import KubeClient
@@ -29,13 +31,17 @@ from .render import (
     build_rank_service,
     build_statefulset,
 )
-from .rollout import LeaderClient, RolloutState, advance, leader_url
+from .restart_plan import needs_restart, next_restart
+from .rollout import GroupView, RolloutPlan, plan_rollout
+from .rollout_executor import LeaderClient, gather, start_updates
+from .rollout_state import RolloutState
 from .runtime_args import ServedModel
 from .spec import DeploymentSpec, SpecError, parse_spec
 from .status import GroupReport, build_status, invalid_spec_status, record_from_status, status_patch
 
 Event = tuple[str, str, str]  # (type, reason, message)
 REAPPLY_SECONDS = 60.0
+RESTART_POLL_SECONDS = 2.0
 LORA_RETRY_SECONDS = 5.0  # adapters not yet on every group: look again soon
 
 
@@ -76,18 +82,6 @@ class ReconcileResult:
     requeue_after_seconds: float | None = None
 
 
-def _needs_restart(spec: DeploymentSpec, group: GroupObservation) -> bool:
-    if group.restart_hash != spec.restart_hash():
-        return True
-    served, desired = group.served, ServedModel.desired(spec)
-    return spec.weight_update.strategy == "Restart" and served is not None and (
-        (served.path, served.revision) != (desired.path, desired.revision))
-
-
-def _needs_in_place(spec: DeploymentSpec, group: GroupObservation) -> bool:
-    return group.served is not None and group.served != ServedModel.desired(spec)
-
-
 def _pruned(value: Any) -> Any:
     """``value`` without None-valued keys at any depth: what the API server stores of it."""
     if isinstance(value, Mapping):
@@ -124,47 +118,81 @@ class Reconciler:
             return self._finish(invalid_spec_status(str(exc), self.generation, self.previous, self.now))
         groups, records = self._observe(spec)
         overrides: dict[int, str] = {}
+        planned: set[int] = set()
         for group in groups:
             self._check_health(spec, group, records, overrides)
             self._remove_template_drift(group, records, overrides)
+        key_prefix = f"{self.namespace}/{self.name}"
         rollout_state = RolloutState.from_status(self.previous.get("rollout"))
-        in_flight = rollout_state is not None and rollout_state.group is not None
-        stale = [g for g in groups if _needs_restart(spec, g)]
-        trail: list[tuple[int, str]] = []
-        if stale and not in_flight:
-            self._restart_next(spec, stale[0], groups, records, overrides)
-        else:
-            pending = [g.index for g in groups if _needs_in_place(spec, g) and not _needs_restart(spec, g)]
-            outcome = advance(rollout_state, ServedModel.desired(spec), groups, pending, spec.weight_update,
-                              self.leaders, f"{self.namespace}/{self.name}", self.now)
-            for index, served in outcome.apply.items():
+        digests = {item.get("index"): item.get("weightsDigest") for item in self.previous.get("groups") or []}
+        for group in groups:  # a digest is recorded per incarnation: new pods report afresh
+            if overrides.get(group.index) == "Restarting" or group.leader is None or not group.ready:
+                digests[group.index] = None
+        views = gather(rollout_state, groups, digests, spec.weight_update, self.leaders, key_prefix)
+        wave_in_flight = rollout_state is not None and bool(rollout_state.wave)
+        failed = {i: r.failed_message is not None for i, r in records.items()}
+        stale = [g.index for g in groups if needs_restart(spec, g)]
+        restart = next_restart(spec, groups, failed, wave_in_flight)
+        plan = RolloutPlan(rollout_state)
+        if restart is not None:
+            self._restart_group(spec, restart, groups, records, overrides)
+            planned.add(restart.index)
+            digests[restart.index] = None
+        elif not (stale and not wave_in_flight):
+            plan = plan_rollout(rollout_state, ServedModel.desired(spec), views, spec.weight_update, self.now,
+                                exclude=frozenset(stale))
+            start_updates(plan, groups, spec.weight_update, self.leaders, key_prefix)
+            for index, served in plan.apply.items():
                 groups[index] = self._apply_group(spec, groups[index], served)
-            overrides.update(outcome.group_phases)
-            self.events.extend(outcome.events)
-            rollout_state, trail = outcome.state, outcome.trail
-        for index, phase in trail:  # phases passed through since the last pass, each as a status write
-            reports = [GroupReport(g, records[g.index], phase if g.index == index else overrides.get(g.index))
-                       for g in groups]
-            step = build_status(spec, self.generation, reports, rollout_state, self.previous, self.now)
+            overrides.update(plan.group_phases)
+            self.events.extend(plan.events)
+            self._observe_metrics(plan)
+        for index in plan.forget_digest:
+            digests[index] = None
+        in_flight = set(rollout_state.wave) if rollout_state is not None else set()
+        mixed = {v.index: v.mixed_reason() for v in views if v.index not in in_flight and v.index not in stale}
+        mixed = {i: r for i, r in mixed.items() if r and i not in plan.apply}
+
+        versions = self._weight_versions(groups, views)
+
+        def reports(trail_index: int | None = None, trail_phase: str | None = None) -> list[GroupReport]:
+            out = []
+            for g, v in zip(groups, views):
+                digest = digests.get(g.index)
+                if digest is None and g.index not in plan.forget_digest and v.leader is not None \
+                        and v.leader.weights_phase == "serving" and g.index not in mixed \
+                        and overrides.get(g.index) != "Restarting":
+                    digest = v.leader.digest
+                phase = trail_phase if g.index == trail_index else overrides.get(g.index)
+                out.append(GroupReport(g, records[g.index], phase, versions.get(g.index), view=v, digest=digest,
+                                       mixed=mixed.get(g.index), planned=g.index in planned))
+            return out
+
+        for index, phase in plan.trail:  # phases passed through since the last pass, each as a status write
+            step = build_status(spec, self.generation, reports(index, phase), plan.state, self.previous, self.now,
+                                restarts_pending=len(stale))
             self.events.append(("Normal", phase, f"group {index}: {phase}"))
             self._write(step)
-        lora = self._sync_lora(spec, groups, rollout_state)
-        versions = self._weight_versions(groups)
-        reports = [GroupReport(g, records[g.index], overrides.get(g.index), versions.get(g.index)) for g in groups]
-        status = build_status(spec, self.generation, reports, rollout_state, self.previous, self.now)
+        lora = self._sync_lora(spec, groups, plan.state)
+        status = build_status(spec, self.generation, reports(), plan.state, self.previous, self.now,
+                              restarts_pending=len(stale))
         if spec.lora_adapters or self.previous.get("loraAdapters"):
             status["loraAdapters"] = lora_status(spec.lora_adapters, lora)
+        self._observe_fleet(views, mixed)
         if status["phase"] != self.previous.get("phase"):
             kind = "Warning" if status["phase"] in ("Degraded", "Failed") else "Normal"
             self.events.append((kind, status["phase"], f"phase {self.previous.get('phase', 'None')} -> "
                                 f"{status['phase']}" + (f": {status['message']}" if status["message"] else "")))
-        return self._finish(status)
+        requeue = plan.requeue_after_seconds
+        if stale and requeue is None:
+            requeue = RESTART_POLL_SECONDS  # follow the replaced pods until the group is Ready
+        return self._finish(status, requeue)
 
     def _sync_lora(self, spec: DeploymentSpec, groups: list[GroupObservation], rollout: RolloutState | None) -> LoRAReport:
         """Load/unload ``spec.loraAdapters`` on Ready leaders (not on a group updating weights)."""
         if not hasattr(self.leaders, "lora_adapters"):
             return LoRAReport()
-        busy = {rollout.group} if rollout is not None and rollout.group is not None else set()
+        busy = set(rollout.wave) if rollout is not None else set()
         report = sync(spec.lora_adapters, groups, self.leaders, busy)
         for name, error in report.errors.items():
             self.events.append(("Warning", "LoRAAdapterFailed", f"{name}: {error}"))
@@ -172,28 +200,49 @@ class Reconciler:
             self.requeue_after = min(self.requeue_after or LORA_RETRY_SECONDS, LORA_RETRY_SECONDS)
         return report
 
-    def _weight_versions(self, groups: list[GroupObservation]) -> dict[int, str]:
+    def _weight_versions(self, groups: list[GroupObservation], views: list[GroupView]) -> dict[int, str]:
         """Each ready group's ``weight_version`` from its leader (set by a trainer's weight sync);
         an unreachable leader keeps the last reported value."""
         previous = {item.get("index"): item.get("weightVersion") for item in self.previous.get("groups") or []}
         versions: dict[int, str] = {}
-        for group in groups:
-            url = leader_url(group) if group.ready else None
-            info = self.leaders.server_info(url) if url else None
-            version = (info or {}).get("weight_version") or previous.get(group.index)
+        for group, view in zip(groups, views):
+            reported = view.leader.weight_version if group.ready and view.leader is not None else None
+            version = reported or previous.get(group.index)
             if isinstance(version, str):
                 versions[group.index] = version
         return versions
 
+    def _observe_metrics(self, plan: RolloutPlan) -> None:
+        """Operator metrics for what the plan saw happen (names in ``metrics.py``)."""
+        for _, seconds in plan.group_update_seconds:
+            metrics.observe_group_update(self.namespace, self.name, seconds)
+        if plan.rollout_seconds is not None:
+            metrics.observe_rollout(self.namespace, self.name, plan.rollout_seconds)
+        if plan.rolled_back:
+            metrics.inc_rollback(self.namespace, self.name)
+        for _ in range(plan.failed_updates):
+            metrics.inc_failed_update(self.namespace, self.name)
+
+    def _observe_fleet(self, views: list[GroupView], mixed: dict[int, str]) -> None:
+        counts: dict[str, int] = {}
+        for view in views:
+            if view.served is not None:
+                counts[view.served.revision] = counts.get(view.served.revision, 0) + 1
+        metrics.set_groups_per_revision(self.namespace, self.name, counts)
+        metrics.set_mixed_versions(self.namespace, self.name, len(mixed))
+
     def _write(self, status: dict[str, Any]) -> None:
+        """Patch status, skipped when nothing changed (status is updated only on change)."""
         status = {**status, "restartBudgetGeneration": self.generation}
         if _pruned(status) != _pruned(self.previous):  # an idle pass (the resync) writes nothing
             self.ctx.kube.patch_deployment_status(self.namespace, self.name, status_patch(self.previous, status))
         self.previous = status
 
-    def _finish(self, status: dict[str, Any]) -> ReconcileResult:
+    def _finish(self, status: dict[str, Any], requeue_after_seconds: float | None = None) -> ReconcileResult:
         self._write(status)
-        return ReconcileResult(dict(self.previous), self.events, self.requeue_after)
+        if self.requeue_after is not None:  # a health backoff ends sooner
+            requeue_after_seconds = min(requeue_after_seconds or self.requeue_after, self.requeue_after)
+        return ReconcileResult(dict(self.previous), self.events, requeue_after_seconds)
 
     def _credentials(self, spec: DeploymentSpec) -> tuple[DeploymentSpec, str]:
         """Read (or create, once) the admin-token Secret and read the API-key Secret; returns the
@@ -312,14 +361,9 @@ class Reconciler:
         elif decision.action == "fail":
             self.events.append(("Warning", "GroupFailed", f"group {group.index}: {decision.reason}"))
 
-    def _restart_next(self, spec: DeploymentSpec, group: GroupObservation, groups: list[GroupObservation],
-                      records: dict[int, GroupRecord], overrides: dict[int, str]) -> None:
-        """Roll a changed pod template onto ``group`` once every other group is settled."""
-        def settled(g: GroupObservation) -> bool:
-            return g.ready or records[g.index].failed_message is not None
-
-        if not all(settled(g) for g in groups if g.index != group.index):
-            return
+    def _restart_group(self, spec: DeploymentSpec, group: GroupObservation, groups: list[GroupObservation],
+                       records: dict[int, GroupRecord], overrides: dict[int, str]) -> None:
+        """Roll a changed pod template onto ``group`` (``restart_plan.next_restart`` chose it)."""
         groups[group.index] = self._apply_group(spec, group, ServedModel.desired(spec), relabel=False)
         self._delete_pods(group)
         records[group.index] = replace(records[group.index], pod_uids={}, failed_message=None)
@@ -333,7 +377,8 @@ class Reconciler:
         for pod in group.live_pods if relabel else ():
             self.ctx.kube.merge_patch("v1", "Pod", self.namespace, pod.name,
                                       {"metadata": {"labels": {labels.LABEL_REVISION: served.revision}}})
-        return replace(group, statefulset=sts)
+        pods = tuple(replace(p, revision=served.revision) if relabel and not p.deleting else p for p in group.pods)
+        return replace(group, statefulset=sts, pods=pods)
 
 
 def reconcile(ctx: Context, body: Mapping[str, Any]) -> ReconcileResult:

@@ -1,226 +1,323 @@
-"""In-place rollout of weights (``spec.model``) and CUDA-graph settings, one group at a time.
+"""In-place rollout of weights (``spec.model``) and CUDA-graph settings: a pure planner.
 
-State machine (kept in ``status.rollout`` so an operator restart resumes it; what each group
-serves is kept in its StatefulSet's annotations, updated only after the group's leader
-confirmed the update):
+Plan, then execute, as LWS's disaggregated-set controller does: the executor
+(``rollout_executor.py``) first gathers what each group's leader reports (weights phase,
+revision, digest, the state of an update request this process sent, a canary's gate result);
+:func:`plan_rollout` then computes the next step from that and ``status.rollout``
+(:class:`RolloutState`) alone; the executor performs it (start updates, re-render StatefulSets,
+record metrics). Rules:
 
-    Updating:    for the lowest group not serving the target: POST its leader's
-                 ``/update_weights_from_disk``, mirror ``weights_phase`` (loading ->
-                 UpdatingWeights, recapturing -> RecapturingGraphs), on success update the
-                 group's StatefulSet (pod template, so a restart loads the new weights) and move on.
-    RollingBack: after a failure with ``rollbackOnFailure``: groups already on the failed target
-                 are sent back to the previous model the same way; then Failed.
-    Failed:      held (``WeightsUpdated=False``) until ``spec.model`` or ``cudaGraph`` changes.
-
-The leader is reached through a :class:`LeaderClient` so this module has no I/O of its own.
+- The TP group is the unit. A wave updates at most ``weightUpdate.maxUnavailable`` groups at
+  once; with ``canary`` the first wave is one group, which must then pass the gate
+  (``/health_generate`` plus the optional ``verify`` prompt and latency bound) before the rest
+  follow; ``pauseSeconds`` separates waves.
+- A wave in flight is always awaited, whatever the spec says meanwhile; then the target is the
+  *latest* spec (a revert mid-rollout sends the groups that reached the old target back).
+- What a group serves is what its leader reports when it reports it, else its StatefulSet's
+  annotations. A leader serving another model or digest than recorded is a mixed version:
+  reported (Degraded) and repaired by updating that group to the target.
+- A failed update or gate with ``rollbackOnFailure`` sends the groups on the failed target back
+  to the previous model the same way, then Failed, with the reason.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Protocol
+from typing import Any, Mapping, Sequence
 
-from . import labels
-from .clock import from_rfc3339, to_rfc3339
-from .observed import GroupObservation, parse_cuda_graph_key
+from .rollout_state import FAILED, PAUSED, ROLLING_BACK, UPDATING, VERIFYING, RolloutState
 from .runtime_args import ServedModel
 from .spec import WeightUpdateSpec
 
-UPDATING, ROLLING_BACK, FAILED = "Updating", "RollingBack", "Failed"
 PHASE_BY_WEIGHTS_PHASE = {"loading": "UpdatingWeights", "recapturing": "RecapturingGraphs"}
-
-
-class LeaderClient(Protocol):
-    """Calls to a group leader's admin API (see ``runtime_client.HttpLeaderClient``)."""
-
-    def start_update(self, key: str, url: str, body: Mapping[str, Any], timeout_seconds: float) -> None:
-        """Send ``POST {url}/update_weights_from_disk`` in the background, tracked under ``key``."""
-
-    def poll(self, key: str) -> tuple[str, str]:
-        """``(state, message)``: state is ``pending``, ``success``, ``failure`` or ``unknown``."""
-
-    def server_info(self, url: str) -> Mapping[str, Any] | None:
-        """``GET {url}/get_server_info`` as a dict, or None when unreachable."""
-
-    def observed_phases(self, key: str) -> list[str]:
-        """``weights_phase`` values sampled while the request under ``key`` ran, since the last call."""
+POLL_SECONDS = 0.5  # next pass while a wave is in flight: a group's end is seen within this
 
 
 @dataclass(frozen=True)
-class RolloutState:
-    """``status.rollout``; times are Unix seconds."""
+class LeaderReport:
+    """``/get_server_info`` of a group's leader, as far as rollouts care."""
 
-    phase: str
-    target: ServedModel
-    previous: ServedModel | None = None
-    group: int | None = None
-    started_at: float | None = None
+    weights_phase: str
+    model_path: str | None = None
+    revision: str | None = None
+    digest: str | None = None
     message: str = ""
-    group_phase: str | None = None  # last phase written for ``group``
-
-    def to_status(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"phase": self.phase, "targetModelPath": self.target.path,
-                               "targetRevision": self.target.revision,
-                               "targetCudaGraph": self.target.cuda_graph.key(), "message": self.message}
-        if self.previous is not None:
-            out.update(previousModelPath=self.previous.path, previousRevision=self.previous.revision,
-                       previousCudaGraph=self.previous.cuda_graph.key())
-        if self.group is not None:
-            out.update(group=self.group, startedAt=to_rfc3339(self.started_at or 0.0))
-        if self.group_phase is not None:
-            out["groupPhase"] = self.group_phase
-        return out
+    weight_version: str | None = None
 
     @classmethod
-    def from_status(cls, raw: Mapping[str, Any] | None) -> "RolloutState | None":
-        if not raw or raw.get("phase") not in (UPDATING, ROLLING_BACK, FAILED):
+    def from_info(cls, info: Mapping[str, Any] | None) -> "LeaderReport | None":
+        if not info:
             return None
-        previous = None
-        if raw.get("previousModelPath"):
-            previous = ServedModel(raw["previousModelPath"], raw.get("previousRevision", ""),
-                                   parse_cuda_graph_key(raw.get("previousCudaGraph", "")))
-        return cls(phase=raw["phase"],
-                   target=ServedModel(raw.get("targetModelPath", ""), raw.get("targetRevision", ""),
-                                      parse_cuda_graph_key(raw.get("targetCudaGraph", ""))),
-                   previous=previous, group=raw.get("group"), started_at=from_rfc3339(raw.get("startedAt")),
-                   message=raw.get("message", ""), group_phase=raw.get("groupPhase"))
+        version = info.get("weight_version")
+        return cls(str(info.get("weights_phase", "serving")), info.get("model_path"), info.get("weights_revision"),
+                   info.get("weights_digest"), str(info.get("message") or ""),
+                   version if isinstance(version, str) else None)
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """One group as gathered before planning.
+
+    ``declared``: what its StatefulSet says it serves; ``recorded_digest``: status's
+    ``weightsDigest`` from the last pass; ``update``: ``(state, message)`` of an update request
+    this process sent (``pending``, ``success``, ``failure``, or ``unknown`` when it sent none);
+    ``phases``: weights phases sampled while it ran; ``gate``: ``(passed, message)`` of the
+    canary verification when it was run this pass; ``pod_revision``: the revision label of the
+    leader pod (what it was started with or last relabelled to), if known.
+    """
+
+    index: int
+    declared: ServedModel | None
+    ready: bool = True
+    live: bool = True
+    leader: LeaderReport | None = None
+    recorded_digest: str | None = None
+    update: tuple[str, str] = ("unknown", "")
+    phases: tuple[str, ...] = ()
+    gate: tuple[bool, str] | None = None
+    pod_revision: str | None = None
+
+    @property
+    def served(self) -> ServedModel | None:
+        """The leader's model when it reports one (serving or failed), else ``declared``."""
+        leader, declared = self.leader, self.declared
+        if (declared is not None and leader is not None and leader.weights_phase in ("serving", "failed")
+                and leader.model_path and leader.revision is not None):
+            return ServedModel(leader.model_path, leader.revision, declared.cuda_graph)
+        return declared
+
+    def mixed_reason(self) -> str | None:
+        """Why the leader serves something else than recorded, or None."""
+        served, declared, leader = self.served, self.declared, self.leader
+        if served is None or declared is None or leader is None:
+            return None
+        expected = self.pod_revision or declared.revision
+        if served.revision != expected or (expected == declared.revision and served.path != declared.path):
+            return f"group {self.index}: leader serves {served.revision} ({served.path}), expected {expected}"
+        if self.recorded_digest and leader.digest and leader.digest != self.recorded_digest:
+            return f"group {self.index}: leader serves digest {leader.digest[:19]}, status records {self.recorded_digest[:19]}"
+        return None
 
 
 @dataclass
-class RolloutOutcome:
-    """What :func:`advance` decided: new state, StatefulSets to re-render, phases and Events.
+class RolloutPlan:
+    """The next step: new state, updates to start, StatefulSets to re-render, status and metrics.
 
-    ``trail`` lists (group, phase) passed through since the last pass, to be written as
-    status transitions before the final ``group_phases``.
+    ``trail`` lists (group, phase) passed through since the last pass (written as status
+    transitions before ``group_phases``); ``mixed`` maps groups to their mixed-version reason;
+    ``forget_digest`` lists groups whose recorded digest is stale (re-recorded from the leader).
     """
 
     state: RolloutState | None
+    start: dict[int, dict[str, Any]] = field(default_factory=dict)
     apply: dict[int, ServedModel] = field(default_factory=dict)
     group_phases: dict[int, str] = field(default_factory=dict)
     trail: list[tuple[int, str]] = field(default_factory=list)
     events: list[tuple[str, str, str]] = field(default_factory=list)
+    mixed: dict[int, str] = field(default_factory=dict)
+    forget_digest: list[int] = field(default_factory=list)
+    requeue_after_seconds: float | None = None
+    group_update_seconds: list[tuple[int, float]] = field(default_factory=list)
+    rollout_seconds: float | None = None
+    rolled_back: bool = False
+    failed_updates: int = 0
 
 
-def update_body(current: ServedModel, target: ServedModel) -> dict[str, Any]:
+def update_body(current: ServedModel | None, target: ServedModel) -> dict[str, Any]:
     """JSON body of ``/update_weights_from_disk`` (DESIGN 2.4) moving ``current`` to ``target``."""
     body: dict[str, Any] = {"model_path": target.path, "revision": target.revision,
                             "recapture_cuda_graph": target.cuda_graph.enabled}
-    if target.cuda_graph != current.cuda_graph:
+    if current is None or target.cuda_graph != current.cuda_graph:
         body.update(cuda_graph_max_bs=target.cuda_graph.max_batch_size,
                     disable_cuda_graph=not target.cuda_graph.enabled)
     return body
 
 
-def leader_url(group: GroupObservation) -> str | None:
-    """``http://<podIP>:8000`` of the group's rank-0 pod, or None without an IP."""
-    leader = group.leader
-    return f"http://{leader.ip}:{labels.HTTP_PORT}" if leader is not None and leader.ip else None
+def plan_rollout(state: RolloutState | None, desired: ServedModel, groups: Sequence[GroupView],
+                 policy: WeightUpdateSpec, now: float, exclude: frozenset[int] = frozenset()) -> RolloutPlan:
+    """The next step towards ``desired`` (pure). ``exclude``: groups a restart rollout owns."""
+    views = {g.index: g for g in groups}
+    wave = set(state.wave) if state is not None else set()
+    out = RolloutPlan(state, mixed={g.index: r for g in groups if g.index not in wave
+                                    for r in [g.mixed_reason()] if r})
+    if state is not None and state.wave:
+        return _follow_wave(state, views, policy, now, out)
+    if state is not None and state.phase == VERIFYING and state.target == desired:
+        canary = views.get(state.canary) if state.canary is not None else None
+        if canary is None or canary.gate is None:
+            out.requeue_after_seconds = POLL_SECONDS
+            return out
+        passed, message = canary.gate
+        if not passed:
+            return _fail(state, views, policy, f"canary group {state.canary} failed verification: {message}", out)
+        state = replace(state, phase=UPDATING, canary=None, canary_passed=True,
+                        message=f"canary group {canary.index} passed verification")
+        out.events.append(("Normal", "CanaryPassed", state.message))
+    if state is not None and state.phase == PAUSED and state.target == desired:
+        if state.pause_until is not None and now < state.pause_until:
+            out.requeue_after_seconds = state.pause_until - now
+            return out
+        state = replace(state, phase=UPDATING, pause_until=None)
+    if state is not None and state.phase == FAILED and state.target == desired:
+        if all(g.served == desired for g in groups if g.served is not None):
+            out.state = None  # the target was reached another way (a restart rollout): nothing failed now
+        return out
+    if state is not None and state.phase == ROLLING_BACK and state.target == desired:
+        target = state.previous or desired
+        todo = [g for g in groups if g.served == state.target and g.index not in exclude]
+    else:
+        target = desired
+        todo = [g for g in groups if g.index not in exclude and g.served is not None
+                and (g.served != desired or g.index in out.mixed)]
+        if state is None or state.target != desired or state.phase not in (UPDATING, PAUSED, VERIFYING):
+            if not todo:
+                out.state = None
+                return out
+            counts = Counter(g.served for g in todo if g.served != desired)
+            previous = counts.most_common(1)[0][0] if counts else None
+            state = RolloutState(UPDATING, desired, previous, rollout_started_at=now,
+                                 canary_passed=policy.canary is None or len(todo) < 2)
+    out.state = state
+    if not todo:
+        return _finish(state, target, now, out)
+    gated = state.phase == UPDATING and not state.canary_passed
+    size = 1 if gated else policy.max_unavailable
+    for g in todo:
+        if not g.live:  # nothing runs: the next start loads the target from the template
+            out.apply[g.index] = target
+            out.forget_digest.append(g.index)
+    ready = [g for g in todo if g.live and g.ready][:size]
+    if not ready:
+        if not out.apply:
+            out.state = replace(state, message=f"waiting for group {todo[0].index} to be Ready")
+        out.requeue_after_seconds = POLL_SECONDS if out.apply else None
+        return out
+    for g in ready:
+        out.start[g.index] = update_body(g.served, target)
+        out.group_phases[g.index] = "UpdatingWeights"
+    names = ", ".join(str(g.index) for g in ready)
+    progress = f"updating group{'s' if len(ready) > 1 else ''} {names} to {target.revision}" + (
+        " (canary)" if gated else "")
+    out.state = replace(state, wave=tuple(g.index for g in ready), started_at=now,
+                        group_phases={g.index: "UpdatingWeights" for g in ready},
+                        canary=ready[0].index if gated else None,
+                        message=progress if state.phase == UPDATING else state.message)
+    out.events.append(("Normal", "UpdatingWeights", progress))
+    out.requeue_after_seconds = POLL_SECONDS
+    return out
 
 
-def _result_from_info(info: Mapping[str, Any] | None, target: ServedModel) -> tuple[str, str]:
-    """Outcome of an update whose request this process did not send (operator restarted)."""
-    if info is None:
+def _result(view: GroupView, target: ServedModel) -> tuple[str, str]:
+    """Outcome of a group's update: this process's request first, else what the leader says
+    (the operator restarted, or the request was lost)."""
+    state, message = view.update
+    if state != "unknown":
+        return state, message
+    leader = view.leader
+    if leader is None:
         return "pending", "leader unreachable"
-    phase = info.get("weights_phase", "serving")
-    if phase in PHASE_BY_WEIGHTS_PHASE:
-        return "pending", phase
-    if phase == "failed":
-        return "failure", info.get("message") or "runtime reports weights_phase=failed"
-    if info.get("weights_revision") == target.revision and info.get("model_path") == target.path:
+    if leader.weights_phase in PHASE_BY_WEIGHTS_PHASE:
+        return "pending", leader.weights_phase
+    if leader.weights_phase == "failed":
+        return "failure", leader.message or "runtime reports weights_phase=failed"
+    if (leader.model_path, leader.revision) == (target.path, target.revision):
         return "success", ""
     return "unknown", ""
 
 
-def advance(state: RolloutState | None, desired: ServedModel, groups: list[GroupObservation],
-            pending: list[int], policy: WeightUpdateSpec, client: LeaderClient, key_prefix: str,
-            now: float) -> RolloutOutcome:
-    """Take one step of the in-place rollout towards ``desired``.
-
-    ``pending`` lists the groups whose served model differs from ``desired`` in a way that is
-    rolled in place (the caller excludes groups that need a restart).
-    """
-    by_index = {g.index: g for g in groups}
-    if state is not None and state.phase == FAILED:
-        if state.target == desired:
-            return RolloutOutcome(state)
-        state = None
-    if state is not None and state.target != desired and state.phase == UPDATING and state.group is None:
-        state = None
-    if state is not None and state.phase == UPDATING and state.group not in pending:
-        state = replace(state, target=desired, group=None, started_at=None)
-    if state is None or state.phase == UPDATING:
-        # A request in flight finishes towards the target it was sent for.
-        target = state.target if state is not None and state.group is not None else desired
-        todo = pending
-    else:
-        target = state.previous or desired
-        todo = [g.index for g in groups if g.served is not None and g.served != target
-                and g.served == state.target]
-    if not todo:
-        if state is None:
-            return RolloutOutcome(None)
-        if state.phase == ROLLING_BACK:
-            message = f"{state.message}; rolled back to {target.revision}"
-            return RolloutOutcome(replace(state, phase=FAILED, group=None, started_at=None, message=message),
-                                  events=[("Warning", "RolledBack", message)])
-        return RolloutOutcome(None, events=[("Normal", "RolloutComplete", f"all groups serve {target.revision}")])
-    if state is None:
-        state = RolloutState(phase=UPDATING, target=desired)
-    index = state.group if state.group in todo else todo[0]
-    group = by_index[index]
-    key, url = f"{key_prefix}/g{index}", leader_url(group)
-    if state.group != index:
-        if not group.ready:
-            if not group.live_pods:
-                # Nothing runs: the next start loads the target from the template.
-                return RolloutOutcome(state, apply={index: target})
-            return RolloutOutcome(replace(state, message=f"waiting for group {index} to be Ready"))
-        client.start_update(key, url, update_body(group.served, target), policy.timeout_seconds)
-        progress = f"updating group {index} to {target.revision}"
-        # While rolling back, the message keeps the failure that caused it.
-        started = replace(state, group=index, started_at=now, group_phase="UpdatingWeights",
-                          message=progress if state.phase == UPDATING else state.message)
-        return RolloutOutcome(started, group_phases={index: "UpdatingWeights"},
-                              events=[("Normal", "UpdatingWeights", progress)])
-    result, message = client.poll(key)
-    trail = _trail(state.group_phase, client.observed_phases(key))
-    if result == "unknown":
-        result, message = _result_from_info(client.server_info(url) if url else None, target)
-        if result == "unknown":
-            client.start_update(key, url, update_body(group.served, target), policy.timeout_seconds)
+def _follow_wave(state: RolloutState, views: Mapping[int, GroupView], policy: WeightUpdateSpec, now: float,
+                 out: RolloutPlan) -> RolloutPlan:
+    """Await every group of the wave in flight; then decide what follows."""
+    target = (state.previous or state.target) if state.phase == ROLLING_BACK else state.target
+    still, phases, failures = [], {}, []
+    started = state.started_at if state.started_at is not None else now
+    for index in state.wave:
+        view = views.get(index)
+        if view is None:  # scaled away meanwhile
+            continue
+        result, message = _result(view, target)
+        last = state.group_phases.get(index, "UpdatingWeights")
+        trail = _trail(last, view.phases)
+        if result == "unknown":  # nobody is updating it: send the request (again)
+            out.start[index] = update_body(view.served, target)
             result = "pending"
-    started_at = state.started_at if state.started_at is not None else now
-    if result == "pending" and now - started_at > policy.timeout_seconds:
-        result, message = "failure", f"timed out after {policy.timeout_seconds}s"
-    if result == "pending":
-        info = client.server_info(url) if url else None
-        phase = PHASE_BY_WEIGHTS_PHASE.get((info or {}).get("weights_phase", ""),
-                                           trail[-1] if trail else state.group_phase or "UpdatingWeights")
-        if trail and trail[-1] == phase:
-            trail.pop()
-        return RolloutOutcome(replace(state, group_phase=phase), group_phases={index: phase},
-                              trail=[(index, p) for p in trail])
-    if result == "success":
-        # The runtime recaptures after every successful load when asked (DESIGN 2.4); a
-        # recapture shorter than the sampling interval is still reported as its own step.
-        last = trail[-1] if trail else state.group_phase
-        if target.cuda_graph.enabled and last != "RecapturingGraphs":
-            trail.append("RecapturingGraphs")
-        progress = f"group {index} serves {target.revision}"
-        done = replace(state, group=None, started_at=None, group_phase=None,
-                       message=progress if state.phase == UPDATING else state.message)
-        return RolloutOutcome(done, apply={index: target}, events=[("Normal", "GroupUpdated", progress)],
-                              trail=[(index, p) for p in trail])
-    reason = f"group {index}: update to {target.revision} failed: {message}"
-    updated = [g.index for g in groups if g.index != index and g.served == target]
-    if state.phase == UPDATING and policy.rollback_on_failure and updated:
-        back = RolloutState(phase=ROLLING_BACK, target=target, previous=group.served, message=reason)
-        return RolloutOutcome(back, events=[("Warning", "WeightUpdateFailed", reason + "; rolling back")])
-    failed = RolloutState(phase=FAILED, target=state.target, previous=state.previous or group.served, message=reason)
-    return RolloutOutcome(failed, events=[("Warning", "WeightUpdateFailed", reason)])
+        if result == "pending" and now - started > policy.timeout_seconds:
+            result, message = "failure", f"timed out after {policy.timeout_seconds}s"
+        if result == "pending":
+            reported = view.leader.weights_phase if view.leader else ""
+            phase = PHASE_BY_WEIGHTS_PHASE.get(reported, trail[-1] if trail else last)
+            if trail and trail[-1] == phase:
+                trail.pop()
+            out.trail += [(index, p) for p in trail]
+            out.group_phases[index], phases[index] = phase, phase
+            still.append(index)
+        elif result == "success":
+            if target.cuda_graph.enabled and (trail[-1] if trail else last) != "RecapturingGraphs":
+                trail.append("RecapturingGraphs")  # shorter than the sampling interval, still a step
+            out.trail += [(index, p) for p in trail]
+            out.apply[index] = target
+            out.forget_digest.append(index)
+            out.group_update_seconds.append((index, now - started))
+            out.events.append(("Normal", "GroupUpdated", f"group {index} serves {target.revision}"))
+        else:
+            out.failed_updates += 1
+            failures.append(f"group {index}: update to {target.revision} failed: {message}")
+    if still:
+        out.state = replace(state, wave=tuple(still), group_phases=phases)
+        out.requeue_after_seconds = POLL_SECONDS
+        return out
+    done = replace(state, wave=(), started_at=None, group_phases={})
+    if failures:
+        updated = set(out.apply) | {i for i, v in views.items() if v.served == target}
+        if done.phase == ROLLING_BACK:  # a rollback that fails stops where it is
+            updated = set()
+        return _fail(done, views, policy, "; ".join(failures), out, updated=bool(updated))
+    out.requeue_after_seconds = 0.0
+    if done.phase == UPDATING and not done.canary_passed and done.canary is not None:
+        out.state = replace(done, phase=VERIFYING, message=f"verifying canary group {done.canary} on {target.revision}")
+        out.events.append(("Normal", "VerifyingCanary", out.state.message))
+        return out
+    message = f"groups {', '.join(map(str, sorted(out.apply)))} serve {target.revision}"
+    if done.phase == UPDATING and policy.pause_seconds > 0:
+        out.state = replace(done, phase=PAUSED, pause_until=now + policy.pause_seconds,
+                            message=f"{message}; next wave in {policy.pause_seconds}s")
+        return out
+    out.state = replace(done, message=message if done.phase == UPDATING else done.message)
+    return out
 
 
-def _trail(reported: str | None, weights_phases: list[str]) -> list[str]:
+def _fail(state: RolloutState, views: Mapping[int, GroupView], policy: WeightUpdateSpec, reason: str,
+          out: RolloutPlan, updated: bool | None = None) -> RolloutPlan:
+    """A wave or the gate failed: roll back the groups already on the target, or stop."""
+    if updated is None:
+        updated = any(v.served == state.target for v in views.values())
+    if state.phase != ROLLING_BACK and policy.rollback_on_failure and updated and state.previous is not None:
+        out.state = replace(state, phase=ROLLING_BACK, canary=None, message=reason)
+        out.rolled_back = True
+        out.requeue_after_seconds = 0.0
+        out.events.append(("Warning", "WeightUpdateFailed", reason + "; rolling back"))
+        return out
+    out.state = replace(state, phase=FAILED, wave=(), canary=None, message=reason)
+    out.events.append(("Warning", "WeightUpdateFailed", reason))
+    return out
+
+
+def _finish(state: RolloutState, target: ServedModel, now: float, out: RolloutPlan) -> RolloutPlan:
+    """Nothing left to update: a rollback ends Failed, a rollout ends (state cleared)."""
+    if state.phase == ROLLING_BACK:
+        message = f"{state.message}; rolled back to {target.revision}"
+        out.state = replace(state, phase=FAILED, wave=(), message=message)
+        out.events.append(("Warning", "RolledBack", message))
+        return out
+    out.state = None
+    if state.rollout_started_at is not None:
+        out.rollout_seconds = now - state.rollout_started_at
+    out.events.append(("Normal", "RolloutComplete", f"all groups serve {target.revision}"))
+    return out
+
+
+def _trail(reported: str | None, weights_phases: Sequence[str]) -> list[str]:
     """Operator phases for sampled runtime phases, without repeats of the one last reported."""
     trail: list[str] = []
     last = reported

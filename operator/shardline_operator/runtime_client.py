@@ -16,12 +16,13 @@ from typing import Any, Mapping
 import httpx
 
 INFO_TIMEOUT_SECONDS = 3.0
+GATE_TIMEOUT_SECONDS = 30.0
 LORA_TIMEOUT_SECONDS = 30.0
 PHASE_POLL_SECONDS = 0.1
 
 
 class HttpLeaderClient:
-    """Implements ``rollout.LeaderClient`` over HTTP with a small thread pool."""
+    """Implements ``rollout_executor.LeaderClient`` over HTTP with a small thread pool."""
 
     def __init__(self, max_workers: int = 4) -> None:
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="leader-update")
@@ -96,6 +97,31 @@ class HttpLeaderClient:
             return None
         return info if isinstance(info, dict) else None
 
+    def verify(self, url: str, verify: Any = None, token: str | None = None) -> tuple[bool, str]:
+        """The canary gate: ``GET /health_generate`` must answer 200; then, with ``verify`` (a
+        ``spec.VerifySpec``), a greedy ``/v1/completions`` of ``verify.prompt`` must answer 200
+        within ``verify.max_latency_seconds``. Returns ``(passed, what failed or took)``."""
+        try:
+            response = httpx.get(f"{url}/health_generate", headers=_auth(token), timeout=GATE_TIMEOUT_SECONDS)
+        except httpx.HTTPError as exc:
+            return False, f"/health_generate: {exc.__class__.__name__}: {exc}"
+        if response.status_code != 200:
+            return False, f"/health_generate answered HTTP {response.status_code}: {response.text[:200]}"
+        if verify is None:
+            return True, "/health_generate answered 200"
+        body = {"prompt": verify.prompt, "max_tokens": verify.max_tokens, "temperature": 0}
+        started = time.monotonic()
+        try:
+            response = httpx.post(f"{url}/v1/completions", json=body, headers=_auth(token),
+                                  timeout=verify.max_latency_seconds + 5)
+        except httpx.HTTPError as exc:
+            return False, f"verify prompt: {exc.__class__.__name__}: {exc}"
+        latency = time.monotonic() - started
+        if response.status_code != 200:
+            return False, f"verify prompt answered HTTP {response.status_code}: {response.text[:200]}"
+        if latency > verify.max_latency_seconds:
+            return False, f"verify prompt took {latency:.3f}s, over maxLatencySeconds {verify.max_latency_seconds:g}"
+        return True, f"verify prompt answered in {latency:.3f}s"
     def lora_adapters(self, url: str, token: str | None = None) -> Mapping[str, str] | None:
         """``{name: path}`` of the LoRA adapters ``GET {url}/v1/models`` lists (cards with a
         ``parent``), or None when unreachable or not the expected JSON."""
@@ -138,6 +164,8 @@ class TokenLeaderClient:
     def observed_phases(self, key: str) -> list[str]:
         return self._client.observed_phases(key)
 
+    def verify(self, url: str, verify: Any = None) -> tuple[bool, str]:
+        return self._client.verify(url, verify, self._token)
     def lora_adapters(self, url: str) -> Mapping[str, str] | None:
         return self._client.lora_adapters(url, self._token)
 

@@ -103,12 +103,37 @@ class RuntimeSpec:
 
 
 @dataclass(frozen=True)
+class VerifySpec:
+    """``spec.weightUpdate.canary.verify``: a completion the canary must answer with HTTP 200
+    within ``max_latency_seconds`` (``max_tokens`` greedy tokens of ``prompt``)."""
+
+    prompt: str
+    max_tokens: int = 8
+    max_latency_seconds: float = 10.0
+
+
+@dataclass(frozen=True)
+class CanarySpec:
+    """``spec.weightUpdate.canary``: the first group updates alone and must pass
+    ``/health_generate`` (and ``verify``, if given) before the others follow."""
+
+    verify: VerifySpec | None = None
+
+
+@dataclass(frozen=True)
 class WeightUpdateSpec:
-    """``spec.weightUpdate``: how a ``spec.model`` change reaches running groups."""
+    """``spec.weightUpdate``: how a ``spec.model`` change reaches running groups.
+
+    ``max_unavailable``: groups updating at once (a wave); ``pause_seconds``: wait between
+    waves; ``canary``: None, or the gate after the first group.
+    """
 
     strategy: str = "InPlace"
     timeout_seconds: int = 900
     rollback_on_failure: bool = True
+    max_unavailable: int = 1
+    pause_seconds: int = 0
+    canary: CanarySpec | None = None
 
 
 @dataclass(frozen=True)
@@ -325,6 +350,37 @@ def parse_runtime(raw: Mapping[str, Any]) -> RuntimeSpec:
     )
 
 
+def parse_weight_update(raw: Mapping[str, Any]) -> WeightUpdateSpec:
+    """Parse ``spec.weightUpdate``. Raises :class:`SpecError`."""
+    path = "spec.weightUpdate"
+    canary_raw = _get(raw, "canary", path, dict)
+    canary = None
+    if canary_raw is not None and _get(canary_raw, "enabled", f"{path}.canary", bool, True):
+        verify_raw = _get(canary_raw, "verify", f"{path}.canary", dict)
+        verify = None
+        if verify_raw is not None:
+            vpath = f"{path}.canary.verify"
+            prompt = _get(verify_raw, "prompt", vpath, str, required=True)
+            if not prompt.strip() or len(prompt) > 4096:
+                raise SpecError(f"{vpath}.prompt must be a non-empty string of at most 4096 characters")
+            latency = _get(verify_raw, "maxLatencySeconds", vpath, (int, float), 10)
+            if not 0 < float(latency) <= 600:
+                raise SpecError(f"{vpath}.maxLatencySeconds must be in (0, 600], got {latency}")
+            verify = VerifySpec(prompt, _int_in(verify_raw, "maxTokens", vpath, 8, 1, 256), float(latency))
+        canary = CanarySpec(verify)
+    strategy = _one_of(raw, "strategy", path, "InPlace", STRATEGIES)
+    if canary_raw is not None and strategy != "InPlace":
+        raise SpecError(f"{path}.canary applies to strategy InPlace only, got strategy {strategy}")
+    return WeightUpdateSpec(
+        strategy=strategy,
+        timeout_seconds=_int_in(raw, "timeoutSeconds", path, 900, 1, 86400),
+        rollback_on_failure=_get(raw, "rollbackOnFailure", path, bool, True),
+        max_unavailable=_int_in(raw, "maxUnavailable", path, 1, 1, MAX_REPLICAS),
+        pause_seconds=_int_in(raw, "pauseSeconds", path, 0, 0, 86400),
+        canary=canary,
+    )
+
+
 def parse_auth(raw: Mapping[str, Any]) -> AuthSpec:
     """Parse ``spec.auth``. Raises :class:`SpecError`."""
     ref = _get(raw, "apiKeySecretRef", "spec.auth", dict)
@@ -389,11 +445,7 @@ def parse_spec(name: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> 
         model=parse_model(_get(spec, "model", "spec", dict, required=True)),
         parallelism=parallelism,
         runtime=parse_runtime(_get(spec, "runtime", "spec", dict, required=True)),
-        weight_update=WeightUpdateSpec(
-            strategy=_one_of(update_raw, "strategy", "spec.weightUpdate", "InPlace", STRATEGIES),
-            timeout_seconds=_int_in(update_raw, "timeoutSeconds", "spec.weightUpdate", 900, 1, 86400),
-            rollback_on_failure=_get(update_raw, "rollbackOnFailure", "spec.weightUpdate", bool, True),
-        ),
+        weight_update=parse_weight_update(update_raw),
         restart_policy=RestartPolicySpec(
             max_group_restarts=_int_in(restart_raw, "maxGroupRestarts", "spec.restartPolicy", 5, 0, 1000),
             backoff_seconds=_int_in(restart_raw, "backoffSeconds", "spec.restartPolicy", 10, 1, 3600),

@@ -5,7 +5,10 @@ Node rank 0: spawns the schedulers of its ranks, starts uvicorn on ``--host:--po
 every local rank reported ready. Node rank > 0: spawns its schedulers and serves only
 ``/health`` and ``/ready``. Either way a dead scheduler process makes the pod unhealthy and the
 launcher exits with status 1 (writing the first error line to the termination log); SIGTERM
-drains (no new connections, in-flight requests get ``--drain-timeout`` seconds) and exits 0.
+drains and exits 0: ``/ready`` turns 503 at once while the listener stays open and requests
+are still served; it closes once nothing is in flight (at most ``--drain-timeout`` seconds, then
+what still runs is aborted). With the pod's pre-stop delay, clients that follow readiness or
+endpoints have moved away before the listener closes, so no connection is refused.
 """
 
 from __future__ import annotations
@@ -78,9 +81,11 @@ def _status_app(state: dict) -> FastAPI:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn server that drains on SIGTERM/SIGINT: readiness drops at once, the listener
-    closes, in-flight requests get ``timeout_graceful_shutdown``; the launcher then exits 0
-    (uvicorn itself would re-raise the signal after shutdown, ending the process with -15)."""
+    """uvicorn server that drains on SIGTERM/SIGINT: readiness drops at once, the listener stays
+    open while requests are in flight (new ones are still served), then closes; at
+    ``--drain-timeout`` what still runs is aborted. The launcher then exits 0 (uvicorn itself
+    would re-raise the signal after shutdown, ending the process with -15). A second SIGINT
+    exits at once."""
 
     def __init__(self, config: uvicorn.Config, state: dict, drain_timeout: float):
         super().__init__(config)
@@ -88,29 +93,33 @@ class _Server(uvicorn.Server):
         self._drain_timeout = drain_timeout
 
     def handle_exit(self, sig, frame) -> None:
-        loop = self._state.get("loop")
-        if not self._state["draining"] and loop is not None:
-            loop.call_soon_threadsafe(lambda: loop.create_task(self._abort_after_drain()))
+        loop, tm = self._state.get("loop"), self._state.get("tm")
+        if self._state["draining"]:
+            if sig == signal.SIGINT:
+                self.force_exit = self.should_exit = True
+            return
         self._state["draining"] = True
-        tm = self._state.get("tm")
-        if tm is not None:
-            tm.draining = True
-            if loop is not None:  # requests held by /pause_generation get their 503 now
-                loop.call_soon_threadsafe(tm.start_draining)
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True
-        self.should_exit = True
+        if tm is None or loop is None:  # not serving requests yet (loading, or node rank > 0)
+            self.should_exit = True
+            return
+        tm.draining = True
+        loop.call_soon_threadsafe(tm.start_draining)  # requests held by /pause_generation get their 503 now
+        loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
 
-
-    async def _abort_after_drain(self) -> None:
-        """At ``--drain-timeout``, end what still runs with ``finish_reason: "abort"`` (uvicorn
-        waits a little longer, so those answers and streams complete before it closes)."""
-        await asyncio.sleep(self._drain_timeout)
-        tm = self._state.get("tm")
-        if tm is not None and tm.states:
+    async def _drain(self) -> None:
+        """Close the listener once nothing is in flight; at ``--drain-timeout``, end what still
+        runs with ``finish_reason: "abort"`` first (uvicorn waits a little longer, so those
+        answers and streams complete before it closes)."""
+        tm = self._state["tm"]
+        deadline = time.monotonic() + self._drain_timeout
+        while tm.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        tm.closing = True
+        if tm.in_flight:
             logger.warning("drain timeout: aborting %d running requests", len(tm.states))
             await tm.abort_all_local("server shutting down (drain timeout)")
             await tm.abort(None)
+        self.should_exit = True
 
 
 def _spawn_schedulers(args: ServerArgs, input_addr: str, output_addr: str):
@@ -195,11 +204,15 @@ def _full_app(args: ServerArgs, info, input_addr: str, output_addr: str, state: 
     from shardline_runtime.entrypoints.metrics import ServingMetrics
     from shardline_runtime.managers.tokenizer_manager import TokenizerManager
 
+    from shardline_runtime.managers.tokenizer_manager import safe_checkpoint_digest
+
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
+    digest = safe_checkpoint_digest(info.model_path)
     metrics = ServingMetrics(args.model_name)
-    metrics.set_weights(info.weights_revision, info.model_path)
+    metrics.set_weights(info.weights_revision, info.model_path, digest)
     metrics.set_weight_version(info.weight_version)
-    tm = TokenizerManager(tokenizer, info, input_addr, output_addr, metrics)
+    tm = TokenizerManager(tokenizer, info, input_addr, output_addr, metrics,
+                          hold_timeout=args.weight_update_hold_timeout, weights_digest=digest)
     tm.lora_adapters = parse_lora_paths(list(args.lora_paths))  # loaded by every rank before it reported ready
     tm.start()
     state["tm"] = tm

@@ -82,8 +82,8 @@ def _host_port(text: str) -> str:
 class ServerArgs:
     """Validated arguments of one runtime process group (one pod).
 
-    Units: ports are TCP ports, ``dist_timeout`` and ``watchdog_timeout`` and
-    ``drain_timeout`` are seconds, token counts are tokens. ``None`` means "derive it":
+    Units: ports are TCP ports, ``dist_timeout``, ``watchdog_timeout``, ``drain_timeout`` and
+    ``weight_update_hold_timeout`` are seconds, token counts are tokens. ``None`` means "derive it":
     ``max_total_tokens`` from the memory budget, ``context_length`` from the model config,
     ``served_model_name`` from ``model_path``, ``tokenizer_path`` = ``model_path``.
 
@@ -129,6 +129,7 @@ class ServerArgs:
     dist_timeout: int = 600
     watchdog_timeout: int = 300
     drain_timeout: int = 30
+    weight_update_hold_timeout: int = 60
     weight_version: str = "default"
     enable_weights_cpu_backup: bool = False
     enable_memory_saver: bool = False
@@ -300,6 +301,7 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
     o.add_argument("--log-level", default=default("log_level"), choices=LOG_LEVELS, help="Log level.")
     o.add_argument("--watchdog-timeout", type=_int_range("--watchdog-timeout", 1), default=default("watchdog_timeout"), help="Seconds a forward step (or a peer rank) may stall before the process exits with an error.")
     o.add_argument("--drain-timeout", type=_int_range("--drain-timeout", 0), default=default("drain_timeout"), help="On SIGTERM: seconds to let running requests finish before aborting them.")
+    o.add_argument("--weight-update-hold-timeout", type=_int_range("--weight-update-hold-timeout", 0), default=default("weight_update_hold_timeout"), help="Seconds a request arriving during a weight update waits for it to finish (then 503 with Retry-After); 0 refuses at once.")
     w = p.add_argument_group("weight sync and memory release")
     w.add_argument("--weight-version", default=default("weight_version"), help="Initial weight_version label (every weight update call may set a new one); reported in /get_server_info, /metrics and responses.")
     w.add_argument("--enable-weights-cpu-backup", action="store_true", help="/release_memory_occupation keeps a CPU copy of the weights, so /resume_memory_occupation restores them without a weight update.")

@@ -77,7 +77,7 @@ class FakeKube:
                 meta.update(name=pod_name, namespace=ns, uid=f"pod-{next(_uids)}")
                 self.objects[("Pod", ns, pod_name)] = {
                     "metadata": meta, "spec": copy.deepcopy(template["spec"]),
-                    "status": {"phase": "Running", "podIP": f"127.0.0.{rank + 2}",
+                    "status": {"phase": "Running", "podIP": f"127.0.{meta['labels'].get(labels.LABEL_GROUP, '0')}.{rank + 2}",
                                "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
                                "containerStatuses": [{"name": "runtime", "restartCount": 0, "state": {"running": {}}}]}}
 

@@ -18,7 +18,7 @@ from shardline_operator.runtime_client import HttpLeaderClient
 from shardline_operator.spec import SpecError, parse_spec
 
 from fake_kube import FakeKube
-from test_rollout_state_machine import FakeLeaders
+from fake_leaders import FakeLeaders
 
 AUTH = {"apiKeySecretRef": {"name": "llama-api-key", "key": "key"}}
 

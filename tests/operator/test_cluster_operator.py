@@ -162,6 +162,11 @@ def test_operator_pod_uses_the_in_cluster_service_account(op, kube_cluster):
     ({"model": {"name": "m", "path": "/elsewhere/m", "volume": {"hostPath": {"path": "/x"}}}},
      "must be inside spec.model.mountPath"),
     ({"weightUpdate": {"strategy": "Rolling"}}, "spec.weightUpdate.strategy"),
+    ({"weightUpdate": {"maxUnavailable": 0}}, "spec.weightUpdate.maxUnavailable"),
+    ({"weightUpdate": {"canary": {"verify": {"prompt": "   "}}}}, "prompt must not be blank"),
+    ({"weightUpdate": {"canary": {"verify": {"prompt": "hi", "maxLatencySeconds": 0}}}},
+     "spec.weightUpdate.canary.verify.maxLatencySeconds"),
+    ({"weightUpdate": {"strategy": "Restart", "canary": {}}}, "canary applies to strategy InPlace only"),
 ])
 def test_api_server_rejects_invalid_specs(op, change, message):
     proc = op.apply(deployment("invalid", **change), check=False, dry_run=True)
@@ -173,7 +178,8 @@ def test_api_server_rejects_long_names_and_applies_defaults(op):
     proc = op.apply(deployment("n" * 41), check=False, dry_run=True)
     assert proc.returncode != 0 and "at most 40 characters" in proc.stderr
     accepted = json.loads(op.apply(deployment("defaults"), dry_run=True).stdout)["spec"]
-    assert accepted["weightUpdate"] == {"strategy": "InPlace", "timeoutSeconds": 900, "rollbackOnFailure": True}
+    assert accepted["weightUpdate"] == {"strategy": "InPlace", "timeoutSeconds": 900, "rollbackOnFailure": True,
+                                        "maxUnavailable": 1, "pauseSeconds": 0}
     assert accepted["runtime"]["cudaGraph"] == {"enabled": True, "maxBatchSize": 160}
     assert accepted["service"] == {"type": "ClusterIP", "port": 8000}
 

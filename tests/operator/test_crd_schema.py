@@ -9,7 +9,8 @@ import yaml
 
 from shardline_operator import spec as spec_module
 from shardline_operator.group_health import GroupRecord
-from shardline_operator.rollout import RolloutState
+from shardline_operator.rollout import GroupView, LeaderReport
+from shardline_operator.rollout_state import RolloutState
 from shardline_operator.runtime_args import ServedModel
 from shardline_operator.status import GroupReport, build_status, invalid_spec_status
 
@@ -79,8 +80,12 @@ def test_every_status_field_written_is_declared(make_spec, make_pod):
     spec = make_spec()
     reports = [GroupReport(observed(spec, 0, make_pod), GroupRecord(restarts=1, last_restart_time=5.0)),
                GroupReport(observed(spec, 1, make_pod, ready=False), GroupRecord(failed_message="x"))]
+    view = GroupView(0, ServedModel.desired(spec), leader=LeaderReport("serving", "/m", "rev-a", "sha256:x"))
+    reports[0] = GroupReport(reports[0].observation, reports[0].record, view=view, digest="sha256:x",
+                             mixed="group 0: leader serves digest sha256:x")
     rollout = RolloutState("RollingBack", ServedModel.desired(spec), previous=ServedModel.desired(spec),
-                           group=1, started_at=10.0, message="m")
+                           wave=(1,), started_at=10.0, rollout_started_at=5.0, group_phases={1: "UpdatingWeights"},
+                           canary=1, pause_until=20.0, message="m")
     status = build_status(spec, 4, reports, rollout, {}, now=100.0)
     status["restartBudgetGeneration"] = 4
     status_schema = schema()["properties"]["status"]
@@ -118,6 +123,9 @@ def defaults(node, path=""):
 def test_crd_defaults_equal_parser_defaults():
     parsed = spec_module.parse_spec("m", "ns", "u", {"model": {"name": "m", "path": "/var/lib/shardline/models/m/v1"},
                                                      "runtime": {"image": "i"}})
+    canary = spec_module.parse_spec("m", "ns", "u", {"model": {"name": "m", "path": "/var/lib/shardline/models/m/v1"},
+                                                     "runtime": {"image": "i"},
+                                                     "weightUpdate": {"canary": {"verify": {"prompt": "hi"}}}})
     expected = {
         "replicas": parsed.replicas, "model.mountPath": parsed.model.mount_path,
         "parallelism.tensor": parsed.parallelism.tensor, "parallelism.gpusPerPod": parsed.parallelism.gpus_per_pod,
@@ -131,6 +139,11 @@ def test_crd_defaults_equal_parser_defaults():
         "weightUpdate.strategy": parsed.weight_update.strategy,
         "weightUpdate.timeoutSeconds": parsed.weight_update.timeout_seconds,
         "weightUpdate.rollbackOnFailure": parsed.weight_update.rollback_on_failure,
+        "weightUpdate.maxUnavailable": parsed.weight_update.max_unavailable,
+        "weightUpdate.pauseSeconds": parsed.weight_update.pause_seconds,
+        "weightUpdate.canary.enabled": canary.weight_update.canary is not None,
+        "weightUpdate.canary.verify.maxTokens": canary.weight_update.canary.verify.max_tokens,
+        "weightUpdate.canary.verify.maxLatencySeconds": canary.weight_update.canary.verify.max_latency_seconds,
         "restartPolicy.maxGroupRestarts": parsed.restart_policy.max_group_restarts,
         "restartPolicy.backoffSeconds": parsed.restart_policy.backoff_seconds,
         "service.type": parsed.service.type, "service.port": parsed.service.port,

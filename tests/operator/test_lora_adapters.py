@@ -14,7 +14,7 @@ from shardline_operator.runtime_args import ServedModel, runtime_args
 from shardline_operator.spec import LoRAAdapterSpec, SpecError
 
 from fake_kube import FakeKube
-from test_rollout_state_machine import FakeLeaders
+from fake_leaders import FakeLeaders
 
 ROOT = "/var/lib/shardline/models/adapters"
 NOW = [1_800_000_000.0]

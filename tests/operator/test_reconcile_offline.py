@@ -10,7 +10,7 @@ from shardline_operator import labels
 from shardline_operator.reconcile import Context, reconcile
 
 from fake_kube import FakeKube
-from test_rollout_state_machine import FakeLeaders
+from fake_leaders import FakeLeaders
 
 NOW = [1_700_000_000.0]
 

@@ -67,6 +67,9 @@ def test_statefulset_wiring(make_spec):
     assert container["resources"]["limits"]["cpu"] == "2"
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    # Drain on deletion (issue 9): a pre-stop delay inside the grace period, then the runtime drains.
+    pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert 0 < pre_stop < body["template"]["spec"]["terminationGracePeriodSeconds"]
     startup = container["startupProbe"]
     assert startup["httpGet"]["path"] == "/health"
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 1800

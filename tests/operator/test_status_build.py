@@ -5,7 +5,7 @@ from __future__ import annotations
 from shardline_operator import labels
 from shardline_operator.group_health import GroupRecord
 from shardline_operator.observed import GroupObservation, PodObservation
-from shardline_operator.rollout import FAILED, RolloutState
+from shardline_operator.rollout_state import FAILED, RolloutState
 from shardline_operator.runtime_args import ServedModel
 from shardline_operator.status import (GroupReport, build_status, deployment_phase, record_from_status,
                                        served_revision, status_patch)
@@ -53,7 +53,7 @@ def test_rollout_in_progress_and_mixed_revisions(make_spec, make_pod):
                                 "revision": "rev-b"}})
     reports = [GroupReport(observed(spec, 0, make_pod, "rev-b"), GroupRecord()),
                GroupReport(observed(spec, 1, make_pod, "rev-a"), GroupRecord(), "RecapturingGraphs")]
-    state = RolloutState("Updating", ServedModel.desired(spec), group=1, started_at=0.0, message="updating group 1")
+    state = RolloutState("Updating", ServedModel.desired(spec), wave=(1,), started_at=0.0, message="updating group 1")
     status = build_status(spec, 2, reports, state, {}, now=0.0)
     assert status["phase"] == "RecapturingGraphs"
     assert status["servedRevision"] == "rev-b,rev-a" and status["targetRevision"] == "rev-b"
@@ -91,6 +91,19 @@ def test_deployment_phase_table():
     assert deployment_phase(["Ready", "Restarting"], 1, 2, None) == "Degraded"
     assert deployment_phase(["Failed", "Failed"], 0, 2, None) == "Failed"
     assert deployment_phase(["Ready", "UpdatingWeights"], 1, 2, None) == "UpdatingWeights"
+    # Issue 9: mid-rollout is its own phase; a planned restart is not Degraded; mixed versions are.
+    assert deployment_phase(["Ready", "Ready"], 2, 2, None, rolling=True) == "RollingOut"
+    assert deployment_phase(["Ready", "Initializing"], 1, 2, None, rolling=True) == "RollingOut"
+    assert deployment_phase(["Ready", "Restarting"], 1, 2, None, rolling=True, planned_restart=True) == "RollingOut"
+    assert deployment_phase(["Ready", "Ready"], 2, 2, None, mixed=True) == "Degraded"
+
+
+def test_rolling_out_lasts_until_every_group_is_ready_again(make_spec, make_pod):
+    spec = make_spec()
+    reports = [GroupReport(observed(spec, 0, make_pod), GroupRecord()),
+               GroupReport(observed(spec, 1, make_pod, ready=False), GroupRecord())]
+    assert build_status(spec, 1, reports, None, {"phase": "RollingOut"}, now=0.0)["phase"] == "RollingOut"
+    assert build_status(spec, 1, reports, None, {"phase": "Ready"}, now=0.0)["phase"] == "Initializing"
 
 
 def test_served_revision_order():

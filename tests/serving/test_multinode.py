@@ -4,7 +4,8 @@ Also the pod lifecycle: both pods answer /health and /ready with 503 until the g
 loaded (node 0 cannot finish loading before node 1 joins, so this is certain); node rank 1 then
 serves /health and /ready; a dead peer ends node 0's in-flight requests with ``abort`` within
 the watchdog bound and exits 1 with the reason in its termination log; SIGTERM drains a request
-that is in flight and exits 0 after it finished.
+that is in flight (readiness first, the listener open and serving while requests are in flight)
+and exits 0 after it finished.
 """
 
 from __future__ import annotations
@@ -145,8 +146,9 @@ def test_dead_peer_aborts_in_flight_request_and_exits_non_zero(tp2_pods):
 @pytest.mark.slow
 def test_sigterm_drains_in_flight_request_and_exits_zero(serving_checkpoint, checkpoint_dir):
     """The signal comes while the response is still streaming (sent at its first token, with 199
-    decode steps to go); the request still finishes in full, /ready never answers 200 again, new
-    connections are refused, and the process exits 0 only after the stream ended. The drain
+    decode steps to go); the request still finishes in full, /ready never answers 200 again, a
+    client that has not noticed is still served while the stream runs (issue 9: the listener
+    stays open), the process exits 0 only after the stream ended, and then nothing listens. The drain
     timeout is far longer than the request takes even on a starved machine (about 45 s at 5
     tokens/s); what happens at the timeout is tested in test_user_attacks.py."""
     server = start_server(serving_checkpoint, checkpoint_dir, "--max-total-tokens", "1024", "--drain-timeout", "300")
@@ -159,15 +161,20 @@ def test_sigterm_drains_in_flight_request_and_exits_zero(serving_checkpoint, che
         assert first.wait(120) and events, f"the request never started: {result}"
         server.proc.send_signal(signal.SIGTERM)
         tokens_at_signal = events[-1][1]
+        assert httpx.get(server.url + "/get_server_info", timeout=30).json()["draining"] is True
+        late = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=60)
         ready = set()
         while thread.is_alive():
             ready.add(_status(server.url, "/ready"))
             time.sleep(0.05)
         alive_when_stream_ended = server.proc.poll() is None
         code = server.proc.wait(60)
+        with pytest.raises(httpx.HTTPError):  # the listener closed once nothing was in flight
+            httpx.get(server.url + "/health", timeout=2)
     finally:
         server.stop()
     assert tokens_at_signal < max_new, "the request finished before the signal: the drain was not exercised"
+    assert late.status_code == 200, late.text
     assert "error" not in result and result.get("done") is True, result
     assert (result.get("reason") or {}).get("type") == "length" and events[-1][1] == max_new, (result, events[-1])
     assert 200 not in ready, ready  # 503 while draining, then nothing listens

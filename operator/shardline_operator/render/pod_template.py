@@ -10,6 +10,9 @@ from ..runtime_args import RUNTIME_COMMAND, ServedModel, runtime_args
 from ..spec import ADMIN_API_KEY_ENV, API_KEY_ENV, GPU_RESOURCE, DeploymentSpec
 
 PROBE_PERIOD_SECONDS = 10
+# Pre-stop delay: a deleted pod leaves the Service's ready endpoints at once, but clients and
+# proxies take a moment to notice; the runtime keeps serving meanwhile, then drains on SIGTERM.
+PRE_STOP_SECONDS = 5
 MODEL_VOLUME = "model"
 SHM_VOLUME = "dshm"
 
@@ -72,6 +75,10 @@ def build_pod_template(spec: DeploymentSpec, group: int, served: ServedModel) ->
     ``GET /health``; readiness ``GET /ready`` (503 while weights load or graphs recapture).
     These stay open when API keys are set, so probes need no key.
 
+    Deletion (restart rollouts, scale-down): a ``preStop`` sleep of :data:`PRE_STOP_SECONDS`
+    while the pod leaves the endpoints, then SIGTERM, on which the runtime drops readiness and
+    keeps its listener open until in-flight requests finish (``--drain-timeout``).
+
     Security: the pod meets the ``restricted`` Pod Security Standard (non-root user 10001 of
     the runtime image, ``RuntimeDefault`` seccomp, no privilege escalation, every capability
     dropped); GPUs come from the device plugin and need none of them. A ``hostPath`` model
@@ -94,6 +101,7 @@ def build_pod_template(spec: DeploymentSpec, group: int, served: ServedModel) ->
         "startupProbe": _probe("/health", math.ceil(spec.runtime.startup_timeout_seconds / PROBE_PERIOD_SECONDS)),
         "livenessProbe": _probe("/health", 6),
         "readinessProbe": _probe("/ready", 3, period=5),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},

@@ -105,7 +105,7 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
     if req.lora_path is not None and req.lora_path not in tm.lora_adapters:
         raise RequestValidationError(
             f"lora_path {req.lora_path!r} is not a loaded LoRA adapter; loaded: {sorted(tm.lora_adapters)}", "lora_path")
-    await tm.admit()  # 503 now, or held while paused: before a stream's headers go out
+    await tm.admit()  # held during a weight update or a pause, 503 now: before a stream's headers go out
     rid = req.rid or tm.new_rid()
     out: dict[str, Any] = {"text": "", "output_ids": [], "meta_info": {"id": rid, "finish_reason": None,
                                                                        "weight_version": tm.weight_version}}

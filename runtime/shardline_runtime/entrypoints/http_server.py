@@ -96,7 +96,10 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
 
     @app.exception_handler(ServerNotReadyError)
     async def _not_ready(_: Request, exc: ServerNotReadyError):
-        return error_response(503, str(exc))
+        response = error_response(503, str(exc))
+        if exc.retry_after_seconds is not None:
+            response.headers["Retry-After"] = str(exc.retry_after_seconds)
+        return response
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, exc: ClientDisconnected):
@@ -115,6 +118,8 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
 
     @app.get("/ready")
     async def ready():
+        # 503 during a weight update, so balancers send new traffic elsewhere (requests that
+        # still come are held, not refused); /health stays 200.
         if not state.get("healthy", True) or tm.draining or tm.weights_phase in ("loading", "recapturing"):
             return error_response(503, f"not ready (weights_phase {tm.weights_phase}, draining {tm.draining})")
         if tm.blocked:
@@ -123,7 +128,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
 
     @app.get("/health_generate")
     async def health_generate():
-        tm.check_ready()
+        await tm.admit()
         params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
         async for chunk in tm.generate([tm.info.eos_token_ids[0] if tm.info.eos_token_ids else 1], params):
             if chunk.finish_reason is not None and chunk.finish_reason.get("type") == "abort":
@@ -165,6 +170,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
         s = tm.stats
         return {
             "weights_phase": tm.weights_phase, "weights_revision": tm.weights_revision, "model_path": tm.model_path,
+            "weights_digest": tm.weights_digest, "num_held_reqs": tm.held,
             "served_model_name": model_name, "tp_size": server_args.tp_size, "nnodes": server_args.nnodes,
             "max_total_num_tokens": tm.info.max_total_num_tokens, "max_req_input_len": tm.info.max_req_input_len,
             "max_req_len": tm.info.max_req_len, "context_length": tm.info.context_len,
@@ -206,10 +212,11 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
                                             body.flush_cache)
         out = await tm.update_weights_from_disk(req)
         if metrics is not None and out.success:
-            metrics.set_weights(tm.weights_revision, tm.model_path)
+            metrics.set_weights(tm.weights_revision, tm.model_path, tm.weights_digest)
             metrics.set_weight_version(tm.weight_version)
         return JSONResponse({"success": out.success, "message": out.message, "revision": tm.weights_revision,
-                             "model_path": tm.model_path, "weight_version": tm.weight_version},
+                             "model_path": tm.model_path, "weight_version": tm.weight_version,
+                             "weights_digest": tm.weights_digest},
                             status_code=200 if out.success else 400)
 
     add_weight_sync_routes(app, tm, metrics, error_response, server_args.tp_size)

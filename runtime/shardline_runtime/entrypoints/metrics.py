@@ -44,18 +44,32 @@ class ServingMetrics:
         )
         self.kv_used = Gauge("shardline:kv_cache_used_tokens", "KV slots held by requests.", ["model_name"], registry=r)
         self.weights = Gauge(
-            "shardline:weights_info", "1 for the weights revision being served.", ["model_name", "revision", "model_path"], registry=r
+            "shardline:weights_info", "1 for the weights being served (revision, path, checkpoint digest).",
+            ["model_name", "revision", "model_path", "digest"], registry=r,
+        )
+        self.held = Counter(
+            "shardline:weight_update_held_requests", "Requests that arrived during a weight update and were held.",
+            ["model_name"], registry=r,
+        )
+        self.hold_time = Histogram(
+            "shardline:weight_update_hold_seconds", "Seconds a request was held by a weight update.", ["model_name"],
+            buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.weight_version = Gauge(
             "shardline:weight_version_info", "1 for the weight_version being served (set by every weight update).",
             ["model_name", "weight_version"], registry=r,
         )
-        for metric in (self.prompt_tokens, self.generation_tokens, self.cached_tokens, self.running, self.waiting, self.kv_usage, self.kv_used):
+        for metric in (self.held, self.hold_time, self.prompt_tokens, self.generation_tokens, self.cached_tokens, self.running, self.waiting, self.kv_usage, self.kv_used):
             metric.labels(**labels)
 
-    def set_weights(self, revision: str | None, model_path: str) -> None:
+    def set_weights(self, revision: str | None, model_path: str, digest: str | None = None) -> None:
         self.weights.clear()
-        self.weights.labels(revision=revision or "", model_path=model_path, **self._labels).set(1)
+        self.weights.labels(revision=revision or "", model_path=model_path, digest=digest or "", **self._labels).set(1)
+
+    def observe_hold(self, seconds: float) -> None:
+        """A request was held ``seconds`` by a weight update (then admitted or refused)."""
+        self.held.labels(**self._labels).inc()
+        self.hold_time.labels(**self._labels).observe(seconds)
 
     def set_weight_version(self, weight_version: str) -> None:
         self.weight_version.clear()

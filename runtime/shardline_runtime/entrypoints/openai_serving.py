@@ -61,7 +61,7 @@ def _streaming(gen: AsyncIterator[str]) -> StreamingResponse:
 async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: str, raw: Request):
     """Handle ``POST /v1/completions`` (validated body); raises RequestValidationError for 400s."""
     specs = completion_choices(req, tm)
-    await tm.admit()  # 503 now, or held while paused: before a stream's headers go out
+    await tm.admit()  # held during a weight update or a pause, 503 now: before a stream's headers go out
     rid, created = f"cmpl-{uuid.uuid4().hex}", now_seconds()
     results = [ChoiceResult(prompt_index=s.prompt_index) for s in specs]
     started: set[int] = set()
@@ -123,7 +123,7 @@ async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: 
 async def serve_chat(req: ChatCompletionRequest, tm: TokenizerManager, model: str, raw: Request):
     """Handle ``POST /v1/chat/completions`` (validated body); raises RequestValidationError for 400s."""
     specs = chat_choices(req, tm)
-    await tm.admit()  # 503 now, or held while paused: before a stream's headers go out
+    await tm.admit()  # held during a weight update or a pause, 503 now: before a stream's headers go out
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", now_seconds()
     results = [ChoiceResult() for _ in specs]
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

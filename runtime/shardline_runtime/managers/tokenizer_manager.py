@@ -7,6 +7,12 @@ detokenizes them incrementally per request (:class:`IncrementalDetokenizer`) and
 :class:`GenerateChunk` objects to the waiting handler. A stop string matched here finishes the
 request at once and tells the scheduler to free it (``AbortReq`` with a ``stop`` reason).
 Leaving the :meth:`generate` iterator early (client disconnect) aborts the request.
+
+During a weight update new requests are *held*, as SGLang's ``TokenizerManager`` does: from the
+moment ``/update_weights_from_disk`` arrives until the schedulers report ``serving`` (or
+``failed``: the old weights keep serving) nothing new is sent to them, so held requests run on
+the new weights. A request held longer than ``--weight-update-hold-timeout`` gets a 503 with
+``Retry-After`` (:class:`WeightUpdateHoldTimeout`).
 """
 
 from __future__ import annotations
@@ -37,9 +43,19 @@ from shardline_runtime.managers.io_struct import (
     UpdateWeightsFromDiskReqOutput,
     WeightsPhaseOut,
 )
+from shardline_runtime.model_loader.checkpoint_digest import checkpoint_digest
 from shardline_runtime.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+def safe_checkpoint_digest(model_path: str) -> str | None:
+    """:func:`checkpoint_digest`, or None (logged) when the files cannot be read from here."""
+    try:
+        return checkpoint_digest(model_path)
+    except (OSError, ValueError) as exc:
+        logger.warning("no weights digest for %s: %s", model_path, exc)
+        return None
 
 
 class RequestValidationError(ValueError):
@@ -51,7 +67,23 @@ class RequestValidationError(ValueError):
 
 
 class ServerNotReadyError(RuntimeError):
-    """The server cannot take the request now (HTTP 503): loading, updating weights, draining."""
+    """The server cannot take the request now (HTTP 503): loading, updating weights, draining.
+
+    ``retry_after_seconds`` (or None) becomes the ``Retry-After`` header.
+    """
+
+    retry_after_seconds: int | None = None
+
+
+class WeightUpdateHoldTimeout(ServerNotReadyError):
+    """A request waited ``--weight-update-hold-timeout`` seconds for a weight update to end."""
+
+    def __init__(self, message: str, retry_after_seconds: int):
+        super().__init__(message)
+        self.retry_after_seconds = retry_after_seconds
+
+
+UPDATING_PHASES = ("loading", "recapturing")
 
 
 @dataclass
@@ -97,9 +129,12 @@ class TokenizerManager:
         scheduler_input_addr: ZMQ address the rank-0 scheduler PULLs requests from.
         output_addr: ZMQ address this process PULLs scheduler outputs on (bound here).
         metrics: a ``ServingMetrics`` (or None).
+        hold_timeout: seconds a request waits for a weight update to end (0: refuse at once).
+        weights_digest: :func:`checkpoint_digest` of the served checkpoint (or None).
     """
 
-    def __init__(self, tokenizer: Any, info: SchedulerInfo, scheduler_input_addr: str, output_addr: str, metrics=None):
+    def __init__(self, tokenizer: Any, info: SchedulerInfo, scheduler_input_addr: str, output_addr: str, metrics=None,
+                 hold_timeout: float = 60.0, weights_digest: str | None = None):
         self.tokenizer = tokenizer
         self.info = info
         self.metrics = metrics
@@ -114,7 +149,13 @@ class TokenizerManager:
         self.weights_phase = "serving"
         self.weights_revision = info.weights_revision
         self.model_path = info.model_path
-        self.draining = False
+        self.weights_digest = weights_digest
+        self.hold_timeout = hold_timeout
+        self._serving = asyncio.Event()  # set unless a weight update is running
+        self._serving.set()
+        self.draining = False  # SIGTERM received: /ready is 503, requests are still served
+        self.closing = False  # the drain ended: new requests are refused
+        self.held = 0  # requests waiting for a weight update to end
         self.weight_version = info.weight_version
         self.blocked: str | None = None  # memory released / weights missing (from the scheduler)
         self.paused: str | None = None  # pause_generation mode; new requests wait here meanwhile
@@ -219,13 +260,70 @@ class TokenizerManager:
         return max_new_tokens
 
     def check_ready(self) -> None:
-        """Raises ServerNotReadyError while draining or while weights change."""
-        if self.draining:
+        """Raises ServerNotReadyError once the server takes no new requests (its drain ended).
+
+        While draining (``/ready`` is 503 so balancers move away) requests are still served, and a
+        weight update does not refuse either: :meth:`admit` holds the request instead.
+        """
+        if self.closing:
             raise ServerNotReadyError("the server is shutting down")
-        if self.weights_phase in ("loading", "recapturing"):
-            raise ServerNotReadyError(f"the server is updating its weights (phase {self.weights_phase})")
         if self.blocked:
             raise ServerNotReadyError(self.blocked)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted or held and not yet answered."""
+        return len(self.states) + self.held
+
+    def set_weights_phase(self, phase: str) -> None:
+        """Record the schedulers' weights phase; requests are held while it is an update phase."""
+        self.weights_phase = phase
+        if phase in UPDATING_PHASES:
+            self._serving.clear()
+        else:
+            self._serving.set()
+
+    async def admit(self) -> None:
+        """Return once the request may be sent to the schedulers: at once when serving; after
+        the running weight update when one runs (the request is held, counted in the
+        ``weight_update_held_requests`` metric and its wait in ``weight_update_hold_seconds``).
+
+        Then, while generation is paused, hold until ``/continue_generation``. The HTTP handlers
+        call it before they answer, so a request refused after its hold is a 503, never a cut stream.
+
+        Raises:
+            ServerNotReadyError: the server is shutting down, or memory is released.
+            WeightUpdateHoldTimeout: the update outlasted ``hold_timeout`` seconds.
+        """
+        self.check_ready()
+        if self._serving.is_set():
+            await self._hold_while_paused()
+            return
+        started = time.monotonic()
+        self.held += 1
+        try:
+            await asyncio.wait_for(self._serving.wait(), self.hold_timeout)
+        except asyncio.TimeoutError:
+            raise WeightUpdateHoldTimeout(
+                f"the server is updating its weights (phase {self.weights_phase}) and the request waited "
+                f"{self.hold_timeout:g}s (--weight-update-hold-timeout); retry shortly",
+                retry_after_seconds=max(1, min(30, round(self.hold_timeout / 4)))) from None
+        finally:
+            self.held -= 1
+            if self.metrics:
+                self.metrics.observe_hold(time.monotonic() - started)
+        self.check_ready()
+        await self._hold_while_paused()
+
+    async def _hold_while_paused(self) -> None:
+        """Hold while generation is paused (SGLang: held, not refused, until
+        ``/continue_generation``); a shutdown releases the held requests with a 503."""
+        if self.paused is None:
+            return
+        await self._unpaused.wait()
+        if self.paused is not None and self.draining:
+            raise ServerNotReadyError("the server is shutting down")
+        self.check_ready()
 
     # ---------------------------------------------------------------- requests
 
@@ -248,12 +346,10 @@ class TokenizerManager:
         """Run one request; yields chunks until the one with ``finish_reason`` set.
 
         Leaving the iterator before the end (client disconnect, cancellation) aborts the
-        request in the scheduler, which frees its KV within a step.
+        request in the scheduler, which frees its KV within a step. A request that arrives during
+        a weight update is held first (:meth:`admit`).
         """
-        self.check_ready()
-        if self.paused is not None:  # SGLang: held (not refused) until /continue_generation
-            await self._unpaused.wait()
-            self.check_ready()
+        await self.admit()
         if lora_name is not None and lora_name not in self.lora_adapters:
             raise RequestValidationError(
                 f"LoRA adapter {lora_name!r} is not loaded; loaded: {sorted(self.lora_adapters)}", "lora_path")
@@ -328,23 +424,10 @@ class TokenizerManager:
         """A weight-sync or memory control (every rank runs it); see ``scheduler_weight_sync.py``."""
         return await self.control(req, ControlReqOutput, timeout)
 
-    async def admit(self) -> None:
-        """``check_ready``, then hold while generation is paused (SGLang: held, not refused,
-        until ``/continue_generation``) and check again. The HTTP handlers call it before they
-        answer, so a request refused after its hold is a 503, never a cut stream.
-
-        Raises:
-            ServerNotReadyError: draining, weights changing, or memory released.
-        """
-        self.check_ready()
-        if self.paused is not None:
-            await self._unpaused.wait()
-            self.check_ready()
-
     def start_draining(self) -> None:
-        """Shutting down: refuse new requests, and release those held by ``/pause_generation``
-        (``generate`` then raises ServerNotReadyError: 503) instead of leaving them to the
-        listener's close."""
+        """Shutting down: ``/ready`` turns 503 (requests are still served while the listener is
+        open), and those held by ``/pause_generation`` are released with a 503 instead of being
+        left to the listener's close."""
         self.draining = True
         self._unpaused.set()
 
@@ -356,10 +439,20 @@ class TokenizerManager:
             self._unpaused.clear()
 
     async def update_weights_from_disk(self, req: UpdateWeightsFromDiskReqInput) -> UpdateWeightsFromDiskReqOutput:
-        out = await self.control(req, UpdateWeightsFromDiskReqOutput)
+        """Run a weight update; requests arriving from now until it ends are held (:meth:`admit`).
+
+        On success the new checkpoint's digest is computed (headers only, off the event loop).
+        """
+        self.set_weights_phase("loading")
+        try:
+            out = await self.control(req, UpdateWeightsFromDiskReqOutput)
+        finally:
+            if self.weights_phase in UPDATING_PHASES:  # the schedulers' last phase message was lost
+                self.set_weights_phase("serving")
         if out.success:
             self.weights_revision = out.revision
             self.model_path = out.model_path or self.model_path
+            self.weights_digest = await asyncio.to_thread(safe_checkpoint_digest, self.model_path)
         return out
 
     def lora_for_model(self, model: str | None) -> str | None:
@@ -402,7 +495,7 @@ class TokenizerManager:
             if self.metrics:
                 self.metrics.observe_stats(msg)
         elif isinstance(msg, WeightsPhaseOut):
-            self.weights_phase = msg.phase
+            self.set_weights_phase(msg.phase)
         elif isinstance(msg, ServingStateOut):
             self.blocked = msg.blocked
             self.set_paused(msg.paused)

@@ -1,0 +1,111 @@
+"""Issue 9, item 7: rollouts under client traffic in the local cluster, with no failed request.
+
+Two groups (TP=1, one pod each) serve a tiny model. A client (``hack/scenario/traffic.py``)
+sends completions at a fixed rate, round-robin over the group leaders that are Ready and not
+terminating, a fresh connection each. Then:
+an in-place rollout to rev-b; a canary whose verification fails (latency bound too small), so
+it rolls back; a Restart rollout back to rev-a. Every step: 0 failed requests.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+import yaml
+
+from hack.scenario.examples import tp2_example
+from hack.scenario.models import write_revisions
+from hack.scenario.operator_install import install_operator, operator_logs
+from hack.scenario.status_watch import StatusWatcher
+from hack.scenario.traffic import Traffic
+from tests.kube_fixtures import agent_nodes_only
+
+pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.slow]
+
+READY_TIMEOUT = 420
+
+
+@pytest.fixture(scope="module")
+def fleet(kube_cluster):
+    revisions = write_revisions()
+    install_operator(kube_cluster)
+    _, doc = tp2_example()
+    ns = f"e2e-roll-{uuid.uuid4().hex[:6]}"
+    kube_cluster.kubectl("create", "namespace", ns, check=False)
+    doc = json.loads(json.dumps(doc))
+    doc["metadata"] = {"name": "roll", "namespace": ns}
+    doc["spec"]["replicas"] = 2
+    doc["spec"]["parallelism"] = {"tensor": 1, "gpusPerPod": 1}
+    doc["spec"]["model"].update(path=str(revisions["rev-a"]), revision="rev-a")
+    client = kube_cluster.client()
+    watch = StatusWatcher(client, ns, "roll").start()
+    with agent_nodes_only(kube_cluster):
+        kube_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+        state = {"cluster": kube_cluster, "ns": ns, "client": client, "watch": watch, "revisions": revisions,
+                 "model": doc["spec"]["model"]["name"]}
+        wait_ready(state, "rev-a", 0)
+        yield state
+    watch.stop()
+    kube_cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def wait_ready(fleet, revision: str, since: int):
+    return fleet["watch"].wait(
+        lambda s: s.phase == "Ready" and s.served_revision == revision and s.ready_replicas == 2
+        and s.observed_generation == s.generation, READY_TIMEOUT, f"Ready on {revision}", since)
+
+
+def patch(fleet, spec: dict) -> None:
+    fleet["cluster"].kubectl("patch", "infd", "roll", "-n", fleet["ns"], "--type", "merge",
+                             "-p", json.dumps({"spec": spec}))
+
+
+def traffic(fleet) -> Traffic:
+    return Traffic(fleet["cluster"].client(), fleet["ns"], "roll", fleet["model"])
+
+
+def diagnostics(fleet) -> str:
+    history = "\n".join(s.line() for s in fleet["watch"].history[-40:])
+    return f"{history}\n{operator_logs(fleet['cluster'])[-4000:]}"
+
+
+def test_in_place_rollout_under_traffic_fails_no_request(fleet):
+    mark = fleet["watch"].mark()
+    with traffic(fleet) as client:
+        started = time.monotonic()
+        patch(fleet, {"model": {"path": str(fleet["revisions"]["rev-b"]), "revision": "rev-b"}})
+        wait_ready(fleet, "rev-b", mark)
+        print(f"in-place rollout of 2 groups: {time.monotonic() - started:.1f}s, {client.sent} requests")
+    assert client.sent > 0 and client.failures == [], diagnostics(fleet)
+    phases = fleet["watch"].phases_since(mark)
+    assert "RollingOut" in phases or phases.count("UpdatingWeights") >= 1, phases
+    assert "Ready" not in phases[:-1] or phases.index("Ready") == len(phases) - 1 or \
+        all(p == "Ready" for p in phases[phases.index("Ready"):]), phases
+
+
+def test_canary_failing_verification_rolls_back_without_failed_requests(fleet):
+    mark = fleet["watch"].mark()
+    with traffic(fleet) as client:
+        patch(fleet, {"model": {"path": str(fleet["revisions"]["rev-a"]), "revision": "rev-a"},
+                      "weightUpdate": {"canary": {"verify": {"prompt": "Hello", "maxTokens": 4,
+                                                             "maxLatencySeconds": 0.000001}}}})
+        snap = fleet["watch"].wait(lambda s: s.conditions.get("WeightsUpdated", ("",))[0] == "False"
+                                   and "rolled back" in s.conditions["WeightsUpdated"][2], READY_TIMEOUT,
+                                   "the canary rolled back", mark)
+    assert "canary group 0 failed verification" in snap.conditions["WeightsUpdated"][2]
+    assert snap.served_revision == "rev-b"
+    assert client.sent > 0 and client.failures == [], diagnostics(fleet)
+
+
+def test_restart_rollout_with_readiness_aware_clients_fails_no_request(fleet):
+    mark = fleet["watch"].mark()
+    with traffic(fleet) as client:
+        patch(fleet, {"model": {"path": str(fleet["revisions"]["rev-a"]), "revision": "rev-a"},
+                      "weightUpdate": {"strategy": "Restart", "canary": None}})
+        wait_ready(fleet, "rev-a", mark)
+    assert client.sent > 0 and client.failures == [], diagnostics(fleet)
+    phases = fleet["watch"].phases_since(mark)
+    during = phases[phases.index("RollingOut"):]  # before it: the failed canary's Degraded
+    assert set(during) <= {"RollingOut", "Ready"} and during[-1] == "Ready", phases

@@ -1,0 +1,33 @@
+"""A scripted ``LeaderClient`` for reconcile tests: records requests; results and info set by the test."""
+
+from __future__ import annotations
+
+
+class FakeLeaders:
+    """``results[key]``: what ``poll`` answers; ``info[url]``: ``/get_server_info``; ``gate``: the
+    canary verification's answer; ``phases[key]``: sampled weights phases."""
+
+    def __init__(self):
+        self.sent: list[tuple[str, str, dict]] = []
+        self.results: dict[str, tuple[str, str]] = {}
+        self.info: dict[str, dict] = {}
+        self.phases: dict[str, list[str]] = {}
+        self.gate: tuple[bool, str] = (True, "ok")
+        self.verified: list[str] = []
+
+    def start_update(self, key, url, body, timeout_seconds):
+        self.sent.append((key, url, dict(body)))
+        self.results[key] = ("pending", "")
+
+    def poll(self, key):
+        return self.results.get(key, ("unknown", ""))
+
+    def server_info(self, url):
+        return self.info.get(url)
+
+    def observed_phases(self, key):
+        return self.phases.pop(key, [])
+
+    def verify(self, url, verify):
+        self.verified.append(url)
+        return self.gate

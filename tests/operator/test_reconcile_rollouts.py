@@ -1,0 +1,184 @@
+"""Issue 9 through reconcile(): the revert case, truthful phases, mixed versions, requeue, ranks.
+
+Leaders are simulated per URL (what each serves, its digest, an update in flight) so the
+reconciler's gather -> plan -> execute loop runs whole rollouts against an in-memory API.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from shardline_operator import labels, metrics
+from shardline_operator.reconcile import Context, reconcile
+
+from fake_kube import FakeKube
+
+REV_A = "/var/lib/shardline/models/tiny-llama/rev-a"
+REV_B = "/var/lib/shardline/models/tiny-llama/rev-b"
+NOW = [1_800_000_000.0]
+
+
+class LiveLeaders:
+    """Each leader URL serves a model; an update stays ``loading`` until the test finishes it."""
+
+    def __init__(self, path=REV_A, revision="rev-a"):
+        self.default = (path, revision)
+        self.serving: dict[str, tuple[str, str]] = {}
+        self.digests: dict[str, str] = {}
+        self.flights: dict[str, dict] = {}  # key -> {url, body, state}
+        self.sent: list[tuple[str, str]] = []
+
+    def start_update(self, key, url, body, timeout_seconds):
+        self.sent.append((key, body["revision"]))
+        self.flights[key] = {"url": url, "body": dict(body), "state": "pending"}
+
+    def finish(self, key, ok=True):
+        flight = self.flights[key]
+        flight["state"] = "success" if ok else "failure"
+        if ok:
+            self.serving[flight["url"]] = (flight["body"]["model_path"], flight["body"]["revision"])
+            self.digests.pop(flight["url"], None)
+
+    def poll(self, key):
+        flight = self.flights.get(key)
+        if flight is None:
+            return "unknown", ""
+        if flight["state"] != "pending":
+            del self.flights[key]
+        return flight["state"], ""
+
+    def server_info(self, url):
+        path, revision = self.serving.get(url, self.default)
+        loading = any(f["url"] == url and f["state"] == "pending" for f in self.flights.values())
+        return {"weights_phase": "loading" if loading else "serving", "model_path": path,
+                "weights_revision": revision, "weights_digest": self.digests.get(url, f"sha256:{revision}")}
+
+    def observed_phases(self, key):
+        return []
+
+    def verify(self, url, verify):
+        return True, "ok"
+
+
+@pytest.fixture
+def world(spec_dict):
+    kube, leaders = FakeKube(), LiveLeaders()
+    ctx = Context(kube=kube, leaders=leaders, clock=lambda: NOW[0])
+    body = {"apiVersion": "shardline.dev/v1alpha1", "kind": "InferenceDeployment",
+            "metadata": {"name": "llama", "namespace": "default", "uid": "cr-uid", "generation": 1},
+            "spec": spec_dict, "status": {}}
+
+    def run(spec=None, **model):
+        NOW[0] += 1
+        if model or spec:
+            body["spec"]["model"] = dict(body["spec"]["model"], **model)
+            body["spec"].update(spec or {})
+            body["metadata"]["generation"] += 1
+        result = reconcile(ctx, copy.deepcopy(body))
+        body["status"] = result.status
+        return result
+
+    run()
+    kube.run_statefulsets()
+    assert run().status["phase"] == "Ready"
+    return kube, leaders, run
+
+
+def conditions(status):
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def test_revert_mid_update_is_awaited_then_applied(world):
+    """The issue's revert case: status never claims Ready on rev-a while group 0 loads rev-b,
+    and the group is sent back once the update in flight ends."""
+    kube, leaders, run = world
+    result = run(path=REV_B, revision="rev-b")
+    assert result.status["phase"] == "UpdatingWeights" and result.requeue_after_seconds == 0.5
+    result = run(path=REV_A, revision="rev-a")  # reverted while group 0 loads rev-b
+    assert result.status["phase"] != "Ready" and not any(e[1] == "RolloutComplete" for e in result.events)
+    assert leaders.sent == [("default/llama/g0", "rev-b")]
+    leaders.finish("default/llama/g0")
+    result = run()
+    assert result.status["groups"][0]["revision"] == "rev-b"  # the truth: it loaded rev-b
+    assert result.status["phase"] == "RollingOut" and conditions(result.status)["Ready"]["status"] == "False"
+    result = run()
+    assert leaders.sent[-1] == ("default/llama/g0", "rev-a")
+    leaders.finish("default/llama/g0")
+    run()
+    result = run()
+    assert result.status["phase"] == "Ready" and result.status["servedRevision"] == "rev-a"
+    assert any(e[1] == "RolloutComplete" for e in result.events)
+    assert leaders.sent == [("default/llama/g0", "rev-b"), ("default/llama/g0", "rev-a")]  # g1 never moved
+
+
+def test_progress_condition_and_no_ready_between_groups(world):
+    kube, leaders, run = world
+    run(path=REV_B, revision="rev-b")
+    leaders.finish("default/llama/g0")
+    result = run()
+    assert result.status["phase"] == "RollingOut"  # between groups: never Ready, never Initializing
+    progressing = conditions(result.status)["Progressing"]
+    assert progressing["status"] == "True" and progressing["message"] == "1/2 groups on rev-b"
+    assert conditions(result.status)["Ready"]["status"] == "False"
+    result = run()
+    assert leaders.sent[-1] == ("default/llama/g1", "rev-b") and result.status["phase"] == "UpdatingWeights"
+    leaders.finish("default/llama/g1")
+    run()
+    result = run()
+    assert result.status["phase"] == "Ready" and conditions(result.status)["Progressing"]["status"] == "False"
+    assert [g["weightsDigest"] for g in result.status["groups"]] == ["sha256:rev-b", "sha256:rev-b"]
+    assert metrics.GROUPS_PER_REVISION.labels("default", "llama", "rev-b")._value.get() == 2
+
+
+def test_mixed_version_is_degraded_then_repaired(world):
+    kube, leaders, run = world
+    assert [g["weightsDigest"] for g in run().status["groups"]] == ["sha256:rev-a", "sha256:rev-a"]
+    leaders.digests["http://127.0.1.2:8000"] = "sha256:changed-files"
+    result = run()
+    assert result.status["phase"] == "Degraded"
+    degraded = conditions(result.status)["Degraded"]
+    assert degraded["status"] == "True" and degraded["reason"] == "MixedVersions"
+    assert "group 1: leader serves digest sha256:changed" in degraded["message"]
+    assert leaders.sent == [("default/llama/g1", "rev-a")]  # repaired by updating it to the target
+    assert metrics.MIXED_VERSIONS.labels("default", "llama")._value.get() == 1
+    leaders.finish("default/llama/g1")
+    run()
+    result = run()
+    assert result.status["phase"] == "Ready" and result.status["groups"][1]["weightsDigest"] == "sha256:rev-a"
+
+
+def test_restart_rollout_is_rolling_out_not_degraded(world):
+    """A planned restart (strategy Restart) is RollingOut, never Degraded or Ready midway, and a
+    group's revision is what its live leader runs, not the target its StatefulSet already names."""
+    kube, leaders, run = world
+    result = run(spec={"weightUpdate": {"strategy": "Restart"}}, path=REV_B, revision="rev-b")
+    phases, revisions = [result.status["phase"]], [[g["revision"] for g in result.status["groups"]]]
+    for _ in range(8):
+        kube.run_statefulsets()  # the StatefulSet controller recreates deleted pods from the new template
+        for url in list(leaders.serving) + [f"http://127.0.{g}.2:8000" for g in (0, 1)]:
+            sts = kube.objects[("StatefulSet", "default", f"llama-g{url.split('.')[2]}")]
+            annotations = sts["metadata"]["annotations"]
+            pod = kube.pods().get(f"llama-g{url.split('.')[2]}-0")
+            if pod and pod["metadata"]["labels"][labels.LABEL_REVISION] == "rev-b":
+                leaders.serving[url] = (annotations[labels.ANNOTATION_MODEL_PATH], "rev-b")
+        result = run()
+        phases.append(result.status["phase"])
+        revisions.append([g["revision"] for g in result.status["groups"]])
+    first_ready = phases.index("Ready")
+    assert set(phases[:first_ready]) == {"RollingOut"} and set(phases[first_ready:]) == {"Ready"}
+    assert "RollingOut" in phases and revisions[-1] == ["rev-b", "rev-b"]
+    assert not leaders.sent  # no in-place update under strategy Restart
+    restarts = [r for r in revisions if r != ["rev-a", "rev-a"]]
+    assert restarts[0] in (["", "rev-a"], ["rev-b", "rev-a"])  # never rev-b before its pod runs it
+
+
+def test_idle_passes_write_no_status_and_ranks_are_reported(world):
+    kube, leaders, run = world
+    writes = len(kube.statuses)
+    result = run()
+    assert len(kube.statuses) == writes and result.requeue_after_seconds is None
+    ranks = result.status["groups"][0]["ranks"]
+    assert [(r["rank"], r["pod"], r["ready"], r["phase"]) for r in ranks] == [
+        (0, "llama-g0-0", True, "Running"), (1, "llama-g0-1", True, "Running")]
