@@ -24,7 +24,7 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
 def _segment_gemm_kernel(
     x_ptr, w_ptr, out_ptr, seg_starts, seg_lens, seg_slots,
     N, K, stride_xm, stride_xk, stride_ws, stride_wn, stride_wk, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACCUMULATE: tl.constexpr, IEEE: tl.constexpr,
 ):
     seg = tl.program_id(0)
     pid = tl.program_id(1)
@@ -49,7 +49,12 @@ def _segment_gemm_kernel(
                         mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             b = tl.load(w_ptr + slot * stride_ws + offs_n[None, :] * stride_wn + kk[:, None] * stride_wk,
                         mask=mask_n[None, :] & mask_k[:, None], other=0.0)
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32))
+            # float32 models get IEEE products (Triton's default for float32 is TF32, about 1e-3
+            # off); half precision runs on the tensor cores, accumulating in float32.
+            if IEEE:
+                acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(a, b.to(a.dtype))
         out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
         mask = mask_m[:, None] & mask_n[None, :]
         if ACCUMULATE:
@@ -76,6 +81,7 @@ def segment_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, seg_starts
         x, w, out, seg_starts, seg_lens, seg_slots, N, K,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, ACCUMULATE=accumulate,
+        IEEE=x.dtype == torch.float32 and w.dtype == torch.float32,
     )
 
 

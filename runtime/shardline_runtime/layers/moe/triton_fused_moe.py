@@ -26,7 +26,7 @@ def _fused_moe_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr,
     num_valid_pairs, N, K, rows_per_pair,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-    MUL_ROUTED_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -44,7 +44,12 @@ def _fused_moe_kernel(
                         mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
             b = tl.load(b_ptr + expert * stride_be + (k0 + offs_k)[:, None] * stride_bk + offs_n[None, :] * stride_bn,
                         mask=k_mask[:, None] & (offs_n[None, :] < N), other=0.0)
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32))
+            # float32 models get IEEE products (Triton's default for float32 is TF32, about 1e-3
+            # off); half precision runs on the tensor cores, accumulating in float32.
+            if IEEE:
+                acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(a, b.to(a.dtype))
         if MUL_ROUTED_WEIGHT:
             w = tl.load(weights_ptr + offs_pair, mask=pair_mask, other=0.0)
             acc = acc * w[:, None]
@@ -98,6 +103,7 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, sorted_ids:
         num_pairs, n, k, rows_per_pair,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         MUL_ROUTED_WEIGHT=weights is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        IEEE=a.dtype == torch.float32,
     )
 
 
