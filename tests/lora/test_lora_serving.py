@@ -119,6 +119,8 @@ def test_full_pool_evicts_idle_or_answers_503(lora_setup):
 
     full = asyncio.run(busy_then_load())
     assert full.status_code == 503, full.text
+    gen(srv, "a")
+    gen(srv, "b")  # the busy phase used both; b is now the more recently used one again
     r = srv.post("/load_lora_adapter", {"lora_name": "c", "lora_path": str(adapters["c"])})
     assert r.status_code == 200, r.text
     assert sorted(r.json()["loaded_adapters"]) == ["b", "c"]  # a was the least recently used
