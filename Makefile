@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP_FLAGS ?= --disable-pip-version-check
 
-.PHONY: install test demo test-fast gpu-check
+.PHONY: install test demo test-fast test-quick gpu-check
 
 install:
 	$(PYTHON) -m pip install $(PIP_FLAGS) -e '.[dev]'
@@ -14,6 +14,10 @@ test: install
 ## Everything but the local-cluster tiers (no Go build needed).
 test-fast: install
 	$(PYTHON) -m pytest tests -m "not cluster and not e2e"
+
+## Unit and single-process tests only (no slow, cluster or e2e tier).
+test-quick: install
+	$(PYTHON) -m pytest tests -m "not slow and not cluster and not e2e"
 
 ## The main job: local Kubernetes, kubectl apply, serve, roll weights, tear down.
 demo: install

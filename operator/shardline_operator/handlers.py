@@ -41,6 +41,7 @@ _OWNED = {labels.LABEL_DEPLOYMENT: kopf.PRESENT}
 OPERATOR_NAMESPACE_ENV = "SHARDLINE_OPERATOR_NAMESPACE"
 _context: Context | None = None
 _wakeups: dict[tuple[str, str], asyncio.Event] = {}
+_deleted: set[tuple[str, str]] = set()  # objects whose gauges were dropped: no pass may set them again
 log = logging.getLogger(__name__)
 
 
@@ -86,7 +87,8 @@ def _pass(namespace: str, name: str) -> ReconcileResult | None:
     budget = ((fresh.get("spec") or {}).get("restartPolicy") or {}).get("maxGroupRestarts")
     if not isinstance(budget, int):  # absent (or an invalid spec, reported in status): the default
         budget = RestartPolicySpec.max_group_restarts
-    metrics.observe_status(namespace, name, result.status, budget)
+    if (namespace, name) not in _deleted:  # a pass still running in its thread when the object went
+        metrics.observe_status(namespace, name, result.status, budget)
     return result
 
 
@@ -96,6 +98,7 @@ async def worker(body: kopf.Body, namespace: str, name: str, stopped: kopf.Daemo
     """Run this object's passes until it is deleted or the operator stops."""
     key = (namespace, name)
     wakeup = _wakeups.setdefault(key, asyncio.Event())
+    _deleted.discard(key)  # created again under the same name
     delay = 0.0
     try:
         while not stopped:
@@ -111,6 +114,7 @@ async def worker(body: kopf.Body, namespace: str, name: str, stopped: kopf.Daemo
                 result = await asyncio.to_thread(_pass, namespace, name)
             except KubeError as exc:
                 if exc.status == 404:
+                    _forget(namespace, name)
                     return
                 logger.warning("API request failed, retrying in %.0f s: %s", ERROR_RETRY_SECONDS, exc)
                 delay = ERROR_RETRY_SECONDS
@@ -119,7 +123,8 @@ async def worker(body: kopf.Body, namespace: str, name: str, stopped: kopf.Daemo
                 logger.exception("reconcile pass failed, retrying in %.0f s", ERROR_RETRY_SECONDS)
                 delay = ERROR_RETRY_SECONDS
                 continue
-            if result is None:
+            if result is None:  # deleted, or being deleted
+                _forget(namespace, name)
                 return
             for kind, reason, message in result.events:
                 kopf.event(body, type=kind, reason=reason, message=message[:1024])
@@ -139,6 +144,11 @@ async def on_spec_change(namespace: str, name: str, **_: Any) -> None:
 @kopf.on.delete(*RESOURCE, optional=True)
 async def on_delete(namespace: str, name: str, **_: Any) -> None:
     """Drop the deleted object's gauges from ``/metrics``."""
+    _forget(namespace, name)
+
+
+def _forget(namespace: str, name: str) -> None:
+    _deleted.add((namespace, name))
     metrics.forget(namespace, name)
     metrics.forget_status(namespace, name)
 
