@@ -169,3 +169,32 @@ def test_weight_update_reports_each_phase_while_it_runs(ckpt, tiny_checkpoint):
     assert phases == ["loading", "serving"], phases  # CPU: no graphs, so no "recapturing"
     assert all(isinstance(m, WeightsPhaseOut) or m is msgs[reply_at] for m in msgs), msgs
     assert msgs[reply_at].success and reply_at == len(msgs) - 1
+
+
+def test_weight_update_lets_retracted_requests_finish_on_the_old_weights(ckpt, tiny_checkpoint):
+    """A request retracted under KV pressure after it began generating goes back to the waiting
+    queue; a weight update that arrives then must wait for it as for a running one, or its
+    response would start on revision A and end on B (issue 16's W4, found flaky in CI)."""
+    from shardline_runtime.managers.io_struct import UpdateWeightsFromDiskReqInput, UpdateWeightsFromDiskReqOutput
+
+    prompts = _prompts(2, 8, 20, 40)
+    big = make_scheduler(ckpt, max_total_tokens=2048)
+    big.process_input_requests([greedy(f"r{i}", p, 40) for i, p in enumerate(prompts)])
+    expected = run_to_completion(big)
+    small = make_scheduler(ckpt, max_total_tokens=256, disable_radix_cache=True)
+    small.process_input_requests([greedy(f"r{i}", p, 40) for i, p in enumerate(prompts)])
+    for _ in range(2000):  # step until a retracted request that already has output waits
+        batch = small.get_next_batch_to_run()
+        assert batch is not None, "the workload finished without a retraction"
+        small.process_batch_result(batch, small.worker.forward_batch_generation(batch))
+        if any(r.output_ids for r in small.waiting_queue):
+            break
+    started = {r.rid for r in small.waiting_queue if r.output_ids} | {r.rid for r in small.running_batch.reqs}
+    assert any(r.output_ids for r in small.waiting_queue)
+    other = tiny_checkpoint("llama", 1, max_position_embeddings=2048)
+    small.process_input_requests([UpdateWeightsFromDiskReqInput(str(other), revision="b")])
+    got = run_to_completion(small)
+    replies = [m for m in small.send_socket.messages if isinstance(m, UpdateWeightsFromDiskReqOutput)]
+    assert len(replies) == 1 and replies[0].success
+    for rid in started:  # every response begun on A ends on A
+        assert got[rid]["ids"] == expected[rid]["ids"], rid

@@ -262,7 +262,10 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
     def maybe_run_weight_update(self) -> None:
         """Once no request runs (admission is paused meanwhile), load, flush the prefix cache, reply."""
         running = self.running_batch is not None and not self.running_batch.is_empty()
-        if running or self.chunked_req is not None:
+        started = not self.generation_blocked() and any(r.output_ids for r in self.waiting_queue)
+        if running or self.chunked_req is not None or started:
+            # Retracted requests that began on the old weights finish on them too; paused with
+            # ``retract`` (an RL loop's pause -> update -> continue) they resume on the new ones.
             return
         msg, self.pending_update = self.pending_update, None
         self.step_started = None  # loading a checkpoint may take longer than one step's watchdog

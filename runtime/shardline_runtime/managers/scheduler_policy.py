@@ -77,8 +77,10 @@ class SchedulerPolicyMixin:
     def get_next_batch_to_run(self):
         if self.generation_blocked():  # paused, or memory released: no forward at all
             return None
-        # A pending weight update pauses admission, but a started chunked prefill must finish.
-        batch = self.get_new_batch_prefill(admit_new=self.pending_update is None)
+        # A pending weight update pauses admission, but a started chunked prefill must finish,
+        # and so must requests retracted after they began generating on the old weights (else
+        # they would end on the new ones: one response, two revisions).
+        batch = self.get_new_batch_prefill(started_only=self.pending_update is not None)
         if batch is not None:
             running = self.running_batch
             if (self.server_args.enable_mixed_chunk and running is not None and not running.is_empty()
@@ -96,9 +98,10 @@ class SchedulerPolicyMixin:
             for r in reqs
         )
 
-    def get_new_batch_prefill(self, admit_new: bool = True):
+    def get_new_batch_prefill(self, admit_new: bool = True, started_only: bool = False):
         """Form an EXTEND batch from the chunked request and (when ``admit_new``) the waiting
-        queue, or None."""
+        queue, or None. ``started_only`` admits only requests that already have output tokens
+        (retracted ones), in queue order."""
         running = 0 if self.running_batch is None else self.running_batch.batch_size
         if self.chunked_req is None and (not self.waiting_queue or not admit_new):
             return None
@@ -120,6 +123,8 @@ class SchedulerPolicyMixin:
             if len(admitted) >= self.req_to_token_pool.available_size():
                 break
             req = self.waiting_queue[0]
+            if started_only and not req.output_ids:
+                break
             full = req.origin_input_ids + req.output_ids
             key = full
             if req.return_logprob and req.logprob_start_len >= 0:
