@@ -1,7 +1,10 @@
-"""ModelRunner: one TP rank's model, KV pools and attention backend, and one step of it.
+"""ModelRunner: one rank's model, KV pools and attention backend, and one step of it.
+
+A rank is one TP rank of one pipeline stage: it holds the stage's layers (``pipeline_stage``),
+its TP shard of them, and KV for those layers only.
 
 Life (the design notes' ``initialize`` order, after SGLang's ``ModelRunner``): parse the config
-and refuse impossible TP layouts before reading any weight -> join the TP process group and
+and refuse impossible TP / PP layouts before reading any weight -> join the process groups and
 measure the free memory *before* loading -> sampler -> load the weights (this rank's shards) ->
 KV cache dtype (``kv_cache_dtype.py``) -> size the KV pool from the pre-load free memory ->
 attention backend (``attention/registry.py``) -> decode CUDA graphs (``CudaGraphRunner``) ->
@@ -18,10 +21,11 @@ from typing import Any
 import torch
 
 from shardline_runtime.configs.model_config import ModelConfig
+from shardline_runtime.configs.pipeline_stage import PipelineStage
 from shardline_runtime import distributed
 from shardline_runtime.layers.logits_processor import LogitsProcessorOutput
 from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
-from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode, PPProxyTensors
 from shardline_runtime.model_executor.memory_saver import MemorySaver
 
 logger = logging.getLogger(__name__)
@@ -35,7 +39,8 @@ class KVCacheMemoryError(RuntimeError):
 
 @dataclass(frozen=True)
 class ModelRunnerConfig:
-    """What a ModelRunner needs from the server arguments, for one TP rank.
+    """What a ModelRunner needs from the server arguments, for one rank (``tp_rank`` of stage
+    ``pp_rank``; ``pp_layer_partition``: layers per stage, empty for the even split).
 
     Units: ``mem_fraction_static`` is the fraction of the GPU memory free before loading that
     weights + KV cache may take,
@@ -48,6 +53,9 @@ class ModelRunnerConfig:
     device: str = "auto"
     tp_rank: int = 0
     tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    pp_layer_partition: tuple[int, ...] = ()
     ep_size: int = 1
     ep_num_redundant_experts: int = 0
     eplb_rebalance_num_iterations: int = 0
@@ -81,20 +89,28 @@ class ModelRunnerConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
+        if not 0 <= self.pp_rank < self.pp_size:
+            raise ValueError(f"pp_rank must be in [0, {self.pp_size}), got {self.pp_rank}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
 
     @classmethod
-    def from_server_args(cls, server_args: Any, tp_rank: int) -> "ModelRunnerConfig":
+    def from_server_args(cls, server_args: Any, tp_rank: int, pp_rank: int = 0) -> "ModelRunnerConfig":
         """Take the same-named fields of a ``ServerArgs`` (or any object with them)."""
-        names = cls.__dataclass_fields__.keys() - {"tp_rank"}
+        names = cls.__dataclass_fields__.keys() - {"tp_rank", "pp_rank"}
         values = {n: getattr(server_args, n) for n in names if hasattr(server_args, n)}
-        return cls(tp_rank=tp_rank, **values)
+        return cls(tp_rank=tp_rank, pp_rank=pp_rank, **values)
+
+    @property
+    def world_rank(self) -> int:
+        """``pp_rank * tp_size + tp_rank`` (SGLang's layout)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
 
     @property
     def local_rank(self) -> int:
-        """Index of this rank's GPU on its node."""
-        return self.tp_rank % (self.tp_size // self.nnodes)
+        """Index of this rank's GPU on its node (a node runs ``tp_size * pp_size / nnodes``
+        consecutive world ranks)."""
+        return self.world_rank % (self.tp_size * self.pp_size // self.nnodes)
 
 
 def resolve_device(device: str, local_rank: int) -> torch.device:
@@ -128,6 +144,8 @@ class ModelRunner:
         self.config = config
         self.tp_rank = config.tp_rank
         self.tp_size = config.tp_size
+        self.pp_rank = config.pp_rank
+        self.pp_size = config.pp_size
         self.device = resolve_device(config.device, config.local_rank)
         if model_config is None:
             model_config = ModelConfig.from_pretrained(
@@ -137,12 +155,17 @@ class ModelRunner:
         self.model_config = model_config
         self.model_config.check_tp_size(self.tp_size)
         self.model_config.check_ep_size(self.tp_size, config.ep_size, config.ep_num_redundant_experts)
+        # raises PipelineLayoutError (fewer layers than stages, a bad partition) before the rendezvous
+        self.pipeline_stage = PipelineStage.for_rank(
+            self.model_config.num_hidden_layers, self.pp_rank, self.pp_size, config.pp_layer_partition
+        )
         self.dtype = self.model_config.dtype
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         distributed.init_distributed_environment(
             tp_rank=self.tp_rank, tp_size=self.tp_size, device=self.device,
             dist_init_addr=config.dist_init_addr, timeout_s=config.dist_timeout,
+            pp_rank=self.pp_rank, pp_size=self.pp_size,
         )
         distributed.init_expert_parallel(config.ep_size, config.ep_num_redundant_experts)
         pre_model_load_memory = self._memory_available()
@@ -174,13 +197,20 @@ class ModelRunner:
         from shardline_runtime.model_loader.loader import load_model
 
         before = self._memory_available()
-        self.model = load_model(self.model_config, self.model_config.model_path, self.device)
+        self.model = load_model(self.model_config, self.model_config.model_path, self.device, stage=self.pipeline_stage)
         self.model_config = self.model.config
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        stage = self.pipeline_stage
         logger.info(
-            "[tp %d] loaded %s: %.1f MiB of weights on this rank (available %.1f MiB before)",
-            self.tp_rank, self.model_config.architecture, self.weight_bytes / 2**20, before / 2**20,
+            "[tp %d, pp %d] loaded %s layers [%d, %d): %.1f MiB of weights on this rank (available %.1f MiB before)",
+            self.tp_rank, self.pp_rank, self.model_config.architecture, stage.start_layer,
+            self.num_stage_layers + stage.start_layer, self.weight_bytes / 2**20, before / 2**20,
         )
+
+    @property
+    def num_stage_layers(self) -> int:
+        """Decoder layers this rank runs (all of them without pipeline parallelism)."""
+        return self.pipeline_stage.end(self.model_config.num_hidden_layers) - self.pipeline_stage.start_layer
 
     def init_eplb_manager(self) -> None:
         """``eplb_manager`` (expert-distribution recorder and EPLB) for MoE models, else None."""
@@ -222,17 +252,18 @@ class ModelRunner:
         )
 
     def profile_max_num_token(self, pre_model_load_memory: int) -> int:
-        """KV-cache tokens that fit on this rank (minimum over ranks).
+        """KV-cache tokens that fit on this rank (minimum over every rank of every stage: the
+        schedulers of all ranks hand out the same slots, so every pool has the same size).
 
         GPU: ``free_now - pre_model_load_memory * (1 - mem_fraction_static)`` bytes, where
         ``pre_model_load_memory`` is the free memory measured before loading (SGLang's
         ``profile_max_num_token``): weights + KV cache take ``mem_fraction_static`` of what was
         free, whatever else shares the GPU. CPU: ``cpu_kv_cache_bytes``. Either is divided by the
-        bytes one token takes on a rank in the KV cache dtype.
+        bytes one token takes on a rank in the KV cache dtype (this stage's layers only).
         """
         mc = self.model_config
         per_token = TokenToKVPool.bytes_per_token(
-            mc.num_hidden_layers, mc.get_num_kv_heads(self.tp_size), mc.head_dim, self.kv_cache_dtype
+            self.num_stage_layers, mc.get_num_kv_heads(self.tp_size), mc.head_dim, self.kv_cache_dtype
         )
         if self.device.type == "cuda":
             free = torch.cuda.mem_get_info(self.device)[0]
@@ -259,7 +290,7 @@ class ModelRunner:
         if tokens < 1:
             raise KVCacheMemoryError(
                 f"no memory left for the KV cache after loading {self.weight_bytes / 2**20:.1f} MiB of weights "
-                f"on tp rank {self.tp_rank}: raise --mem-fraction-static (now {self.config.mem_fraction_static}) "
+                f"on tp rank {self.tp_rank} (pp rank {self.pp_rank}): raise --mem-fraction-static (now {self.config.mem_fraction_static}) "
                 "or set --max-total-tokens"
             )
         self.max_total_num_tokens = tokens
@@ -267,8 +298,8 @@ class ModelRunner:
             size=self.config.max_running_requests + 1, max_context_len=mc.context_len + 4, device=self.device
         )
         self.token_to_kv_pool = TokenToKVPool(
-            tokens, mc.num_hidden_layers, mc.get_num_kv_heads(self.tp_size), mc.head_dim, self.kv_cache_dtype,
-            self.device,
+            tokens, self.num_stage_layers, mc.get_num_kv_heads(self.tp_size), mc.head_dim, self.kv_cache_dtype,
+            self.device, start_layer=self.pipeline_stage.start_layer,
         )
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(tokens, device=self.device)
         logger.info(
@@ -288,6 +319,9 @@ class ModelRunner:
         self.cuda_graph_runner = None
         if self.device.type != "cuda" or self.config.disable_cuda_graph:
             return
+        if self.pp_size > 1:
+            logger.warning("[tp %d, pp %d] CUDA graphs disabled: stages exchange hidden states eagerly", self.tp_rank, self.pp_rank)
+            return
         if self.lora_manager is not None:
             logger.warning("[tp %d] CUDA graphs disabled: LoRA batches vary per step", self.tp_rank)
             return
@@ -302,7 +336,7 @@ class ModelRunner:
     def init_piecewise_cuda_graphs(self) -> None:
         """Capture EXTEND piecewise graphs (GPU, with ``--enable-piecewise-cuda-graph``)."""
         self.piecewise_cuda_graph_runner = None
-        if self.device.type != "cuda" or not self.config.enable_piecewise_cuda_graph:
+        if self.device.type != "cuda" or not self.config.enable_piecewise_cuda_graph or self.pp_size > 1:
             return
         if self.lora_manager is not None:
             logger.warning("[tp %d] piecewise CUDA graphs disabled: LoRA batches vary per step", self.tp_rank)
@@ -329,12 +363,18 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------
 
-    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput | None:
-        """Run one step; dispatches on ``forward_batch.forward_mode``.
+    def forward(self, forward_batch: ForwardBatch,
+                pp_proxy_tensors: PPProxyTensors | None = None) -> LogitsProcessorOutput | PPProxyTensors | None:
+        """Run one step of this stage; dispatches on ``forward_batch.forward_mode``.
 
-        Returns the logits of the last token of each request (``None`` from a SPLIT_PREFILL
-        call that does not reach the last layer).
+        ``pp_proxy_tensors``: the previous stage's output (every stage but the first).
+
+        Returns the logits of the last token of each request on the last stage, the
+        :class:`PPProxyTensors` for the next stage on the others (``None`` from a SPLIT_PREFILL
+        call that does not reach the stage's last layer).
         """
+        if pp_proxy_tensors is not None:
+            return self._run(forward_batch, pp_proxy_tensors)  # no graphs with pipeline parallelism
         mode = forward_batch.forward_mode
         recording = self.eplb_manager is not None and self.eplb_manager.recorder.recording  # graphs do not record
         if mode.is_decode() and self.cuda_graph_runner is not None and not recording and self.cuda_graph_runner.can_run(forward_batch):
@@ -354,7 +394,7 @@ class ModelRunner:
             return self.forward_idle(forward_batch)
         raise ValueError(f"unknown forward_mode {mode!r}; allowed: {[m.name for m in ForwardMode]}")
 
-    def _run(self, forward_batch: ForwardBatch):
+    def _run(self, forward_batch: ForwardBatch, pp_proxy_tensors: PPProxyTensors | None = None):
         self._attach(forward_batch)
         if self.lora_manager is not None:
             per_req = forward_batch.extend_seq_lens_cpu if forward_batch.forward_mode.is_extend() else [1] * forward_batch.batch_size
@@ -362,7 +402,8 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(forward_batch)
         with torch.inference_mode():
             embeds = self.input_embeds(forward_batch)
-            out = self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch, input_embeds=embeds)
+            out = self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch,
+                                     input_embeds=embeds, pp_proxy_tensors=pp_proxy_tensors)
         if self.eplb_manager is not None:
             self.eplb_manager.on_forward_pass_end()
         return out
@@ -370,7 +411,7 @@ class ModelRunner:
     def input_embeds(self, forward_batch: ForwardBatch) -> torch.Tensor | None:
         """(T, hidden_size): the token embeddings with rows ``input_embeds_indices`` replaced by
         ``input_embeds_values`` (the placeholder mechanism of multimodal models), or None."""
-        if forward_batch.input_embeds_indices is None:
+        if forward_batch.input_embeds_indices is None or not self.pipeline_stage.is_first:
             return None
         embeds = self.model.get_input_embeddings()(forward_batch.input_ids)  # (T, hidden)
         rows = forward_batch.input_embeds_indices.to(self.device)
