@@ -171,7 +171,8 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
         return {
             "weights_phase": tm.weights_phase, "weights_revision": tm.weights_revision, "model_path": tm.model_path,
             "weights_digest": tm.weights_digest, "num_held_reqs": tm.held,
-            "served_model_name": model_name, "tp_size": server_args.tp_size, "nnodes": server_args.nnodes,
+            "served_model_name": model_name, "tp_size": server_args.tp_size, "pp_size": server_args.pp_size,
+            "nnodes": server_args.nnodes,
             "max_total_num_tokens": tm.info.max_total_num_tokens, "max_req_input_len": tm.info.max_req_input_len,
             "max_req_len": tm.info.max_req_len, "context_length": tm.info.context_len,
             "max_running_requests": tm.info.max_running_requests,

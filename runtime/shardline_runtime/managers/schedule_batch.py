@@ -73,6 +73,10 @@ class ScheduleBatch:
         self.prefix_lens: list[int] = []
         self.extend_lens: list[int] = []
         self.sampling_info: SamplingBatchInfo | None = None
+        # The request of this EXTEND whose prefill continues in a later step (set when formed):
+        # with pipeline micro-batches the scheduler's own ``chunked_req`` may have moved on by
+        # the time this batch's result is processed.
+        self.chunked_req: Req | None = None
 
     @property
     def batch_size(self) -> int:

@@ -62,8 +62,7 @@ class SchedulerWeightSyncMixin:
         return self.paused_mode is not None or self.memory_saver.blocked_reason() is not None
 
     def holds_kv(self) -> bool:
-        running = self.running_batch is not None and not self.running_batch.is_empty()
-        return running or self.chunked_req is not None
+        return bool(self.running_batches()) or self.chunked_req is not None
 
     def send_serving_state(self) -> None:
         state = (self.memory_saver.blocked_reason(), self.paused_mode)

@@ -3,6 +3,13 @@
 It owns the ``ModelRunner``, publishes the limits the scheduler plans with, turns a
 ``ScheduleBatch`` into a ``ForwardBatch``, runs it and samples, and routes weight updates.
 
+With pipeline parallelism (the design notes' ``forward_batch_generation`` branch) a worker runs
+its stage's layers: every stage but the first receives the previous stage's ``PPProxyTensors``
+first, every stage but the last sends its own to the next stage and returns them without
+sampling; the last stage samples and sends the sampled ids (and logprobs) to every other stage,
+where :meth:`TpModelWorker.resolve_stage_outputs` receives them, so every rank appends the
+same tokens.
+
 Limits (tokens):
 - ``max_total_num_tokens``: KV-cache slots of this rank (minimum over ranks).
 - ``max_req_len = min(context_len - 1, max_total_num_tokens - 1)``: prompt + output of one request.
@@ -19,14 +26,24 @@ from typing import Any
 
 import torch
 
-from shardline_runtime.distributed import broadcast_pyobj
+from shardline_runtime.distributed import (
+    PendingSends, broadcast_pyobj, broadcast_pyobj_world, recv_pyobj, recv_tensor_dict, send_pyobj, send_tensor_dict,
+)
 from shardline_runtime.layers.sampler import Sampler, SamplerOutput
 from shardline_runtime.managers.schedule_batch import ScheduleBatch
-from shardline_runtime.model_executor.forward_batch_info import ForwardBatch
+from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, PPProxyTensors
 from shardline_runtime.model_executor.model_runner import ModelRunner, ModelRunnerConfig
 from shardline_runtime.model_executor.weight_update import WeightsPhase, update_weights_from_disk
 
 logger = logging.getLogger(__name__)
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
 
 
 @dataclass
@@ -41,6 +58,8 @@ class GenerationBatchResult:
             chunks, prefill-only requests). ``None`` until sampled (delayed sampling).
         next_token_logprobs: per row, the raw logprob of the sampled token, or ``None``.
         next_token_top_logprobs: per row, ``(values, token_ids)`` or ``None``.
+        pp_hidden_states_proxy_tensors: on a stage that is not the last, what it sent on (its
+            ``logits_output`` is None until the last stage's outputs arrive).
     """
 
     logits_output: Any
@@ -48,6 +67,7 @@ class GenerationBatchResult:
     next_token_ids: torch.Tensor | None = None
     next_token_logprobs: list[float | None] = field(default_factory=list)
     next_token_top_logprobs: list[tuple[list[float], list[int]] | None] = field(default_factory=list)
+    pp_hidden_states_proxy_tensors: PPProxyTensors | None = None
 
 
 class TpModelWorker:
@@ -58,22 +78,26 @@ class TpModelWorker:
             plus ``revision``).
         tp_rank: this process's TP rank.
         model_runner: an already built runner (tests); default builds one.
+        pp_rank: this process's pipeline stage.
 
     Raises:
         whatever ``ModelRunner`` raises (bad config, bad checkpoint, no memory).
     """
 
-    def __init__(self, server_args: Any, tp_rank: int = 0, model_runner: ModelRunner | None = None):
+    def __init__(self, server_args: Any, tp_rank: int = 0, model_runner: ModelRunner | None = None, pp_rank: int = 0):
         self.server_args = server_args
         self.tp_rank = tp_rank
         if model_runner is None:
-            model_runner = ModelRunner(ModelRunnerConfig.from_server_args(server_args, tp_rank))
+            model_runner = ModelRunner(ModelRunnerConfig.from_server_args(server_args, tp_rank, pp_rank))
         self.model_runner = model_runner
         self.model_config = model_runner.model_config
         self.tp_size = model_runner.tp_size
+        self.pp_rank = getattr(model_runner, "pp_rank", 0)
+        self.pp_size = getattr(model_runner, "pp_size", 1)
+        self.pending_sends = PendingSends()
         self.device = model_runner.device
-        # Rank 0's seed everywhere, so unseeded sampling draws the same numbers on every rank.
-        self.random_seed = broadcast_pyobj(int(getattr(server_args, "random_seed", 0)))
+        # World rank 0's seed on every rank of every stage, so unseeded sampling draws the same numbers.
+        self.random_seed = broadcast_pyobj_world(int(getattr(server_args, "random_seed", 0)))
         torch.manual_seed(self.random_seed)
         if self.tp_size > 1:
             self.sampler = Sampler(broadcast=self._broadcast_token_ids)
@@ -143,10 +167,60 @@ class TpModelWorker:
             chunks, ``max_new_tokens == 0``) get -1 and can still return prompt logprobs.
         """
         forward_batch = batch.get_forward_batch(self.model_runner)
-        logits_output = self.model_runner.forward(forward_batch)
-        result = GenerationBatchResult(logits_output=logits_output, forward_batch=forward_batch)
+        output = self.forward_stage(forward_batch)
+        if isinstance(output, PPProxyTensors):  # not the last stage: the tokens come later
+            return GenerationBatchResult(None, forward_batch, pp_hidden_states_proxy_tensors=output)
+        result = GenerationBatchResult(logits_output=output, forward_batch=forward_batch)
         if not skip_sample:
             self.sample(result, batch)
+            self.send_stage_outputs(result, batch)
+        return result
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def forward_stage(self, forward_batch: ForwardBatch):
+        """This stage's part of one step: receive the previous stage's ``PPProxyTensors`` (not on
+        the first stage), run the stage's layers, send the result on (not on the last stage).
+
+        Returns:
+            the logits (``LogitsProcessorOutput``) on the last stage, else the ``PPProxyTensors`` sent.
+        """
+        proxy = None
+        if not self.is_first_stage:
+            proxy = PPProxyTensors(recv_tensor_dict(self.pp_rank - 1, self.device))
+        output = self.model_runner.forward(forward_batch, pp_proxy_tensors=proxy)
+        if not self.is_last_stage:
+            send_tensor_dict(output.tensors, self.pp_rank + 1, self.pending_sends)
+        return output
+
+    def send_stage_outputs(self, result: GenerationBatchResult, batch: ScheduleBatch) -> None:
+        """Last stage: send the sampled ids and logprobs (and the logits object when a request
+        asked for prompt logprobs) to every other stage, without waiting."""
+        if self.pp_size == 1:
+            return
+        wants_logits = any(req.return_logprob for req in batch.reqs)
+        logits = result.logits_output
+        if wants_logits:  # tensors travel pickled: move them off the device first
+            logits = type(logits)(**{k: _to_cpu(v) for k, v in vars(logits).items()})
+        payload = (result.next_token_ids.tolist(), result.next_token_logprobs, result.next_token_top_logprobs,
+                   logits if wants_logits else None)
+        for stage in range(self.pp_size - 1):
+            send_pyobj(payload, stage, self.pending_sends)
+
+    def resolve_stage_outputs(self, result: GenerationBatchResult) -> GenerationBatchResult:
+        """On a stage that is not the last: receive the last stage's outputs of this step (in
+        step order) into ``result``. A no-op on the last stage."""
+        if result.next_token_ids is None and not self.is_last_stage:
+            ids, logprobs, tops, logits = recv_pyobj(self.pp_size - 1)
+            result.next_token_ids = torch.tensor(ids, dtype=torch.int64)
+            result.next_token_logprobs, result.next_token_top_logprobs = logprobs, tops
+            result.logits_output = logits
         return result
 
     def sample(self, result: GenerationBatchResult, batch: ScheduleBatch) -> GenerationBatchResult:
