@@ -108,7 +108,7 @@ def captured(scheduler) -> dict[str, dict]:
                 r["finish"] = msg.finished_reasons[i] or r["finish"]
                 r["cached"] = msg.cached_tokens[i]
         elif hasattr(msg, "success"):
-            out.setdefault("_replies", []).append((msg.success, msg.message))
+            out.setdefault("_replies", []).append((msg.success, msg.message, getattr(msg, "data", None)))
     return out
 
 

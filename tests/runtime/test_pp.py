@@ -12,7 +12,9 @@ import torch
 
 import pp_harness
 from shardline_runtime.configs.pipeline_stage import PipelineLayoutError, PipelineStage, layer_partition
-from shardline_runtime.managers.io_struct import AbortReq, UpdateWeightsFromDiskReqInput
+from shardline_runtime.managers.io_struct import (
+    AbortReq, GetWeightsByNameReqInput, UpdateWeightsFromDiskReqInput, UpdateWeightsFromTensorReqInput,
+)
 
 TOL = 1e-4  # as tests/runtime/test_tp.py
 PROMPTS = [[5, 17, 200, 33, 9, 41, 77, 300], [12, 8, 101, 4, 60], [7, 7, 7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
@@ -127,6 +129,7 @@ def _scenarios(tiny_checkpoint, bad_update_path=None) -> tuple[list[dict], dict]
     llama, qwen3 = tiny_checkpoint("llama"), tiny_checkpoint("qwen3")
     three, tied = tiny_checkpoint("llama", num_hidden_layers=3), tiny_checkpoint("llama", tie_word_embeddings=True)
     seed1 = tiny_checkpoint("llama", seed=1)
+    tied_seed1 = tiny_checkpoint("llama", seed=1, tie_word_embeddings=True)
     chunked = [[pp_harness.greedy("a", SHARED + [1, 2], 8), pp_harness.greedy("b", SHARED[:9] + [3] * 9, 8)],
                [pp_harness.greedy("c", SHARED + [5, 6, 7], 8)]]
     tight = dict(max_total_tokens=72)
@@ -144,6 +147,9 @@ def _scenarios(tiny_checkpoint, bad_update_path=None) -> tuple[list[dict], dict]
                                                    [AbortReq("long", {"type": "abort"})]]),
         dict(name="update", path=str(llama), feeds=[requests("before"), [UpdateWeightsFromDiskReqInput(str(seed1))],
                                                     requests("after")]),
+        dict(name="update_tensor", path=str(tied), feeds=[
+            [UpdateWeightsFromTensorReqInput((tied_seed1 / "model.safetensors").read_bytes())], requests("t"),
+            [GetWeightsByNameReqInput("model.layers.1.mlp.down_proj.weight", 2)], [GetWeightsByNameReqInput("lm_head.weight", 2)]]),
         dict(name="update_rejected", path=str(llama), fail_update_stage=1,
              feeds=[[UpdateWeightsFromDiskReqInput(str(seed1))], requests("kept")]),
     ]
@@ -151,6 +157,7 @@ def _scenarios(tiny_checkpoint, bad_update_path=None) -> tuple[list[dict], dict]
         "llama": (llama, two, [requests()]), "qwen3": (qwen3, {}, [requests()]), "three_layers": (three, {}, [requests()]),
         "tied": (tied, {}, [requests()]), "chunked_prefix": (llama, dict(chunked_prefill_size=4), chunked),
         "retract": (llama, tight, [many]), "seed1": (seed1, {}, [requests()]), "short": (llama, {}, [requests("s", 6)]),
+        "tied_seed1": (tied_seed1, {}, [requests("t")]),
     }
     return scenarios, references
 
@@ -258,10 +265,25 @@ def test_weight_update_in_place_with_pp2(pp2):
 
 
 @pytest.mark.slow
+def test_weights_from_tensors_and_read_back_across_stages(pp2, tiny_checkpoint):
+    from safetensors.torch import load_file
+
+    ranks, reference = pp2
+    got = ranks[0]["update_tensor"]["outputs"]
+    (ok, _, _), (_, _, layer1), (_, _, head) = got["_replies"]
+    assert ok is True
+    assert _ids(got, "t") == _ids(reference["tied_seed1"][0], "t")
+    weights = load_file(str(tiny_checkpoint("llama", seed=1, tie_word_embeddings=True) / "model.safetensors"))
+    # layer 1 lives on stage 1 and the tied head on both ends: rank 0 answers with stage 1's values
+    assert torch.allclose(torch.tensor(layer1, dtype=torch.float64), weights["model.layers.1.mlp.down_proj.weight"][:2].double())
+    assert torch.allclose(torch.tensor(head, dtype=torch.float64), weights["model.embed_tokens.weight"][:2].double())
+
+
+@pytest.mark.slow
 def test_weight_update_rejected_on_one_stage_keeps_old_weights_on_every_stage(pp2):
     ranks, reference = pp2
     got = ranks[0]["update_rejected"]["outputs"]
-    ok, message = got["_replies"][0]
+    ok, message, _ = got["_replies"][0]
     assert ok is False and "another tensor-parallel rank or pipeline stage" in message
     assert _ids(got, "kept") == _ids(reference["llama"][0], "p")
 

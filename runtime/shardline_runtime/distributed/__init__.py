@@ -2,6 +2,7 @@
 
 from shardline_runtime.distributed.communication_op import (
     all_gather_pyobj,
+    all_gather_pyobj_world,
     all_reduce_min_int,
     barrier,
     broadcast_pyobj,
@@ -54,6 +55,7 @@ __all__ = [
     "send_pyobj",
     "send_tensor_dict",
     "ExpertParallelLayout",
+    "all_gather_pyobj_world",
     "all_gather_pyobj",
     "broadcast_tensor",
     "expert_parallel_combine",

@@ -68,6 +68,16 @@ def all_gather_pyobj(obj: Any) -> list[Any]:
     return out
 
 
+def all_gather_pyobj_world(obj: Any) -> list[Any]:
+    """Every world rank's picklable ``obj`` (all stages, all TP ranks), in world rank order."""
+    group = get_world_group()
+    if group.size == 1:
+        return [obj]
+    out: list[Any] = [None] * group.size
+    dist.all_gather_object(out, obj, group=group.cpu_group)
+    return out
+
+
 def all_reduce_min_int(value: int) -> int:
     """Minimum of an integer over every rank of the world: all TP ranks of all pipeline stages
     (CPU group), so an agreement (a weight update, a KV pool size) holds for the whole model."""
