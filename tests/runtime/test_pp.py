@@ -129,6 +129,7 @@ def _scenarios(tiny_checkpoint, bad_update_path=None) -> tuple[list[dict], dict]
     llama, qwen3 = tiny_checkpoint("llama"), tiny_checkpoint("qwen3")
     three, tied = tiny_checkpoint("llama", num_hidden_layers=3), tiny_checkpoint("llama", tie_word_embeddings=True)
     seed1 = tiny_checkpoint("llama", seed=1)
+    moe = tiny_checkpoint("qwen3_moe")
     tied_seed1 = tiny_checkpoint("llama", seed=1, tie_word_embeddings=True)
     chunked = [[pp_harness.greedy("a", SHARED + [1, 2], 8), pp_harness.greedy("b", SHARED[:9] + [3] * 9, 8)],
                [pp_harness.greedy("c", SHARED + [5, 6, 7], 8)]]
@@ -140,6 +141,7 @@ def _scenarios(tiny_checkpoint, bad_update_path=None) -> tuple[list[dict], dict]
         dict(name="llama_one_batch_at_a_time", path=str(llama), loop_size=1, feeds=[requests()], overrides=two),
         dict(name="qwen3", path=str(qwen3), forced=FORCED, prompts=PROMPTS, feeds=[requests()]),
         dict(name="three_layers", path=str(three), feeds=[requests()]),
+        dict(name="moe", path=str(moe), feeds=[requests()]),
         dict(name="tied", path=str(tied), forced=FORCED, prompts=PROMPTS, feeds=[requests()]),
         dict(name="chunked_prefix", path=str(llama), overrides=dict(chunked_prefill_size=4), feeds=chunked),
         dict(name="retract", path=str(llama), overrides=tight, feeds=[many]),
@@ -154,7 +156,7 @@ def _scenarios(tiny_checkpoint, bad_update_path=None) -> tuple[list[dict], dict]
              feeds=[[UpdateWeightsFromDiskReqInput(str(seed1))], requests("kept")]),
     ]
     references = {
-        "llama": (llama, two, [requests()]), "qwen3": (qwen3, {}, [requests()]), "three_layers": (three, {}, [requests()]),
+        "llama": (llama, two, [requests()]), "qwen3": (qwen3, {}, [requests()]), "three_layers": (three, {}, [requests()]), "moe": (moe, {}, [requests()]),
         "tied": (tied, {}, [requests()]), "chunked_prefix": (llama, dict(chunked_prefill_size=4), chunked),
         "retract": (llama, tight, [many]), "seed1": (seed1, {}, [requests()]), "short": (llama, {}, [requests("s", 6)]),
         "tied_seed1": (tied_seed1, {}, [requests("t")]),
@@ -208,6 +210,12 @@ def test_micro_batches_in_flight_equal_one_batch_at_a_time(pp2):
     assert _ids(ranks[0]["llama_one_batch_at_a_time"]["outputs"], "p") == _ids(reference["llama"][0], "p")
     assert ranks[0]["llama"]["max_busy_slots"] == 2  # requests decoded in both slots at once
     assert ranks[0]["llama_one_batch_at_a_time"]["max_busy_slots"] == 1
+
+
+@pytest.mark.slow
+def test_moe_model_pp2_matches_pp1(pp2):
+    ranks, reference = pp2
+    assert _ids(ranks[0]["moe"]["outputs"], "p") == _ids(reference["moe"][0], "p")
 
 
 @pytest.mark.slow

@@ -297,7 +297,8 @@ class TpModelWorker:
         return update_weights_from_safetensors(self.model_runner, data)
 
     def init_weights_update_group(self, msg: Any) -> tuple[bool, str]:
-        """Every rank joins ``msg.group_name`` as rank ``rank_offset + tp_rank`` (or none does)."""
+        """Every rank joins ``msg.group_name`` as rank ``rank_offset + world_rank`` (``world_rank =
+        pp_rank * tp_size + tp_rank``; just ``tp_rank`` without pipeline parallelism), or none does."""
         from shardline_runtime.distributed import all_reduce_min_int
         from shardline_runtime.distributed.weight_sync_group import (
             WeightSyncGroupError, destroy_weights_update_group, init_weights_update_group,
@@ -309,7 +310,8 @@ class TpModelWorker:
         else:
             try:
                 group = init_weights_update_group(
-                    msg.master_address, msg.master_port, msg.rank_offset + self.tp_rank, msg.world_size,
+                    msg.master_address, msg.master_port, msg.rank_offset + self.pp_rank * self.tp_size + self.tp_rank,
+                    msg.world_size,
                     msg.group_name, msg.backend, msg.timeout_s, self.device,
                 )
             except WeightSyncGroupError as exc:
