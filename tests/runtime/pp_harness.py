@@ -55,7 +55,7 @@ def make_scheduler(path, world_rank: int = 0, tp_size: int = 1, pp_size: int = 1
     return scheduler
 
 
-def drive(scheduler, feeds: list, max_iters: int = 20000) -> dict[str, list[int]]:
+def drive(scheduler, feeds: list, max_iters: int = 3000) -> dict[str, list[int]]:
     """Give each message list to the scheduler in turn (one loop iteration) and run until nothing
     runs, queues or is in flight; a feed ``(n, messages)`` runs exactly ``n`` iterations instead.
     The same stop rule holds on every rank at the same iteration. Returns the output ids every

@@ -13,7 +13,7 @@ import torch
 import pp_harness
 from shardline_runtime.configs.pipeline_stage import PipelineLayoutError, PipelineStage, layer_partition
 from shardline_runtime.managers.io_struct import (
-    AbortReq, GetWeightsByNameReqInput, UpdateWeightsFromDiskReqInput, UpdateWeightsFromTensorReqInput,
+    AbortReq, ContinueGenerationReqInput, GetWeightsByNameReqInput, PauseGenerationReqInput, UpdateWeightsFromDiskReqInput, UpdateWeightsFromTensorReqInput,
 )
 
 TOL = 1e-4  # as tests/runtime/test_tp.py
@@ -152,6 +152,9 @@ def _scenarios(tiny_checkpoint, bad_update_path=None) -> tuple[list[dict], dict]
         dict(name="update_tensor", path=str(tied), feeds=[
             [UpdateWeightsFromTensorReqInput((tied_seed1 / "model.safetensors").read_bytes())], requests("t"),
             [GetWeightsByNameReqInput("model.layers.1.mlp.down_proj.weight", 2)], [GetWeightsByNameReqInput("lm_head.weight", 2)]]),
+        dict(name="pause_update_continue", path=str(llama), feeds=[
+            (4, requests("q", 30)), (2, [PauseGenerationReqInput("retract")]),
+            (2, [UpdateWeightsFromDiskReqInput(str(seed1))]), [ContinueGenerationReqInput()]]),
         dict(name="update_rejected", path=str(llama), fail_update_stage=1,
              feeds=[[UpdateWeightsFromDiskReqInput(str(seed1))], requests("kept")]),
     ]
@@ -285,6 +288,19 @@ def test_weights_from_tensors_and_read_back_across_stages(pp2, tiny_checkpoint):
     # layer 1 lives on stage 1 and the tied head on both ends: rank 0 answers with stage 1's values
     assert torch.allclose(torch.tensor(layer1, dtype=torch.float64), weights["model.layers.1.mlp.down_proj.weight"][:2].double())
     assert torch.allclose(torch.tensor(head, dtype=torch.float64), weights["model.embed_tokens.weight"][:2].double())
+
+
+@pytest.mark.slow
+def test_pause_retract_update_continue_with_requests_in_flight(pp2):
+    """An RL loop's pause (retract) -> update -> continue while micro-batches are in flight: the
+    update waits for them, runs on both stages, and every request then finishes."""
+    ranks, _ = pp2
+    got = ranks[0]["pause_update_continue"]["outputs"]
+    assert [reply[0] for reply in got["_replies"]] == [True, True, True], got["_replies"]
+    assert [len(ids) for ids in _ids(got, "q")] == [30, 30, 30]
+    assert ranks[0]["pause_update_continue"]["retractions"] > 0
+    assert ranks[0]["pause_update_continue"]["tokens"] == ranks[1]["pause_update_continue"]["tokens"]
+    assert [rank["pause_update_continue"]["kv_leaked"] for rank in ranks] == [0, 0]
 
 
 @pytest.mark.slow

@@ -76,6 +76,16 @@ class SchedulerPPMixin:
         self.running_batch = self.running_mbs[slot]
         self.process_batch_result(batch, result)
         self.running_mbs[slot], self.running_batch = self.running_batch, None
+        if self.paused_mode == "retract":  # paused while this batch was in flight
+            self.retract_idle_slots()
+
+    def retract_idle_slots(self) -> None:
+        """Retract every request of the slots with no batch in flight (``/pause_generation``
+        mode ``retract``); the in-flight ones follow as their results arrive."""
+        inflight = self.inflight_batch_ids()
+        for slot, batch in enumerate(self.running_mbs):
+            while batch is not None and not batch.is_empty() and id(batch) not in inflight:
+                self.retract_one(batch)
 
     def pp_recv_requests(self) -> list:
         """Stage > 0: this iteration's messages, as the previous stage forwarded them."""

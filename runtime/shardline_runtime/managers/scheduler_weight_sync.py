@@ -163,6 +163,8 @@ class SchedulerWeightSyncMixin:
             batch = self.running_batch
             while batch is not None and not batch.is_empty():
                 self.retract_one(batch)
+            if self.running_mbs is not None:  # pipeline micro-batch slots
+                self.retract_idle_slots()
             if self.chunked_req is not None:
                 req, self.chunked_req = self.chunked_req, None
                 self.release_req(req)
