@@ -85,7 +85,7 @@ def drive(scheduler, feeds: list, max_iters: int = 3000) -> dict[str, list[int]]
                 scheduler.process_input_requests(scheduler.recv_requests())
                 batch = scheduler.get_next_batch_to_run()
                 if batch is not None:
-                    scheduler.process_batch_result(batch, worker.forward_batch_generation(batch))
+                    scheduler.process_batch_result(batch, scheduler.run_batch(batch))
             if iterations is not None:
                 if done + 1 == iterations:
                     break
@@ -123,7 +123,10 @@ def forced_logits(worker, prompts: list[list[int]], forced: list[list[int]], spl
             return getattr(runner, name)
 
         def forward(self, forward_batch):
-            return worker.forward_stage(forward_batch)
+            output = runner.forward(forward_batch, worker.recv_proxy_tensors())
+            if not worker.is_last_stage:
+                worker.send_proxy_tensors(output)
+            return output
 
     stage = StageRunner()
     seqs = harness.new_seqs(runner, len(prompts))

@@ -50,21 +50,30 @@ def _update(server, path, revision, **extra) -> dict:
 
 def _stream_ids(server, prompt: list[int], max_new_tokens: int, progress: dict, key) -> None:
     """Greedy ``/generate`` stream; ``progress[key]`` holds the output ids so far, then
-    ``(status, ids, finish_reason type)`` when it ends (a refusal has no ids)."""
+    ``(status, ids, finish_reason type)`` when it ends (a refusal has no ids). A stream that
+    ends in an error event records ``("error event", ids, error)``; a cut connection
+    ``("cut", ids, exception)``: both are outcomes the test then rejects by name."""
     body = {"input_ids": prompt, "stream": True,
             "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
     ids, reason = [], None
-    with httpx.stream("POST", server.url + "/generate", json=body, timeout=600) as r:
-        if r.status_code != 200:
-            r.read()
-            progress[key] = (r.status_code, [], None)
-            return
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                event = json.loads(line[6:])
-                ids = event["output_ids"]
-                progress[key] = list(ids)
-                reason = (event["meta_info"]["finish_reason"] or {}).get("type") or reason
+    try:
+        with httpx.stream("POST", server.url + "/generate", json=body, timeout=600) as r:
+            if r.status_code != 200:
+                r.read()
+                progress[key] = (r.status_code, [], None)
+                return
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        progress[key] = ("error event", ids, event["error"])
+                        return
+                    ids = event["output_ids"]
+                    progress[key] = list(ids)
+                    reason = (event["meta_info"]["finish_reason"] or {}).get("type") or reason
+    except httpx.TransportError as exc:
+        progress[key] = ("cut", ids, repr(exc))
+        return
     progress[key] = (200, ids, reason)
 
 

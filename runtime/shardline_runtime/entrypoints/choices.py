@@ -177,7 +177,8 @@ async def run_choices(
     lora_name: str | None = None,
 ) -> AsyncIterator[tuple[int, GenerateChunk]]:
     """Run every choice (with LoRA adapter ``lora_name``, None: the base model); yield
-    ``(index, chunk)`` in arrival order. Leaving early aborts them all."""
+    ``(index, chunk)`` in arrival order. Leaving early aborts them all. The caller has already
+    admitted the request (``TokenizerManager.admit``), so no choice is held again."""
     tm.check_ready()
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -185,7 +186,8 @@ async def run_choices(
         try:
             async for chunk in tm.generate(spec.input_ids, spec.params, return_logprob=return_logprob,
                                            top_logprobs_num=top_logprobs, logprob_start_len=spec.logprob_start_len,
-                                           include_stop_str_in_output=include_stop, lora_name=lora_name):
+                                           include_stop_str_in_output=include_stop, lora_name=lora_name,
+                                           admitted=True):
                 queue.put_nowait((spec.index, chunk))
         except Exception as exc:  # surfaced to the consumer below
             queue.put_nowait((spec.index, exc))

@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from shardline_runtime.entrypoints.choices import SafeJSONResponse, sse
+from shardline_runtime.entrypoints.errors import guard_stream
 from shardline_runtime.entrypoints.openai_serving import until_disconnect
 from shardline_runtime.entrypoints.protocol import GenerateRequest
 from shardline_runtime.managers.tokenizer_manager import RequestValidationError, TokenizerManager
@@ -105,6 +106,8 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
     if req.lora_path is not None and req.lora_path not in tm.lora_adapters:
         raise RequestValidationError(
             f"lora_path {req.lora_path!r} is not a loaded LoRA adapter; loaded: {sorted(tm.lora_adapters)}", "lora_path")
+    if req.rid is not None and req.rid in tm.states:
+        raise RequestValidationError(f"request id {req.rid!r} is already in use", "rid")
     await tm.admit()  # held during a weight update or a pause, 503 now: before a stream's headers go out
     rid = req.rid or tm.new_rid()
     out: dict[str, Any] = {"text": "", "output_ids": [], "meta_info": {"id": rid, "finish_reason": None,
@@ -117,7 +120,8 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
     async def events() -> AsyncIterator[dict]:
         logprob_start = req.logprob_start_len if req.return_logprob else -1
         async for chunk in tm.generate(input_ids, params, rid, req.return_logprob, req.top_logprobs_num, logprob_start,
-                                       lora_name=req.lora_path, input_embeds_positions=embeds[0], input_embeds_values=embeds[1]):
+                                       lora_name=req.lora_path, input_embeds_positions=embeds[0], input_embeds_values=embeds[1],
+                                       admitted=True):
             out["text"] += chunk.text
             out["output_ids"] += chunk.token_ids
             meta.update(finish_reason=chunk.finish_reason, prompt_tokens=chunk.prompt_tokens,
@@ -135,7 +139,7 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
                 yield sse(item)
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return StreamingResponse(guard_stream(stream()), media_type="text/event-stream")
 
     async def collect() -> None:
         async for _ in events():

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from shardline_runtime.entrypoints.errors import error_response
 from shardline_runtime.entrypoints.expert_routes import add_expert_routes
 from shardline_runtime.entrypoints.generate import serve_generate
 from shardline_runtime.entrypoints.lora_routes import add_lora_routes
@@ -36,18 +37,6 @@ from shardline_runtime.managers.tokenizer_manager import RequestValidationError,
 from shardline_runtime.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-def error_response(status: int, message: str, param: str | None = None, err_type: str | None = None) -> JSONResponse:
-    """An OpenAI-style error object with HTTP ``status``."""
-    if err_type is None:
-        err_type = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}.get(
-            status, "invalid_request_error" if status < 500 else "server_error"
-        )
-    return JSONResponse(
-        {"error": {"message": message, "type": err_type, "param": param, "code": status}, "object": "error"},
-        status_code=status,
-    )
 
 
 def _body_fields(request: Request) -> list[str]:
@@ -130,7 +119,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
     async def health_generate():
         await tm.admit()
         params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-        async for chunk in tm.generate([tm.info.eos_token_ids[0] if tm.info.eos_token_ids else 1], params):
+        async for chunk in tm.generate([tm.info.eos_token_ids[0] if tm.info.eos_token_ids else 1], params, admitted=True):
             if chunk.finish_reason is not None and chunk.finish_reason.get("type") == "abort":
                 return error_response(503, f"generation failed: {chunk.finish_reason.get('message')}")
         return PlainTextResponse("OK")

@@ -26,6 +26,7 @@ from shardline_runtime.entrypoints.choices import (
     sse,
     usage_dict,
 )
+from shardline_runtime.entrypoints.errors import guard_stream
 from shardline_runtime.entrypoints.logprobs import chat_logprobs, completion_logprobs, merge_logprobs, prompt_text_offsets
 from shardline_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from shardline_runtime.managers.tokenizer_manager import GenerateChunk, TokenizerManager
@@ -55,7 +56,7 @@ async def until_disconnect(raw: Request, work: Callable[[], Any]) -> Any:
 
 
 def _streaming(gen: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(guard_stream(gen), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: str, raw: Request):

@@ -165,7 +165,7 @@ class SchedulerPolicyMixin:
                 else:
                     self.chunked_req = req
             return None
-        batch = self.worker.new_batch(admitted)
+        batch = self.new_batch(admitted)
         batch.chunked_req = self.chunked_req
         batch.prepare_for_extend()
         return batch

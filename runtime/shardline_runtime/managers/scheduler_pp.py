@@ -61,7 +61,7 @@ class SchedulerPPMixin:
         batch = self.get_next_batch_to_run()
         self.running_mbs[slot], self.running_batch = self.running_batch, None
         if batch is not None:
-            self.pp_inflight[slot] = (batch, self.worker.forward_batch_generation(batch))
+            self.pp_inflight[slot] = (batch, self.worker.forward_batch_generation(batch.get_model_worker_batch()))
         self.process_pp_result((slot + 1) % self.pp_loop_size)
 
     def process_pp_result(self, slot: int) -> None:

@@ -342,14 +342,19 @@ class TokenizerManager:
         lora_name: str | None = None,
         input_embeds_positions: list[int] | None = None,
         input_embeds_values: list[list[float]] | None = None,
+        admitted: bool = False,
     ) -> AsyncIterator[GenerateChunk]:
         """Run one request; yields chunks until the one with ``finish_reason`` set.
 
         Leaving the iterator before the end (client disconnect, cancellation) aborts the
         request in the scheduler, which frees its KV within a step. A request that arrives during
-        a weight update is held first (:meth:`admit`).
+        a weight update is held first (:meth:`admit`), unless the caller already ``admitted`` it:
+        the HTTP handlers admit before a stream's headers go out, and a second hold after them
+        could only end in a cut stream (a request admitted just before an update began is sent
+        now, and the scheduler runs it whole on the new weights once the update is done).
         """
-        await self.admit()
+        if not admitted:
+            await self.admit()
         if lora_name is not None and lora_name not in self.lora_adapters:
             raise RequestValidationError(
                 f"LoRA adapter {lora_name!r} is not loaded; loaded: {sorted(self.lora_adapters)}", "lora_path")
