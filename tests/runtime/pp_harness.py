@@ -12,9 +12,9 @@ import os
 import time
 from typing import Any
 
+import harness
 import torch
 
-import harness
 from shardline_runtime.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
 from shardline_runtime.sampling.sampling_params import SamplingParams
 

@@ -7,13 +7,22 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
+import pp_harness
 import pytest
 import torch
 
-import pp_harness
-from shardline_runtime.configs.pipeline_stage import PipelineLayoutError, PipelineStage, layer_partition
+from shardline_runtime.configs.pipeline_stage import (
+    PipelineLayoutError,
+    PipelineStage,
+    layer_partition,
+)
 from shardline_runtime.managers.io_struct import (
-    AbortReq, ContinueGenerationReqInput, GetWeightsByNameReqInput, PauseGenerationReqInput, UpdateWeightsFromDiskReqInput, UpdateWeightsFromTensorReqInput,
+    AbortReq,
+    ContinueGenerationReqInput,
+    GetWeightsByNameReqInput,
+    PauseGenerationReqInput,
+    UpdateWeightsFromDiskReqInput,
+    UpdateWeightsFromTensorReqInput,
 )
 
 TOL = 1e-4  # as tests/runtime/test_tp.py

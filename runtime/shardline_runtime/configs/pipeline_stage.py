@@ -14,15 +14,17 @@ explicitly (uneven splits allowed).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 class PipelineLayoutError(ValueError):
     """The model's layers cannot be split over the pipeline stages as asked (names the flag)."""
 
 
-def layer_partition(num_layers: int, pp_size: int, partition: Sequence[int] | None = None) -> list[int]:
+def layer_partition(
+    num_layers: int, pp_size: int, partition: Sequence[int] | None = None
+) -> list[int]:
     """Layers per stage, in stage order.
 
     Args:
@@ -78,11 +80,16 @@ class PipelineStage:
         return num_layers if self.end_layer is None else self.end_layer
 
     def owns_layer(self, layer_id: int) -> bool:
-        return self.start_layer <= layer_id < (self.end_layer if self.end_layer is not None else layer_id + 1)
+        return (
+            self.start_layer
+            <= layer_id
+            < (self.end_layer if self.end_layer is not None else layer_id + 1)
+        )
 
     @classmethod
-    def for_rank(cls, num_layers: int, pp_rank: int, pp_size: int,
-                 partition: Sequence[int] | None = None) -> "PipelineStage":
+    def for_rank(
+        cls, num_layers: int, pp_rank: int, pp_size: int, partition: Sequence[int] | None = None
+    ) -> PipelineStage:
         """The stage ``pp_rank`` of a ``pp_size``-stage pipeline (see :func:`layer_partition`)."""
         counts = layer_partition(num_layers, pp_size, partition)
         start = sum(counts[:pp_rank])
@@ -100,7 +107,9 @@ def parse_layer_partition(text: str | None) -> tuple[int, ...]:
     try:
         counts = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise PipelineLayoutError(f"--pp-layer-partition must be comma-separated layer counts like 10,11,11, got {text!r}") from None
+        raise PipelineLayoutError(
+            f"--pp-layer-partition must be comma-separated layer counts like 10,11,11, got {text!r}"
+        ) from None
     if any(c < 1 for c in counts):
         raise PipelineLayoutError(f"--pp-layer-partition counts must each be >= 1, got {text!r}")
     return counts

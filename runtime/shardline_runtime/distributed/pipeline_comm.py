@@ -42,7 +42,9 @@ class PendingSends:
         self.prune()
 
     def prune(self) -> None:
-        self.items = [(works, t) for works, t in self.items if not all(w.is_completed() for w in works)]
+        self.items = [
+            (works, t) for works, t in self.items if not all(w.is_completed() for w in works)
+        ]
 
     def wait_all(self) -> None:
         for works, _ in self.items:
@@ -54,7 +56,9 @@ class PendingSends:
 def _peer(stage: int) -> int:
     group = get_pp_group()
     if not 0 <= stage < group.size or stage == group.rank:
-        raise ValueError(f"pipeline peer stage must be in [0, {group.size}) and not this stage {group.rank}, got {stage}")
+        raise ValueError(
+            f"pipeline peer stage must be in [0, {group.size}) and not this stage {group.rank}, got {stage}"
+        )
     return group.world_rank_of(stage)
 
 
@@ -64,7 +68,10 @@ def send_pyobj(obj: Any, dst_stage: int, pending: PendingSends) -> None:
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.int64)
     dst = _peer(dst_stage)
-    works = [dist.isend(size, dst, group=group.cpu_group), dist.isend(data, dst, group=group.cpu_group)]
+    works = [
+        dist.isend(size, dst, group=group.cpu_group),
+        dist.isend(data, dst, group=group.cpu_group),
+    ]
     pending.add(works, [size, data])
 
 
@@ -79,7 +86,9 @@ def recv_pyobj(src_stage: int) -> Any:
     return pickle.loads(data.numpy().tobytes())
 
 
-def send_tensor_dict(tensors: dict[str, torch.Tensor], dst_stage: int, pending: PendingSends) -> None:
+def send_tensor_dict(
+    tensors: dict[str, torch.Tensor], dst_stage: int, pending: PendingSends
+) -> None:
     """Send named tensors to stage ``dst_stage``: a header on the CPU group, then each tensor
     (contiguous, on this rank's device) on the device group; without waiting."""
     group = get_pp_group()

@@ -37,7 +37,9 @@ class SchedulerPPMixin:
         """Micro-batch slots: ``loop_size`` of them (default ``pp_size``)."""
         self.pp_loop_size = loop_size or self.pp_size
         self.running_mbs = [None] * self.pp_loop_size
-        self.pp_inflight = [None] * self.pp_loop_size  # (batch, result) scheduled, result not processed
+        self.pp_inflight = [
+            None
+        ] * self.pp_loop_size  # (batch, result) scheduled, result not processed
         self.pp_iteration = 0
 
     def event_loop_pp(self, should_stop=lambda: False) -> None:
@@ -61,7 +63,10 @@ class SchedulerPPMixin:
         batch = self.get_next_batch_to_run()
         self.running_mbs[slot], self.running_batch = self.running_batch, None
         if batch is not None:
-            self.pp_inflight[slot] = (batch, self.worker.forward_batch_generation(batch.get_model_worker_batch()))
+            self.pp_inflight[slot] = (
+                batch,
+                self.worker.forward_batch_generation(batch.get_model_worker_batch()),
+            )
         self.process_pp_result((slot + 1) % self.pp_loop_size)
 
     def process_pp_result(self, slot: int) -> None:
@@ -83,7 +88,7 @@ class SchedulerPPMixin:
         """Retract every request of the slots with no batch in flight (``/pause_generation``
         mode ``retract``); the in-flight ones follow as their results arrive."""
         inflight = self.inflight_batch_ids()
-        for slot, batch in enumerate(self.running_mbs):
+        for batch in self.running_mbs:
             while batch is not None and not batch.is_empty() and id(batch) not in inflight:
                 self.retract_one(batch)
 
@@ -93,4 +98,6 @@ class SchedulerPPMixin:
 
     def inflight_batch_ids(self) -> set[int]:
         """``id`` of every batch whose result is not processed yet (never filtered meanwhile)."""
-        return {id(item[0]) for item in (getattr(self, "pp_inflight", None) or []) if item is not None}
+        return {
+            id(item[0]) for item in (getattr(self, "pp_inflight", None) or []) if item is not None
+        }

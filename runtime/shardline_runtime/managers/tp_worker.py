@@ -38,13 +38,22 @@ import torch
 
 from shardline_runtime.configs.model_config import ModelConfig
 from shardline_runtime.distributed import (
-    PendingSends, broadcast_pyobj_world, recv_pyobj, recv_tensor_dict, send_pyobj, send_tensor_dict,
+    PendingSends,
+    broadcast_pyobj_world,
+    recv_pyobj,
+    recv_tensor_dict,
+    send_pyobj,
+    send_tensor_dict,
 )
 from shardline_runtime.managers.model_worker_batch import ModelWorkerBatch
 from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from shardline_runtime.model_executor.forward_batch_info import PPProxyTensors
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
-from shardline_runtime.model_executor.model_runner import ModelRunner, ModelRunnerConfig, resolve_device
+from shardline_runtime.model_executor.model_runner import (
+    ModelRunner,
+    ModelRunnerConfig,
+    resolve_device,
+)
 from shardline_runtime.model_executor.weight_update import WeightsPhase
 
 logger = logging.getLogger(__name__)
@@ -282,7 +291,9 @@ class TpModelWorker(BaseTpWorker):
         pp_rank * tp_size + tp_rank``; just ``tp_rank`` without pipeline parallelism), or none does."""
         from shardline_runtime.distributed import all_reduce_min_int
         from shardline_runtime.distributed.weight_sync_group import (
-            WeightSyncGroupError, destroy_weights_update_group, init_weights_update_group,
+            WeightSyncGroupError,
+            destroy_weights_update_group,
+            init_weights_update_group,
         )
 
         group, reason = None, ""
