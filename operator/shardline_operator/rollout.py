@@ -64,7 +64,9 @@ class GroupView:
     this process sent (``pending``, ``success``, ``failure``, or ``unknown`` when it sent none);
     ``phases``: weights phases sampled while it ran; ``gate``: ``(passed, message)`` of the
     canary verification when it was run this pass; ``pod_revision``: the revision label of the
-    leader pod (what it was started with or last relabelled to), if known.
+    leader pod (what it was started with or last relabelled to), if known; ``update_seconds``:
+    the runtime's ``load_seconds`` / ``recapture_seconds`` for the update that ``update`` reports
+    ended (empty otherwise).
     """
 
     index: int
@@ -77,6 +79,7 @@ class GroupView:
     phases: tuple[str, ...] = ()
     gate: tuple[bool, str] | None = None
     pod_revision: str | None = None
+    update_seconds: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def served(self) -> ServedModel | None:
@@ -106,7 +109,9 @@ class RolloutPlan:
 
     ``trail`` lists (group, phase) passed through since the last pass (written as status
     transitions before ``group_phases``); ``mixed`` maps groups to their mixed-version reason;
-    ``forget_digest`` lists groups whose recorded digest is stale (re-recorded from the leader).
+    ``forget_digest`` lists groups whose recorded digest is stale (re-recorded from the leader);
+    ``group_update_seconds`` / ``group_recapture_seconds``: (group, seconds) of updates that
+    ended this pass (the operator's wall time; the runtime's reported recapture time).
     """
 
     state: RolloutState | None
@@ -119,6 +124,7 @@ class RolloutPlan:
     forget_digest: list[int] = field(default_factory=list)
     requeue_after_seconds: float | None = None
     group_update_seconds: list[tuple[int, float]] = field(default_factory=list)
+    group_recapture_seconds: list[tuple[int, float]] = field(default_factory=list)
     rollout_seconds: float | None = None
     rolled_back: bool = False
     failed_updates: int = 0
@@ -259,6 +265,8 @@ def _follow_wave(state: RolloutState, views: Mapping[int, GroupView], policy: We
             out.apply[index] = target
             out.forget_digest.append(index)
             out.group_update_seconds.append((index, now - started))
+            if "recapture_seconds" in view.update_seconds:
+                out.group_recapture_seconds.append((index, view.update_seconds["recapture_seconds"]))
             out.events.append(("Normal", "GroupUpdated", f"group {index} serves {target.revision}"))
         else:
             out.failed_updates += 1

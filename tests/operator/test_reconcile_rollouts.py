@@ -58,6 +58,9 @@ class LiveLeaders:
     def observed_phases(self, key):
         return []
 
+    def update_seconds(self, key):  # what a CPU runtime's reply carries (no graphs to recapture)
+        return {"load_seconds": 0.25, "recapture_seconds": 0.0}
+
     def verify(self, url, verify):
         return True, "ok"
 
@@ -113,8 +116,14 @@ def test_revert_mid_update_is_awaited_then_applied(world):
     assert leaders.sent == [("default/llama/g0", "rev-b"), ("default/llama/g0", "rev-a")]  # g1 never moved
 
 
+def recaptures() -> float:
+    return metrics.REGISTRY.get_sample_value("shardline_operator_group_recapture_seconds_count",
+                                             {"namespace": "default", "name": "llama"}) or 0.0
+
+
 def test_progress_condition_and_no_ready_between_groups(world):
     kube, leaders, run = world
+    before = recaptures()
     run(path=REV_B, revision="rev-b")
     leaders.finish("default/llama/g0")
     result = run()
@@ -130,6 +139,7 @@ def test_progress_condition_and_no_ready_between_groups(world):
     assert result.status["phase"] == "Ready" and conditions(result.status)["Progressing"]["status"] == "False"
     assert [g["weightsDigest"] for g in result.status["groups"]] == ["sha256:rev-b", "sha256:rev-b"]
     assert metrics.GROUPS_PER_REVISION.labels("default", "llama", "rev-b")._value.get() == 2
+    assert recaptures() == before + 2  # each group's reported recapture_seconds, one sample each
 
 
 def test_mixed_version_is_degraded_then_repaired(world):

@@ -282,3 +282,14 @@ def test_state_written_before_waves_is_read():
            "startedAt": "2023-11-14T22:13:20Z", "groupPhase": "RecapturingGraphs"}
     state = RolloutState.from_status(raw)
     assert state.wave == (1,) and state.group_phases == {1: "RecapturingGraphs"}
+
+
+def test_reported_recapture_seconds_are_kept_per_group():
+    """The runtime's ``recapture_seconds`` (from the update's reply) feeds the recapture metric."""
+    state = RolloutState(UPDATING, REV_B, REV_A, wave=(0, 1), started_at=0.0, rollout_started_at=0.0)
+    leader = LeaderReport("serving", REV_B.path, REV_B.revision, digest(REV_B))
+    views = [GroupView(0, REV_A, leader=leader, update=("success", ""),
+                       update_seconds={"load_seconds": 2.0, "recapture_seconds": 0.75}),
+             GroupView(1, REV_A, leader=leader, update=("success", ""))]  # an older runtime: none reported
+    plan = plan_rollout(state, REV_B, views, POLICY, 3.0)
+    assert plan.group_update_seconds == [(0, 3.0), (1, 3.0)] and plan.group_recapture_seconds == [(0, 0.75)]
