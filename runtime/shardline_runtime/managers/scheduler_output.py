@@ -35,28 +35,30 @@ class SchedulerOutputMixin:
 
     def process_batch_result(self, batch, result) -> None:
         next_ids = result.next_token_ids.tolist()
+        # Requests aborted while the batch was in flight (pipeline micro-batches) are done already.
+        done_before = {id(req) for req in batch.reqs if req.finished()}
         if batch.forward_mode.is_extend():
             self._collect_prompt_logprobs(batch, result)
         for i, req in enumerate(batch.reqs):
-            if req is self.chunked_req:
+            if req is batch.chunked_req or id(req) in done_before:
                 continue  # an intermediate chunk samples nothing
             if req.wants_token and next_ids[i] >= 0:
                 top = result.next_token_top_logprobs[i] if req.top_logprobs_num else None
                 req.append_output(next_ids[i], result.next_token_logprobs[i] if req.return_logprob else None, top)
             req.check_finished(self.max_req_len)
-        finished = [r for r in batch.reqs if r.finished()]
+        finished = [r for r in batch.reqs if r.finished() and id(r) not in done_before]
         for req in finished:
             self.release_req(req)
+        streamed = [r for r in batch.reqs if id(r) not in done_before]
         if batch.forward_mode.is_extend():
-            keep = [i for i, r in enumerate(batch.reqs) if not r.finished() and r is not self.chunked_req]
-            streamed = list(batch.reqs)
+            keep = [i for i, r in enumerate(batch.reqs) if not r.finished() and r is not batch.chunked_req]
             batch.filter_batch(keep)
+            batch.chunked_req = None  # it now decodes; the chunked request stayed out of it
             if self.running_batch is None or self.running_batch.is_empty():
                 self.running_batch = batch
             else:
                 self.running_batch.merge_batch(batch)
         else:
-            streamed = list(batch.reqs)
             batch.filter_batch()
         self.stream_output(streamed)
 
@@ -82,7 +84,7 @@ class SchedulerOutputMixin:
                     top = list(zip(*tops[j])) if tops else []
                     req.prompt_logprobs.append((pos, value, top))
             end = prefix + extend
-            if req is self.chunked_req and end < len(full):
+            if req is batch.chunked_req and end < len(full):
                 logprobs = torch.log_softmax(out.next_token_logits[i].float(), dim=-1)
                 top = []
                 if req.top_logprobs_num:
@@ -141,7 +143,7 @@ class SchedulerOutputMixin:
         """Rank 0: push ``SchedulerStats`` to the HTTP process when they changed."""
         if self.send_socket is None:
             return
-        running = 0 if self.running_batch is None else self.running_batch.batch_size
+        running = sum(sum(not r.finished() for r in batch.reqs) for batch in self.running_batches())
         queued = len(self.waiting_queue) + (1 if self.chunked_req is not None else 0)
         stats = (running, queued, self.kv_used_tokens(), self.tree_cache.evictable_size())
         if stats != self.last_stats:
