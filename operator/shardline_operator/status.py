@@ -90,6 +90,15 @@ def rank_status(pod: PodObservation, parallelism: ParallelismSpec) -> dict[str, 
     return item
 
 
+def restart_message(report: GroupReport, phase: str) -> str | None:
+    """While a group restarts after a failure (not a rollout's planned restart): why, as the
+    first error line one of its pods wrote to its termination log (None without one)."""
+    if phase != "Restarting" or report.planned:
+        return None
+    error = next((p.error_message for p in report.observation.pods if p.error_message), None)
+    return f"restarting after: {error}" if error else None
+
+
 def group_status(report: GroupReport, phase: str, parallelism: ParallelismSpec) -> dict[str, Any]:
     """One ``status.groups[]`` item (``parallelism`` maps each pod to its pp and tp ranks)."""
     group, record = report.observation, report.record
@@ -97,7 +106,7 @@ def group_status(report: GroupReport, phase: str, parallelism: ParallelismSpec) 
         "index": group.index, "phase": phase, "pods": len(group.live_pods), "readyPods": group.ready_pods,
         "revision": report.revision, "restarts": record.restarts,
         "podUIDs": dict(record.pod_uids),
-        "message": record.failed_message or report.mixed or "",
+        "message": record.failed_message or report.mixed or restart_message(report, phase) or "",
         "ranks": [rank_status(p, parallelism) for p in group.pods],
     }
     if report.digest:
@@ -198,6 +207,8 @@ def build_status(spec: DeploymentSpec, generation: int, reports: Sequence[GroupR
                              bool(mixed), not unplanned)
     failed_messages = [f"group {r.observation.index}: {r.record.failed_message}"
                        for r in reports if r.record.failed_message]
+    failed_messages += [f"group {r.observation.index}: {m}" for r, p in zip(reports, phases)
+                        if (m := restart_message(r, p)) is not None and not r.record.failed_message]
     progress = f"{len(on_target)}/{spec.replicas} groups on {desired.revision}"
     if rollout is not None and rollout.phase == FAILED:
         weights = (False, "UpdateFailed", rollout.message)

@@ -158,3 +158,19 @@ def test_fewer_layers_than_stages_becomes_the_groups_failed_reason(make_spec, ma
     assert status["groups"][0]["phase"] == "Failed" and status["groups"][0]["message"] == LAYER_ERROR
     assert status["message"] == f"group 0: {LAYER_ERROR}"
     assert status["groups"][0]["ranks"][3]["lastError"] == LAYER_ERROR[:256]
+
+
+def test_a_restarting_group_shows_the_error_it_restarts_after(make_spec, make_pod):
+    """Before the budget is spent, status already says why the group restarts (not just Degraded)."""
+    spec = make_spec({"replicas": 1, "parallelism": {"tensor": 1, "pipeline": 4, "gpusPerPod": 1}})
+    group = pp_group(make_pod, restarts=1, terminated_message=LAYER_ERROR)
+    decision = decide(group, GroupRecord(), spec.restart_policy, now=10.0)
+    assert decision.action == "restart"
+    status = build_status(spec, 1, [GroupReport(group, decision.record, "Restarting")], None, {}, now=10.0)
+    assert status["phase"] == "Degraded"
+    assert status["groups"][0]["message"] == f"restarting after: {LAYER_ERROR}"
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["message"] == f"group 0: restarting after: {LAYER_ERROR}"
+    planned = build_status(spec, 1, [GroupReport(group, decision.record, "Restarting", planned=True)], None, {},
+                           now=10.0)
+    assert planned["groups"][0]["message"] == ""
