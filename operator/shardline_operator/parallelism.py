@@ -64,30 +64,42 @@ class ParallelismSpec:
         if not 0 <= node_rank < self.pods_per_group:
             raise ValueError(f"node_rank must be in [0, {self.pods_per_group}), got {node_rank}")
         ranks = range(node_rank * self.gpus_per_pod, (node_rank + 1) * self.gpus_per_pod)
-        return PodRanks(pp_ranks=tuple(sorted({r // self.tensor for r in ranks})),
-                        tp_ranks=tuple(sorted({r % self.tensor for r in ranks})))
+        return PodRanks(
+            pp_ranks=tuple(sorted({r // self.tensor for r in ranks})),
+            tp_ranks=tuple(sorted({r % self.tensor for r in ranks})),
+        )
 
     def layout_error(self) -> str | None:
         """Why these sizes cannot be laid out over pods (a message naming the fields), or None."""
         allowed = [d for d in range(1, self.tensor + 1) if self.tensor % d == 0]
         if self.tensor % self.expert != 0:
-            return (f"expert ({self.expert}) must divide tensor ({self.tensor}): experts are split over "
-                    f"expert groups of tensor / expert ranks; allowed: {allowed}")
+            return (
+                f"expert ({self.expert}) must divide tensor ({self.tensor}): experts are split over "
+                f"expert groups of tensor / expert ranks; allowed: {allowed}"
+            )
         if self.world_size > MAX_WORLD_SIZE:
-            return (f"tensor x pipeline ({self.tensor} x {self.pipeline} = {self.world_size}) must be at most "
-                    f"{MAX_WORLD_SIZE} ranks per group")
+            return (
+                f"tensor x pipeline ({self.tensor} x {self.pipeline} = {self.world_size}) must be at most "
+                f"{MAX_WORLD_SIZE} ranks per group"
+            )
         if self.pipeline == 1 and self.tensor % self.gpus_per_pod != 0:
             return f"tensor ({self.tensor}) must be a multiple of gpusPerPod ({self.gpus_per_pod})"
         if self.world_size % self.gpus_per_pod != 0:
-            return (f"tensor x pipeline ({self.tensor} x {self.pipeline} = {self.world_size}) must be a multiple of "
-                    f"gpusPerPod ({self.gpus_per_pod}): every pod runs gpusPerPod ranks")
+            return (
+                f"tensor x pipeline ({self.tensor} x {self.pipeline} = {self.world_size}) must be a multiple of "
+                f"gpusPerPod ({self.gpus_per_pod}): every pod runs gpusPerPod ranks"
+            )
         if self.tensor % self.gpus_per_pod != 0 and self.gpus_per_pod % self.tensor != 0:
-            return (f"gpusPerPod ({self.gpus_per_pod}) must divide tensor ({self.tensor}) or be a multiple of it: "
-                    "a pipeline stage spans whole pods, or a pod holds whole stages")
+            return (
+                f"gpusPerPod ({self.gpus_per_pod}) must divide tensor ({self.tensor}) or be a multiple of it: "
+                "a pipeline stage spans whole pods, or a pod holds whole stages"
+            )
         partition = self.pipeline_layer_partition
         if partition and len(partition) != self.pipeline:
-            return (f"pipelineLayerPartition gives {len(partition)} stages ({list(partition)}) but pipeline is "
-                    f"{self.pipeline}: give one layer count per stage")
+            return (
+                f"pipelineLayerPartition gives {len(partition)} stages ({list(partition)}) but pipeline is "
+                f"{self.pipeline}: give one layer count per stage"
+            )
         return None
 
     def restart_fields(self) -> dict[str, Any]:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_cluster_operator import deployment, op, wait_for  # noqa: F401  (op: the module's fixture)
 
 from hack.scenario.models import MODELS_ROOT, write_tiny_model
-from test_cluster_operator import deployment, op, wait_for  # noqa: F401  (op: the module's fixture)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

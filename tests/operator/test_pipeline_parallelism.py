@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from test_status_build import observed
 
 from shardline_operator.group_health import GroupRecord, decide
 from shardline_operator.observed import GroupObservation, PodObservation
@@ -10,8 +11,6 @@ from shardline_operator.parallelism import ParallelismSpec, PodRanks
 from shardline_operator.render import render_children
 from shardline_operator.spec import RestartPolicySpec, SpecError
 from shardline_operator.status import GroupReport, build_status
-
-from test_status_build import observed
 
 # The runtime's error for a model with fewer layers than stages (the i12 runtime's
 # PipelineLayoutError, as the scheduler process writes it to the termination log).
