@@ -71,7 +71,6 @@ def test_rendered_args_parse_with_the_runtime_parser(spec_name):
         assert args.pp_size == spec.parallelism.pipeline
         assert tuple(args.pp_layer_partition) == spec.parallelism.pipeline_layer_partition
         assert args.ep_size == spec.parallelism.expert
-        assert args.pp_size == getattr(spec.parallelism, "pipeline", 1)
         assert args.nnodes == spec.parallelism.pods_per_group
         assert args.node_rank == rank
         assert args.host == f"127.0.0.{10 + rank}"
