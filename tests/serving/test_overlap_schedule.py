@@ -61,7 +61,7 @@ def test_overlap_equals_no_overlap_over_a_mixed_workload(ckpt):
     shared = _prompt(rng, 90)
     first = [greedy(f"a{i}", _prompt(rng, rng.randint(3, 150)), rng.randint(1, 24)) for i in range(6)]
     first.append(greedy("prefill_only", _prompt(rng, 20), 0, return_logprob=True, logprob_start_len=0))
-    first.append(greedy("logprobs", _prompt(rng, 30), 12, return_logprob=True, top_logprobs_num=2, logprob_start_len=5))
+    first.append(greedy("logprobs", _prompt(rng, 150), 12, return_logprob=True, top_logprobs_num=2, logprob_start_len=5))
     first.append(greedy("shared0", shared + [7, 8], 10))
     stop_params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=tuple(range(5, 500, 3)))
     arrivals = {
@@ -79,6 +79,9 @@ def test_overlap_equals_no_overlap_over_a_mixed_workload(ckpt):
         assert overlap[rid]["ids"] == plain[rid]["ids"], f"{rid}: greedy tokens differ with overlap"
         assert overlap[rid]["finish"] == plain[rid]["finish"], rid
         assert overlap[rid]["logprobs"] == pytest.approx(plain[rid]["logprobs"], abs=1e-5), rid
+    prompt_logprobs = [[lp for lp, _ in run["prompt_logprobs"]] for run in (overlap["logprobs"], plain["logprobs"])]
+    assert len(prompt_logprobs[0]) == 145 and None not in prompt_logprobs[0][1:], "chunked prompt logprobs are complete"
+    assert prompt_logprobs[0] == pytest.approx(prompt_logprobs[1], abs=1e-5)
     assert overlap["stops"]["finish"]["type"] == "stop"
     assert overlap["prefill_only"]["ids"] == [] and len(overlap["prefill_only"]["prompt_logprobs"]) == 20
     assert overlap["shared1"]["cached"] == plain["shared1"]["cached"] > 0

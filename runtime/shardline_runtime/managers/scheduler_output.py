@@ -104,8 +104,9 @@ class SchedulerOutputMixin:
             return
         step.joined_running = True
         joining = step.batch.copy()
-        joining.filter_batch([i for i, r in enumerate(joining.reqs)
-                              if not joining.chunked_rows[i] and r.sampling_params.max_new_tokens != 0])
+        # finished ones: released by the result of the step before (a mixed step in flight)
+        joining.filter_batch([i for i, r in enumerate(joining.reqs) if not joining.chunked_rows[i]
+                              and r.sampling_params.max_new_tokens != 0 and not r.finished()])
         if self.running_batch is None or self.running_batch.is_empty():
             self.running_batch = joining
         else:
@@ -133,7 +134,7 @@ class SchedulerOutputMixin:
                     top = list(zip(*tops[j])) if tops else []
                     req.prompt_logprobs.append((pos, value, top))
             end = prefix + extend
-            if req is self.chunked_req and end < len(full):
+            if batch.chunked_rows[i] and end < len(full):
                 logprobs = torch.log_softmax(out.next_token_logits[i].float(), dim=-1)
                 top = []
                 if req.top_logprobs_num:
