@@ -65,21 +65,24 @@ class InFlightStep:
     """A launched step whose result is not processed yet.
 
     Attributes:
-        batch: the batch as launched (a copy: later steps may filter or extend the original).
+        batch: the ``ScheduleBatch`` that ran (an EXTEND batch joins the running batch from here).
+        rows: a copy of its rows as launched, for processing the result (the running batch may
+            have been filtered or extended since).
         result: its result (ids possibly still being copied to the host).
-        joined_running: its requests were already merged into the running batch (an EXTEND
-            step's requests join the next decode before its tokens are known).
+        joined_running: its EXTEND requests already joined the running batch (they join the next
+            decode before their first token is known).
         deferred_free: KV slots of requests that finished while this step was computing their
             next (discarded) token; freed once the step has completed.
     """
 
     batch: Any
+    rows: Any
     result: GenerationBatchResult
     joined_running: bool = False
     deferred_free: list[torch.Tensor] = field(default_factory=list)
 
     def holds(self, req: Any) -> bool:
-        return any(r is req for r in self.batch.reqs)
+        return any(r is req for r in self.rows.reqs)
 
 
 def launch_step(worker: Any, batch: ModelWorkerBatch, future_map: FutureMap | None) -> GenerationBatchResult:

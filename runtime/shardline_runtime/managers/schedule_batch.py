@@ -79,7 +79,10 @@ class ScheduleBatch:
         self.sampling_info: SamplingBatchInfo | None = None
         # overlap scheduling: a decode input may be the token the step in flight samples
         self.future_tokens = False
-        self.chunked_rows: list[bool] = []  # per row of the prepared step: an intermediate chunk
+        # The request of this EXTEND whose prefill continues in a later step (set when formed):
+        # with pipeline micro-batches or overlap scheduling the scheduler's own ``chunked_req``
+        # may have moved on by the time this batch's result is processed.
+        self.chunked_req: Req | None = None
 
     @classmethod
     def init_new(cls, reqs: list[Req], worker) -> "ScheduleBatch":
@@ -148,7 +151,6 @@ class ScheduleBatch:
         self.seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
         self.prefix_lens = prefix_lens
         self.extend_lens = extend_lens
-        self.chunked_rows = [r.is_chunked for r in self.reqs]
         self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs, self.vocab_size, self.device)
 
     def _decode_input_id(self, req: Req) -> int:
@@ -186,7 +188,6 @@ class ScheduleBatch:
         self.seq_lens = [r.kv_len for r in self.reqs]
         self.prefix_lens = []
         self.extend_lens = []
-        self.chunked_rows = [False] * len(self.reqs)
 
     def mix_with_running(self, running: "ScheduleBatch") -> None:
         """Append the running (decoding) requests to this prepared EXTEND batch, each as an
@@ -205,19 +206,18 @@ class ScheduleBatch:
         self.seq_lens += [r.kv_len for r in running.reqs]
         self.prefix_lens += prefix_lens
         self.extend_lens += [1] * len(running.reqs)
-        self.chunked_rows += [False] * len(running.reqs)
         self.reqs = self.reqs + running.reqs
         self.sampling_info.merge_batch(running.sampling_info)
 
     def copy(self) -> "ScheduleBatch":
-        """A snapshot of the rows as they are now (requests, mode, lengths; the sampling state
-        is shared), for processing a step's result after the batch has moved on."""
+        """A snapshot of the rows as they are now (requests, mode, lengths, the chunked request;
+        no sampling state, which stays with this batch), for processing a step's result after
+        this batch has moved on (overlap scheduling)."""
         other = ScheduleBatch(list(self.reqs), self.req_to_token_pool, self.token_to_kv_pool_allocator,
                               self.vocab_size, self.device)
-        other.forward_mode, other.sampling_info, other.future_tokens = self.forward_mode, self.sampling_info, self.future_tokens
+        other.forward_mode, other.future_tokens, other.chunked_req = self.forward_mode, self.future_tokens, self.chunked_req
         other.req_pool_indices, other.seq_lens = list(self.req_pool_indices), list(self.seq_lens)
         other.prefix_lens, other.extend_lens = list(self.prefix_lens), list(self.extend_lens)
-        other.chunked_rows = list(self.chunked_rows)
         return other
 
     def filter_batch(self, keep_indices: Sequence[int] | None = None) -> None:

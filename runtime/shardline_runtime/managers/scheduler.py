@@ -13,6 +13,8 @@ With overlap scheduling (the default) step N+1 is launched before step N's resul
 
 Every rank receives the same messages and takes the same decisions from the same state, so
 their batches (and collectives) always match. Rank 0 alone sends outputs to the HTTP process.
+With pipeline parallelism every stage runs a scheduler and the loop is ``event_loop_pp``
+(``scheduler_pp.py``): micro-batches in flight through the stages.
 Batching policy (admission, chunked prefill, prefix cache, KV budget, retraction) is in
 ``scheduler_policy.py``; result handling and outputs in ``scheduler_output.py``.
 """
@@ -49,6 +51,7 @@ from shardline_runtime.managers.req import FinishReason, Req
 from shardline_runtime.managers.schedule_batch import ScheduleBatch
 from shardline_runtime.managers.scheduler_output import SchedulerOutputMixin
 from shardline_runtime.managers.scheduler_policy import SchedulerPolicyMixin
+from shardline_runtime.managers.scheduler_pp import SchedulerPPMixin
 from shardline_runtime.managers.scheduler_weight_sync import UPDATE_REQUESTS, SchedulerWeightSyncMixin
 from shardline_runtime.mem_cache.radix_cache import RadixCache
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
@@ -75,12 +78,12 @@ def eos_token_ids(model_config: Any) -> list[int]:
     return ids
 
 
-class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncMixin):
-    """Request queue, batching, KV budget and finishing for one TP rank.
+class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin):
+    """Request queue, batching, KV budget and finishing for one TP rank (of one pipeline stage).
 
     Args:
         server_args: the validated ``ServerArgs``.
-        tp_rank: this process's TP rank.
+        tp_rank: this process's TP rank (its stage is ``worker.pp_rank``).
         worker: the rank's ``TpModelWorker`` (built by the caller, after the process group).
         input_addr / output_addr: ZMQ addresses (rank 0 only): requests are PULLed from
             ``input_addr`` (bound here), outputs PUSHed to ``output_addr``.
@@ -91,6 +94,8 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
         self.tp_rank = tp_rank
         self.worker = worker
         self.tp_size = server_args.tp_size
+        self.pp_size = getattr(worker, "pp_size", 1)
+        self.running_mbs: list | None = None  # micro-batch slots (pipeline parallelism only)
         self.max_req_len = worker.max_req_len
         self.max_req_input_len = worker.max_req_input_len
         self.max_total_num_tokens = worker.max_total_num_tokens
@@ -114,9 +119,10 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
         self.num_retractions = 0
         self.last_stats: tuple | None = None
         self.step_started: float | None = None
-        # Overlap scheduling (default; --disable-overlap-schedule). Off with LoRA: adapter slots
-        # are loaded and evicted between steps, which must see no step in flight.
-        overlap = not getattr(server_args, "disable_overlap_schedule", False) and not lora
+        # Overlap scheduling (default; --disable-overlap-schedule). Off with LoRA (adapter slots
+        # are loaded and evicted between steps, which must see no step in flight) and with
+        # pipeline parallelism (its micro-batch loop keeps the stages busy instead).
+        overlap = not getattr(server_args, "disable_overlap_schedule", False) and not lora and self.pp_size == 1
         self.future_map = FutureMap(self.req_to_token_pool.size, worker.device) if overlap else None
         self.in_flight: InFlightStep | None = None
         stream = getattr(worker.model_runner, "forward_stream", None)
@@ -125,7 +131,9 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
             # the forward stream in program order; the host waits only when it reads a result.
             torch.cuda.set_stream(stream)
         self.recv_socket = self.send_socket = None
-        if tp_rank == 0 and input_addr is not None:
+        if self.pp_size > 1:
+            self.init_pp_loop()
+        if tp_rank == 0 and getattr(worker, "pp_rank", 0) == 0 and input_addr is not None:
             ctx = zmq.Context.instance()
             self.recv_socket = ctx.socket(zmq.PULL)
             self.recv_socket.bind(input_addr)
@@ -150,6 +158,9 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
 
     def event_loop(self, should_stop=lambda: False) -> None:
         """Run until ``should_stop()`` (checked once per iteration) returns True."""
+        if self.pp_size > 1:
+            self.event_loop_pp(should_stop)
+            return
         self.start_watchdog()
         while not should_stop():
             self.step_started = time.monotonic()  # the watchdog covers the broadcast and the forward
@@ -178,7 +189,7 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
             self.process_batch_result(batch, self.run_batch(batch))
         else:
             result = launch_step(self.worker, batch.get_model_worker_batch(), self.future_map)
-            previous, self.in_flight = self.in_flight, InFlightStep(batch.copy(), result)
+            previous, self.in_flight = self.in_flight, InFlightStep(batch, batch.copy(), result)
             if previous is not None:
                 self._process_step(previous)
 
@@ -197,13 +208,29 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
     def is_idle(self) -> bool:
         if self.pending_update is None and self.generation_blocked():
             return True  # nothing can run until a control message arrives: poll at the idle pace
-        running = self.running_batch is not None and not self.running_batch.is_empty()
+        running = bool(self.running_batches())
         return (not running and not self.waiting_queue and self.chunked_req is None and self.pending_update is None
                 and self.in_flight is None)
 
+    def running_batches(self) -> list:
+        """Every non-empty batch holding running requests: the running batch, the micro-batch
+        slots' and the batches still in flight through the pipeline stages."""
+        candidates = [self.running_batch, *(self.running_mbs or [])]
+        candidates += [item[0] for item in (getattr(self, "pp_inflight", None) or []) if item is not None]
+        seen: set[int] = set()
+        out = []
+        for batch in candidates:
+            if batch is not None and not batch.is_empty() and id(batch) not in seen:
+                seen.add(id(batch))
+                out.append(batch)
+        return out
+
     def recv_requests(self) -> list[Any]:
         """Rank 0: every message waiting on ZMQ (blocking up to the heartbeat when idle);
-        then the list is broadcast so every rank processes the same messages."""
+        then the list is broadcast so every rank processes the same messages. A later pipeline
+        stage receives the list from the stage before it."""
+        if getattr(self.worker, "pp_rank", 0) > 0:
+            return self.pp_recv_requests()
         messages: list[Any] = []
         if self.tp_rank == 0 and self.recv_socket is not None:
             timeout = _IDLE_POLL_MS if self.is_idle() else 0
@@ -280,14 +307,15 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
             req.finished_reason = finish
             self.release_req(req)
             self.stream_output([req])
-        batch = self.running_batch
-        if batch is not None and not batch.is_empty():
-            hit = [r for r in batch.reqs if rid is None or r.rid == rid]
+        inflight = self.inflight_batch_ids()
+        for batch in self.running_batches():
+            hit = [r for r in batch.reqs if (rid is None or r.rid == rid) and not r.finished()]
             for req in hit:
                 req.finished_reason = finish
                 self.release_req(req)
             if hit:
-                batch.filter_batch()
+                if id(batch) not in inflight:  # an in-flight batch keeps its rows until its result
+                    batch.filter_batch()
                 self.stream_output(hit)
 
     # ------------------------------------------------------------------ control
@@ -298,6 +326,41 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
             return FlushCacheReqOutput(False, "requests are running or queued; flush when idle")
         self.tree_cache.reset()
         return FlushCacheReqOutput(True, "prefix cache flushed")
+
+    def start_weight_update(self, msg: Any) -> None:
+        """Queue an update of any kind (``UPDATE_REQUESTS``); it runs once no request holds KV."""
+        refused = "a weight update is already in progress" if self.pending_update is not None else self.refuse_update(msg)
+        if refused:
+            self.send(self.update_reply(msg, False, self.drain_refused_update(msg, refused)))
+            return
+        self.pending_update = msg
+        if msg.abort_all_requests:
+            self.abort_request(None, {"type": "abort", "message": "aborted for a weight update"})
+
+    def maybe_run_weight_update(self) -> None:
+        """Once no request runs (admission is paused meanwhile), load, flush the prefix cache, reply."""
+        running = bool(self.running_batches())
+        started = not self.generation_blocked() and any(r.output_ids for r in self.waiting_queue)
+        if running or self.chunked_req is not None or started:
+            # Retracted requests that began on the old weights finish on them too; paused with
+            # ``retract`` (an RL loop's pause -> update -> continue) they resume on the new ones.
+            return
+        msg, self.pending_update = self.pending_update, None
+        self.step_started = None  # loading a checkpoint may take longer than one step's watchdog
+        self.send_weights_phase("loading")
+        ok, message = self.run_weight_update(msg)
+        if ok and (getattr(msg, "cuda_graph_max_bs", None) is not None or getattr(msg, "disable_cuda_graph", None) is not None):
+            self.worker.update_cuda_graph_settings(msg.cuda_graph_max_bs, bool(msg.disable_cuda_graph),
+                                                   on_phase=lambda phase: self.send_weights_phase(phase.value))
+        # Old KV must never serve new weights; after a failed update the cache is still valid,
+        # but flushing it costs only recomputation, so do it in every case (a trainer sending
+        # buckets passes flush_cache false on all but the last).
+        if msg.flush_cache:
+            self.tree_cache.reset()
+        phase = getattr(self.worker.weights_phase, "value", str(self.worker.weights_phase))
+        self.send_weights_phase(phase)
+        self.send(self.update_reply(msg, ok, message))
+        self.send_serving_state()
 
     # ------------------------------------------------------------------ rank 0 -> HTTP
 

@@ -92,7 +92,7 @@ class SchedulerPolicyMixin:
         return self.update_running_batch()
 
     def _reserved_tokens(self) -> int:
-        reqs = [] if self.running_batch is None else self.running_batch.reqs
+        reqs = [req for batch in self.running_batches() for req in batch.reqs if not req.finished()]
         return sum(
             int(min(r.sampling_params.max_new_tokens - len(r.output_ids), self.max_req_len) * self.new_token_ratio)
             for r in reqs
@@ -166,6 +166,7 @@ class SchedulerPolicyMixin:
                     self.chunked_req = req
             return None
         batch = self.new_batch(admitted)
+        batch.chunked_req = self.chunked_req
         batch.prepare_for_extend()
         return batch
 

@@ -37,7 +37,7 @@ from shardline_runtime.managers.io_struct import (
     UpdateWeightsFromTensorReqInput,
 )
 from shardline_runtime.model_executor.memory_saver import MemorySaverError
-from shardline_runtime.model_executor.weight_update import WeightsPhase
+from shardline_runtime.model_executor.weight_update import PhaseClock, WeightsPhase
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class SchedulerWeightSyncMixin:
 
     paused_mode: str | None = None
     last_serving_state: tuple = (None, None)
+    update_timings: dict[str, float] | None = None  # the disk update just run (PhaseClock.seconds)
 
     # ------------------------------------------------------------------ state
 
@@ -62,8 +63,7 @@ class SchedulerWeightSyncMixin:
         return self.paused_mode is not None or self.memory_saver.blocked_reason() is not None
 
     def holds_kv(self) -> bool:
-        running = self.running_batch is not None and not self.running_batch.is_empty()
-        return running or self.chunked_req is not None
+        return bool(self.running_batches()) or self.chunked_req is not None
 
     def send_serving_state(self) -> None:
         state = (self.memory_saver.blocked_reason(), self.paused_mode)
@@ -73,8 +73,10 @@ class SchedulerWeightSyncMixin:
 
     def update_reply(self, msg: Any, ok: bool, message: str) -> Any:
         if isinstance(msg, UpdateWeightsFromDiskReqInput):
+            timings, self.update_timings = self.update_timings or {}, None  # a refused update ran nothing
             return UpdateWeightsFromDiskReqOutput(ok, message, self.worker.weights_revision, self.worker.model_path,
-                                                  self.worker.weight_version)
+                                                  self.worker.weight_version, timings.get("load_seconds"),
+                                                  timings.get("recapture_seconds"))
         return ControlReqOutput(ok, message, self.worker.weight_version)
 
     # ------------------------------------------------------------------ dispatch
@@ -101,41 +103,6 @@ class SchedulerWeightSyncMixin:
         self.send_serving_state()
         return True
 
-    def start_weight_update(self, msg: Any) -> None:
-        """Queue an update of any kind (``UPDATE_REQUESTS``); it runs once no request holds KV."""
-        refused = "a weight update is already in progress" if self.pending_update is not None else self.refuse_update(msg)
-        if refused:
-            self.send(self.update_reply(msg, False, self.drain_refused_update(msg, refused)))
-            return
-        self.pending_update = msg
-        if msg.abort_all_requests:
-            self.abort_request(None, {"type": "abort", "message": "aborted for a weight update"})
-
-    def maybe_run_weight_update(self) -> None:
-        """Once no request runs (admission is paused meanwhile), load, flush the prefix cache, reply."""
-        running = self.running_batch is not None and not self.running_batch.is_empty()
-        started = not self.generation_blocked() and any(r.output_ids for r in self.waiting_queue)
-        if running or self.chunked_req is not None or started:
-            # Retracted requests that began on the old weights finish on them too; paused with
-            # ``retract`` (an RL loop's pause -> update -> continue) they resume on the new ones.
-            return
-        msg, self.pending_update = self.pending_update, None
-        self.step_started = None  # loading a checkpoint may take longer than one step's watchdog
-        self.send_weights_phase("loading")
-        ok, message = self.run_weight_update(msg)
-        if ok and (getattr(msg, "cuda_graph_max_bs", None) is not None or getattr(msg, "disable_cuda_graph", None) is not None):
-            self.worker.update_cuda_graph_settings(msg.cuda_graph_max_bs, bool(msg.disable_cuda_graph),
-                                                   on_phase=lambda phase: self.send_weights_phase(phase.value))
-        # Old KV must never serve new weights; after a failed update the cache is still valid,
-        # but flushing it costs only recomputation, so do it in every case (a trainer sending
-        # buckets passes flush_cache false on all but the last).
-        if msg.flush_cache:
-            self.tree_cache.reset()
-        phase = getattr(self.worker.weights_phase, "value", str(self.worker.weights_phase))
-        self.send_weights_phase(phase)
-        self.send(self.update_reply(msg, ok, message))
-        self.send_serving_state()
-
     def refuse_update(self, msg: Any) -> str | None:
         """Why an update cannot be queued now, or None."""
         if self.paused_mode == "in_place" and self.holds_kv():
@@ -159,10 +126,11 @@ class SchedulerWeightSyncMixin:
         ``weight_version`` and records the tensors written for the memory saver."""
         worker = self.worker
         if isinstance(msg, UpdateWeightsFromDiskReqInput):
+            clock = PhaseClock(lambda phase: self.send_weights_phase(phase.value))
             ok, message = worker.update_weights_from_disk(
-                msg.model_path, msg.load_format or "auto", msg.revision, msg.recapture_cuda_graph,
-                on_phase=lambda phase: self.send_weights_phase(phase.value),
+                msg.model_path, msg.load_format or "auto", msg.revision, msg.recapture_cuda_graph, on_phase=clock,
             )
+            self.update_timings = clock.seconds()  # reported in the reply (update_reply)
             names = None
         elif isinstance(msg, UpdateWeightsFromTensorReqInput):
             ok, message, names = worker.update_weights_from_tensor(msg.serialized_named_tensors)
@@ -199,6 +167,8 @@ class SchedulerWeightSyncMixin:
             batch = self.running_batch
             while batch is not None and not batch.is_empty():
                 self.retract_one(batch)
+            if self.running_mbs is not None:  # pipeline micro-batch slots
+                self.retract_idle_slots()
             if self.chunked_req is not None:
                 req, self.chunked_req = self.chunked_req, None
                 self.release_req(req)

@@ -11,7 +11,13 @@ The worker owns the ``ModelRunner``, publishes the limits the scheduler plans wi
 ``ScheduleBatch``.
 
 Init order (the design notes'): model config -> ModelRunner (process group, weights, KV pools,
-backend, graphs) -> limits -> random-seed broadcast.
+backend, graphs) -> limits -> random-seed broadcast (from world rank 0 to every stage).
+
+Pipeline parallelism (the design notes' ``forward_batch_generation`` branch): every stage but
+the first receives the previous stage's ``PPProxyTensors`` first; every stage but the last sends
+its own to the next stage and returns them unsampled; the last stage samples and sends the ids
+(and logprobs) to every other stage, where :meth:`TpModelWorker.resolve_stage_outputs` receives
+them, so every rank appends the same tokens.
 
 Limits (tokens):
 - ``max_total_num_tokens``: KV-cache slots of this rank (minimum over ranks).
@@ -31,16 +37,36 @@ from typing import Any
 import torch
 
 from shardline_runtime.configs.model_config import ModelConfig
-from shardline_runtime.distributed import broadcast_pyobj
+from shardline_runtime.distributed import (
+    PendingSends,
+    broadcast_pyobj_world,
+    recv_pyobj,
+    recv_tensor_dict,
+    send_pyobj,
+    send_tensor_dict,
+)
 from shardline_runtime.managers.model_worker_batch import ModelWorkerBatch
 from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from shardline_runtime.model_executor.forward_batch_info import PPProxyTensors
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
-from shardline_runtime.model_executor.model_runner import ModelRunner, ModelRunnerConfig, resolve_device
+from shardline_runtime.model_executor.model_runner import (
+    ModelRunner,
+    ModelRunnerConfig,
+    resolve_device,
+)
 from shardline_runtime.model_executor.weight_update import WeightsPhase
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["BaseTpWorker", "GenerationBatchResult", "TpModelWorker"]
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
 
 
 class BaseTpWorker(ABC):
@@ -77,6 +103,7 @@ class TpModelWorker(BaseTpWorker):
             plus ``revision``).
         tp_rank: this process's TP rank.
         model_runner: an already built runner (tests); default builds one.
+        pp_rank: this process's pipeline stage.
 
     Raises:
         ModelConfigError: a bad config.json (before any weight is read).
@@ -84,14 +111,16 @@ class TpModelWorker(BaseTpWorker):
         whatever ``ModelRunner`` raises (bad checkpoint, no memory).
     """
 
-    def __init__(self, server_args: Any, tp_rank: int = 0, model_runner: ModelRunner | None = None):
+    def __init__(self, server_args: Any, tp_rank: int = 0, model_runner: ModelRunner | None = None, pp_rank: int = 0):
         self.server_args = server_args
         self.tp_rank = tp_rank
+        self.pp_rank = pp_rank
+        self.pending_sends = PendingSends()  # stage-to-stage sends still in flight
         self._init_model_config(model_runner)
         self._init_model_runner(model_runner)
         self._init_limits()
-        # Rank 0's seed everywhere, so unseeded sampling draws the same numbers on every rank.
-        self.random_seed = broadcast_pyobj(int(getattr(server_args, "random_seed", 0)))
+        # World rank 0's seed on every rank of every stage, so unseeded sampling draws the same numbers.
+        self.random_seed = broadcast_pyobj_world(int(getattr(server_args, "random_seed", 0)))
         torch.manual_seed(self.random_seed)
         self.model_path = self.model_config.model_path
         self.weights_revision = getattr(server_args, "revision", None)
@@ -103,7 +132,7 @@ class TpModelWorker(BaseTpWorker):
         if model_runner is not None:
             self.model_config = model_runner.model_config
             return
-        config = ModelRunnerConfig.from_server_args(self.server_args, self.tp_rank)
+        config = ModelRunnerConfig.from_server_args(self.server_args, self.tp_rank, self.pp_rank)
         self.model_config = ModelConfig.from_pretrained(
             config.model_path, dtype=config.dtype, context_length=config.context_length,
             device_type=resolve_device(config.device, config.local_rank).type,
@@ -111,11 +140,13 @@ class TpModelWorker(BaseTpWorker):
 
     def _init_model_runner(self, model_runner: ModelRunner | None) -> None:
         if model_runner is None:
-            model_runner = ModelRunner(ModelRunnerConfig.from_server_args(self.server_args, self.tp_rank),
+            model_runner = ModelRunner(ModelRunnerConfig.from_server_args(self.server_args, self.tp_rank, self.pp_rank),
                                        model_config=self.model_config)
         self._model_runner = model_runner
         self.model_config = model_runner.model_config  # the loaded model's (same values)
         self.tp_size = model_runner.tp_size
+        self.pp_rank = getattr(model_runner, "pp_rank", self.pp_rank)
+        self.pp_size = getattr(model_runner, "pp_size", 1)
         self.device = model_runner.device
 
     def _init_limits(self) -> None:
@@ -163,7 +194,52 @@ class TpModelWorker(BaseTpWorker):
             logprobs.
         """
         forward_batch = model_worker_batch.to_forward_batch(self.model_runner)
-        return self.model_runner.forward_and_sample(forward_batch)
+        result = self.model_runner.forward_and_sample(forward_batch, self.recv_proxy_tensors())
+        if not self.is_last_stage:  # the ids come later (resolve_stage_outputs)
+            self.send_proxy_tensors(result.pp_hidden_states_proxy_tensors)
+        elif self.pp_size > 1:
+            self.send_stage_outputs(result.copy_to_cpu().wait())
+        return result
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def recv_proxy_tensors(self) -> PPProxyTensors | None:
+        """The previous stage's ``PPProxyTensors`` of this step (blocks); None on the first stage."""
+        if self.is_first_stage:
+            return None
+        return PPProxyTensors(recv_tensor_dict(self.pp_rank - 1, self.device))
+
+    def send_proxy_tensors(self, proxy: PPProxyTensors) -> None:
+        """Send this stage's ``PPProxyTensors`` to the next stage, without waiting."""
+        send_tensor_dict(proxy.tensors, self.pp_rank + 1, self.pending_sends)
+
+    def send_stage_outputs(self, result: GenerationBatchResult) -> None:
+        """Last stage: send the sampled ids and logprobs (host lists), and the logits object when
+        a request asked for prompt logprobs, to every other stage without waiting."""
+        batch = result.forward_batch
+        logits = result.logits_output if batch.return_logprob else None
+        if logits is not None:  # tensors travel pickled: move them off the device first
+            logits = type(logits)(**{k: _to_cpu(v) for k, v in vars(logits).items()})
+        payload = (result.next_token_ids.tolist(), result.next_token_logprobs, result.next_token_top_logprobs, logits)
+        for stage in range(self.pp_size - 1):
+            send_pyobj(payload, stage, self.pending_sends)
+
+    def resolve_stage_outputs(self, result: GenerationBatchResult) -> GenerationBatchResult:
+        """The step's sampled ids and logprobs on the host, on every stage: the last stage's own
+        (``copy_to_cpu().wait()``); the others receive them from the last stage, in step order."""
+        if result.pp_hidden_states_proxy_tensors is None:
+            return result.copy_to_cpu().wait()
+        ids, logprobs, tops, logits = recv_pyobj(self.pp_size - 1)
+        result.next_token_ids = torch.tensor(ids, dtype=torch.int64)
+        result.next_token_logprobs, result.next_token_top_logprobs = logprobs, tops
+        result.logits_output = logits
+        return result
 
     def update_weights_from_disk(
         self, model_path: str, load_format: str = "auto", revision: str | None = None,
@@ -211,10 +287,13 @@ class TpModelWorker(BaseTpWorker):
         return update_weights_from_safetensors(self.model_runner, data)
 
     def init_weights_update_group(self, msg: Any) -> tuple[bool, str]:
-        """Every rank joins ``msg.group_name`` as rank ``rank_offset + tp_rank`` (or none does)."""
+        """Every rank joins ``msg.group_name`` as rank ``rank_offset + world_rank`` (``world_rank =
+        pp_rank * tp_size + tp_rank``; just ``tp_rank`` without pipeline parallelism), or none does."""
         from shardline_runtime.distributed import all_reduce_min_int
         from shardline_runtime.distributed.weight_sync_group import (
-            WeightSyncGroupError, destroy_weights_update_group, init_weights_update_group,
+            WeightSyncGroupError,
+            destroy_weights_update_group,
+            init_weights_update_group,
         )
 
         group, reason = None, ""
@@ -223,7 +302,8 @@ class TpModelWorker(BaseTpWorker):
         else:
             try:
                 group = init_weights_update_group(
-                    msg.master_address, msg.master_port, msg.rank_offset + self.tp_rank, msg.world_size,
+                    msg.master_address, msg.master_port, msg.rank_offset + self.pp_rank * self.tp_size + self.tp_rank,
+                    msg.world_size,
                     msg.group_name, msg.backend, msg.timeout_s, self.device,
                 )
             except WeightSyncGroupError as exc:

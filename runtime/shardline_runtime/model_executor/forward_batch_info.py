@@ -48,6 +48,25 @@ class ForwardMode(IntEnum):
         return self == ForwardMode.SPLIT_PREFILL
 
 
+class PPProxyTensors:
+    """What one pipeline stage hands the next (SGLang's ``PPProxyTensors``): named tensors, by
+    default ``hidden_states`` (T, hidden_size) and ``residual`` (T, hidden_size) in the model
+    dtype, after the stage's last layer. Models return it from a stage that is not the last and
+    take it on a stage that is not the first; ``TpModelWorker`` sends and receives it."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __repr__(self) -> str:
+        return f"PPProxyTensors({ {k: tuple(v.shape) for k, v in self.tensors.items()} })"
+
+
 def _as_int64(name: str, value: Any, device: torch.device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         if value.dtype not in (torch.int32, torch.int64):

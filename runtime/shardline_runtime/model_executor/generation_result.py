@@ -37,6 +37,9 @@ class GenerationBatchResult:
         top_values / top_indices: per sampled row, the top logprobs and their token ids (Python
             lists: the sampler reads them on the host), or ``None``.
         copy_done: CUDA event recorded after the device-to-host copies (``None`` on CPU).
+        pp_hidden_states_proxy_tensors: on a pipeline stage that is not the last, what it sent
+            on; nothing is sampled there (``TpModelWorker.resolve_stage_outputs`` fills the ids
+            from the last stage).
     """
 
     logits_output: Any
@@ -51,6 +54,7 @@ class GenerationBatchResult:
     top_values: list[list[float]] | None = None
     top_indices: list[list[int]] | None = None
     copy_done: Any = None
+    pp_hidden_states_proxy_tensors: Any = None
 
     def copy_to_cpu(self) -> "GenerationBatchResult":
         """Start copying the sampled ids and logprobs to the host (non-blocking on CUDA)."""

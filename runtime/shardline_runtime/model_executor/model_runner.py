@@ -1,7 +1,10 @@
-"""ModelRunner: one TP rank's model, KV pools, attention backend and graphs, and one step of it.
+"""ModelRunner: one rank's model, KV pools, attention backend and graphs, and one step of it.
+
+A rank is one TP rank of one pipeline stage: it holds the stage's layers (``pipeline_stage``),
+its TP shard of them, and KV for those layers only.
 
 Life (the design notes' order, after SGLang's ``ModelRunner``): parse the config and refuse
-impossible TP layouts before reading any weight -> ``init_torch_distributed`` (join the TP group,
+impossible TP / PP layouts before reading any weight -> ``init_torch_distributed`` (join the groups,
 measure the free memory *before* loading) -> the forward stream -> ``initialize``: sampler -> load
 the weights (this rank's shards; then Shardline's EPLB manager for MoE models) -> KV cache dtype
 -> (Shardline: the LoRA manager, which must wrap the layers before graphs are captured) -> KV
@@ -11,7 +14,8 @@ decode CUDA graphs (``CudaGraphRunner``) -> piecewise CUDA graphs for EXTEND
 
 One step: :meth:`ModelRunner.forward_and_sample` runs :meth:`forward` (graph replay or eager,
 by ``ForwardMode``) and :meth:`sample` (the only sampling path: rows that want a token, logprobs,
-penalty counts, the TP broadcast of the result) and returns one ``GenerationBatchResult``.
+penalty counts, the TP broadcast of the result) and returns one ``GenerationBatchResult``. On a
+pipeline stage that is not the last it returns the stage's ``PPProxyTensors`` unsampled.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ import torch
 
 from shardline_runtime import distributed
 from shardline_runtime.configs.model_config import ModelConfig
+from shardline_runtime.configs.pipeline_stage import PipelineStage
 from shardline_runtime.layers.logits_processor import LogitsProcessorOutput
 from shardline_runtime.layers.sampler import Sampler
-from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode, PPProxyTensors
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
 from shardline_runtime.model_executor.memory_saver import MemorySaver
 from shardline_runtime.model_executor.model_runner_config import DEVICES, ModelRunnerConfig, resolve_device
@@ -60,6 +65,8 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
         self.config = config
         self.tp_rank = config.tp_rank
         self.tp_size = config.tp_size
+        self.pp_rank = config.pp_rank
+        self.pp_size = config.pp_size
         self.device = resolve_device(config.device, config.local_rank)
         if model_config is None:
             model_config = ModelConfig.from_pretrained(
@@ -69,6 +76,10 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
         self.model_config = model_config
         self.model_config.check_tp_size(self.tp_size)
         self.model_config.check_ep_size(self.tp_size, config.ep_size, config.ep_num_redundant_experts)
+        # raises PipelineLayoutError (fewer layers than stages, a bad partition) before the rendezvous
+        self.pipeline_stage = PipelineStage.for_rank(
+            self.model_config.num_hidden_layers, self.pp_rank, self.pp_size, config.pp_layer_partition
+        )
         self.dtype = self.model_config.dtype
         # Every architecture of models/registry.py is a causal LM that samples tokens (SGLang's
         # is_generation); an embedding or reward model would be False and never sample.
@@ -81,12 +92,14 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
         self.initialize(pre_model_load_memory)
 
     def init_torch_distributed(self) -> int:
-        """Join the TP (and expert-parallel) groups; returns the bytes free before loading."""
+        """Join the world, its TP and PP groups (and the expert-parallel layout); returns the
+        bytes free before loading."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         distributed.init_distributed_environment(
             tp_rank=self.tp_rank, tp_size=self.tp_size, device=self.device,
             dist_init_addr=self.config.dist_init_addr, timeout_s=self.config.dist_timeout,
+            pp_rank=self.pp_rank, pp_size=self.pp_size,
         )
         distributed.init_expert_parallel(self.config.ep_size, self.config.ep_num_redundant_experts)
         return self._memory_available()
@@ -129,13 +142,20 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
         from shardline_runtime.model_loader.loader import load_model
 
         before = self._memory_available()
-        self.model = load_model(self.model_config, self.model_config.model_path, self.device)
+        self.model = load_model(self.model_config, self.model_config.model_path, self.device, stage=self.pipeline_stage)
         self.model_config = self.model.config
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        stage = self.pipeline_stage
         logger.info(
-            "[tp %d] loaded %s: %.1f MiB of weights on this rank (available %.1f MiB before)",
-            self.tp_rank, self.model_config.architecture, self.weight_bytes / 2**20, before / 2**20,
+            "[tp %d, pp %d] loaded %s layers [%d, %d): %.1f MiB of weights on this rank (available %.1f MiB before)",
+            self.tp_rank, self.pp_rank, self.model_config.architecture, stage.start_layer,
+            stage.start_layer + self.num_stage_layers, self.weight_bytes / 2**20, before / 2**20,
         )
+
+    @property
+    def num_stage_layers(self) -> int:
+        """Decoder layers this rank runs (all of them without pipeline parallelism)."""
+        return self.pipeline_stage.end(self.model_config.num_hidden_layers) - self.pipeline_stage.start_layer
 
     def init_eplb_manager(self) -> None:
         """``eplb_manager`` (expert-distribution recorder and EPLB) for MoE models, else None."""
@@ -172,24 +192,32 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
 
     # ---- one step -----------------------------------------------------------------------------
 
-    def forward_and_sample(self, forward_batch: ForwardBatch) -> GenerationBatchResult:
+    def forward_and_sample(self, forward_batch: ForwardBatch,
+                           pp_proxy_tensors: PPProxyTensors | None = None) -> GenerationBatchResult:
         """Run one step and sample; the one path the worker calls.
+
+        ``pp_proxy_tensors``: the previous pipeline stage's output (every stage but the first).
 
         Returns:
             a :class:`GenerationBatchResult` whose sampled ids and logprobs are still on the
-            device (call ``copy_to_cpu()`` and ``wait()`` before reading them).
+            device (call ``copy_to_cpu()`` and ``wait()`` before reading them); on a stage that is
+            not the last, one with ``pp_hidden_states_proxy_tensors`` and nothing sampled.
         """
-        logits_output = self.forward(forward_batch)
-        return self.sample(logits_output, forward_batch)
+        output = self.forward(forward_batch, pp_proxy_tensors)
+        if isinstance(output, PPProxyTensors):
+            return GenerationBatchResult(None, forward_batch, pp_hidden_states_proxy_tensors=output)
+        return self.sample(output, forward_batch)
 
-    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput | None:
+    def forward(self, forward_batch: ForwardBatch,
+                pp_proxy_tensors: PPProxyTensors | None = None) -> LogitsProcessorOutput | PPProxyTensors | None:
         """Run one step; dispatches on ``forward_batch.forward_mode`` (increments ``forward_pass_id``).
 
         A decode batch that fits a captured graph replays it, an EXTEND that fits a piecewise
         bucket replays its pieces; everything else (DECODE, EXTEND, IDLE, SPLIT_PREFILL) runs
         the model eagerly. Returns the logits of the last token of each request (``None`` from
         a SPLIT_PREFILL call that does not reach the last layer; SPLIT_PREFILL carries hidden
-        states in ``forward_batch.split_hidden_states`` between calls).
+        states in ``forward_batch.split_hidden_states`` between calls). With pipeline
+        parallelism a stage that is not the last returns its ``PPProxyTensors`` (no graphs).
 
         Raises:
             ValueError: an unknown ``forward_mode``.
@@ -198,6 +226,8 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
         if not isinstance(mode, ForwardMode):
             raise ValueError(f"unknown forward_mode {mode!r}; allowed: {[m.name for m in ForwardMode]}")
         self.forward_pass_id += 1
+        if self.pp_size > 1:
+            return self._forward_eager(forward_batch, pp_proxy_tensors)
         recording = self.eplb_manager is not None and self.eplb_manager.recorder.recording  # graphs do not record
         graphs = self.cuda_graph_runner
         if mode.is_decode() and graphs is not None and not recording and graphs.can_run(forward_batch):
@@ -209,14 +239,15 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
             return pieces.replay(forward_batch)
         return self._forward_eager(forward_batch)
 
-    def _forward_eager(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput | None:
+    def _forward_eager(self, forward_batch: ForwardBatch, pp_proxy_tensors: PPProxyTensors | None = None):
         if self.lora_manager is not None:
             per_req = forward_batch.extend_seq_lens_cpu if forward_batch.forward_mode.is_extend() else [1] * forward_batch.batch_size
             self.lora_manager.prepare_lora_batch(forward_batch.lora_names, per_req)
         self.attn_backend.init_forward_metadata(forward_batch)
         with torch.inference_mode():
             embeds = self.input_embeds(forward_batch)
-            out = self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch, input_embeds=embeds)
+            out = self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch,
+                                     input_embeds=embeds, pp_proxy_tensors=pp_proxy_tensors)
         if self.eplb_manager is not None:
             self.eplb_manager.on_forward_pass_end()
         return out
@@ -224,7 +255,7 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
     def input_embeds(self, forward_batch: ForwardBatch) -> torch.Tensor | None:
         """(T, hidden_size): the token embeddings with rows ``input_embeds_indices`` replaced by
         ``input_embeds_values`` (the placeholder mechanism of multimodal models), or None."""
-        if forward_batch.input_embeds_indices is None:
+        if forward_batch.input_embeds_indices is None or not self.pipeline_stage.is_first:
             return None
         embeds = self.model.get_input_embeddings()(forward_batch.input_ids)  # (T, hidden)
         rows = forward_batch.input_embeds_indices.to(self.device)

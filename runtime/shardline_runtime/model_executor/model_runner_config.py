@@ -16,7 +16,8 @@ DEVICES = ("auto", "cuda", "cpu")
 
 @dataclass(frozen=True)
 class ModelRunnerConfig:
-    """What a ModelRunner needs from the server arguments, for one TP rank.
+    """What a ModelRunner needs from the server arguments, for one rank (``tp_rank`` of stage
+    ``pp_rank``; ``pp_layer_partition``: layers per stage, empty for the even split).
 
     Units: ``mem_fraction_static`` is the fraction of the GPU memory free before loading that
     weights + KV cache may take,
@@ -29,6 +30,9 @@ class ModelRunnerConfig:
     device: str = "auto"
     tp_rank: int = 0
     tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    pp_layer_partition: tuple[int, ...] = ()
     ep_size: int = 1
     ep_num_redundant_experts: int = 0
     eplb_rebalance_num_iterations: int = 0
@@ -62,20 +66,28 @@ class ModelRunnerConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
+        if not 0 <= self.pp_rank < self.pp_size:
+            raise ValueError(f"pp_rank must be in [0, {self.pp_size}), got {self.pp_rank}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
 
     @classmethod
-    def from_server_args(cls, server_args: Any, tp_rank: int) -> "ModelRunnerConfig":
+    def from_server_args(cls, server_args: Any, tp_rank: int, pp_rank: int = 0) -> "ModelRunnerConfig":
         """Take the same-named fields of a ``ServerArgs`` (or any object with them)."""
-        names = cls.__dataclass_fields__.keys() - {"tp_rank"}
+        names = cls.__dataclass_fields__.keys() - {"tp_rank", "pp_rank"}
         values = {n: getattr(server_args, n) for n in names if hasattr(server_args, n)}
-        return cls(tp_rank=tp_rank, **values)
+        return cls(tp_rank=tp_rank, pp_rank=pp_rank, **values)
+
+    @property
+    def world_rank(self) -> int:
+        """``pp_rank * tp_size + tp_rank`` (SGLang's layout)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
 
     @property
     def local_rank(self) -> int:
-        """Index of this rank's GPU on its node."""
-        return self.tp_rank % (self.tp_size // self.nnodes)
+        """Index of this rank's GPU on its node (a node runs ``tp_size * pp_size / nnodes``
+        consecutive world ranks)."""
+        return self.world_rank % (self.tp_size * self.pp_size // self.nnodes)
 
 
 def resolve_device(device: str, local_rank: int) -> torch.device:

@@ -25,6 +25,9 @@ class ModelRunnerGraphsMixin:
         self.cuda_graph_runner = None
         if self.device.type != "cuda" or self.config.disable_cuda_graph:
             return
+        if self.pp_size > 1:
+            logger.warning("[tp %d, pp %d] CUDA graphs disabled: stages exchange hidden states eagerly", self.tp_rank, self.pp_rank)
+            return
         if self.lora_manager is not None:
             logger.warning("[tp %d] CUDA graphs disabled: LoRA batches vary per step", self.tp_rank)
             return
@@ -39,7 +42,7 @@ class ModelRunnerGraphsMixin:
     def init_piecewise_cuda_graphs(self) -> None:
         """Capture EXTEND piecewise graphs (GPU, with ``--enable-piecewise-cuda-graph``)."""
         self.piecewise_cuda_graph_runner = None
-        if self.device.type != "cuda" or not self.config.enable_piecewise_cuda_graph:
+        if self.device.type != "cuda" or not self.config.enable_piecewise_cuda_graph or self.pp_size > 1:
             return
         if self.lora_manager is not None:
             logger.warning("[tp %d] piecewise CUDA graphs disabled: LoRA batches vary per step", self.tp_rank)
@@ -57,9 +60,10 @@ class ModelRunnerGraphsMixin:
         """Rebuild the decode graph runner for new settings (GPU only; the CPU runs eagerly).
 
         ``disable`` drops the graphs; a new ``cuda_graph_max_bs`` captures the sizes up to it
-        (``on_phase(RECAPTURING)`` first). Frees the old runner's dummy request row.
+        (``on_phase(RECAPTURING)`` first). Frees the old runner's dummy request row. No graphs
+        with pipeline parallelism.
         """
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or self.pp_size > 1:
             return
         from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner, get_batch_sizes_to_capture
 

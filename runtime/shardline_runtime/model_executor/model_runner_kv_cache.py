@@ -41,17 +41,18 @@ class ModelRunnerKVCacheMixin:
         )
 
     def profile_max_num_token(self, pre_model_load_memory: int) -> int:
-        """KV-cache tokens that fit on this rank (minimum over ranks).
+        """KV-cache tokens that fit on this rank (minimum over every rank of every stage: the
+        schedulers of all ranks hand out the same slots, so every pool has the same size).
 
         GPU: ``free_now - pre_model_load_memory * (1 - mem_fraction_static)`` bytes, where
         ``pre_model_load_memory`` is the free memory measured before loading (SGLang's
         ``profile_max_num_token``): weights + KV cache take ``mem_fraction_static`` of what was
         free, whatever else shares the GPU. CPU: ``cpu_kv_cache_bytes``. Either is divided by the
-        bytes one token takes on a rank in the KV cache dtype.
+        bytes one token takes on a rank in the KV cache dtype (this stage's layers only).
         """
         mc = self.model_config
         per_token = TokenToKVPool.bytes_per_token(
-            mc.num_hidden_layers, mc.get_num_kv_heads(self.tp_size), mc.head_dim, self.kv_cache_dtype
+            self.num_stage_layers, mc.get_num_kv_heads(self.tp_size), mc.head_dim, self.kv_cache_dtype
         )
         if self.device.type == "cuda":
             free = torch.cuda.mem_get_info(self.device)[0]
@@ -78,7 +79,7 @@ class ModelRunnerKVCacheMixin:
         if tokens < 1:
             raise KVCacheMemoryError(
                 f"no memory left for the KV cache after loading {self.weight_bytes / 2**20:.1f} MiB of weights "
-                f"on tp rank {self.tp_rank}: raise --mem-fraction-static (now {self.config.mem_fraction_static}) "
+                f"on tp rank {self.tp_rank} (pp rank {self.pp_rank}): raise --mem-fraction-static (now {self.config.mem_fraction_static}) "
                 "or set --max-total-tokens"
             )
         self.max_total_num_tokens = tokens
@@ -86,8 +87,8 @@ class ModelRunnerKVCacheMixin:
             size=self.config.max_running_requests + 1, max_context_len=mc.context_len + 4, device=self.device
         )
         self.token_to_kv_pool = TokenToKVPool(
-            tokens, mc.num_hidden_layers, mc.get_num_kv_heads(self.tp_size), mc.head_dim, self.kv_cache_dtype,
-            self.device,
+            tokens, self.num_stage_layers, mc.get_num_kv_heads(self.tp_size), mc.head_dim, self.kv_cache_dtype,
+            self.device, start_layer=self.pipeline_stage.start_layer,
         )
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(tokens, device=self.device)
         logger.info(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,37 @@ class WeightsPhase(str, enum.Enum):
     LOADING = "loading"
     RECAPTURING = "recapturing"
     FAILED = "failed"
+
+
+class PhaseClock:
+    """Times the phases of one weight update from the ``on_phase`` calls it forwards.
+
+    Use an instance as the ``on_phase`` callback of :func:`update_weights_from_disk` (it passes
+    each phase on to ``forward``); afterwards :meth:`seconds` gives the wall-clock seconds
+    (``time.monotonic``) spent in ``loading`` (validate, load on the CPU, compare, copy in place)
+    and in ``recapturing`` (capturing the decode and piecewise CUDA graphs again). A phase that
+    never began counts 0.0 s (no graphs: CPU, graphs disabled, or recapture not asked); a phase
+    still running counts up to now.
+    """
+
+    def __init__(self, forward: Callable[[WeightsPhase], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._forward, self._clock = forward, clock
+        self._marks: list[tuple[WeightsPhase, float]] = []
+
+    def __call__(self, phase: WeightsPhase) -> None:
+        self._marks.append((WeightsPhase(phase), self._clock()))
+        if self._forward is not None:
+            self._forward(phase)
+
+    def seconds(self) -> dict[str, float]:
+        """``{"load_seconds": s, "recapture_seconds": s}`` (floats, seconds)."""
+        spent = {WeightsPhase.LOADING: 0.0, WeightsPhase.RECAPTURING: 0.0}
+        ends = [t for _, t in self._marks[1:]] + [self._clock()]
+        for (phase, began), ended in zip(self._marks, ends):
+            if phase in spent:
+                spent[phase] += ended - began
+        return {"load_seconds": spent[WeightsPhase.LOADING], "recapture_seconds": spent[WeightsPhase.RECAPTURING]}
 
 
 class WeightUpdateError(ValueError):
@@ -92,7 +124,8 @@ def load_candidate(model_runner: Any, model_path: str, load_format: str = "auto"
     def same_expert_placement(candidate: torch.nn.Module) -> None:
         copy_expert_placement(model_runner.model, candidate)
 
-    return new_config, load_model(new_config, model_path, torch.device("cpu"), prepare=same_expert_placement)
+    return new_config, load_model(new_config, model_path, torch.device("cpu"), prepare=same_expert_placement,
+                                  stage=getattr(model_runner, "pipeline_stage", None))
 
 
 def compare_models(live_config: Any, live_model: torch.nn.Module, new_config: Any, new_model: torch.nn.Module) -> None:
@@ -152,8 +185,9 @@ def update_weights_from_disk(
 ) -> tuple[bool, str]:
     """Replace ``model_runner``'s weights by those in ``model_path``, in place, on every rank.
 
-    Every TP rank must call this together (it runs one collective). The one caller is
-    ``ModelRunner.update_weights_from_disk`` (which holds the defaults).
+    Every rank of every pipeline stage must call this together (it runs one collective over the
+    whole world, so a checkpoint rejected on any stage leaves every stage's weights untouched).
+    The one caller is ``ModelRunner.update_weights_from_disk`` (which holds the defaults).
 
     Args:
         model_runner: the live ``ModelRunner`` (``model``, ``model_config``, ``config``,
@@ -181,7 +215,7 @@ def update_weights_from_disk(
     if not all_ok:
         phase(WeightsPhase.FAILED)
         if not reason:
-            reason = "the new checkpoint was rejected on another tensor-parallel rank (see its log)"
+            reason = "the new checkpoint was rejected on another tensor-parallel rank or pipeline stage (see its log)"
         return False, f"update_weights_from_disk({model_path}) failed; old weights kept. {reason}"
     copied = copy_weights_in_place(model_runner.model, new_model)
     del new_model
