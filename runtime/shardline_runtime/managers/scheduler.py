@@ -8,6 +8,9 @@ The loop, every rank in lockstep::
         batch = get_next_batch_to_run()     # EXTEND of admitted requests, else DECODE of running
         if batch: process_batch_result(batch, run_batch(batch))  # the worker gets a ModelWorkerBatch
 
+With overlap scheduling (the default) step N+1 is launched before step N's result is processed
+(``run_step``; ``managers/overlap.py``).
+
 Every rank receives the same messages and takes the same decisions from the same state, so
 their batches (and collectives) always match. Rank 0 alone sends outputs to the HTTP process.
 With pipeline parallelism every stage runs a scheduler and the loop is ``event_loop_pp``
@@ -43,6 +46,7 @@ from shardline_runtime.managers.io_struct import (
     WeightsPhaseOut,
 )
 from shardline_runtime.managers.lora_control import LoadLoRAAdapterReqInput, LoRAControl, UnloadLoRAAdapterReqInput
+from shardline_runtime.managers.overlap import FutureMap, InFlightStep, launch_step
 from shardline_runtime.managers.req import FinishReason, Req
 from shardline_runtime.managers.schedule_batch import ScheduleBatch
 from shardline_runtime.managers.scheduler_output import SchedulerOutputMixin
@@ -115,6 +119,17 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
         self.num_retractions = 0
         self.last_stats: tuple | None = None
         self.step_started: float | None = None
+        # Overlap scheduling (default; --disable-overlap-schedule). Off with LoRA (adapter slots
+        # are loaded and evicted between steps, which must see no step in flight) and with
+        # pipeline parallelism (its micro-batch loop keeps the stages busy instead).
+        overlap = not getattr(server_args, "disable_overlap_schedule", False) and not lora and self.pp_size == 1
+        self.future_map = FutureMap(self.req_to_token_pool.size, worker.device) if overlap else None
+        self.in_flight: InFlightStep | None = None
+        stream = getattr(worker.model_runner, "forward_stream", None)
+        if overlap and stream is not None:
+            # Every device op of this process (batch preparation, merges, the steps) is queued on
+            # the forward stream in program order; the host waits only when it reads a result.
+            torch.cuda.set_stream(stream)
         self.recv_socket = self.send_socket = None
         if self.pp_size > 1:
             self.init_pp_loop()
@@ -149,21 +164,44 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
         self.start_watchdog()
         while not should_stop():
             self.step_started = time.monotonic()  # the watchdog covers the broadcast and the forward
-            messages = self.recv_requests()
-            self.process_input_requests(messages)
-            batch = self.get_next_batch_to_run()
-            if batch is not None:
-                self.process_batch_result(batch, self.run_batch(batch))
+            self.run_step(self.recv_requests())
             self.send_stats()
             self.step_started = None
+        self.drain_in_flight()
+
+    def run_step(self, messages: list[Any]) -> None:
+        """One iteration: handle ``messages``, then run the next batch.
+
+        Without overlap the batch runs and its result is processed at once. With overlap
+        (``managers/overlap.py``) the batch is launched and then the *previous* step's result is
+        processed, so the host prepares step N+1 while step N computes. A control message, an
+        abort or a waiting weight update first drains the step in flight (they act on settled
+        state); so does a retraction (``scheduler_policy.py``).
+        """
+        if self.pending_update is not None or any(not isinstance(m, TokenizedGenerateReqInput) for m in messages):
+            self.drain_in_flight()
+        self.process_input_requests(messages)
+        self.join_in_flight_extend()
+        batch = self.get_next_batch_to_run()
+        if batch is None:
+            self.drain_in_flight()
+        elif self.future_map is None:
+            self.process_batch_result(batch, self.run_batch(batch))
+        else:
+            result = launch_step(self.worker, batch.get_model_worker_batch(), self.future_map)
+            previous, self.in_flight = self.in_flight, InFlightStep(batch, batch.copy(), result)
+            if previous is not None:
+                self._process_step(previous)
 
     def new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         """A ``ScheduleBatch`` of ``reqs`` over the worker's pools, vocabulary and device."""
-        return ScheduleBatch.init_new(reqs, self.worker)
+        batch = ScheduleBatch.init_new(reqs, self.worker)
+        batch.future_tokens = self.future_map is not None
+        return batch
 
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
         """Run the prepared ``batch`` on the worker (which sees only its ``ModelWorkerBatch``)
-        and wait for the sampled tokens on the host."""
+        and wait for the sampled tokens on the host (the loop without overlap)."""
         result = self.worker.forward_batch_generation(batch.get_model_worker_batch())
         return result.copy_to_cpu().wait()
 
@@ -171,7 +209,8 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
         if self.pending_update is None and self.generation_blocked():
             return True  # nothing can run until a control message arrives: poll at the idle pace
         running = bool(self.running_batches())
-        return not running and not self.waiting_queue and self.chunked_req is None and self.pending_update is None
+        return (not running and not self.waiting_queue and self.chunked_req is None and self.pending_update is None
+                and self.in_flight is None)
 
     def running_batches(self) -> list:
         """Every non-empty batch holding running requests: the running batch, the micro-batch

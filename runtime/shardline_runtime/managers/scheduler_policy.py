@@ -177,6 +177,8 @@ class SchedulerPolicyMixin:
             return None
         self.new_token_ratio = max(_MIN_NEW_TOKEN_RATIO, self.new_token_ratio - _NEW_TOKEN_RATIO_DECAY)
         while not self.ensure_free_slots(batch.batch_size):
+            if self.drain_in_flight():
+                continue  # overlap: the step in flight may finish requests (and retraction needs settled state)
             if batch.batch_size == 1:
                 # One request alone cannot grow: it is at the pool size (max_req_len clips it
                 # before that, so this is defensive).
@@ -187,6 +189,8 @@ class SchedulerPolicyMixin:
                 self.stream_output([req])
                 return None
             self.retract_one(batch)
+        if batch.is_empty():
+            return None
         batch.prepare_for_decode()
         return batch
 
