@@ -46,15 +46,12 @@ class SchedulerOutputMixin:
             req.check_finished(self.max_req_len)
         finished = [r for r in batch.reqs if r.finished()]
         for req in finished:
-            self.release_req(req)
+            self.cache.release(req)
         if batch.forward_mode.is_extend():
             keep = [i for i, r in enumerate(batch.reqs) if not r.finished() and r is not self.chunked_req]
             streamed = list(batch.reqs)
             batch.filter_batch(keep)
-            if self.running_batch is None or self.running_batch.is_empty():
-                self.running_batch = batch
-            else:
-                self.running_batch.merge_batch(batch)
+            self.decode_manager.add(batch)
         else:
             streamed = list(batch.reqs)
             batch.filter_batch()
@@ -135,7 +132,7 @@ class SchedulerOutputMixin:
 
     def kv_used_tokens(self) -> int:
         """KV slots held by requests: everything not free and not reclaimable from the cache."""
-        return self.max_total_num_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
+        return self.cache.used_tokens()
 
     def send_stats(self) -> None:
         """Rank 0: push ``SchedulerStats`` to the HTTP process when they changed."""

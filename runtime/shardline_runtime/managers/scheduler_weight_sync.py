@@ -62,8 +62,7 @@ class SchedulerWeightSyncMixin:
         return self.paused_mode is not None or self.memory_saver.blocked_reason() is not None
 
     def holds_kv(self) -> bool:
-        running = self.running_batch is not None and not self.running_batch.is_empty()
-        return running or self.chunked_req is not None
+        return self.decode_manager.is_running() or self.chunked_req is not None
 
     def send_serving_state(self) -> None:
         state = (self.memory_saver.blocked_reason(), self.paused_mode)
@@ -161,13 +160,9 @@ class SchedulerWeightSyncMixin:
         if msg.mode == "abort":
             self.abort_request(None, {"type": "abort", "message": "aborted by /pause_generation"})
         elif msg.mode == "retract":
-            batch = self.running_batch
-            while batch is not None and not batch.is_empty():
-                self.retract_one(batch)
-            if self.chunked_req is not None:
-                req, self.chunked_req = self.chunked_req, None
-                self.release_req(req)
-                self.waiting_queue.appendleft(req)
+            while self.decode_manager.is_running():
+                self.prefill_manager.requeue(self.decode_manager.retract_one())
+            self.prefill_manager.retract_chunked()
         self.paused_mode = msg.mode
         return True, f"generation paused ({msg.mode})"
 
