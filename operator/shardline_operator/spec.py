@@ -14,7 +14,7 @@ import json
 import posixpath
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, overload
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")  # the runtime's --kv-cache-dtype
@@ -223,7 +223,7 @@ class DeploymentSpec:
         service and networkPolicy (they never touch a running pod). Included: ``auth`` and the
         digest of the keys' values, which the runtime reads once at start.
         """
-        relevant = {
+        relevant: dict[str, Any] = {
             "modelName": self.model.name,
             "mountPath": self.model.mount_path,
             "volume": self.model.volume,
@@ -262,6 +262,12 @@ def _type_names(kind: type | tuple[type, ...]) -> str:
     return " or ".join(names.get(k, k.__name__) for k in _as_tuple(kind))
 
 
+@overload
+def _int_in(obj: Mapping[str, Any], key: str, path: str, default: int, low: int, high: int,
+            required: bool = False) -> int: ...
+@overload
+def _int_in(obj: Mapping[str, Any], key: str, path: str, default: None, low: int, high: int,
+            required: bool = False) -> int | None: ...
 def _int_in(obj: Mapping[str, Any], key: str, path: str, default: int | None, low: int, high: int,
             required: bool = False) -> int | None:
     value = _get(obj, key, path, int, default, required)

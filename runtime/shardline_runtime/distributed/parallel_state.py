@@ -145,14 +145,14 @@ def init_distributed_environment(
                 world_size=tp_size,
                 rank=tp_rank,
                 timeout=timedelta(seconds=timeout_s),
-                **({"device_id": device} if backend == "nccl" else {}),
+                device_id=device if backend == "nccl" else None,
             )
         except Exception as e:  # the store raises several types; report one with context
             raise DistributedInitError(
                 f"rank {tp_rank}/{tp_size} failed to join the TP group at {dist_init_addr} ({backend}): {e}"
             ) from e
     backend = dist.get_backend()
-    cpu_group = dist.group.WORLD
+    cpu_group: Any = dist.group.WORLD
     if backend != "gloo":
         cpu_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     _TP = TensorParallelGroup(rank=tp_rank, size=tp_size, device=device, device_group=dist.group.WORLD, cpu_group=cpu_group)

@@ -104,6 +104,17 @@ class Req:
         return int(self.prefix_indices.shape[0])
 
     @property
+    def row(self) -> int:
+        """``req_pool_idx`` of a request that holds a row.
+
+        Raises:
+            RuntimeError: the request holds no row (not yet prefilled, or released).
+        """
+        if self.req_pool_idx is None:
+            raise RuntimeError(f"request {self.rid} holds no req_to_token row")
+        return self.req_pool_idx
+
+    @property
     def extend_input_len(self) -> int:
         return len(self.fill_ids) - self.cached_len
 

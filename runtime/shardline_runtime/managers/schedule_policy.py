@@ -58,7 +58,8 @@ class NewTokenRatio:
 
     def reserve(self, req: Req, max_req_len: int) -> int:
         """KV slots reserved for ``req``'s future output tokens."""
-        remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
+        limit = req.sampling_params.max_new_tokens
+        remaining = (max_req_len if limit is None else limit) - len(req.output_ids)
         return int(min(remaining, max_req_len) * self.value)
 
     def reserved(self, reqs: Sequence[Req], max_req_len: int) -> int:

@@ -114,11 +114,11 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin):
         self.eos_token_ids = eos_token_ids(worker.model_config)
         self.pending_update: Any = None  # one of UPDATE_REQUESTS, waiting for running requests to finish
         self.last_weights_phase_sent = "serving"  # what the HTTP process believes
-        self.last_stats: tuple | None = None
-        self.step_started: float | None = None
+        self.last_stats = None
+        self.step_started = None
         self.recv_socket = self.send_socket = None
         if tp_rank == 0 and input_addr is not None:
-            ctx = zmq.Context.instance()
+            ctx: zmq.Context = zmq.Context.instance()
             self.recv_socket = ctx.socket(zmq.PULL)
             self.recv_socket.bind(input_addr)
             self.send_socket = ctx.socket(zmq.PUSH)

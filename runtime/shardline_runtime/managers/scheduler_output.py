@@ -9,10 +9,18 @@ and moves a finished EXTEND batch into the running batch. Rank 0 then sends one
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardline_runtime.managers.io_struct import BatchTokenIDOut, SchedulerStats, TokenizedGenerateReqInput
+
+if TYPE_CHECKING:
+    from shardline_runtime.managers.cache_manager import CacheManager
+    from shardline_runtime.managers.decode_manager import DecodeManager
+    from shardline_runtime.managers.prefill_manager import PrefillManager
+    from shardline_runtime.mem_cache.radix_cache import RadixCache
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +41,24 @@ def _reason_dict(reason) -> dict | None:
 class SchedulerOutputMixin:
     """Result processing for :class:`~shardline_runtime.managers.scheduler.Scheduler`."""
 
+    # Set by Scheduler.__init__ (declared here for the type checker).
+    tp_rank: int
+    max_req_len: int
+    max_total_num_tokens: int
+    cache: CacheManager
+    tree_cache: RadixCache
+    prefill_manager: PrefillManager
+    decode_manager: DecodeManager
+    send_socket: Any
+    last_stats: tuple | None
+    send: Callable[[Any], None]
+
     def process_batch_result(self, batch, result) -> None:
         next_ids = result.next_token_ids.tolist()
         if batch.forward_mode.is_extend():
             self._collect_prompt_logprobs(batch, result)
         for i, req in enumerate(batch.reqs):
-            if req is self.chunked_req:
+            if req is self.prefill_manager.chunked_req:
                 continue  # an intermediate chunk samples nothing
             if req.wants_token and next_ids[i] >= 0:
                 top = result.next_token_top_logprobs[i] if req.top_logprobs_num else None
@@ -48,7 +68,7 @@ class SchedulerOutputMixin:
         for req in finished:
             self.cache.release(req)
         if batch.forward_mode.is_extend():
-            keep = [i for i, r in enumerate(batch.reqs) if not r.finished() and r is not self.chunked_req]
+            keep = [i for i, r in enumerate(batch.reqs) if not r.finished() and r is not self.prefill_manager.chunked_req]
             streamed = list(batch.reqs)
             batch.filter_batch(keep)
             self.decode_manager.add(batch)
@@ -72,14 +92,15 @@ class SchedulerOutputMixin:
             if out.input_token_logprobs is not None:
                 values = out.input_token_logprobs[i].tolist()
                 tops = None
-                if out.input_top_logprobs_val is not None and req.top_logprobs_num:
+                if out.input_top_logprobs_val is not None and out.input_top_logprobs_idx is not None and req.top_logprobs_num:
                     tops = list(zip(out.input_top_logprobs_val[i].tolist(), out.input_top_logprobs_idx[i].tolist()))
                 for j, value in enumerate(values):
                     pos = prefix + s + 1 + j
                     top = list(zip(*tops[j])) if tops else []
                     req.prompt_logprobs.append((pos, value, top))
             end = prefix + extend
-            if req is self.chunked_req and end < len(full):
+            is_chunk = req is self.prefill_manager.chunked_req
+            if is_chunk and end < len(full):
                 logprobs = torch.log_softmax(out.next_token_logits[i].float(), dim=-1)
                 top = []
                 if req.top_logprobs_num:
@@ -138,8 +159,8 @@ class SchedulerOutputMixin:
         """Rank 0: push ``SchedulerStats`` to the HTTP process when they changed."""
         if self.send_socket is None:
             return
-        running = 0 if self.running_batch is None else self.running_batch.batch_size
-        queued = len(self.waiting_queue) + (1 if self.chunked_req is not None else 0)
+        running = 0 if self.decode_manager.running_batch is None else self.decode_manager.running_batch.batch_size
+        queued = len(self.prefill_manager.waiting_queue) + (1 if self.prefill_manager.chunked_req is not None else 0)
         stats = (running, queued, self.kv_used_tokens(), self.tree_cache.evictable_size())
         if stats != self.last_stats:
             self.last_stats = stats

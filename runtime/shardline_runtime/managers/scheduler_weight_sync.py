@@ -19,7 +19,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from shardline_runtime.managers.io_struct import (
     ContinueGenerationReqInput,
@@ -39,6 +40,11 @@ from shardline_runtime.managers.io_struct import (
 from shardline_runtime.model_executor.memory_saver import MemorySaverError
 from shardline_runtime.model_executor.weight_update import WeightsPhase
 
+if TYPE_CHECKING:
+    from shardline_runtime.managers.decode_manager import DecodeManager
+    from shardline_runtime.managers.prefill_manager import PrefillManager
+    from shardline_runtime.mem_cache.radix_cache import RadixCache
+
 logger = logging.getLogger(__name__)
 
 UPDATE_REQUESTS = (UpdateWeightsFromDiskReqInput, UpdateWeightsFromTensorReqInput, UpdateWeightsFromDistributedReqInput)
@@ -50,6 +56,17 @@ class SchedulerWeightSyncMixin:
 
     paused_mode: str | None = None
     last_serving_state: tuple = (None, None)
+    # Set by Scheduler.__init__ (declared here for the type checker).
+    tp_rank: int
+    worker: Any
+    tree_cache: RadixCache
+    prefill_manager: PrefillManager
+    decode_manager: DecodeManager
+    pending_update: Any
+    step_started: float | None
+    send: Callable[[Any], None]
+    send_weights_phase: Callable[[str], None]
+    abort_request: Callable[[str | None, dict], None]
 
     # ------------------------------------------------------------------ state
 
@@ -62,7 +79,7 @@ class SchedulerWeightSyncMixin:
         return self.paused_mode is not None or self.memory_saver.blocked_reason() is not None
 
     def holds_kv(self) -> bool:
-        return self.decode_manager.is_running() or self.chunked_req is not None
+        return self.decode_manager.is_running() or self.prefill_manager.chunked_req is not None
 
     def send_serving_state(self) -> None:
         state = (self.memory_saver.blocked_reason(), self.paused_mode)
@@ -80,7 +97,7 @@ class SchedulerWeightSyncMixin:
 
     def handle_control(self, msg: Any) -> bool:
         """Run a non-update control message now; False when ``msg`` is not one."""
-        handlers = {
+        handlers: dict[type, Callable[[Any], tuple]] = {
             InitWeightsUpdateGroupReqInput: lambda m: self.worker.init_weights_update_group(m),
             DestroyWeightsUpdateGroupReqInput: lambda m: self.worker.destroy_weights_update_group(m.group_name),
             GetWeightsByNameReqInput: self.get_weights_by_name,

@@ -157,7 +157,10 @@ class TpModelWorker:
         result.next_token_logprobs = [None] * bs
         result.next_token_top_logprobs = [None] * bs
         if rows:
-            info = batch.sampling_info if len(rows) == bs else batch.sampling_info.copy_rows(rows)
+            batch_info = batch.sampling_info
+            if batch_info is None:
+                raise ValueError("the batch was not prepared (no sampling_info)")
+            info = batch_info if len(rows) == bs else batch_info.copy_rows(rows)
             logits = result.logits_output.next_token_logits
             if len(rows) < bs:
                 logits = logits[torch.tensor(rows, device=logits.device)]
@@ -165,8 +168,8 @@ class TpModelWorker:
             top_nums = [batch.reqs[i].top_logprobs_num if batch.reqs[i].return_logprob else 0 for i in rows]
             out: SamplerOutput = self.sampler(logits, info, any(want_logprob), top_nums if any(top_nums) else None)
             sampled = out.next_token_ids
-            if batch.sampling_info.penalties is not None:
-                batch.sampling_info.penalties.cumulate_output_tokens(
+            if batch_info.penalties is not None:
+                batch_info.penalties.cumulate_output_tokens(
                     sampled, torch.tensor(rows, device=sampled.device)
                 )
             sampled_cpu = sampled.cpu()
@@ -175,7 +178,7 @@ class TpModelWorker:
                 next_ids[row] = sampled_cpu[j]
                 if want_logprob[j] and logprobs is not None:
                     result.next_token_logprobs[row] = logprobs[j]
-                if top_nums[j] and out.top_logprobs_val is not None:
+                if top_nums[j] and out.top_logprobs_val is not None and out.top_logprobs_idx is not None:
                     result.next_token_top_logprobs[row] = (out.top_logprobs_val[j], out.top_logprobs_idx[j])
         result.next_token_ids = next_ids
         return result
@@ -244,6 +247,7 @@ class TpModelWorker:
             if group is not None:
                 destroy_weights_update_group(group)
             return False, f"init_weights_update_group failed on some rank; no group was formed. {reason}".strip()
+        assert group is not None  # every rank formed it (the agreement above)
         self.weight_sync_groups[msg.group_name] = group
         return True, f"joined weight-sync group {msg.group_name!r} as rank {group.rank} of {group.world_size}"
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,11 @@ from shardline_runtime.layers.logits_processor import LogitsProcessorOutput
 from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from shardline_runtime.model_executor.memory_saver import MemorySaver
+
+if TYPE_CHECKING:
+    from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner
+    from shardline_runtime.model_executor.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
+    from shardline_runtime.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +128,10 @@ class ModelRunner:
         CheckpointError: a shard is missing/short or a parameter is missing/unexpected.
         KVCacheMemoryError: no memory is left for the KV cache.
     """
+
+    model: LlamaForCausalLM
+    cuda_graph_runner: CudaGraphRunner | None
+    piecewise_cuda_graph_runner: PiecewiseCudaGraphRunner | None
 
     def __init__(self, config: ModelRunnerConfig, model_config: ModelConfig | None = None):
         self.config = config
@@ -357,12 +366,15 @@ class ModelRunner:
     def _run(self, forward_batch: ForwardBatch):
         self._attach(forward_batch)
         if self.lora_manager is not None:
-            per_req = forward_batch.extend_seq_lens_cpu if forward_batch.forward_mode.is_extend() else [1] * forward_batch.batch_size
+            per_req = forward_batch.extend_seq_lens_cpu if forward_batch.forward_mode.is_extend() else None
+            per_req = per_req or [1] * forward_batch.batch_size
             self.lora_manager.prepare_lora_batch(forward_batch.lora_names, per_req)
         self.attn_backend.init_forward_metadata(forward_batch)
         with torch.inference_mode():
             embeds = self.input_embeds(forward_batch)
-            out = self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch, input_embeds=embeds)
+            # the layer-range path of SPLIT_PREFILL is the model's own method, beside its plain forward
+            run = self.model.forward_split_prefill if forward_batch.forward_mode.is_split_prefill() else self.model.forward
+            out = run(forward_batch.input_ids, forward_batch.positions, forward_batch, input_embeds=embeds)
         if self.eplb_manager is not None:
             self.eplb_manager.on_forward_pass_end()
         return out
@@ -370,7 +382,7 @@ class ModelRunner:
     def input_embeds(self, forward_batch: ForwardBatch) -> torch.Tensor | None:
         """(T, hidden_size): the token embeddings with rows ``input_embeds_indices`` replaced by
         ``input_embeds_values`` (the placeholder mechanism of multimodal models), or None."""
-        if forward_batch.input_embeds_indices is None:
+        if forward_batch.input_embeds_indices is None or forward_batch.input_embeds_values is None:
             return None
         embeds = self.model.get_input_embeddings()(forward_batch.input_ids)  # (T, hidden)
         rows = forward_batch.input_embeds_indices.to(self.device)

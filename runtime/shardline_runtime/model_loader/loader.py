@@ -11,6 +11,7 @@ from torch import nn
 
 from shardline_runtime.configs.model_config import ModelConfig
 from shardline_runtime.model_loader.checkpoint_files import TensorInfo, discover_checkpoint, iterate_weights
+from shardline_runtime.models.llama import LlamaForCausalLM
 from shardline_runtime.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ def resolve_tying(model_config: ModelConfig, tensors: dict[str, TensorInfo]) -> 
     return dataclasses.replace(model_config, tie_word_embeddings=False)
 
 
-def build_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+def build_model(model_config: ModelConfig, device: torch.device) -> LlamaForCausalLM:
     """Instantiate the architecture's model (uninitialised weights) on ``device`` in its dtype."""
     cls = get_model_class(model_config.architecture)
     previous = torch.get_default_dtype()
@@ -43,7 +44,7 @@ def build_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
 
 
 def load_model(model_config: ModelConfig, model_path: str, device: torch.device,
-               prepare: Callable[[nn.Module], None] | None = None) -> nn.Module:
+               prepare: Callable[[nn.Module], None] | None = None) -> LlamaForCausalLM:
     """Check the files (fails fast on a missing/short shard), build the model, load weights.
 
     The model's ``config`` attribute is the config it was built with (see :func:`resolve_tying`).
