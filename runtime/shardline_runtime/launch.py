@@ -17,7 +17,6 @@ import asyncio
 import dataclasses
 import logging
 import multiprocessing as mp
-import os
 import shutil
 import signal
 import socket

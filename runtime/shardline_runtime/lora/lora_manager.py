@@ -25,7 +25,6 @@ from shardline_runtime.lora.lora_config import (
     LoRAConfig,
     LoRAPoolFullError,
     load_lora_tensors,
-    resolve_target_modules,
 )
 
 logger = logging.getLogger(__name__)
