@@ -28,7 +28,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from shardline_runtime.cli import write_termination_log
+from shardline_runtime.termination_log import write_termination_log
 from shardline_runtime.entrypoints.auth import guard
 from shardline_runtime.lora.lora_config import parse_lora_paths
 from shardline_runtime.managers.scheduler_process import configure_logging, run_scheduler_process

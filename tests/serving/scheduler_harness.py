@@ -37,7 +37,7 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 20000) -> dict[str,
         if batch is None and scheduler.is_idle():
             break
         if batch is not None:
-            scheduler.process_batch_result(batch, scheduler.worker.forward_batch_generation(batch))
+            scheduler.process_batch_result(batch, scheduler.run_batch(batch))
     else:
         raise AssertionError("scheduler did not finish")
     for msg in scheduler.send_socket.messages:

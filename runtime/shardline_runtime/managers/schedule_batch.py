@@ -2,10 +2,10 @@
 
 A ``ScheduleBatch`` owns the bookkeeping of one step: it takes request rows from
 ``ReqToTokenPool`` and KV slots from ``TokenToKVPoolAllocator``, writes ``req_to_token`` and then
-produces the ``ForwardBatch`` the model runs on (:meth:`ScheduleBatch.get_forward_batch`).
+produces the ``ModelWorkerBatch`` the worker runs (:meth:`ScheduleBatch.get_model_worker_batch`).
 
 Life of a batch:
-  1. ``ScheduleBatch.init_new(reqs, ...)`` then ``prepare_for_extend()``: each request's new
+  1. ``ScheduleBatch.init_new(reqs, worker)`` then ``prepare_for_extend()``: each request's new
      tokens ``fill_ids[cached_len:]`` get KV slots; a cached prefix (``req.prefix_indices``, from
      the prefix cache or an earlier chunk) is reused, not recomputed.
   2. Optionally ``mix_with_running(running_batch)``: the running requests join this EXTEND step
@@ -23,9 +23,10 @@ from collections.abc import Sequence
 
 import torch
 
+from shardline_runtime.managers.model_worker_batch import ModelWorkerBatch
 from shardline_runtime.managers.req import FinishReason, Req
 from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
-from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from shardline_runtime.model_executor.forward_batch_info import ForwardMode
 from shardline_runtime.sampling.sampling_batch_info import SamplingBatchInfo
 
 
@@ -73,6 +74,12 @@ class ScheduleBatch:
         self.prefix_lens: list[int] = []
         self.extend_lens: list[int] = []
         self.sampling_info: SamplingBatchInfo | None = None
+
+    @classmethod
+    def init_new(cls, reqs: list[Req], worker) -> "ScheduleBatch":
+        """A batch of ``reqs`` over ``worker``'s pools, vocabulary size and device."""
+        return cls(reqs, worker.req_to_token_pool, worker.token_to_kv_pool_allocator,
+                   worker.model_config.vocab_size, worker.device)
 
     @property
     def batch_size(self) -> int:
@@ -231,38 +238,39 @@ class ScheduleBatch:
         req.req_pool_idx, req.kv_len = None, 0
         req.prefix_indices = torch.zeros(0, dtype=torch.int64)
 
-    def get_forward_batch(self, model_runner=None) -> ForwardBatch:
-        """The ``ForwardBatch`` of the prepared step (pools and attention backend from
-        ``model_runner``)."""
+    def get_model_worker_batch(self) -> ModelWorkerBatch:
+        """The prepared step as the worker sees it (per-request flags read now, after
+        ``prepare_for_extend`` / ``prepare_for_decode``)."""
         reqs = self.reqs
         extend = self.forward_mode.is_extend()
+        logprob = self.return_logprob
         logprob_starts = None
-        if extend and self.return_logprob:
+        if extend and logprob:
             logprob_starts = [
                 min(max(r.logprob_start_len - p, 0), n) if r.return_logprob and r.logprob_start_len >= 0 else n
                 for r, p, n in zip(reqs, self.prefix_lens, self.extend_lens)
             ]
-        forward_batch = ForwardBatch.init_new(
+        batch = ModelWorkerBatch(
             forward_mode=self.forward_mode,
-            input_ids=self.input_ids,
-            req_pool_indices=self.req_pool_indices,
-            seq_lens=self.seq_lens,
+            input_ids=torch.as_tensor(self.input_ids, dtype=torch.int64),
+            req_pool_indices=list(self.req_pool_indices),
+            seq_lens=list(self.seq_lens),
             out_cache_loc=self.out_cache_loc,
-            model_runner=model_runner,
-            extend_prefix_lens=self.prefix_lens if extend else None,
-            return_logprob=self.return_logprob,
-            top_logprobs_nums=[r.top_logprobs_num for r in reqs] if self.return_logprob else None,
-            extend_logprob_start_lens=logprob_starts,
+            wants_token=[r.wants_token for r in reqs],
             sampling_info=self.sampling_info,
-            device=self.device,
+            extend_prefix_lens=list(self.prefix_lens) if extend else None,
+            extend_logprob_start_lens=logprob_starts,
+            return_logprob=logprob,
+            return_logprobs=[r.return_logprob for r in reqs] if logprob else None,
+            top_logprobs_nums=[r.top_logprobs_num for r in reqs] if logprob else None,
         )
         if any(r.lora_name is not None for r in reqs):
-            forward_batch.lora_names = [r.lora_name for r in reqs]
+            batch.lora_names = [r.lora_name for r in reqs]
         if extend and any(r.input_embeds_positions is not None for r in reqs):
-            self._attach_input_embeds(forward_batch)
-        return forward_batch
+            self._attach_input_embeds(batch)
+        return batch
 
-    def _attach_input_embeds(self, forward_batch: ForwardBatch) -> None:
+    def _attach_input_embeds(self, batch: ModelWorkerBatch) -> None:
         """Rows of this step's packed tokens whose embedding the request gave (prompt
         positions in ``[prefix, prefix + extend_len)``) and their vectors."""
         rows, values, start = [], [], 0
@@ -274,5 +282,5 @@ class ScheduleBatch:
                         values.append(req.input_embeds_values[j])
             start += n
         if rows:
-            forward_batch.input_embeds_indices = torch.tensor(rows, dtype=torch.int64)
-            forward_batch.input_embeds_values = torch.stack(values)
+            batch.input_embeds_indices = torch.tensor(rows, dtype=torch.int64)
+            batch.input_embeds_values = torch.stack(values)

@@ -6,7 +6,7 @@ The loop, every rank in lockstep::
         messages = recv_requests()          # rank 0 reads ZMQ, broadcast_pyobj to every rank
         process_input_requests(messages)    # new requests, aborts, flush, weight updates
         batch = get_next_batch_to_run()     # EXTEND of admitted requests, else DECODE of running
-        if batch: process_batch_result(batch, worker.forward_batch_generation(batch))
+        if batch: process_batch_result(batch, run_batch(batch))  # the worker gets a ModelWorkerBatch
 
 Every rank receives the same messages and takes the same decisions from the same state, so
 their batches (and collectives) always match. Rank 0 alone sends outputs to the HTTP process.
@@ -52,6 +52,8 @@ from shardline_runtime.managers.schedule_policy import BatchLimits, NewTokenRati
 from shardline_runtime.managers.scheduler_output import SchedulerOutputMixin
 from shardline_runtime.managers.scheduler_weight_sync import UPDATE_REQUESTS, SchedulerWeightSyncMixin
 from shardline_runtime.mem_cache.radix_cache import RadixCache
+from shardline_runtime.model_executor.generation_result import GenerationBatchResult
+from shardline_runtime.termination_log import write_termination_log
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +110,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin):
             chunked_prefill_size=chunk if chunk and chunk > 0 else None,
             max_req_len=self.max_req_len,
         )
-        self.prefill_manager = PrefillManager(self.cache, self.new_token_ratio, limits, worker.new_batch)
+        self.prefill_manager = PrefillManager(self.cache, self.new_token_ratio, limits, self.new_batch)
         self.decode_manager = DecodeManager(self.cache, self.new_token_ratio, self.max_req_len)
         self.lora_control = LoRAControl(self) if lora else None
         self.eos_token_ids = eos_token_ids(worker.model_config)
@@ -163,10 +165,19 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin):
             self.process_input_requests(messages)
             batch = self.get_next_batch_to_run()
             if batch is not None:
-                result = self.worker.forward_batch_generation(batch)
-                self.process_batch_result(batch, result)
+                self.process_batch_result(batch, self.run_batch(batch))
             self.send_stats()
             self.step_started = None
+
+    def new_batch(self, reqs: list[Req]) -> ScheduleBatch:
+        """A ``ScheduleBatch`` of ``reqs`` over the worker's pools, vocabulary and device."""
+        return ScheduleBatch.init_new(reqs, self.worker)
+
+    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        """Run the prepared ``batch`` on the worker (which sees only its ``ModelWorkerBatch``)
+        and wait for the sampled tokens on the host."""
+        result = self.worker.forward_batch_generation(batch.get_model_worker_batch())
+        return result.copy_to_cpu().wait()
 
     def is_idle(self) -> bool:
         if self.pending_update is None and self.generation_blocked():
@@ -294,7 +305,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin):
         self.send_weights_phase("loading")
         ok, message = self.run_weight_update(msg)
         if ok and (getattr(msg, "cuda_graph_max_bs", None) is not None or getattr(msg, "disable_cuda_graph", None) is not None):
-            self.apply_cuda_graph_settings(msg.cuda_graph_max_bs, bool(msg.disable_cuda_graph))
+            self.worker.update_cuda_graph_settings(msg.cuda_graph_max_bs, bool(msg.disable_cuda_graph),
+                                                   on_phase=lambda phase: self.send_weights_phase(phase.value))
         # Old KV must never serve new weights; after a failed update the cache is still valid,
         # but flushing it costs only recomputation, so do it in every case (a trainer sending
         # buckets passes flush_cache false on all but the last).
@@ -304,23 +316,6 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin):
         self.send_weights_phase(phase)
         self.send(self.update_reply(msg, ok, message))
         self.send_serving_state()
-
-    def apply_cuda_graph_settings(self, max_bs: int | None, disable: bool) -> None:
-        """New decode-graph settings from an update request (GPU only; CPU runs eagerly)."""
-        runner = self.worker.model_runner
-        if runner.device.type != "cuda":
-            return
-        from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner, get_batch_sizes_to_capture
-
-        old = runner.cuda_graph_runner
-        if old is not None and (disable or max_bs is not None):
-            self.req_to_token_pool.free(old.dummy_req_row)
-            runner.cuda_graph_runner = None
-        if not disable and max_bs is not None:
-            self.send_weights_phase("recapturing")
-            sizes = get_batch_sizes_to_capture(max_bs, runner.config.max_running_requests)
-            runner.cuda_graph_runner = CudaGraphRunner(runner, batch_sizes=sizes)
-        logger.info("[tp %d] CUDA graphs: %s", self.tp_rank, "disabled" if disable else f"max batch size {max_bs}")
 
     # ------------------------------------------------------------------ rank 0 -> HTTP
 
@@ -345,8 +340,6 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin):
                 time.sleep(min(5.0, limit / 4))
                 started = self.step_started
                 if started is not None and time.monotonic() - started > limit:
-                    from shardline_runtime.cli import write_termination_log
-
                     message = f"[tp {self.tp_rank}] watchdog: a forward step ran over {limit}s (a peer rank may be dead)"
                     logger.error(message)
                     write_termination_log(message)

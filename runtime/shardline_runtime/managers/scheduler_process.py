@@ -48,7 +48,7 @@ def run_scheduler_process(server_args: Any, tp_rank: int, input_addr: str | None
     except BaseException as exc:  # report every failure, including SystemExit from a bug
         message = f"[tp {tp_rank}] {type(exc).__name__}: {exc}"
         logging.getLogger(__name__).error("scheduler failed:\n%s", traceback.format_exc())
-        from shardline_runtime.cli import write_termination_log
+        from shardline_runtime.termination_log import write_termination_log
 
         write_termination_log(message)
         try:

@@ -71,7 +71,10 @@ class ForwardBatch:
       (``cached_len``) per request, EXTEND only; ``*_cpu`` are the same as Python lists.
     - ``extend_logprob_start_lens_cpu``: per request, the offset inside this step's new tokens
       from which prompt logprobs are returned (only read when ``return_logprob``).
-    - ``top_logprobs_nums``: per request, how many top prompt logprobs per position (0 = none).
+    - ``top_logprobs_nums``: per request, how many top logprobs (prompt and sampled) per
+      position (0 = none).
+    - ``wants_token``: per request, whether sampling draws a token for it (``None``: every row).
+    - ``return_logprobs``: per request, whether the sampled token's logprob is returned.
     - ``split_forward_start_layer`` / ``split_forward_end_layer``: layer range [start, end) of a
       SPLIT_PREFILL step.
     """
@@ -95,6 +98,8 @@ class ForwardBatch:
     top_logprobs_nums: list[int] | None = None
     extend_logprob_start_lens_cpu: list[int] | None = None
     sampling_info: Any = None
+    wants_token: list[bool] | None = None
+    return_logprobs: list[bool] | None = None
     split_forward_start_layer: int | None = None
     split_forward_end_layer: int | None = None
     # Hidden states carried between SPLIT_PREFILL calls: (T, hidden_size) and the residual.
@@ -127,6 +132,8 @@ class ForwardBatch:
         top_logprobs_nums: list[int] | None = None,
         extend_logprob_start_lens: list[int] | None = None,
         sampling_info: Any = None,
+        wants_token: list[bool] | None = None,
+        return_logprobs: list[bool] | None = None,
         split_forward_start_layer: int | None = None,
         split_forward_end_layer: int | None = None,
         device: torch.device | str | None = None,
@@ -214,6 +221,8 @@ class ForwardBatch:
             top_logprobs_nums=top_logprobs_nums,
             extend_logprob_start_lens_cpu=extend_logprob_start_lens,
             sampling_info=sampling_info,
+            wants_token=wants_token,
+            return_logprobs=return_logprobs,
             split_forward_start_layer=split_forward_start_layer,
             split_forward_end_layer=split_forward_end_layer,
         )

@@ -139,13 +139,15 @@ def copy_weights_in_place(live_model: torch.nn.Module, new_model: torch.nn.Modul
 def update_weights_from_disk(
     model_runner: Any,
     model_path: str,
-    load_format: str = "auto",
-    recapture_cuda_graph: bool = False,
+    load_format: str,
+    *,
+    recapture_cuda_graph: bool,
     on_phase: Callable[[WeightsPhase], None] | None = None,
 ) -> tuple[bool, str]:
     """Replace ``model_runner``'s weights by those in ``model_path``, in place, on every rank.
 
-    Every TP rank must call this together (it runs one collective).
+    Every TP rank must call this together (it runs one collective). The one caller is
+    ``ModelRunner.update_weights_from_disk`` (which holds the defaults).
 
     Args:
         model_runner: the live ``ModelRunner`` (``model``, ``model_config``, ``config``,
