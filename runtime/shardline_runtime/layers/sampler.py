@@ -83,7 +83,7 @@ class Sampler(nn.Module):
             copy (e.g. a ``torch.distributed.broadcast`` over the TP group); ``None`` at tp_size 1.
     """
 
-    def __init__(self, broadcast: Callable[[torch.Tensor], None] | None = None):
+    def __init__(self, broadcast: Callable[[torch.Tensor], object] | None = None):
         super().__init__()
         self.broadcast = broadcast
 

@@ -188,8 +188,13 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
         Returns:
             a :class:`GenerationBatchResult` whose sampled ids and logprobs are still on the
             device (call ``copy_to_cpu()`` and ``wait()`` before reading them).
+
+        Raises:
+            ValueError: the step stops before the last layer (a partial SPLIT_PREFILL).
         """
         logits_output = self.forward(forward_batch)
+        if logits_output is None:
+            raise ValueError("forward_and_sample needs a step that reaches the last layer (not a partial SPLIT_PREFILL)")
         return self.sample(logits_output, forward_batch)
 
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput | None:
