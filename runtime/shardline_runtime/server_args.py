@@ -118,6 +118,7 @@ class ServerArgs:
     context_length: int | None = None
     disable_radix_cache: bool = False
     enable_mixed_chunk: bool = False
+    disable_overlap_schedule: bool = False
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"
     cuda_graph_max_bs: int = 160
@@ -276,6 +277,7 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
     mem.add_argument("--max-prefill-tokens", type=_int_range("--max-prefill-tokens", 1), default=default("max_prefill_tokens"), help="Maximum prompt tokens of all requests in one prefill step.")
     mem.add_argument("--disable-radix-cache", action="store_true", help="Disable the prefix (radix) cache.")
     mem.add_argument("--enable-mixed-chunk", action="store_true", help="Run the running requests' decode in the same forward as a prefill (one step instead of two).")
+    mem.add_argument("--disable-overlap-schedule", action="store_true", help="Process each step's result before preparing the next step (default: the next step is prepared and launched while the current one computes; off with --enable-lora).")
 
     e = p.add_argument_group("experts (MoE models)")
     e.add_argument("--ep-num-redundant-experts", type=_int_range("--ep-num-redundant-experts", 0), default=default("ep_num_redundant_experts"), help="Extra physical expert slots per MoE layer for EPLB replicas; num_experts + this must be divisible by --ep-size.")

@@ -7,6 +7,7 @@ them (``PrefillManager.requeue``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shardline_runtime.managers.cache_manager import CacheManager
@@ -73,15 +74,30 @@ class DecodeManager:
         self.running_batch = None
         return batch
 
-    def schedule(self) -> DecodeStep:
+    def schedule(self, settle: Callable[[], bool] | None = None) -> DecodeStep:
         """Prepare a DECODE step: one new KV slot per request, retracting requests (most
-        recently admitted first) until the slots fit."""
+        recently admitted first) until the slots fit.
+
+        Args:
+            settle: called before each retraction; True when it changed the state (the overlap
+                scheduler's ``drain_in_flight``: the step in flight may finish requests, and a
+                retraction needs settled state); then the slots are checked again.
+        """
         batch = self.running_batch
         if batch is None or batch.is_empty():
             return DecodeStep(None)
         self.ratio.on_decode_step()
         step = DecodeStep(batch)
-        while not self.cache.ensure_free(batch.batch_size):
+        while True:
+            batch = self.running_batch  # settling may have merged into or emptied it
+            if batch is None or batch.is_empty():
+                step.batch = None
+                return step
+            step.batch = batch
+            if self.cache.ensure_free(batch.batch_size):
+                break
+            if settle is not None and settle():
+                continue
             if batch.batch_size == 1:
                 # One request alone cannot grow: it is at the pool size (max_req_len clips it
                 # before that, so this is defensive).

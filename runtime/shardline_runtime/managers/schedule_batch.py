@@ -14,7 +14,9 @@ Life of a batch:
   3. After sampling, the caller appends tokens (``Req.append_output``), calls
      ``Req.check_finished``, frees finished requests (:meth:`release_kv`) and drops them
      (:meth:`filter_batch`); ``merge_batch`` adds a freshly prefilled batch to the running one.
-  4. ``prepare_for_decode()`` each later step: one slot per request, ``seq_lens += 1``.
+  4. ``prepare_for_decode()`` each later step: one slot per request, ``seq_lens += 1``. With
+     overlap scheduling (``future_tokens``) a request whose last token is still being sampled by
+     the step in flight gets a placeholder input id (``managers/overlap.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from shardline_runtime.managers.model_worker_batch import ModelWorkerBatch
+from shardline_runtime.managers.overlap import future_placeholder
 from shardline_runtime.managers.req import FinishReason, Req
 from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from shardline_runtime.model_executor.forward_batch_info import ForwardMode
@@ -74,6 +77,9 @@ class ScheduleBatch:
         self.prefix_lens: list[int] = []
         self.extend_lens: list[int] = []
         self.sampling_info: SamplingBatchInfo | None = None
+        # overlap scheduling: a decode input may be the token the step in flight samples
+        self.future_tokens = False
+        self.chunked_rows: list[bool] = []  # per row of the prepared step: an intermediate chunk
 
     @classmethod
     def init_new(cls, reqs: list[Req], worker) -> "ScheduleBatch":
@@ -142,20 +148,31 @@ class ScheduleBatch:
         self.seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
         self.prefix_lens = prefix_lens
         self.extend_lens = extend_lens
+        self.chunked_rows = [r.is_chunked for r in self.reqs]
         self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs, self.vocab_size, self.device)
 
-    def _next_decode_slots(self, reqs: list[Req]) -> torch.Tensor:
-        """One new KV slot per request, written at position ``kv_len``; advances ``kv_len``."""
-        for req in reqs:
-            if not req.output_ids:
-                raise ValueError(f"request {req.rid} has no output token to decode from")
+    def _decode_input_id(self, req: Req) -> int:
+        """The token at position ``kv_len`` (the one this step computes the KV of): known on
+        the host, or (overlap scheduling) still being sampled by the step in flight, then a
+        :func:`future_placeholder` resolved on the device."""
+        known = req.origin_input_ids + req.output_ids
+        if req.kv_len < len(known):
+            return known[req.kv_len]
+        if self.future_tokens and req.kv_len == len(known):
+            return future_placeholder(req.row)
+        raise ValueError(f"request {req.rid} has no output token to decode from")
+
+    def _next_decode_slots(self, reqs: list[Req]) -> tuple[torch.Tensor, list[int]]:
+        """One new KV slot per request, written at position ``kv_len``; advances ``kv_len``.
+        Returns the slots and each request's input id."""
+        input_ids = [self._decode_input_id(r) for r in reqs]
         slots = self._alloc_slots(len(reqs))
         rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
         cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
         self.req_to_token_pool.write((rows, cols), slots)  # one indexed write for the whole batch
         for req in reqs:
             req.kv_len += 1
-        return slots
+        return slots, input_ids
 
     def prepare_for_decode(self) -> None:
         """One new token per request: the last output id, at position ``kv_len`` (DECODE).
@@ -164,12 +181,12 @@ class ScheduleBatch:
             KVCacheFullError: fewer free KV slots than requests (nothing is allocated then).
         """
         self.forward_mode = ForwardMode.DECODE
-        self.out_cache_loc = self._next_decode_slots(self.reqs)
-        self.input_ids = [r.output_ids[-1] for r in self.reqs]
+        self.out_cache_loc, self.input_ids = self._next_decode_slots(self.reqs)
         self.req_pool_indices = [r.row for r in self.reqs]
         self.seq_lens = [r.kv_len for r in self.reqs]
         self.prefix_lens = []
         self.extend_lens = []
+        self.chunked_rows = [False] * len(self.reqs)
 
     def mix_with_running(self, running: "ScheduleBatch") -> None:
         """Append the running (decoding) requests to this prepared EXTEND batch, each as an
@@ -181,17 +198,29 @@ class ScheduleBatch:
         if not self.forward_mode.is_extend():
             raise ValueError("mix_with_running needs a batch prepared with prepare_for_extend()")
         prefix_lens = [r.kv_len for r in running.reqs]
-        slots = self._next_decode_slots(running.reqs)
-        self.input_ids += [r.output_ids[-1] for r in running.reqs]
+        slots, input_ids = self._next_decode_slots(running.reqs)
+        self.input_ids += input_ids
         self.out_cache_loc = torch.cat([self.out_cache_loc, slots])
         self.req_pool_indices += [r.row for r in running.reqs]
         self.seq_lens += [r.kv_len for r in running.reqs]
         self.prefix_lens += prefix_lens
         self.extend_lens += [1] * len(running.reqs)
+        self.chunked_rows += [False] * len(running.reqs)
         self.reqs = self.reqs + running.reqs
         if self.sampling_info is None or running.sampling_info is None:
             raise ValueError("mix_with_running needs both batches prepared (sampling_info set)")
         self.sampling_info.merge_batch(running.sampling_info)
+
+    def copy(self) -> "ScheduleBatch":
+        """A snapshot of the rows as they are now (requests, mode, lengths; the sampling state
+        is shared), for processing a step's result after the batch has moved on."""
+        other = ScheduleBatch(list(self.reqs), self.req_to_token_pool, self.token_to_kv_pool_allocator,
+                              self.vocab_size, self.device)
+        other.forward_mode, other.sampling_info, other.future_tokens = self.forward_mode, self.sampling_info, self.future_tokens
+        other.req_pool_indices, other.seq_lens = list(self.req_pool_indices), list(self.seq_lens)
+        other.prefix_lens, other.extend_lens = list(self.prefix_lens), list(self.extend_lens)
+        other.chunked_rows = list(self.chunked_rows)
+        return other
 
     def filter_batch(self, keep_indices: Sequence[int] | None = None) -> None:
         """Keep rows ``keep_indices`` (default: unfinished requests), in order; per-token state

@@ -8,6 +8,9 @@ The loop, every rank in lockstep::
         batch = get_next_batch_to_run()     # EXTEND of admitted requests, else DECODE of running
         if batch: process_batch_result(batch, run_batch(batch))  # the worker gets a ModelWorkerBatch
 
+With overlap scheduling (the default) step N+1 is launched before step N's result is processed
+(``run_step``; ``managers/overlap.py``).
+
 Every rank receives the same messages and takes the same decisions from the same state, so
 their batches (and collectives) always match. Rank 0 alone sends outputs to the HTTP process.
 Batching policy is small objects the scheduler wires together: ``CacheManager`` (KV slots,
@@ -46,6 +49,7 @@ from shardline_runtime.managers.lora_control import LoadLoRAAdapterReqInput, LoR
 from shardline_runtime.managers.cache_manager import CacheManager
 from shardline_runtime.managers.decode_manager import DecodeManager
 from shardline_runtime.managers.prefill_manager import PrefillManager
+from shardline_runtime.managers.overlap import FutureMap, InFlightStep, launch_step
 from shardline_runtime.managers.req import FinishReason, Req
 from shardline_runtime.managers.schedule_batch import ScheduleBatch
 from shardline_runtime.managers.schedule_policy import BatchLimits, NewTokenRatio
@@ -118,6 +122,16 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin):
         self.last_weights_phase_sent = "serving"  # what the HTTP process believes
         self.last_stats = None
         self.step_started = None
+        # Overlap scheduling (default; --disable-overlap-schedule). Off with LoRA: adapter slots
+        # are loaded and evicted between steps, which must see no step in flight.
+        overlap = not getattr(server_args, "disable_overlap_schedule", False) and not lora
+        self.future_map = FutureMap(self.req_to_token_pool.size, worker.device) if overlap else None
+        self.in_flight: InFlightStep | None = None
+        stream = getattr(worker.model_runner, "forward_stream", None)
+        if overlap and stream is not None:
+            # Every device op of this process (batch preparation, merges, the steps) is queued on
+            # the forward stream in program order; the host waits only when it reads a result.
+            torch.cuda.set_stream(stream)
         self.recv_socket = self.send_socket = None
         if tp_rank == 0 and input_addr is not None:
             ctx: zmq.Context = zmq.Context.instance()
@@ -161,21 +175,44 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin):
         self.start_watchdog()
         while not should_stop():
             self.step_started = time.monotonic()  # the watchdog covers the broadcast and the forward
-            messages = self.recv_requests()
-            self.process_input_requests(messages)
-            batch = self.get_next_batch_to_run()
-            if batch is not None:
-                self.process_batch_result(batch, self.run_batch(batch))
+            self.run_step(self.recv_requests())
             self.send_stats()
             self.step_started = None
+        self.drain_in_flight()
+
+    def run_step(self, messages: list[Any]) -> None:
+        """One iteration: handle ``messages``, then run the next batch.
+
+        Without overlap the batch runs and its result is processed at once. With overlap
+        (``managers/overlap.py``) the batch is launched and then the *previous* step's result is
+        processed, so the host prepares step N+1 while step N computes. A control message, an
+        abort or a waiting weight update first drains the step in flight (they act on settled
+        state); so does a retraction (``DecodeManager.schedule(settle=...)``).
+        """
+        if self.pending_update is not None or any(not isinstance(m, TokenizedGenerateReqInput) for m in messages):
+            self.drain_in_flight()
+        self.process_input_requests(messages)
+        self.join_in_flight_extend()
+        batch = self.get_next_batch_to_run()
+        if batch is None:
+            self.drain_in_flight()
+        elif self.future_map is None:
+            self.process_batch_result(batch, self.run_batch(batch))
+        else:
+            result = launch_step(self.worker, batch.get_model_worker_batch(), self.future_map)
+            previous, self.in_flight = self.in_flight, InFlightStep(batch.copy(), result)
+            if previous is not None:
+                self._process_step(previous)
 
     def new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         """A ``ScheduleBatch`` of ``reqs`` over the worker's pools, vocabulary and device."""
-        return ScheduleBatch.init_new(reqs, self.worker)
+        batch = ScheduleBatch.init_new(reqs, self.worker)
+        batch.future_tokens = self.future_map is not None
+        return batch
 
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
         """Run the prepared ``batch`` on the worker (which sees only its ``ModelWorkerBatch``)
-        and wait for the sampled tokens on the host."""
+        and wait for the sampled tokens on the host (the loop without overlap)."""
         result = self.worker.forward_batch_generation(batch.get_model_worker_batch())
         return result.copy_to_cpu().wait()
 
@@ -183,7 +220,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin):
         if self.pending_update is None and self.generation_blocked():
             return True  # nothing can run until a control message arrives: poll at the idle pace
         busy = self.decode_manager.is_running() or self.prefill_manager.has_work()
-        return not busy and self.pending_update is None
+        return not busy and self.pending_update is None and self.in_flight is None
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         """EXTEND of admitted requests (the running ones joining it with ``--enable-mixed-chunk``),
@@ -200,7 +237,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin):
             if mixed is not None:
                 batch.mix_with_running(mixed)  # the mixed batch becomes the running batch after it
             return batch
-        step = self.decode_manager.schedule()
+        # overlap: the step in flight may finish requests, and retraction needs settled state
+        step = self.decode_manager.schedule(settle=self.drain_in_flight)
         for req in step.retracted:
             self.prefill_manager.requeue(req)
             logger.info("[tp %d] retracted request %s (%d output tokens kept)", self.tp_rank, req.rid, len(req.output_ids))
@@ -282,40 +320,6 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin):
             return FlushCacheReqOutput(False, "requests are running or queued; flush when idle")
         self.tree_cache.reset()
         return FlushCacheReqOutput(True, "prefix cache flushed")
-
-    def start_weight_update(self, msg: Any) -> None:
-        """Queue an update of any kind (``UPDATE_REQUESTS``); it runs once no request holds KV."""
-        refused = "a weight update is already in progress" if self.pending_update is not None else self.refuse_update(msg)
-        if refused:
-            self.send(self.update_reply(msg, False, self.drain_refused_update(msg, refused)))
-            return
-        self.pending_update = msg
-        if msg.abort_all_requests:
-            self.abort_request(None, {"type": "abort", "message": "aborted for a weight update"})
-
-    def maybe_run_weight_update(self) -> None:
-        """Once no request runs (admission is paused meanwhile), load, flush the prefix cache, reply."""
-        started = not self.generation_blocked() and any(r.output_ids for r in self.waiting_queue)
-        if self.decode_manager.is_running() or self.chunked_req is not None or started:
-            # Retracted requests that began on the old weights finish on them too; paused with
-            # ``retract`` (an RL loop's pause -> update -> continue) they resume on the new ones.
-            return
-        msg, self.pending_update = self.pending_update, None
-        self.step_started = None  # loading a checkpoint may take longer than one step's watchdog
-        self.send_weights_phase("loading")
-        ok, message = self.run_weight_update(msg)
-        if ok and (getattr(msg, "cuda_graph_max_bs", None) is not None or getattr(msg, "disable_cuda_graph", None) is not None):
-            self.worker.update_cuda_graph_settings(msg.cuda_graph_max_bs, bool(msg.disable_cuda_graph),
-                                                   on_phase=lambda phase: self.send_weights_phase(phase.value))
-        # Old KV must never serve new weights; after a failed update the cache is still valid,
-        # but flushing it costs only recomputation, so do it in every case (a trainer sending
-        # buckets passes flush_cache false on all but the last).
-        if msg.flush_cache:
-            self.tree_cache.reset()
-        phase = getattr(self.worker.weights_phase, "value", str(self.worker.weights_phase))
-        self.send_weights_phase(phase)
-        self.send(self.update_reply(msg, ok, message))
-        self.send_serving_state()
 
     # ------------------------------------------------------------------ rank 0 -> HTTP
 

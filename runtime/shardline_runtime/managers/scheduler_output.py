@@ -2,7 +2,8 @@
 
 After a step every rank appends the same sampled ids (identical on every rank by construction of
 the sampler), checks the finish conditions, returns finished requests' KV (to the prefix cache)
-and moves a finished EXTEND batch into the running batch. Rank 0 then sends one
+and moves a finished EXTEND batch into the running batch. With overlap scheduling
+(``managers/overlap.py``) this runs one step late: the in-flight bookkeeping is here too. Rank 0 then sends one
 ``BatchTokenIDOut`` with the new tokens (and logprobs) of every request that advanced.
 """
 
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from shardline_runtime.managers.cache_manager import CacheManager
     from shardline_runtime.managers.decode_manager import DecodeManager
     from shardline_runtime.managers.prefill_manager import PrefillManager
+    from shardline_runtime.managers.overlap import InFlightStep
+    from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
     from shardline_runtime.mem_cache.radix_cache import RadixCache
 
 logger = logging.getLogger(__name__)
@@ -52,30 +55,80 @@ class SchedulerOutputMixin:
     send_socket: Any
     last_stats: tuple | None
     send: Callable[[Any], None]
+    allocator: TokenToKVPoolAllocator
+    req_to_token_pool: ReqToTokenPool
+    in_flight: InFlightStep | None
 
-    def process_batch_result(self, batch, result) -> None:
+    def process_batch_result(self, batch, result, joined_running: bool = False) -> None:
+        """Append the step's tokens, finish requests, move an EXTEND batch into the running batch
+        and stream the news.
+
+        Args:
+            batch: the batch as launched (with overlap a copy; the running batch may have moved on).
+            result: its ``GenerationBatchResult``, on the host (``wait()`` done).
+            joined_running: (overlap) the EXTEND batch's requests already joined the running batch.
+
+        With overlap, ``self.in_flight`` is the step launched after this one: a request of this
+        step that finishes here may be in it, computing a token that is then discarded. Rows that
+        were finished before this result (that discarded token) are skipped.
+        """
         next_ids = result.next_token_ids.tolist()
+        done_before = [r.finished() for r in batch.reqs]
         if batch.forward_mode.is_extend():
             self._collect_prompt_logprobs(batch, result)
         for i, req in enumerate(batch.reqs):
-            if req is self.prefill_manager.chunked_req:
-                continue  # an intermediate chunk samples nothing
-            if req.wants_token and next_ids[i] >= 0:
+            if done_before[i] or batch.chunked_rows[i]:
+                continue  # a discarded token (overlap), or an intermediate chunk: nothing sampled
+            if next_ids[i] >= 0:
                 top = result.next_token_top_logprobs[i] if req.top_logprobs_num else None
                 req.append_output(next_ids[i], result.next_token_logprobs[i] if req.return_logprob else None, top)
             req.check_finished(self.max_req_len)
-        finished = [r for r in batch.reqs if r.finished()]
-        for req in finished:
-            self.cache.release(req)
-        if batch.forward_mode.is_extend():
-            keep = [i for i, r in enumerate(batch.reqs) if not r.finished() and r is not self.prefill_manager.chunked_req]
-            streamed = list(batch.reqs)
+        streamed = [r for i, r in enumerate(batch.reqs) if not done_before[i]]
+        for req in streamed:
+            if req.finished():
+                self._release_finished(req)
+        if batch.forward_mode.is_extend() and not joined_running:
+            keep = [i for i, r in enumerate(batch.reqs) if not r.finished() and not batch.chunked_rows[i]]
             batch.filter_batch(keep)
             self.decode_manager.add(batch)
-        else:
-            streamed = list(batch.reqs)
-            batch.filter_batch()
+        elif self.decode_manager.running_batch is not None:
+            self.decode_manager.running_batch.filter_batch()  # a decode step's batch is the running batch
         self.stream_output(streamed)
+
+    def _release_finished(self, req) -> None:
+        """Release a finished request. When the step in flight (overlap) computes one more
+        (discarded) token for it, that token's KV slot stays out of the prefix cache and is
+        freed once that step has completed."""
+        step = self.in_flight
+        if step is not None and req.req_pool_idx is not None and step.holds(req):
+            req.kv_len -= 1
+            step.deferred_free.append(self.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_len : req.kv_len + 1].clone())
+        self.cache.release(req)
+
+    def drain_in_flight(self) -> bool:
+        """(Overlap) Wait for the step in flight and process its result; False when none is."""
+        step, self.in_flight = self.in_flight, None
+        if step is None:
+            return False
+        self._process_step(step)
+        return True
+
+    def _process_step(self, step) -> None:
+        self.process_batch_result(step.batch, step.result.wait(), joined_running=step.joined_running)
+        for slots in step.deferred_free:
+            self.allocator.free(slots)
+
+    def join_in_flight_extend(self) -> None:
+        """(Overlap) Requests of the EXTEND step in flight that will decode join the running
+        batch now, before their first token is known (their next input is a placeholder)."""
+        step = self.in_flight
+        if step is None or step.joined_running or not step.batch.forward_mode.is_extend():
+            return
+        step.joined_running = True
+        joining = step.batch.copy()
+        joining.filter_batch([i for i, r in enumerate(joining.reqs)
+                              if not joining.chunked_rows[i] and r.sampling_params.max_new_tokens != 0])
+        self.decode_manager.add(joining)
 
     def _collect_prompt_logprobs(self, batch, result) -> None:
         out = result.logits_output

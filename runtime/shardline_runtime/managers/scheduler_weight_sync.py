@@ -117,6 +117,40 @@ class SchedulerWeightSyncMixin:
         self.send_serving_state()
         return True
 
+    def start_weight_update(self, msg: Any) -> None:
+        """Queue an update of any kind (``UPDATE_REQUESTS``); it runs once no request holds KV."""
+        refused = "a weight update is already in progress" if self.pending_update is not None else self.refuse_update(msg)
+        if refused:
+            self.send(self.update_reply(msg, False, self.drain_refused_update(msg, refused)))
+            return
+        self.pending_update = msg
+        if msg.abort_all_requests:
+            self.abort_request(None, {"type": "abort", "message": "aborted for a weight update"})
+
+    def maybe_run_weight_update(self) -> None:
+        """Once no request runs (admission is paused meanwhile), load, flush the prefix cache, reply."""
+        started = not self.generation_blocked() and any(r.output_ids for r in self.prefill_manager.waiting_queue)
+        if self.decode_manager.is_running() or self.prefill_manager.chunked_req is not None or started:
+            # Retracted requests that began on the old weights finish on them too; paused with
+            # ``retract`` (an RL loop's pause -> update -> continue) they resume on the new ones.
+            return
+        msg, self.pending_update = self.pending_update, None
+        self.step_started = None  # loading a checkpoint may take longer than one step's watchdog
+        self.send_weights_phase("loading")
+        ok, message = self.run_weight_update(msg)
+        if ok and (getattr(msg, "cuda_graph_max_bs", None) is not None or getattr(msg, "disable_cuda_graph", None) is not None):
+            self.worker.update_cuda_graph_settings(msg.cuda_graph_max_bs, bool(msg.disable_cuda_graph),
+                                                   on_phase=lambda phase: self.send_weights_phase(phase.value))
+        # Old KV must never serve new weights; after a failed update the cache is still valid,
+        # but flushing it costs only recomputation, so do it in every case (a trainer sending
+        # buckets passes flush_cache false on all but the last).
+        if msg.flush_cache:
+            self.tree_cache.reset()
+        phase = getattr(self.worker.weights_phase, "value", str(self.worker.weights_phase))
+        self.send_weights_phase(phase)
+        self.send(self.update_reply(msg, ok, message))
+        self.send_serving_state()
+
     def refuse_update(self, msg: Any) -> str | None:
         """Why an update cannot be queued now, or None."""
         if self.paused_mode == "in_place" and self.holds_kv():

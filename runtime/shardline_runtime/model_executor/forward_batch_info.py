@@ -153,6 +153,12 @@ class ForwardBatch:
         if device is None:
             device = getattr(model_runner, "device", "cpu")
         device = torch.device(device)
+        # host copies from the host inputs (reading them back from the device would wait for it)
+        seq_lens_cpu = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else [int(n) for n in seq_lens]
+        prefix_cpu = None
+        if extend_prefix_lens is not None:
+            prefix_cpu = (extend_prefix_lens.tolist() if isinstance(extend_prefix_lens, torch.Tensor)
+                          else [int(n) for n in extend_prefix_lens])
         input_ids = _as_int64("input_ids", input_ids, device)
         req_pool_indices = _as_int64("req_pool_indices", req_pool_indices, device)
         seq_lens = _as_int64("seq_lens", seq_lens, device)
@@ -164,17 +170,17 @@ class ForwardBatch:
             raise ValueError(
                 f"out_cache_loc has {out_cache_loc.shape[0]} slots but input_ids has {input_ids.shape[0]} tokens"
             )
-        seq_lens_cpu = seq_lens.tolist()
         extend_seq_lens = extend_seq_lens_cpu = extend_prefix_lens_cpu = None
         if forward_mode.is_extend():
             if extend_prefix_lens is None:
-                extend_prefix_lens = torch.zeros(bs, dtype=torch.int64, device=device)
+                extend_prefix_lens, prefix_cpu = torch.zeros(bs, dtype=torch.int64, device=device), [0] * bs
             extend_prefix_lens = _as_int64("extend_prefix_lens", extend_prefix_lens, device)
             if extend_prefix_lens.shape[0] != bs:
                 raise ValueError(f"extend_prefix_lens has {extend_prefix_lens.shape[0]} entries, batch size is {bs}")
             extend_seq_lens = seq_lens - extend_prefix_lens
-            extend_seq_lens_cpu = extend_seq_lens.tolist()
-            extend_prefix_lens_cpu = extend_prefix_lens.tolist()
+            assert prefix_cpu is not None  # from the given lengths, or the zeros above
+            extend_prefix_lens_cpu = prefix_cpu
+            extend_seq_lens_cpu = [s - p for s, p in zip(seq_lens_cpu, prefix_cpu)]
             if any(n <= 0 for n in extend_seq_lens_cpu):
                 raise ValueError(f"every request must extend by >= 1 token; extend_seq_lens = {extend_seq_lens_cpu}")
             if sum(extend_seq_lens_cpu) != input_ids.shape[0]:
