@@ -286,3 +286,22 @@ def test_mixing_hands_the_running_batch_over_only_when_slots_fit():
     finish_extend(prefill2.schedule([]), decode2)
     batch = decode2.take_for_mix()
     assert batch is not None and [r.rid for r in batch.reqs] == ["a"] and not decode2.is_running()
+
+
+def test_decode_settles_the_step_in_flight_before_retracting():
+    cache = make_cache(kv_slots=31)
+    prefill, decode = managers(cache, limits(), NewTokenRatio(value=0.0))
+    for i in range(3):
+        prefill.add(req(f"r{i}", 10))
+    finish_extend(prefill.schedule([]), decode)
+    settled = []
+
+    def settle() -> bool:  # the step in flight finishes r2 (overlap scheduling)
+        if settled:
+            return False
+        settled.append(decode.abort("r2", FinishReason("stop", 2)))
+        return True
+
+    step = decode.schedule(settle=settle)
+    assert step.retracted == [], "settling freed the slots: nothing is retracted"
+    assert [r.rid for r in step.batch.reqs] == ["r0", "r1"]
