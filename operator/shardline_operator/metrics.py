@@ -24,7 +24,8 @@ GROUP_UPDATE = Histogram(
     "Seconds one group spent loading new weights in place.", _LABELS, buckets=_BUCKETS)
 GROUP_RECAPTURE = Histogram(
     "shardline_operator_group_recapture_seconds",
-    "Seconds one group spent recapturing CUDA graphs after a weight update.", _LABELS, buckets=_BUCKETS)
+    "Seconds one group spent recapturing CUDA graphs after a weight update, as its leader reported "
+    "(recapture_seconds of /update_weights_from_disk; 0 when it had no graphs).", _LABELS, buckets=_BUCKETS)
 ROLLBACKS = Counter(
     "shardline_operator_rollbacks_total", "Rollouts rolled back (failed update or failed gate).", _LABELS)
 FAILED_UPDATES = Counter(
@@ -43,7 +44,8 @@ def observe_rollout(namespace: str, name: str, seconds: float) -> None:
 
 def observe_group_update(namespace: str, name: str, update_seconds: float,
                          recapture_seconds: float | None = None) -> None:
-    """One group's in-place update took ``update_seconds`` (and ``recapture_seconds``, if any)."""
+    """One group's in-place update took ``update_seconds`` (operator wall time, from the request to
+    the reply) and its leader reported ``recapture_seconds`` (None: not reported, no sample)."""
     GROUP_UPDATE.labels(namespace, name).observe(update_seconds)
     if recapture_seconds is not None:
         GROUP_RECAPTURE.labels(namespace, name).observe(recapture_seconds)

@@ -214,8 +214,9 @@ class Reconciler:
 
     def _observe_metrics(self, plan: RolloutPlan) -> None:
         """Operator metrics for what the plan saw happen (names in ``metrics.py``)."""
-        for _, seconds in plan.group_update_seconds:
-            metrics.observe_group_update(self.namespace, self.name, seconds)
+        recaptures = dict(plan.group_recapture_seconds)  # as the runtime reported them
+        for index, seconds in plan.group_update_seconds:
+            metrics.observe_group_update(self.namespace, self.name, seconds, recaptures.get(index))
         if plan.rollout_seconds is not None:
             metrics.observe_rollout(self.namespace, self.name, plan.rollout_seconds)
         if plan.rolled_back:

@@ -18,6 +18,11 @@ record metrics). Rules:
   reported (Degraded) and repaired by updating that group to the target.
 - A failed update or gate with ``rollbackOnFailure`` sends the groups on the failed target back
   to the previous model the same way, then Failed, with the reason.
+- Failed holds: the failed target is not retried, and a fleet the failure left split (no
+  rollback, or a rollback that failed too) stays as it is, reported as such, until the spec
+  changes. A mixed version seen while Failed (e.g. an update the operator gave up on that the
+  runtime finished later) is repaired in place to the group's last good weights: what its
+  StatefulSet declares (a group's declared model changes only when an update to it succeeded).
 """
 
 from __future__ import annotations
@@ -64,7 +69,9 @@ class GroupView:
     this process sent (``pending``, ``success``, ``failure``, or ``unknown`` when it sent none);
     ``phases``: weights phases sampled while it ran; ``gate``: ``(passed, message)`` of the
     canary verification when it was run this pass; ``pod_revision``: the revision label of the
-    leader pod (what it was started with or last relabelled to), if known.
+    leader pod (what it was started with or last relabelled to), if known; ``update_seconds``:
+    the runtime's ``load_seconds`` / ``recapture_seconds`` for the update that ``update`` reports
+    ended (empty otherwise).
     """
 
     index: int
@@ -77,6 +84,7 @@ class GroupView:
     phases: tuple[str, ...] = ()
     gate: tuple[bool, str] | None = None
     pod_revision: str | None = None
+    update_seconds: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def served(self) -> ServedModel | None:
@@ -106,7 +114,9 @@ class RolloutPlan:
 
     ``trail`` lists (group, phase) passed through since the last pass (written as status
     transitions before ``group_phases``); ``mixed`` maps groups to their mixed-version reason;
-    ``forget_digest`` lists groups whose recorded digest is stale (re-recorded from the leader).
+    ``forget_digest`` lists groups whose recorded digest is stale (re-recorded from the leader);
+    ``group_update_seconds`` / ``group_recapture_seconds``: (group, seconds) of updates that
+    ended this pass (the operator's wall time; the runtime's reported recapture time).
     """
 
     state: RolloutState | None
@@ -119,6 +129,7 @@ class RolloutPlan:
     forget_digest: list[int] = field(default_factory=list)
     requeue_after_seconds: float | None = None
     group_update_seconds: list[tuple[int, float]] = field(default_factory=list)
+    group_recapture_seconds: list[tuple[int, float]] = field(default_factory=list)
     rollout_seconds: float | None = None
     rolled_back: bool = False
     failed_updates: int = 0
@@ -162,7 +173,8 @@ def plan_rollout(state: RolloutState | None, desired: ServedModel, groups: Seque
     if state is not None and state.phase == FAILED and state.target == desired:
         if all(g.served == desired for g in groups if g.served is not None):
             out.state = None  # the target was reached another way (a restart rollout): nothing failed now
-        return out
+            return out
+        return _repair_while_failed(state, groups, now, exclude, out)
     if state is not None and state.phase == ROLLING_BACK and state.target == desired:
         target = state.previous or desired
         todo = [g for g in groups if g.served == state.target and g.index not in exclude]
@@ -208,6 +220,32 @@ def plan_rollout(state: RolloutState | None, desired: ServedModel, groups: Seque
     return out
 
 
+def _repair_while_failed(state: RolloutState, groups: Sequence[GroupView], now: float, exclude: frozenset[int],
+                         out: RolloutPlan) -> RolloutPlan:
+    """Failed: send each mixed-version group back to what its StatefulSet declares (its last good
+    weights), as a wave that keeps the phase Failed; nothing else moves."""
+    repair = [g for g in groups if g.index in out.mixed and g.index not in exclude and g.live and g.ready
+              and g.declared is not None and g.served is not None]
+    if not repair:
+        return out
+    for g in repair:
+        out.start[g.index] = update_body(g.served, g.declared)
+        out.group_phases[g.index] = "UpdatingWeights"
+        out.events.append(("Warning", "RepairingMixedVersion",
+                           f"{out.mixed[g.index]}; updating it back to {g.declared.revision}"))
+    out.state = replace(state, wave=tuple(g.index for g in repair), started_at=now,
+                        group_phases={g.index: "UpdatingWeights" for g in repair})
+    out.requeue_after_seconds = POLL_SECONDS
+    return out
+
+
+def _wave_target(state: RolloutState, view: GroupView) -> ServedModel:
+    """What a group of the wave in flight is being updated to."""
+    if state.phase == FAILED and view.declared is not None:  # a repair: its last good weights
+        return view.declared
+    return (state.previous or state.target) if state.phase == ROLLING_BACK else state.target
+
+
 def _result(view: GroupView, target: ServedModel) -> tuple[str, str]:
     """Outcome of a group's update: this process's request first, else what the leader says
     (the operator restarted, or the request was lost)."""
@@ -236,6 +274,7 @@ def _follow_wave(state: RolloutState, views: Mapping[int, GroupView], policy: We
         view = views.get(index)
         if view is None:  # scaled away meanwhile
             continue
+        target = _wave_target(state, view)
         result, message = _result(view, target)
         last = state.group_phases.get(index, "UpdatingWeights")
         trail = _trail(last, view.phases)
@@ -259,6 +298,8 @@ def _follow_wave(state: RolloutState, views: Mapping[int, GroupView], policy: We
             out.apply[index] = target
             out.forget_digest.append(index)
             out.group_update_seconds.append((index, now - started))
+            if "recapture_seconds" in view.update_seconds:
+                out.group_recapture_seconds.append((index, view.update_seconds["recapture_seconds"]))
             out.events.append(("Normal", "GroupUpdated", f"group {index} serves {target.revision}"))
         else:
             out.failed_updates += 1
@@ -268,6 +309,11 @@ def _follow_wave(state: RolloutState, views: Mapping[int, GroupView], policy: We
         out.requeue_after_seconds = POLL_SECONDS
         return out
     done = replace(state, wave=(), started_at=None, group_phases={})
+    if done.phase == FAILED:  # a repair wave ended; the rollout stays Failed, the next pass checks again
+        out.state = done
+        for failure in failures:
+            out.events.append(("Warning", "MixedVersionRepairFailed", failure))
+        return out
     if failures:
         updated = set(out.apply) | {i for i, v in views.items() if v.served == target}
         if done.phase == ROLLING_BACK:  # a rollback that fails stops where it is

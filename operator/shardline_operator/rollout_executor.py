@@ -33,6 +33,10 @@ class LeaderClient(Protocol):
     def observed_phases(self, key: str) -> list[str]:
         """``weights_phase`` values sampled while the request under ``key`` ran, since the last call."""
 
+    def update_seconds(self, key: str) -> Mapping[str, float]:
+        """The runtime's ``load_seconds`` / ``recapture_seconds`` for the update ``poll`` last
+        handed out under ``key`` (empty when it reported none)."""
+
     def verify(self, url: str, verify: VerifySpec | None) -> tuple[bool, str]:
         """The canary gate: ``/health_generate``, then ``verify``'s completion within its bound."""
 
@@ -56,15 +60,18 @@ def gather(state: RolloutState | None, groups: Sequence[GroupObservation], recor
             report = LeaderReport.from_info(client.server_info(url))
         update: tuple[str, str] = ("unknown", "")
         phases: tuple[str, ...] = ()
+        seconds: dict[str, float] = {}
         if group.index in wave:
             update, phases = client.poll(key), tuple(client.observed_phases(key))
+            if update[0] in ("success", "failure"):
+                seconds = dict(client.update_seconds(key))
         gate = None
         if (state is not None and state.phase == VERIFYING and state.canary == group.index and group.ready
                 and url is not None and policy.canary is not None):
             gate = client.verify(url, policy.canary.verify)
         views.append(GroupView(group.index, group.served, group.ready, bool(group.live_pods), report,
                                recorded_digests.get(group.index), update, phases, gate,
-                               leader.revision if leader is not None else None))
+                               leader.revision if leader is not None else None, seconds))
     return views
 
 

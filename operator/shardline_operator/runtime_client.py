@@ -29,6 +29,7 @@ class HttpLeaderClient:
         self._futures: dict[str, Future] = {}
         self._phases: dict[str, list[str]] = {}
         self._samplers: dict[str, threading.Thread] = {}
+        self._seconds: dict[str, dict[str, float]] = {}  # what poll last handed out, per key
         self._lock = threading.Lock()
 
     def with_token(self, token: str | None) -> "TokenLeaderClient":
@@ -84,8 +85,17 @@ class HttpLeaderClient:
                 return "pending", ""
             del self._futures[key]
             self._samplers.pop(key, None)
-        success, message = future.result()
+        success, message, seconds = future.result()
+        with self._lock:
+            self._seconds[key] = seconds
         return ("success" if success else "failure"), message
+
+    def update_seconds(self, key: str) -> dict[str, float]:
+        """``load_seconds`` / ``recapture_seconds`` (floats, seconds) that the runtime reported in
+        its reply to the update :meth:`poll` last handed out under ``key`` (once; empty when it
+        reported none: an older runtime, or a refused or unreachable update)."""
+        with self._lock:
+            return self._seconds.pop(key, {})
 
     def server_info(self, url: str, token: str | None = None) -> Mapping[str, Any] | None:
         """``GET {url}/get_server_info`` as a dict, or None when unreachable, refused or not JSON."""
@@ -164,6 +174,9 @@ class TokenLeaderClient:
     def observed_phases(self, key: str) -> list[str]:
         return self._client.observed_phases(key)
 
+    def update_seconds(self, key: str) -> dict[str, float]:
+        return self._client.update_seconds(key)
+
     def verify(self, url: str, verify: Any = None) -> tuple[bool, str]:
         return self._client.verify(url, verify, self._token)
     def lora_adapters(self, url: str) -> Mapping[str, str] | None:
@@ -181,15 +194,19 @@ def _auth(token: str | None) -> dict[str, str]:
 
 
 def _post_update(url: str, body: dict[str, Any], timeout_seconds: float,
-                 token: str | None = None) -> tuple[bool, str]:
-    """Send the update and return ``(success, message)``; transport errors count as failures."""
-    return _post_json(url, "/update_weights_from_disk", body, timeout_seconds, token)
+                 token: str | None = None) -> tuple[bool, str, dict[str, float]]:
+    """Send the update; ``(success, message, seconds)`` where ``seconds`` holds the reply's
+    ``load_seconds`` / ``recapture_seconds`` that are numbers. Transport errors are failures."""
+    seconds: dict[str, float] = {}
+    success, message = _post_json(url, "/update_weights_from_disk", body, timeout_seconds, token, seconds)
+    return success, message, seconds
 
 
 def _post_json(url: str, route: str, body: dict[str, Any], timeout_seconds: float,
-               token: str | None = None) -> tuple[bool, str]:
+               token: str | None = None, seconds: dict[str, float] | None = None) -> tuple[bool, str]:
     """POST ``body`` to ``url + route``; ``(success, message)`` of a ``{"success", "message"}``
-    reply (transport errors and non-JSON replies are failures naming ``url``)."""
+    reply (transport errors and non-JSON replies are failures naming ``url``). With ``seconds``,
+    the reply's numeric ``*_seconds`` fields are copied into it."""
     try:
         response = httpx.post(f"{url}{route}", json=body, headers=_auth(token), timeout=timeout_seconds)
     except httpx.HTTPError as exc:
@@ -200,6 +217,9 @@ def _post_json(url: str, route: str, body: dict[str, Any], timeout_seconds: floa
         return False, f"HTTP {response.status_code} from {url}: {response.text[:200]}"
     if not isinstance(reply, dict):
         return False, f"HTTP {response.status_code} from {url}: unexpected reply {reply!r:.200}"
+    if seconds is not None:
+        seconds.update({k: float(v) for k, v in reply.items() if k.endswith("_seconds")
+                        and isinstance(v, (int, float)) and not isinstance(v, bool)})
     if response.status_code >= 400 or not reply.get("success", False):
         message = reply.get("message") or (reply.get("error") or {}).get("message") or str(reply)[:200]
         return False, str(message)

@@ -12,12 +12,14 @@ import json
 import time
 import uuid
 
+import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from hack.scenario.examples import tp2_example
 from hack.scenario.models import write_revisions
-from hack.scenario.operator_install import install_operator, operator_logs
+from hack.scenario.operator_install import OPERATOR_NAMESPACE, install_operator, operator_logs
 from hack.scenario.status_watch import StatusWatcher
 from hack.scenario.traffic import Traffic
 from tests.kube_fixtures import agent_nodes_only
@@ -71,14 +73,29 @@ def diagnostics(fleet) -> str:
     return f"{history}\n{operator_logs(fleet['cluster'])[-4000:]}"
 
 
+def operator_sample(fleet, name: str) -> float:
+    """A sample of the operator pod's live ``/metrics`` (port 8081, the chart's default) for this
+    deployment (0.0 if absent)."""
+    pods = fleet["client"].get(f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/pods")["items"]
+    ip = next(p["status"]["podIP"] for p in pods
+              if p.get("status", {}).get("podIP") and not p["metadata"].get("deletionTimestamp"))
+    text = httpx.get(f"http://{ip}:8081/metrics", timeout=10).text
+    labels = {"namespace": fleet["ns"], "name": "roll"}
+    return next((s.value for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == name and s.labels == labels), 0.0)
+
+
 def test_in_place_rollout_under_traffic_fails_no_request(fleet):
     mark = fleet["watch"].mark()
+    recaptures = operator_sample(fleet, "shardline_operator_group_recapture_seconds_count")
     with traffic(fleet) as client:
         started = time.monotonic()
         patch(fleet, {"model": {"path": str(fleet["revisions"]["rev-b"]), "revision": "rev-b"}})
         wait_ready(fleet, "rev-b", mark)
         print(f"in-place rollout of 2 groups: {time.monotonic() - started:.1f}s, {client.sent} requests")
     assert client.sent > 0 and client.failures == [], diagnostics(fleet)
+    # Each group's update reply carried recapture_seconds, and the operator observed both.
+    assert operator_sample(fleet, "shardline_operator_group_recapture_seconds_count") == recaptures + 2
     phases = fleet["watch"].phases_since(mark)
     assert "RollingOut" in phases or phases.count("UpdatingWeights") >= 1, phases
     assert "Ready" not in phases[:-1] or phases.index("Ready") == len(phases) - 1 or \

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 class FakeLeaders:
     """``results[key]``: what ``poll`` answers; ``info[url]``: ``/get_server_info``; ``gate``: the
-    canary verification's answer; ``phases[key]``: sampled weights phases."""
+    canary verification's answer; ``phases[key]``: sampled weights phases; ``seconds[key]``: the
+    ``load_seconds`` / ``recapture_seconds`` the runtime's reply carried."""
 
     def __init__(self):
         self.sent: list[tuple[str, str, dict]] = []
         self.results: dict[str, tuple[str, str]] = {}
         self.info: dict[str, dict] = {}
         self.phases: dict[str, list[str]] = {}
+        self.seconds: dict[str, dict[str, float]] = {}
         self.gate: tuple[bool, str] = (True, "ok")
         self.verified: list[str] = []
 
@@ -27,6 +29,9 @@ class FakeLeaders:
 
     def observed_phases(self, key):
         return self.phases.pop(key, [])
+
+    def update_seconds(self, key):
+        return self.seconds.pop(key, {})
 
     def verify(self, url, verify):
         self.verified.append(url)

@@ -60,7 +60,7 @@ def leader_url():
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     Leader.bodies, Leader.served, Leader.phase = [], [], "serving"
-    Leader.reply = (200, {"success": True, "message": "ok"})
+    Leader.reply = (200, {"success": True, "message": "ok", "load_seconds": 1.5, "recapture_seconds": 0.25})
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
 
@@ -86,6 +86,8 @@ def test_success_and_sampled_phases(leader_url):
     assert "loading" in Leader.served and "recapturing" in Leader.served, Leader.served
     assert [p for p in phases if p != "serving"] == ["loading", "recapturing"], (phases, Leader.served)
     assert client.observed_phases("k") == []  # each phase is handed out once
+    assert client.update_seconds("k") == {"load_seconds": 1.5, "recapture_seconds": 0.25}
+    assert client.update_seconds("k") == {}  # handed out once
     assert client.server_info(leader_url)["weights_revision"] == "rev-a"
 
 
@@ -94,6 +96,7 @@ def test_failure_message_from_the_runtime(leader_url):
     client = HttpLeaderClient()
     client.start_update("k", leader_url, {"model_path": "/m/bad"}, 10)
     assert wait_done(client, "k") == ("failure", "lm_head.weight: shape [64, 128] != [64, 64]")
+    assert client.update_seconds("k") == {}  # the reply carried none
 
 
 def test_unreachable_leader_is_a_failure():

@@ -58,6 +58,9 @@ class LiveLeaders:
     def observed_phases(self, key):
         return []
 
+    def update_seconds(self, key):  # what a CPU runtime's reply carries (no graphs to recapture)
+        return {"load_seconds": 0.25, "recapture_seconds": 0.0}
+
     def verify(self, url, verify):
         return True, "ok"
 
@@ -113,8 +116,14 @@ def test_revert_mid_update_is_awaited_then_applied(world):
     assert leaders.sent == [("default/llama/g0", "rev-b"), ("default/llama/g0", "rev-a")]  # g1 never moved
 
 
+def recaptures() -> float:
+    return metrics.REGISTRY.get_sample_value("shardline_operator_group_recapture_seconds_count",
+                                             {"namespace": "default", "name": "llama"}) or 0.0
+
+
 def test_progress_condition_and_no_ready_between_groups(world):
     kube, leaders, run = world
+    before = recaptures()
     run(path=REV_B, revision="rev-b")
     leaders.finish("default/llama/g0")
     result = run()
@@ -130,6 +139,7 @@ def test_progress_condition_and_no_ready_between_groups(world):
     assert result.status["phase"] == "Ready" and conditions(result.status)["Progressing"]["status"] == "False"
     assert [g["weightsDigest"] for g in result.status["groups"]] == ["sha256:rev-b", "sha256:rev-b"]
     assert metrics.GROUPS_PER_REVISION.labels("default", "llama", "rev-b")._value.get() == 2
+    assert recaptures() == before + 2  # each group's reported recapture_seconds, one sample each
 
 
 def test_mixed_version_is_degraded_then_repaired(world):
@@ -182,3 +192,46 @@ def test_idle_passes_write_no_status_and_ranks_are_reported(world):
     ranks = result.status["groups"][0]["ranks"]
     assert [(r["rank"], r["pod"], r["ready"], r["phase"]) for r in ranks] == [
         (0, "llama-g0-0", True, "Running"), (1, "llama-g0-1", True, "Running")]
+
+
+def test_mixed_version_while_failed_is_repaired_to_the_last_good_weights(world):
+    """Issue 9: a rollout fails on group 0 (nothing to roll back: Failed); group 0's leader then
+    serves rev-b anyway (a late load). Status says so (MixedVersions), the group is updated back to
+    rev-a (its StatefulSet's model), and the rollout stays Failed on rev-a, told as RolloutFailed."""
+    kube, leaders, run = world
+    run(path=REV_B, revision="rev-b")
+    leaders.finish("default/llama/g0", ok=False)
+    result = run()
+    assert result.status["rollout"]["phase"] == "Failed" and result.status["phase"] == "Degraded"
+    leaders.serving["http://127.0.0.2:8000"] = (REV_B, "rev-b")  # the late load lands
+    result = run()
+    degraded = conditions(result.status)["Degraded"]
+    assert degraded["reason"] == "MixedVersions" and "group 0: leader serves rev-b" in degraded["message"]
+    assert leaders.sent == [("default/llama/g0", "rev-b"), ("default/llama/g0", "rev-a")]
+    result = run()
+    assert result.status["groups"][0]["phase"] == "UpdatingWeights" and result.status["rollout"]["phase"] == "Failed"
+    leaders.finish("default/llama/g0")
+    run()
+    result = run()
+    assert result.status["servedRevision"] == "rev-a" and result.status["rollout"]["phase"] == "Failed"
+    assert conditions(result.status)["Degraded"]["reason"] == "RolloutFailed"
+    assert conditions(result.status)["WeightsUpdated"]["status"] == "False"
+    assert len(leaders.sent) == 2  # the failed target is not retried
+    assert metrics.MIXED_VERSIONS.labels("default", "llama")._value.get() == 0
+
+
+def test_fleet_split_by_a_failure_without_rollback_is_held_and_told(world):
+    kube, leaders, run = world
+    run(spec={"weightUpdate": {"rollbackOnFailure": False}}, path=REV_B, revision="rev-b")
+    leaders.finish("default/llama/g0")
+    run(), run()
+    leaders.finish("default/llama/g1", ok=False)
+    run()
+    result = run()
+    status = result.status
+    assert status["phase"] == "Degraded" and status["rollout"]["phase"] == "Failed"
+    assert status["servedRevision"] == "rev-b,rev-a" and conditions(status)["Degraded"]["reason"] == "RolloutFailed"
+    assert conditions(status)["Progressing"]["message"] == "1/2 groups on rev-b"
+    assert conditions(status)["Ready"]["status"] == "False"
+    assert leaders.sent == [("default/llama/g0", "rev-b"), ("default/llama/g1", "rev-b")]
+    assert run().status["servedRevision"] == "rev-b,rev-a" and len(leaders.sent) == 2  # held

@@ -282,3 +282,61 @@ def test_state_written_before_waves_is_read():
            "startedAt": "2023-11-14T22:13:20Z", "groupPhase": "RecapturingGraphs"}
     state = RolloutState.from_status(raw)
     assert state.wave == (1,) and state.group_phases == {1: "RecapturingGraphs"}
+
+
+def test_reported_recapture_seconds_are_kept_per_group():
+    """The runtime's ``recapture_seconds`` (from the update's reply) feeds the recapture metric."""
+    state = RolloutState(UPDATING, REV_B, REV_A, wave=(0, 1), started_at=0.0, rollout_started_at=0.0)
+    leader = LeaderReport("serving", REV_B.path, REV_B.revision, digest(REV_B))
+    views = [GroupView(0, REV_A, leader=leader, update=("success", ""),
+                       update_seconds={"load_seconds": 2.0, "recapture_seconds": 0.75}),
+             GroupView(1, REV_A, leader=leader, update=("success", ""))]  # an older runtime: none reported
+    plan = plan_rollout(state, REV_B, views, POLICY, 3.0)
+    assert plan.group_update_seconds == [(0, 3.0), (1, 3.0)] and plan.group_recapture_seconds == [(0, 0.75)]
+
+
+def test_failed_rollout_repairs_a_late_update_back_to_the_last_good_weights():
+    """The operator gave up on group 0 (timeout, so Failed with nothing to roll back); the runtime
+    then finished loading rev-b anyway: a mixed version while Failed, sent back to rev-a (what its
+    StatefulSet declares), and the rollout stays Failed (the failed target is not retried)."""
+    fleet = Fleet(2)
+    fleet.step(REV_B, 0.0)
+    fleet.step(REV_B, 61.0)
+    assert fleet.state.phase == FAILED and "timed out" in fleet.state.message
+    fleet.finish(0)  # the late load lands
+    plan = fleet.step(REV_B, 62.0)
+    assert "leader serves rev-b" in plan.mixed[0] and plan.start == {0: update_body(REV_B, REV_A)}
+    assert fleet.state.phase == FAILED and fleet.state.wave == (0,) and "RepairingMixedVersion" in fleet.events
+    assert "timed out" in fleet.state.message  # the reason the rollout failed is kept
+    fleet.finish(0)
+    plan = fleet.step(REV_B, 63.0)
+    assert plan.apply == {0: REV_A} and fleet.state.phase == FAILED and fleet.state.wave == ()
+    plan = fleet.step(REV_B, 64.0)
+    assert not plan.mixed and not plan.start and fleet.leader == fleet.declared == {0: REV_A, 1: REV_A}
+
+
+def test_a_repair_that_fails_keeps_failed_and_is_tried_again_later():
+    fleet = Fleet(2)
+    fleet.step(REV_B, 0.0), fleet.step(REV_B, 61.0)
+    fleet.finish(0)
+    fleet.step(REV_B, 62.0)
+    fleet.finish(0, ok=False, message="disk gone")
+    plan = fleet.step(REV_B, 63.0)
+    assert fleet.state.phase == FAILED and not fleet.state.wave and plan.requeue_after_seconds is None
+    assert "MixedVersionRepairFailed" in fleet.events and not plan.rolled_back
+    assert list(fleet.step(REV_B, 93.0).start) == [0]  # still mixed at the next pass: tried again
+
+
+def test_a_fleet_split_by_a_failure_without_rollback_is_held():
+    """rollbackOnFailure false: group 0 on rev-b, group 1 failed on rev-a. Failed holds: no update
+    is sent, and that split is not a mixed version (each leader serves what it declares)."""
+    fleet, policy = Fleet(2), WeightUpdateSpec(timeout_seconds=60, rollback_on_failure=False)
+    fleet.step(REV_B, 0.0, policy)
+    fleet.finish(0)
+    fleet.step(REV_B, 1.0, policy), fleet.step(REV_B, 1.0, policy)
+    fleet.finish(1, ok=False, message="shape mismatch")
+    fleet.step(REV_B, 2.0, policy)
+    assert fleet.state.phase == FAILED and fleet.declared == {0: REV_B, 1: REV_A}
+    for now in (3.0, 40.0):
+        plan = fleet.step(REV_B, now, policy)
+        assert not plan.start and not plan.mixed and fleet.state.phase == FAILED

@@ -9,6 +9,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner
+from shardline_runtime.model_executor.weight_update import PhaseClock, WeightsPhase
 from shardline_runtime.sampling import SamplingParams
 
 from tests.runtime.engine_driver import make_worker, run_engine
@@ -53,6 +54,27 @@ def test_w3_update_equals_cold_start_and_keeps_storage(ckpt_a, ckpt_b):
     info = worker.get_worker_info()
     assert info["weights_phase"] == "serving" and info["weights_revision"] == "b"
     assert info["model_path"] == str(ckpt_b)
+
+
+def test_phase_clock_times_loading_and_recapturing(ckpt_a, ckpt_b):
+    """The seconds the runtime reports for an update (``load_seconds`` / ``recapture_seconds``)."""
+    worker = with_static_graphs(make_worker(ckpt_a))  # a graph runner (eager on CPU) to recapture
+    seen: list = []
+    clock = PhaseClock(seen.append)
+    ok, message = worker.update_weights_from_disk(str(ckpt_b), on_phase=clock)
+    assert ok, message
+    assert seen == [WeightsPhase.LOADING, WeightsPhase.RECAPTURING, WeightsPhase.SERVING]
+    seconds = clock.seconds()
+    assert seconds["load_seconds"] > 0 and seconds["recapture_seconds"] >= 0
+    # Arithmetic on a scripted clock: each phase lasts until the next begins.
+    ticks = iter([10.0, 12.5, 13.0, 99.0])
+    clock = PhaseClock(clock=lambda: next(ticks))
+    clock(WeightsPhase.LOADING), clock(WeightsPhase.RECAPTURING), clock(WeightsPhase.SERVING)
+    assert clock.seconds() == {"load_seconds": 2.5, "recapture_seconds": 0.5}
+    ticks = iter([0.0, 4.0, 99.0])  # a failed load: no recapture
+    clock = PhaseClock(clock=lambda: next(ticks))
+    clock(WeightsPhase.LOADING), clock(WeightsPhase.FAILED)
+    assert clock.seconds() == {"load_seconds": 4.0, "recapture_seconds": 0.0}
 
 
 def test_w2_same_checkpoint_update_is_bit_identical(ckpt_a):
@@ -153,6 +175,8 @@ def test_w2_w3_with_captured_cuda_graphs(ckpt_a, ckpt_b):
     ok, message = worker.update_weights_from_disk(str(ckpt_b), recapture_cuda_graph=False)
     assert ok, message
     assert run_engine(worker, PROMPTS, GREEDY) == cold_b
-    ok, message = worker.update_weights_from_disk(str(ckpt_b), recapture_cuda_graph=True)
+    clock = PhaseClock()
+    ok, message = worker.update_weights_from_disk(str(ckpt_b), recapture_cuda_graph=True, on_phase=clock)
     assert ok and worker.weights_phase.value == "serving"
+    assert clock.seconds()["recapture_seconds"] > 0  # graphs really captured again
     assert run_engine(worker, PROMPTS, GREEDY) == cold_b

@@ -105,6 +105,9 @@ def test_every_chart_promql_names_a_live_metric(server, operator_metrics_text):
     assert {"shardline_operator_rollout_in_progress", "shardline_operator_mixed_version_groups",
             "shardline_operator_failed_groups", "shardline_operator_group_restarts",
             "shardline_operator_restart_budget"} <= uses
+    # The dashboard's update / recapture panel (the operator feeds both from each group's update).
+    assert {"shardline_operator_group_update_seconds_sum", "shardline_operator_group_recapture_seconds_sum",
+            "shardline_operator_group_recapture_seconds_count"} <= uses
 
 
 def test_parser_walk_finds_names_and_misses_unknown():

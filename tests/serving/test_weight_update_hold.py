@@ -1,12 +1,15 @@
 """Issue 9 (runtime): requests that arrive during a weight update are held, not refused, and run
-on the new weights; past ``--weight-update-hold-timeout`` they get 503 with ``Retry-After``;
-``/ready`` is 503 during the update while ``/health`` stays 200; the checkpoint digest is
-reported in ``/get_server_info`` and ``/metrics``.
+on the new weights; past ``--weight-update-hold-timeout`` they get 503 with ``Retry-After``, and
+the bound also covers a request that waits in the scheduler's queue for the update (a stream then
+ends with an error event and ``[DONE]``); ``/ready`` is 503 during the update while ``/health``
+stays 200; the checkpoint digest and the update's load / recapture seconds are reported in
+``/get_server_info`` (and the digest in ``/metrics``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import threading
 import time
 
@@ -30,9 +33,10 @@ def hold_server(serving_checkpoint, checkpoint_dir):
 
 @pytest.fixture(scope="module")
 def short_hold_server(serving_checkpoint, checkpoint_dir):
-    """A hold timeout far shorter than the update below, whatever the machine's speed."""
+    """A hold timeout far shorter than the update below, whatever the machine's speed; one running
+    request at a time, so a second one waits in the scheduler's queue."""
     srv = start_server(serving_checkpoint, checkpoint_dir, "--max-total-tokens", "4096", "--revision", "rev-a",
-                       "--weight-update-hold-timeout", str(SHORT_HOLD))
+                       "--weight-update-hold-timeout", str(SHORT_HOLD), "--max-running-requests", "1")
     yield srv
     srv.stop()
 
@@ -85,7 +89,8 @@ def test_requests_during_update_are_held_and_run_on_new_weights(hold_server, ser
             time.sleep(0.1)
             if update.done():
                 break
-        assert update.result().json()["success"] is True
+        reply = update.result().json()
+        assert reply["success"] is True
         replies = [f.result() for f in held]
     stream.join(120)
     assert (ready, health) == (503, 200)
@@ -96,6 +101,10 @@ def test_requests_during_update_are_held_and_run_on_new_weights(hold_server, ser
     assert all(r.json()["output_ids"] == new for r in replies)  # ... and every held request ran on rev-b
     info = server.get("/get_server_info").json()
     assert info["weights_digest"] == checkpoint_digest(serving_checkpoint_b) != digest_a
+    # How long the load took on rank 0; no graphs on CPU, so nothing was recaptured.
+    assert reply["load_seconds"] > 0 and reply["recapture_seconds"] == 0.0
+    assert info["last_weight_update"] == {"success": True, "model_path": str(serving_checkpoint_b),
+                                          "load_seconds": reply["load_seconds"], "recapture_seconds": 0.0}
     metrics = server.get("/metrics").text
     assert f'digest="{info["weights_digest"]}"' in metrics
     held_count = next(float(line.split()[-1]) for line in metrics.splitlines()
@@ -131,4 +140,54 @@ def test_hold_past_timeout_is_503_with_retry_after(short_hold_server, serving_ch
     assert int(refused.headers["Retry-After"]) >= 1
     assert "--weight-update-hold-timeout" in refused.json()["error"]["message"]
     assert waited >= SHORT_HOLD - 0.2
+    assert server.get("/ready").status_code == 200
+
+
+def _stream_events(server, body: dict) -> tuple[int, list[str]]:
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        return r.status_code, [line for line in r.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.mark.slow
+def test_hold_bound_covers_the_wait_in_the_scheduler(short_hold_server, serving_checkpoint, serving_checkpoint_b):
+    """Requests admitted before the update began, queued in the scheduler (one running at a time),
+    are held there by it: past the bound, a clean 503 (non-streamed) or an error event and
+    ``[DONE]`` (streamed, its 200 already sent), and both leave the scheduler's queue."""
+    server = short_hold_server
+    done: dict = {}
+    stream = threading.Thread(target=_long_stream, args=(server, 3000, done))
+    stream.start()
+    _wait_running(server, 1)
+    with cf.ThreadPoolExecutor(3) as pool:
+        try:
+            plain = pool.submit(_greedy, server, "queued plain")
+            streamed = pool.submit(_stream_events, server, {"prompt": "queued stream", "max_tokens": 4, "stream": True})
+            deadline = time.monotonic() + 60
+            while server.get("/get_server_info").json()["num_queued_reqs"] < 2:
+                assert time.monotonic() < deadline, "the two requests were not queued"
+                time.sleep(0.02)
+            update = pool.submit(server.post, "/update_weights_from_disk",
+                                 {"model_path": str(serving_checkpoint_b), "revision": "rev-b"})
+            while server.get("/get_server_info").json()["weights_phase"] == "serving":
+                time.sleep(0.01)
+            started = time.monotonic()
+            refused = plain.result(timeout=30)  # the update waits for the 3000-token stream: well past 1 s
+            waited = time.monotonic() - started
+            status, events = streamed.result(timeout=30)
+            deadline = time.monotonic() + 10  # the stats follow the aborts within a step or two
+            while (queued := server.get("/get_server_info").json()["num_queued_reqs"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            server.post("/abort_request", {"abort_all": True})  # lets the update run now
+        assert update.result().json()["success"] is True
+    stream.join(120)
+    assert refused.status_code == 503, refused.text
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert "--weight-update-hold-timeout" in refused.json()["error"]["message"]
+    assert waited >= SHORT_HOLD - 0.2
+    assert status == 200 and events[-1] == "data: [DONE]"
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == 503 and "--weight-update-hold-timeout" in error["message"]
+    assert queued == 0  # aborted in the scheduler, not left to run later
+    server.post("/update_weights_from_disk", {"model_path": str(serving_checkpoint), "revision": "rev-a"})
     assert server.get("/ready").status_code == 200

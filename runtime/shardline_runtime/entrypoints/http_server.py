@@ -160,6 +160,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
         return {
             "weights_phase": tm.weights_phase, "weights_revision": tm.weights_revision, "model_path": tm.model_path,
             "weights_digest": tm.weights_digest, "num_held_reqs": tm.held,
+            "last_weight_update": tm.last_weight_update,
             "served_model_name": model_name, "tp_size": server_args.tp_size, "nnodes": server_args.nnodes,
             "max_total_num_tokens": tm.info.max_total_num_tokens, "max_req_input_len": tm.info.max_req_input_len,
             "max_req_len": tm.info.max_req_len, "context_length": tm.info.context_len,
@@ -205,7 +206,8 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
             metrics.set_weight_version(tm.weight_version)
         return JSONResponse({"success": out.success, "message": out.message, "revision": tm.weights_revision,
                              "model_path": tm.model_path, "weight_version": tm.weight_version,
-                             "weights_digest": tm.weights_digest},
+                             "weights_digest": tm.weights_digest, "load_seconds": out.load_seconds,
+                             "recapture_seconds": out.recapture_seconds},
                             status_code=200 if out.success else 400)
 
     add_weight_sync_routes(app, tm, metrics, error_response, server_args.tp_size)

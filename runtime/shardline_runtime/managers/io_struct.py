@@ -94,6 +94,8 @@ class UpdateWeightsFromDiskReqOutput:
     revision: str | None = None
     model_path: str | None = None
     weight_version: str | None = None
+    load_seconds: float | None = None  # rank 0's time in ``loading`` (None: the update never ran)
+    recapture_seconds: float | None = None  # rank 0's time in ``recapturing`` (0.0: no graphs)
 
 
 @dataclass

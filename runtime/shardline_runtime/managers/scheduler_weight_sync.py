@@ -38,7 +38,7 @@ from shardline_runtime.managers.io_struct import (
     UpdateWeightsFromTensorReqInput,
 )
 from shardline_runtime.model_executor.memory_saver import MemorySaverError
-from shardline_runtime.model_executor.weight_update import WeightsPhase
+from shardline_runtime.model_executor.weight_update import PhaseClock, WeightsPhase
 
 if TYPE_CHECKING:
     from shardline_runtime.managers.decode_manager import DecodeManager
@@ -56,6 +56,7 @@ class SchedulerWeightSyncMixin:
 
     paused_mode: str | None = None
     last_serving_state: tuple = (None, None)
+    update_timings: dict[str, float] | None = None  # the disk update just run (PhaseClock.seconds)
     # Set by Scheduler.__init__ (declared here for the type checker).
     tp_rank: int
     worker: Any
@@ -89,8 +90,10 @@ class SchedulerWeightSyncMixin:
 
     def update_reply(self, msg: Any, ok: bool, message: str) -> Any:
         if isinstance(msg, UpdateWeightsFromDiskReqInput):
+            timings, self.update_timings = self.update_timings or {}, None  # a refused update ran nothing
             return UpdateWeightsFromDiskReqOutput(ok, message, self.worker.weights_revision, self.worker.model_path,
-                                                  self.worker.weight_version)
+                                                  self.worker.weight_version, timings.get("load_seconds"),
+                                                  timings.get("recapture_seconds"))
         return ControlReqOutput(ok, message, self.worker.weight_version)
 
     # ------------------------------------------------------------------ dispatch
@@ -174,10 +177,11 @@ class SchedulerWeightSyncMixin:
         ``weight_version`` and records the tensors written for the memory saver."""
         worker = self.worker
         if isinstance(msg, UpdateWeightsFromDiskReqInput):
+            clock = PhaseClock(lambda phase: self.send_weights_phase(phase.value))
             ok, message = worker.update_weights_from_disk(
-                msg.model_path, msg.load_format or "auto", msg.revision, msg.recapture_cuda_graph,
-                on_phase=lambda phase: self.send_weights_phase(phase.value),
+                msg.model_path, msg.load_format or "auto", msg.revision, msg.recapture_cuda_graph, on_phase=clock,
             )
+            self.update_timings = clock.seconds()  # reported in the reply (update_reply)
             names = None
         elif isinstance(msg, UpdateWeightsFromTensorReqInput):
             ok, message, names = worker.update_weights_from_tensor(msg.serialized_named_tensors)

@@ -43,6 +43,7 @@ from shardline_runtime.managers.io_struct import (
     UpdateWeightsFromDiskReqOutput,
     WeightsPhaseOut,
 )
+from shardline_runtime.managers.update_hold import HELD_SECONDS, first_chunk
 from shardline_runtime.model_loader.checkpoint_digest import checkpoint_digest
 from shardline_runtime.sampling.sampling_params import SamplingParams
 
@@ -153,9 +154,11 @@ class TokenizerManager:
         self.weights_revision = info.weights_revision
         self.model_path = info.model_path
         self.weights_digest = weights_digest
+        self.last_weight_update: dict[str, Any] | None = None  # phase times of the last disk update run
         self.hold_timeout = hold_timeout
         self._serving = asyncio.Event()  # set unless a weight update is running
         self._serving.set()
+        self._updating = asyncio.Event()  # the inverse of _serving (update_hold.first_chunk waits on both)
         self.draining = False  # SIGTERM received: /ready is 503, requests are still served
         self.closing = False  # the drain ended: new requests are refused
         self.held = 0  # requests waiting for a weight update to end
@@ -283,8 +286,10 @@ class TokenizerManager:
         self.weights_phase = phase
         if phase in UPDATING_PHASES:
             self._serving.clear()
+            self._updating.set()
         else:
             self._serving.set()
+            self._updating.clear()
 
     async def admit(self) -> None:
         """Return once the request may be sent to the schedulers: at once when serving; after
@@ -294,11 +299,15 @@ class TokenizerManager:
         Then, while generation is paused, hold until ``/continue_generation``. The HTTP handlers
         call it before they answer, so a request refused after its hold is a 503, never a cut stream.
 
+        The time held here is kept in ``update_hold.HELD_SECONDS`` for :meth:`generate`, which
+        bounds the request's whole hold (here, then in the scheduler) by ``hold_timeout``.
+
         Raises:
             ServerNotReadyError: the server is shutting down, or memory is released.
             WeightUpdateHoldTimeout: the update outlasted ``hold_timeout`` seconds.
         """
         self.check_ready()
+        HELD_SECONDS.set(0.0)
         if self._serving.is_set():
             await self._hold_while_paused()
             return
@@ -307,16 +316,21 @@ class TokenizerManager:
         try:
             await asyncio.wait_for(self._serving.wait(), self.hold_timeout)
         except asyncio.TimeoutError:
-            raise WeightUpdateHoldTimeout(
-                f"the server is updating its weights (phase {self.weights_phase}) and the request waited "
-                f"{self.hold_timeout:g}s (--weight-update-hold-timeout); retry shortly",
-                retry_after_seconds=max(1, min(30, round(self.hold_timeout / 4)))) from None
+            raise self.hold_timeout_error() from None
         finally:
             self.held -= 1
+            HELD_SECONDS.set(time.monotonic() - started)
             if self.metrics:
                 self.metrics.observe_hold(time.monotonic() - started)
         self.check_ready()
         await self._hold_while_paused()
+
+    def hold_timeout_error(self) -> WeightUpdateHoldTimeout:
+        """The 503 (with ``Retry-After``) for a request held past ``hold_timeout``."""
+        return WeightUpdateHoldTimeout(
+            f"the server is updating its weights (phase {self.weights_phase}) and the request waited "
+            f"{self.hold_timeout:g}s (--weight-update-hold-timeout); retry shortly",
+            retry_after_seconds=max(1, min(30, round(self.hold_timeout / 4))))
 
     async def _hold_while_paused(self) -> None:
         """Hold while generation is paused (SGLang: held, not refused, until
@@ -355,6 +369,11 @@ class TokenizerManager:
         the HTTP handlers admit before a stream's headers go out, and a second hold after them
         could only end in a cut stream (a request admitted just before an update began is sent
         now, and the scheduler runs it whole on the new weights once the update is done).
+
+        Until its first output, the time an update holds it in the scheduler counts against what
+        ``hold_timeout`` left after :meth:`admit` (``update_hold.first_chunk``); past it, it is
+        aborted there and this raises ``WeightUpdateHoldTimeout`` (a 503 before a response's
+        headers, an error event and ``[DONE]`` after a stream's).
         """
         if not admitted:
             await self.admit()
@@ -374,11 +393,18 @@ class TokenizerManager:
                                         input_embeds_values=input_embeds_values)
         await self.send_socket.send_pyobj(msg)
         try:
+            try:
+                chunk = await first_chunk(state.queue, self._updating, self._serving,
+                                          self.hold_timeout - HELD_SECONDS.get())
+            except asyncio.TimeoutError:
+                state.finished = True
+                await self._send_abort(rid, {"type": "abort", "message": "held past --weight-update-hold-timeout"})
+                raise self.hold_timeout_error() from None
             while True:
-                chunk = await state.queue.get()
                 yield chunk
                 if chunk.finish_reason is not None:
                     return
+                chunk = await state.queue.get()
         finally:
             if not state.finished:
                 state.finished = True
@@ -450,6 +476,8 @@ class TokenizerManager:
         """Run a weight update; requests arriving from now until it ends are held (:meth:`admit`).
 
         On success the new checkpoint's digest is computed (headers only, off the event loop).
+        The reply's ``load_seconds`` / ``recapture_seconds`` (rank 0's phase times) are kept in
+        :attr:`last_weight_update` for ``/get_server_info``.
         """
         self.set_weights_phase("loading")
         try:
@@ -457,6 +485,9 @@ class TokenizerManager:
         finally:
             if self.weights_phase in UPDATING_PHASES:  # the schedulers' last phase message was lost
                 self.set_weights_phase("serving")
+        if out.load_seconds is not None:  # None: refused before it ran
+            self.last_weight_update = {"success": out.success, "model_path": req.model_path,
+                                       "load_seconds": out.load_seconds, "recapture_seconds": out.recapture_seconds}
         if out.success:
             self.weights_revision = out.revision
             self.model_path = out.model_path or self.model_path

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +43,37 @@ class WeightsPhase(str, enum.Enum):
     LOADING = "loading"
     RECAPTURING = "recapturing"
     FAILED = "failed"
+
+
+class PhaseClock:
+    """Times the phases of one weight update from the ``on_phase`` calls it forwards.
+
+    Use an instance as the ``on_phase`` callback of :func:`update_weights_from_disk` (it passes
+    each phase on to ``forward``); afterwards :meth:`seconds` gives the wall-clock seconds
+    (``time.monotonic``) spent in ``loading`` (validate, load on the CPU, compare, copy in place)
+    and in ``recapturing`` (capturing the decode and piecewise CUDA graphs again). A phase that
+    never began counts 0.0 s (no graphs: CPU, graphs disabled, or recapture not asked); a phase
+    still running counts up to now.
+    """
+
+    def __init__(self, forward: Callable[[WeightsPhase], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._forward, self._clock = forward, clock
+        self._marks: list[tuple[WeightsPhase, float]] = []
+
+    def __call__(self, phase: WeightsPhase) -> None:
+        self._marks.append((WeightsPhase(phase), self._clock()))
+        if self._forward is not None:
+            self._forward(phase)
+
+    def seconds(self) -> dict[str, float]:
+        """``{"load_seconds": s, "recapture_seconds": s}`` (floats, seconds)."""
+        spent = {WeightsPhase.LOADING: 0.0, WeightsPhase.RECAPTURING: 0.0}
+        ends = [t for _, t in self._marks[1:]] + [self._clock()]
+        for (phase, began), ended in zip(self._marks, ends):
+            if phase in spent:
+                spent[phase] += ended - began
+        return {"load_seconds": spent[WeightsPhase.LOADING], "recapture_seconds": spent[WeightsPhase.RECAPTURING]}
 
 
 class WeightUpdateError(ValueError):
