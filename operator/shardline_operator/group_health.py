@@ -55,8 +55,8 @@ def _problem(group: GroupObservation, record: GroupRecord) -> str | None:
             return f"pod {pod.name} container exited (restarts: {pod.restart_count})"
     current = {p.name: p for p in group.pods}
     for name, uid in record.pod_uids.items():
-        pod = current.get(name)
-        if pod is not None and (pod.uid != uid or pod.deleting):
+        found = current.get(name)
+        if found is not None and (found.uid != uid or found.deleting):
             return f"pod {name} was deleted or replaced"
     return None
 

@@ -93,9 +93,10 @@ def _pass(namespace: str, name: str) -> ReconcileResult | None:
 
 
 @kopf.daemon(*RESOURCE, cancellation_timeout=10.0)
-async def worker(body: kopf.Body, namespace: str, name: str, stopped: kopf.DaemonStopped,
+async def worker(body: kopf.Body, namespace: str | None, name: str, stopped: kopf.DaemonStopped,
                  logger: kopf.Logger, **_: Any) -> None:
     """Run this object's passes until it is deleted or the operator stops."""
+    assert namespace is not None  # InferenceDeployment is a namespaced resource
     key = (namespace, name)
     wakeup = _wakeups.setdefault(key, asyncio.Event())
     _deleted.discard(key)  # created again under the same name
@@ -136,15 +137,15 @@ async def worker(body: kopf.Body, namespace: str, name: str, stopped: kopf.Daemo
 
 
 @kopf.on.update(*RESOURCE, field="spec")
-async def on_spec_change(namespace: str, name: str, **_: Any) -> None:
+async def on_spec_change(namespace: str | None, name: str, **_: Any) -> None:
     """Spec changed: reconcile now (creation and operator restarts start the worker instead)."""
     wake(namespace, name)
 
 
 @kopf.on.delete(*RESOURCE, optional=True)
-async def on_delete(namespace: str, name: str, **_: Any) -> None:
+async def on_delete(namespace: str | None, name: str, **_: Any) -> None:
     """Drop the deleted object's gauges from ``/metrics``."""
-    _forget(namespace, name)
+    _forget(namespace or "", name)
 
 
 def _forget(namespace: str, name: str) -> None:
@@ -154,13 +155,13 @@ def _forget(namespace: str, name: str) -> None:
 
 
 @kopf.on.event("v1", "pods", labels=_OWNED)
-async def on_pod_event(namespace: str, body: kopf.Body, **_: Any) -> None:
+async def on_pod_event(namespace: str | None, body: kopf.Body, **_: Any) -> None:
     """A pod of a deployment changed (created, status, deleted): reconcile its owner."""
     wake(namespace, body.metadata.labels.get(labels.LABEL_DEPLOYMENT))
 
 
 @kopf.on.event("apps", "v1", "statefulsets", labels=_OWNED)
-async def on_statefulset_event(namespace: str, body: kopf.Body, **_: Any) -> None:
+async def on_statefulset_event(namespace: str | None, body: kopf.Body, **_: Any) -> None:
     """A StatefulSet of a deployment changed: reconcile the InferenceDeployment that owns it."""
     for owner in body.metadata.get("ownerReferences") or []:
         if owner.get("kind") == labels.KIND and owner.get("apiVersion", "").startswith(f"{labels.API_GROUP}/"):

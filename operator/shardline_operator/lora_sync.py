@@ -10,13 +10,15 @@ adapter, how many groups have it loaded and the last error a leader returned.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol
+from collections.abc import Set as AbstractSet
+from typing import Any, Mapping, Protocol, runtime_checkable
 
 from .observed import GroupObservation
 from .rollout_executor import leader_url
 from .spec import LoRAAdapterSpec
 
 
+@runtime_checkable
 class LoRALeaderClient(Protocol):
     def lora_adapters(self, url: str) -> Mapping[str, str] | None:
         """``{name: path}`` the leader serves, or None when unreachable."""
@@ -53,7 +55,7 @@ class LoRAReport:
 
 
 def sync(desired: tuple[LoRAAdapterSpec, ...], groups: list[GroupObservation], client: LoRALeaderClient,
-         skip: set[int] = frozenset()) -> LoRAReport:
+         skip: AbstractSet[int] = frozenset()) -> LoRAReport:
     """Bring every Ready leader (groups not in ``skip``, e.g. one updating weights) to ``desired``."""
     report = LoRAReport({a.name: 0 for a in desired})
     for group in groups:

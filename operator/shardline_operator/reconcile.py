@@ -21,7 +21,7 @@ from . import labels, metrics
 from .credentials import api_key_from_secret, credentials_digest, new_admin_token, secret_value
 from .group_health import GroupRecord, decide
 from .kube import KubeClient
-from .lora_sync import LoRAReport, lora_status, sync
+from .lora_sync import LoRALeaderClient, LoRAReport, lora_status, sync
 from .observed import GroupObservation, group_pods
 from .render import (
     build_admin_secret,
@@ -150,8 +150,8 @@ class Reconciler:
         for index in plan.forget_digest:
             digests[index] = None
         in_flight = set(rollout_state.wave) if rollout_state is not None else set()
-        mixed = {v.index: v.mixed_reason() for v in views if v.index not in in_flight and v.index not in stale}
-        mixed = {i: r for i, r in mixed.items() if r and i not in plan.apply}
+        reasons = {v.index: v.mixed_reason() for v in views if v.index not in in_flight and v.index not in stale}
+        mixed = {i: r for i, r in reasons.items() if r and i not in plan.apply}
 
         versions = self._weight_versions(groups, views)
 
@@ -190,7 +190,7 @@ class Reconciler:
 
     def _sync_lora(self, spec: DeploymentSpec, groups: list[GroupObservation], rollout: RolloutState | None) -> LoRAReport:
         """Load/unload ``spec.loraAdapters`` on Ready leaders (not on a group updating weights)."""
-        if not hasattr(self.leaders, "lora_adapters"):
+        if not isinstance(self.leaders, LoRALeaderClient):
             return LoRAReport()
         busy = set(rollout.wave) if rollout is not None else set()
         report = sync(spec.lora_adapters, groups, self.leaders, busy)
@@ -287,10 +287,10 @@ class Reconciler:
     def _observe(self, spec: DeploymentSpec) -> tuple[list[GroupObservation], dict[int, GroupRecord]]:
         kube, selector = self.ctx.kube, labels.selector_labels(self.name)
         statefulsets: dict[int, dict[str, Any]] = {}
-        for sts in kube.list("apps/v1", "StatefulSet", self.namespace, selector):
-            group = (sts["metadata"].get("labels") or {}).get(labels.LABEL_GROUP, "")
+        for listed in kube.list("apps/v1", "StatefulSet", self.namespace, selector):
+            group = (listed["metadata"].get("labels") or {}).get(labels.LABEL_GROUP, "")
             if group.isdigit():
-                statefulsets[int(group)] = sts
+                statefulsets[int(group)] = listed
         for index in sorted(g for g in statefulsets if g >= spec.replicas):
             kube.delete("apps/v1", "StatefulSet", self.namespace, labels.statefulset_name(self.name, index))
             kube.delete("v1", "Service", self.namespace, labels.rank_service_name(self.name, index))

@@ -229,6 +229,7 @@ def _repair_while_failed(state: RolloutState, groups: Sequence[GroupView], now: 
     if not repair:
         return out
     for g in repair:
+        assert g.declared is not None and g.served is not None  # selected above
         out.start[g.index] = update_body(g.served, g.declared)
         out.group_phases[g.index] = "UpdatingWeights"
         out.events.append(("Warning", "RepairingMixedVersion",

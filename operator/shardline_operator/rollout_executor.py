@@ -58,7 +58,9 @@ def gather(state: RolloutState | None, groups: Sequence[GroupObservation], recor
         report = None
         if url is not None and leader is not None and leader.phase == "Running":
             report = LeaderReport.from_info(client.server_info(url))
-        update, phases, seconds = ("unknown", ""), (), {}
+        update: tuple[str, str] = ("unknown", "")
+        phases: tuple[str, ...] = ()
+        seconds: dict[str, float] = {}
         if group.index in wave:
             update, phases = client.poll(key), tuple(client.observed_phases(key))
             if update[0] in ("success", "failure"):

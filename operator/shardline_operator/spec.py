@@ -14,7 +14,7 @@ import json
 import posixpath
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, overload
 
 from .parallelism import MAX_PIPELINE, MAX_WORLD_SIZE, ParallelismSpec
 
@@ -210,7 +210,7 @@ class DeploymentSpec:
         service and networkPolicy (they never touch a running pod). Included: ``auth`` and the
         digest of the keys' values, which the runtime reads once at start.
         """
-        relevant = {
+        relevant: dict[str, Any] = {
             "modelName": self.model.name,
             "mountPath": self.model.mount_path,
             "volume": self.model.volume,
@@ -249,6 +249,12 @@ def _type_names(kind: type | tuple[type, ...]) -> str:
     return " or ".join(names.get(k, k.__name__) for k in _as_tuple(kind))
 
 
+@overload
+def _int_in(obj: Mapping[str, Any], key: str, path: str, default: int, low: int, high: int,
+            required: bool = False) -> int: ...
+@overload
+def _int_in(obj: Mapping[str, Any], key: str, path: str, default: None, low: int, high: int,
+            required: bool = False) -> int | None: ...
 def _int_in(obj: Mapping[str, Any], key: str, path: str, default: int | None, low: int, high: int,
             required: bool = False) -> int | None:
     value = _get(obj, key, path, int, default, required)

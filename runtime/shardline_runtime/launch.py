@@ -22,7 +22,6 @@ import asyncio
 import dataclasses
 import logging
 import multiprocessing as mp
-import os
 import shutil
 import signal
 import socket
@@ -145,7 +144,7 @@ def _spawn_schedulers(args: ServerArgs, input_addr: str, output_addr: str):
 
 def _wait_ready(procs) -> tuple[list, str | None]:
     """Block until every scheduler reported (ready infos, or the first error message)."""
-    infos = []
+    infos: list = []
     for rank, proc, reader in procs:
         while not reader.poll(0.5):
             if not proc.is_alive():

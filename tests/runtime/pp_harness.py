@@ -161,7 +161,7 @@ def rank_main(world_rank: int, tp_size: int, pp_size: int, port: int, scenarios:
         if sc.get("forced"):
             res["logits"] = forced_logits(worker, sc["prompts"], sc["forced"])
         res["tokens"] = drive(scheduler, sc["feeds"])
-        res["retractions"] = scheduler.num_retractions
+        res["retractions"] = scheduler.decode_manager.num_retractions
         res["max_busy_slots"] = getattr(scheduler, "max_busy_slots", 0)  # slots decoding at once
         res["kv_leaked"] = scheduler.kv_used_tokens()  # KV held by no request once all finished
         if world_rank == 0:

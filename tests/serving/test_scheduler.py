@@ -74,7 +74,7 @@ def test_retraction_under_small_pool_is_exact(ckpt):
     small = make_scheduler(ckpt, max_total_tokens=256, disable_radix_cache=True)
     small.process_input_requests([greedy(f"r{i}", p, 40) for i, p in enumerate(prompts)])
     got = run_to_completion(small)
-    assert small.num_retractions > 0
+    assert small.decode_manager.num_retractions > 0
     assert {k: v["ids"] for k, v in got.items()} == {k: v["ids"] for k, v in expected.items()}
     assert small.kv_used_tokens() == 0
 

@@ -40,7 +40,7 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, forward_batch) -> None:
         """An eager forward pass starts: build its metadata (may read the batch's ``*_cpu`` lists)."""
 
-    def init_cuda_graph_state(self, max_bs: int) -> None:
+    def init_cuda_graph_state(self, max_bs: int) -> None:  # noqa: B027  (optional hook, no-op by default)
         """Allocate the static buffers captured decode graphs read (once, before any capture)."""
 
     @abstractmethod

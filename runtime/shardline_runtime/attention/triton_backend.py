@@ -111,9 +111,12 @@ class TritonAttnBackend(AttentionBackend):
                                                 seq_lens: torch.Tensor) -> None:
         """Refill the static buffers from the static ``req_pool_indices[:bs]`` / ``seq_lens[:bs]``
         (two small kernels on the current stream, before the replay)."""
+        indptr, indices = self.cuda_graph_kv_indptr, self.cuda_graph_kv_indices
+        if indptr is None or indices is None:
+            raise RuntimeError("init_cuda_graph_state(max_bs) must run before a CUDA graph is captured or replayed")
         self.extend_metadata = None
-        self._fill(None, req_pool_indices[:bs], seq_lens[:bs], self.cuda_graph_kv_indptr, self.cuda_graph_kv_indices)
-        self.decode_metadata = DecodeMetadata(self.cuda_graph_kv_indptr, self.cuda_graph_kv_indices)
+        self._fill(None, req_pool_indices[:bs], seq_lens[:bs], indptr, indices)
+        self.decode_metadata = DecodeMetadata(indptr, indices)
 
     # ---- per layer --------------------------------------------------------------------------------
 

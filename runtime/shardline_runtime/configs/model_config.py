@@ -32,6 +32,25 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 DTYPE_CHOICES = ("auto",) + tuple(_DTYPES)
 
 
+# Fields that must be equal for new weights to replace live ones: they change what weights of the
+# same shapes mean, or how the model runs. One list for both checks: the header-only validation
+# of a checkpoint (model_loader/validate.py) and the in-place update (weight_update.py).
+MUST_MATCH_FIELDS = (
+    "architecture", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+    "tie_word_embeddings", "rope_parameters", "hidden_act", "attention_bias", "mlp_bias", "sliding_windows",
+    "max_position_embeddings", "context_len", "num_experts", "num_experts_per_tok", "norm_topk_prob", "moe_layers",
+)
+
+
+def first_mismatch(old: ModelConfig, new: ModelConfig) -> tuple[str, Any, Any] | None:
+    """The first of ``MUST_MATCH_FIELDS`` that differs, as ``(field, old value, new value)``."""
+    for name in MUST_MATCH_FIELDS:
+        old_value, new_value = getattr(old, name), getattr(new, name)
+        if old_value != new_value:
+            return name, old_value, new_value
+    return None
+
+
 class ModelConfigError(ValueError):
     """config.json is unusable, or it cannot run at the asked TP size; the message names the field."""
 
@@ -116,10 +135,9 @@ class ModelConfig:
     context_len: int
     dtype: torch.dtype
     rope_parameters: dict[str, Any]
-    qkv_bias: bool = False
-    o_proj_bias: bool = False
+    # config.json's biases; a model file may override them (Qwen2: models/qwen2.py)
+    attention_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False
     hidden_act: str = "silu"
     # mixture of experts (configs/moe_config.py); num_experts == 0 for dense models
     num_experts: int = 0
@@ -200,10 +218,8 @@ class ModelConfig:
             context_len=context_length or max_pos,
             dtype=resolve_dtype(dtype, cfg.get("dtype") or cfg.get("torch_dtype"), device_type),
             rope_parameters=parse_rope_parameters(cfg, f"{path / 'config.json'}"),
-            qkv_bias=_qkv_bias(arch, cfg),
-            o_proj_bias=arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and bool(cfg.get("attention_bias", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             hidden_act=act,
             sliding_windows=_sliding_windows(arch, cfg, layers),
             hf_config=cfg,
@@ -262,14 +278,6 @@ class ModelConfig:
             raise ModelConfigError(
                 f"{self.model_path}: cannot run at tp_size {tp_size}: {problem}; valid tp sizes: {valid}"
             )
-
-
-def _qkv_bias(arch: str, cfg: dict) -> bool:
-    if arch == "Qwen2ForCausalLM":
-        return True
-    if arch == "Qwen2MoeForCausalLM":
-        return bool(cfg.get("qkv_bias", True))
-    return bool(cfg.get("attention_bias", False))
 
 
 def _sliding_windows(arch: str, cfg: dict, layers: int) -> tuple[int | None, ...]:

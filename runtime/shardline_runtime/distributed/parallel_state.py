@@ -220,7 +220,7 @@ def init_distributed_environment(
                 world_size=world_size,
                 rank=world_rank,
                 timeout=timedelta(seconds=timeout_s),
-                **({"device_id": device} if backend == "nccl" else {}),
+                device_id=device if backend == "nccl" else None,
             )
         except Exception as e:  # the store raises several types; report one with context
             raise DistributedInitError(f"{where} failed to join the group at {dist_init_addr} ({backend}): {e}") from e

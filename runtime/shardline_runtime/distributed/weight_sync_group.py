@@ -74,6 +74,7 @@ def init_weights_update_group(
     try:
         store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
         prefixed = dist.PrefixStore(f"{group_name}/", store)
+        pg: Any  # ProcessGroupGloo or ProcessGroupNCCL (no common typed base with allreduce)
         if backend == "gloo":
             pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
         else:

@@ -11,7 +11,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, cast
 
 from fastapi.responses import JSONResponse
 
@@ -37,7 +37,7 @@ class ChoiceSpec:
 class ChoiceResult:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
+    logprobs: dict | None = None  # OpenAI logprobs object, merged chunk by chunk
     finish_reason: dict | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -92,15 +92,16 @@ def completion_choices(req: CompletionRequest, tm: TokenizerManager) -> list[Cho
     if req.best_of is not None and req.best_of != req.n:
         raise RequestValidationError(f"best_of must equal n ({req.n}) when set, got {req.best_of}", "best_of")
     prompt = req.prompt
+    prompts: list[str | list[int]]
     if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
-        prompts = [prompt]
+        prompts = [cast("str | list[int]", prompt)]  # one prompt: text or token ids
     else:
-        prompts = list(prompt)
+        prompts = cast("list[str | list[int]]", list(prompt))  # a batch of texts or token-id lists
     if not prompts:
         raise RequestValidationError("prompt must not be empty", "prompt")
     max_tokens = _max_tokens(req.max_tokens, "max_tokens", req.echo)
     prompt_logprobs = req.echo and req.logprobs is not None
-    specs = []
+    specs: list[ChoiceSpec] = []
     for k, p in enumerate(prompts):
         added = 0
         if isinstance(p, str):
@@ -137,7 +138,7 @@ def chat_prompt_ids(req: ChatCompletionRequest, tm: TokenizerManager) -> list[in
                     raise RequestValidationError(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
                 parts.append(part["text"])
             content = "".join(parts)
-        message = {"role": m.role, "content": content or ""}
+        message: dict[str, Any] = {"role": m.role, "content": content or ""}
         message.update({k: v for k, v in (("name", m.name), ("tool_call_id", m.tool_call_id),
                                            ("tool_calls", m.tool_calls)) if v is not None})
         messages.append(message)

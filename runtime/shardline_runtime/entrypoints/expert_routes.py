@@ -13,7 +13,7 @@ directory) is a 400 whose message says why.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
@@ -31,7 +31,7 @@ CONTROL_TIMEOUT_S = 600  # a rebalance moves expert weights between ranks
 
 class StartRecordRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    mode: Optional[Literal["stat", "per_pass"]] = None
+    mode: Literal["stat", "per_pass"] | None = None
 
 
 class DumpRecordRequest(BaseModel):
@@ -52,7 +52,7 @@ def add_expert_routes(app: FastAPI, tm, default_mode: str = "stat") -> None:
         return JSONResponse({"success": True, "message": out.message})
 
     @app.post("/start_expert_distribution_record")
-    async def start_expert_distribution_record(body: Optional[StartRecordRequest] = None):
+    async def start_expert_distribution_record(body: StartRecordRequest | None = None):
         return await recorder("start", (body.mode if body else None) or default_mode)
 
     @app.post("/stop_expert_distribution_record")
@@ -60,7 +60,7 @@ def add_expert_routes(app: FastAPI, tm, default_mode: str = "stat") -> None:
         return await recorder("stop")
 
     @app.post("/dump_expert_distribution_record")
-    async def dump_expert_distribution_record(body: Optional[DumpRecordRequest] = None):
+    async def dump_expert_distribution_record(body: DumpRecordRequest | None = None):
         return await recorder("dump", to_file=bool(body and body.to_file))
 
     @app.post("/rebalance_experts")

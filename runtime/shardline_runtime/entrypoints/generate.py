@@ -71,7 +71,7 @@ def input_embeds_override(req: GenerateRequest, prompt_len: int, hidden_size: in
         return list(range(prompt_len)), req.input_embeds
     if (req.replace_embeds is None) != (req.replace_positions is None):
         raise RequestValidationError("replace_embeds and replace_positions go together", "replace_positions")
-    if req.replace_embeds is None:
+    if req.replace_embeds is None or req.replace_positions is None:
         return None, None
     if len(req.replace_embeds) != len(req.replace_positions) or not req.replace_positions:
         raise RequestValidationError(
@@ -96,7 +96,7 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
     elif req.text is not None:
         input_ids = tm.tokenize(req.text, "text", add_special_tokens=req.add_special_tokens)
     else:
-        input_ids = tm.tokenize(req.input_ids, "input_ids")
+        input_ids = tm.tokenize(req.input_ids or [], "input_ids")  # exactly one was given: input_ids
     embeds = input_embeds_override(req, len(input_ids), tm.info.hidden_size)
     params = _params(req, input_ids, tm)
     if req.logprob_start_len >= len(input_ids):

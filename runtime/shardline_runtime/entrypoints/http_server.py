@@ -176,12 +176,12 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
         check_model(body.model)
-        return await serve_completion(body, tm, body.model if tm.lora_for_model(body.model) else model_name, raw)
+        return await serve_completion(body, tm, tm.lora_for_model(body.model) or model_name, raw)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
         check_model(body.model)
-        return await serve_chat(body, tm, body.model if tm.lora_for_model(body.model) else model_name, raw)
+        return await serve_chat(body, tm, tm.lora_for_model(body.model) or model_name, raw)
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, raw: Request):

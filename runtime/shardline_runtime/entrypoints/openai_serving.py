@@ -89,7 +89,8 @@ async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: 
             text = spec.echo_text + text
             if want_lp and chunk.prompt_logprobs is not None:
                 offsets = prompt_text_offsets(tm, spec.input_ids, spec.added_prefix, spec.echo_text)
-                lp = merge_logprobs(completion_logprobs(tm, chunk.prompt_logprobs, offsets, 0), lp)
+                prompt_lp = completion_logprobs(tm, chunk.prompt_logprobs, offsets, 0)
+                lp = merge_logprobs(prompt_lp, lp) if lp else prompt_lp
         r.text += text
         r.logprobs = merge_logprobs(r.logprobs or None, lp) if lp else r.logprobs
         r.finish_reason, r.prompt_tokens = chunk.finish_reason, chunk.prompt_tokens

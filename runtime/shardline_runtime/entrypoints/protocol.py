@@ -15,7 +15,7 @@ silently dropped.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
@@ -30,24 +30,24 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: Optional[str] = None
+    model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
-    seed: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
+    stream_options: StreamOptions | None = None
+    stop: Union[str, list[str]] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    user: Optional[str] = None
+    user: str | None = None
 
     def sampling_dict(self, max_new_tokens: int | None) -> dict[str, Any]:
         """Keyword arguments for ``SamplingParams`` (only the fields the client set)."""
@@ -70,12 +70,12 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``."""
 
     prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]  # true is not token id 1
-    max_tokens: Optional[int] = 16
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
-    best_of: Optional[int] = None
-    logit_bias: Optional[dict[str, float]] = None
-    suffix: Optional[str] = None
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    suffix: str | None = None
     add_special_tokens: bool = True
 
 
@@ -83,27 +83,27 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Optional[Union[str, list[dict[str, Any]]]] = None
-    name: Optional[str] = None
-    tool_call_id: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None
+    content: Union[str, list[dict[str, Any]]] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    logit_bias: Optional[dict[str, float]] = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logit_bias: dict[str, float] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     # Not supported: a request that sets them gets a 400 instead of silently free text.
-    response_format: Optional[dict[str, Any]] = None
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any | None = None
 
 
 class GenerateRequest(BaseModel):
@@ -111,18 +111,18 @@ class GenerateRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    text: Optional[str] = None
-    input_ids: Optional[list[StrictInt]] = None
+    text: str | None = None
+    input_ids: list[StrictInt] | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     logprob_start_len: int = Field(-1, ge=-1)
-    rid: Optional[str] = None
-    lora_path: Optional[str] = None  # name of a loaded LoRA adapter (SGLang's field name)
-    input_embeds: Optional[list[list[float]]] = None  # (T, hidden_size) instead of text / input_ids
-    replace_embeds: Optional[list[list[float]]] = None  # (P, hidden_size) at replace_positions
-    replace_positions: Optional[list[StrictInt]] = None
+    rid: str | None = None
+    lora_path: str | None = None  # name of a loaded LoRA adapter (SGLang's field name)
+    input_embeds: list[list[float]] | None = None  # (T, hidden_size) instead of text / input_ids
+    replace_embeds: list[list[float]] | None = None  # (P, hidden_size) at replace_positions
+    replace_positions: list[StrictInt] | None = None
     add_special_tokens: bool = True  # text only: the tokenizer's own special tokens (SGLang encodes so)
 
 
@@ -136,18 +136,18 @@ class UpdateWeightsRequest(ControlRequest):
     """``POST /update_weights_from_disk`` (DESIGN 2.4)."""
 
     model_path: str = Field(..., min_length=1)
-    load_format: Optional[str] = None
-    revision: Optional[str] = None
+    load_format: str | None = None
+    revision: str | None = None
     recapture_cuda_graph: bool = True
     abort_all_requests: bool = False
-    cuda_graph_max_bs: Optional[int] = Field(None, ge=1, le=4096)
-    disable_cuda_graph: Optional[bool] = None
-    weight_version: Optional[str] = Field(None, min_length=1, max_length=256)
+    cuda_graph_max_bs: int | None = Field(None, ge=1, le=4096)
+    disable_cuda_graph: bool | None = None
+    weight_version: str | None = Field(None, min_length=1, max_length=256)
     flush_cache: bool = True
 
 
 class AbortRequest(ControlRequest):
     """``POST /abort_request``: one ``rid``, or every request with ``abort_all``."""
 
-    rid: Optional[str] = None
+    rid: str | None = None
     abort_all: bool = False

@@ -10,11 +10,11 @@ back to a default that does something else (release every tag, weights included)
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-WeightVersion = Optional[str]
+WeightVersion = str | None
 _VERSION = Field(None, min_length=1, max_length=256)
 _STRICT = ConfigDict(extra="forbid")
 Dimension = Annotated[int, Field(ge=0)]
@@ -84,4 +84,4 @@ class MemoryOccupationRequest(BaseModel):
 
     model_config = _STRICT
 
-    tags: Optional[list[Literal["weights", "kv_cache", "cuda_graph"]]] = None
+    tags: list[Literal["weights", "kv_cache", "cuda_graph"]] | None = None

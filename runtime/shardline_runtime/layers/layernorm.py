@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from shardline_runtime.layers.parameter import set_weight_attrs
 
 
 class RMSNorm(nn.Module):
@@ -13,7 +14,7 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_attrs(self.weight, self.weight_loader, {None: (hidden_size,)})
         self.variance_epsilon = eps
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:

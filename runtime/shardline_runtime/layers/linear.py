@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardline_runtime.layers.parameter import set_weight_attrs
 from shardline_runtime.distributed import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
@@ -61,10 +62,12 @@ def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...], what: str) -> 
         raise ShardShapeError(f"{what}: checkpoint shape {tuple(loaded.shape)}, expected {tuple(expected)}")
 
 
-def _param(shape: tuple[int, ...], loader) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(shape), requires_grad=False)
-    p.weight_loader = loader
-    return p
+def _param(shape: tuple[int, ...], loader, checkpoint_shapes: dict) -> nn.Parameter:
+    """A parameter of this rank's ``shape`` with its ``weight_loader`` and ``checkpoint_shapes``:
+    shard id (None for an unfused tensor) -> the full shape of the checkpoint tensor that
+    ``weight_loader(param, tensor[, shard_id])`` takes (read by ``models/weight_loading.py:
+    checkpoint_shapes``)."""
+    return set_weight_attrs(nn.Parameter(torch.empty(shape), requires_grad=False), loader, checkpoint_shapes)
 
 
 class _TPLinear(nn.Module):
@@ -91,8 +94,16 @@ class ColumnParallelLinear(_TPLinear):
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = output_size // self.tp_size
         self.gather_output = gather_output
-        self.weight = _param((self.output_size_per_partition, input_size), self.weight_loader)
-        self.bias = _param((self.output_size_per_partition,), self.weight_loader) if bias else None
+        shards = self._shard_sizes()
+        self.weight = _param((self.output_size_per_partition, input_size), self.weight_loader,
+                             {s: (n, input_size) for s, n in shards.items()})
+        self.bias = None
+        if bias:
+            self.bias = _param((self.output_size_per_partition,), self.weight_loader, {s: (n,) for s, n in shards.items()})
+
+    def _shard_sizes(self) -> dict:
+        """Shard id -> full output rows of the checkpoint tensor loaded into it."""
+        return {None: self.output_size}
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         full = (self.output_size,) + tuple(param.shape[1:])
@@ -117,8 +128,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             if size % self.tp_size:
                 raise ValueError(f"output size {size} is not divisible by tp_size {self.tp_size}")
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
-        if not 0 <= shard_id < len(self.output_sizes):
+    def _shard_sizes(self) -> dict:
+        return dict(enumerate(self.output_sizes))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        if shard_id is None or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be in [0, {len(self.output_sizes)}), got {shard_id}")
         size = self.output_sizes[shard_id]
         _check_shape(loaded, (size,) + tuple(param.shape[1:]), f"{type(self).__name__} shard {shard_id}")
@@ -144,15 +158,18 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(f"num_key_value_heads {total_num_kv_heads} cannot be split over tp_size {tp}")
         self.head_dim = head_dim
         self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
-        self.num_heads = total_num_heads // tp
-        self.num_kv_heads = max(1, total_num_kv_heads // tp)
+        self.num_heads, self.num_kv_heads = total_num_heads // tp, max(1, total_num_kv_heads // tp)
         self.num_kv_replicas = max(1, tp // total_num_kv_heads)
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
         super().__init__(hidden_size, out, bias=bias, tp_rank=tp_rank, tp_size=tp_size)
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+    def _shard_sizes(self) -> dict:
+        kv = self.total_num_kv_heads * self.head_dim
+        return {"q": self.total_num_heads * self.head_dim, "k": kv, "v": kv}
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         if shard_id == "q":
             full, n, offset, src = self.total_num_heads * self.head_dim, self.q_size, 0, self.tp_rank
         elif shard_id in ("k", "v"):
@@ -182,8 +199,9 @@ class RowParallelLinear(_TPLinear):
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = input_size // self.tp_size
         self.reduce_results = reduce_results
-        self.weight = _param((output_size, self.input_size_per_partition), self.weight_loader)
-        self.bias = _param((output_size,), self.weight_loader) if bias else None
+        self.weight = _param((output_size, self.input_size_per_partition), self.weight_loader,
+                             {None: (output_size, input_size)})
+        self.bias = _param((output_size,), self.weight_loader, {None: (output_size,)}) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if param.dim() == 1:  # bias: replicated, added once after the all-reduce

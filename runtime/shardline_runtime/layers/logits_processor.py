@@ -14,12 +14,16 @@ the first token of the next chunk, or the sampled token).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from shardline_runtime.distributed import tensor_model_parallel_all_gather
 from shardline_runtime.layers.linear import linear
+
+if TYPE_CHECKING:
+    from shardline_runtime.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
 
 @dataclass
@@ -50,11 +54,11 @@ class LogitsProcessor(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
 
-    def _logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding) -> torch.Tensor:
         shard = linear(hidden, lm_head.weight)  # (N, padded_vocab / tp), model dtype as transformers
         return tensor_model_parallel_all_gather(shard, dim=-1)[:, : self.vocab_size].float()
 
-    def forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor, lm_head: nn.Module, forward_batch) -> LogitsProcessorOutput:
+    def forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor, lm_head: VocabParallelEmbedding, forward_batch) -> LogitsProcessorOutput:
         """input_ids (T,), hidden_states (T, hidden) -> logits of each request's last token."""
         mode = forward_batch.forward_mode
         if mode.is_extend() and forward_batch.extend_seq_lens is not None:

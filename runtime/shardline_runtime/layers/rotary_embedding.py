@@ -111,6 +111,10 @@ class RotaryEmbedding(nn.Module):
         max_positions: table length (longest position + 1 the runtime will use).
     """
 
+    inv_freq: torch.Tensor
+    cos_cached: torch.Tensor
+    sin_cached: torch.Tensor
+
     def __init__(self, head_dim: int, rope_parameters: dict[str, Any], max_position_embeddings: int, max_positions: int):
         super().__init__()
         self.head_dim = head_dim

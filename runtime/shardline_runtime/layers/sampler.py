@@ -83,7 +83,7 @@ class Sampler(nn.Module):
             copy (e.g. a ``torch.distributed.broadcast`` over the TP group); ``None`` at tp_size 1.
     """
 
-    def __init__(self, broadcast: Callable[[torch.Tensor], None] | None = None):
+    def __init__(self, broadcast: Callable[[torch.Tensor], object] | None = None):
         super().__init__()
         self.broadcast = broadcast
 
@@ -161,8 +161,8 @@ def top_logprobs(
         logprobs: (n, vocab) float32.  nums: n non-negative ints (clamped to the vocabulary).
     """
     k = min(max(nums), logprobs.shape[-1])
-    values, indices = logprobs.topk(k, dim=-1)
-    values, indices = values.tolist(), indices.tolist()
+    top_values, top_indices = logprobs.topk(k, dim=-1)
+    values, indices = top_values.tolist(), top_indices.tolist()
     return (
         [v[: min(n, k)] for v, n in zip(values, nums)],
         [i[: min(n, k)] for i, n in zip(indices, nums)],

@@ -17,6 +17,7 @@ from shardline_runtime.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from shardline_runtime.layers.linear import _check_shape
+from shardline_runtime.layers.parameter import set_weight_attrs
 
 
 def pad_vocab_size(vocab_size: int, tp_size: int) -> int:
@@ -47,7 +48,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_attrs(self.weight, self.weight_loader, {None: (num_embeddings, embedding_dim)})
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """Copy rows ``[vocab_start_index, min(vocab_end_index, num_embeddings))``; zero the padding."""

@@ -82,7 +82,10 @@ def column_submodules(layer: ColumnParallelLinear, own_name: str) -> list[SubMod
 
 
 class _LoRAWrapper(nn.Module):
-    def __init__(self, base: nn.Module, subs: list[SubModule], in_per_rank: int, out_per_rank: int,
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+
+    def __init__(self, base: ColumnParallelLinear | RowParallelLinear, subs: list[SubModule], in_per_rank: int, out_per_rank: int,
                  num_slots: int, max_rank: int, batch_info: LoRABatchInfo):
         super().__init__()
         # The base layer is held outside ``_modules`` and its parameters registered under their

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,6 @@ from shardline_runtime.lora.lora_config import (
     LoRAConfig,
     LoRAPoolFullError,
     load_lora_tensors,
-    resolve_target_modules,
 )
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class LoRAManager:
         self.max_lora_rank = max_lora_rank
         self.target_modules = tuple(target_modules)
         self.batch_info = LoRABatchInfo()
-        self.layers: dict[str, nn.Module] = {}  # model module path -> wrapper
+        self.layers: dict[str, ColumnParallelLinearWithLoRA | RowParallelLinearWithLoRA] = {}  # module path -> wrapper
         self.hf_names: dict[str, tuple[str, str]] = {}  # HF module path -> (model module path, sub name)
         self.slots: list[str | None] = [None] * max_loras_per_batch
         self.adapters: dict[str, LoadedAdapter] = {}
@@ -79,17 +79,21 @@ class LoRAManager:
             own = path.rsplit(".", 1)[-1]
             if isinstance(module, RowParallelLinear):
                 subs = [own]
-                make = lambda m: RowParallelLinearWithLoRA(m, own, self.max_loras_per_batch, self.max_lora_rank, self.batch_info)
             elif isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear)) or type(module) is ColumnParallelLinear:
                 subs = [s.name for s in column_submodules(module, own)]
-                make = lambda m: ColumnParallelLinearWithLoRA(m, own, self.max_loras_per_batch, self.max_lora_rank, self.batch_info)
             else:
                 continue
             if not any(s in self.target_modules for s in subs):
                 continue
             parent_path, _, attr = path.rpartition(".")
             parent = model.get_submodule(parent_path) if parent_path else model
-            wrapper = make(module)
+            args = (own, self.max_loras_per_batch, self.max_lora_rank, self.batch_info)
+            wrapper: ColumnParallelLinearWithLoRA | RowParallelLinearWithLoRA
+            if isinstance(module, RowParallelLinear):
+                wrapper = RowParallelLinearWithLoRA(module, *args)
+            else:
+                assert isinstance(module, ColumnParallelLinear)
+                wrapper = ColumnParallelLinearWithLoRA(module, *args)
             setattr(parent, attr, wrapper)
             self.layers[path] = wrapper
             for s in subs:
@@ -100,7 +104,7 @@ class LoRAManager:
 
     # ---- adapters -----------------------------------------------------------------------------
 
-    def load_adapter(self, name: str, path: str, in_use: set[str] = frozenset()) -> LoadedAdapter:
+    def load_adapter(self, name: str, path: str, in_use: AbstractSet[str] = frozenset()) -> LoadedAdapter:
         """Validate ``path`` fully, then copy it into a free (or evicted) slot.
 
         Raises:
@@ -136,7 +140,7 @@ class LoRAManager:
         logger.info("LoRA adapter %r (r=%d) loaded from %s into slot %d", name, config.r, path, slot)
         return adapter
 
-    def _free_slot(self, in_use: set[str]) -> int:
+    def _free_slot(self, in_use: AbstractSet[str]) -> int:
         if None in self.slots:
             return self.slots.index(None)
         idle = [a for a in self.adapters.values() if a.name not in in_use]
@@ -185,8 +189,9 @@ class LoRAManager:
             start += n
         info.groups = [(slot, torch.cat(idx).to(self.device)) for slot, idx in per_slot.items()]
         if self.segment_kernel:
-            info.seg_tensors = tuple(torch.tensor(v, dtype=torch.int32, device=self.device)
-                                     for v in (info.seg_starts, info.seg_lens, info.seg_slots))
+            starts, lens, slots = (torch.tensor(v, dtype=torch.int32, device=self.device)
+                                   for v in (info.seg_starts, info.seg_lens, info.seg_slots))
+            info.seg_tensors = (starts, lens, slots)
 
     def loaded(self) -> list[dict]:
         """``[{"name", "path", "rank", "slot"}]`` of the loaded adapters."""

@@ -20,6 +20,7 @@ Token ids are Python ints; logprobs are natural-log floats.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,12 +159,12 @@ class ContinueGenerationReqInput:
 
 @dataclass
 class ReleaseMemoryOccupationReqInput:
-    tags: list[str] | None = None
+    tags: Sequence[str] | None = None
 
 
 @dataclass
 class ResumeMemoryOccupationReqInput:
-    tags: list[str] | None = None
+    tags: Sequence[str] | None = None
 
 
 @dataclass

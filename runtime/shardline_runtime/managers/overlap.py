@@ -93,7 +93,7 @@ def launch_step(worker: Any, batch: ModelWorkerBatch, future_map: FutureMap | No
     current stream, e.g. the ``req_to_token`` writes of this step).
     """
     stream = getattr(worker.model_runner, "forward_stream", None)
-    context = contextlib.nullcontext()
+    context: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         context = torch.cuda.stream(stream)

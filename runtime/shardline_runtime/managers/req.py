@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardline_runtime.mem_cache.radix_cache import TreeNode
 from shardline_runtime.sampling.sampling_params import SamplingParams
 
 
@@ -32,6 +33,9 @@ class Req:
             ``logprob_start_len``).
         top_logprobs_num: top logprobs per position (0 for none).
         logprob_start_len: first prompt position whose logprob is returned; -1 for none.
+        lora_name: the LoRA adapter this request runs with (None: the base model).
+        input_embeds_positions / input_embeds_values: caller-given prompt embeddings, positions
+            (P,) and vectors (P, hidden_size) float32; None for none.
 
     Attributes:
         output_ids: generated ids so far.
@@ -41,12 +45,13 @@ class Req:
         req_pool_idx: row in ``req_to_token`` (``None`` until the first extend).
         kv_len: tokens whose K/V are written in the row.
         finished_reason: ``None`` while running.
+        last_node / tree_prefix_len: the prefix-cache node this request locks and how many of
+            its KV slots belong to the cache (set by ``CacheManager.lock``, cleared on release).
+        cached_tokens: prompt tokens served from the prefix cache at first admission (reported).
+        sent_len: output tokens already streamed to the HTTP process.
+        prompt_logprobs: (position, logprob, top) of scored prompt tokens, collected per chunk.
+        input_logprobs_sent: the prompt logprobs went out (once, with the first output).
     """
-
-    lora_name: str | None = None  # the LoRA adapter this request runs with (None: the base model)
-    # Caller-given prompt embeddings: positions (P,) and vectors (P, hidden_size) float32.
-    input_embeds_positions: list[int] | None = None
-    input_embeds_values: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -57,6 +62,9 @@ class Req:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
+        lora_name: str | None = None,
+        input_embeds_positions: Sequence[int] | None = None,
+        input_embeds_values: torch.Tensor | None = None,
     ):
         if len(origin_input_ids) == 0:
             raise ValueError(f"request {rid}: origin_input_ids must not be empty")
@@ -67,6 +75,9 @@ class Req:
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num
         self.logprob_start_len = logprob_start_len
+        self.lora_name = lora_name
+        self.input_embeds_positions = None if input_embeds_positions is None else list(input_embeds_positions)
+        self.input_embeds_values = input_embeds_values
         self.output_ids: list[int] = []
         self.fill_ids: list[int] = list(self.origin_input_ids)
         self.prefix_indices = torch.zeros(0, dtype=torch.int64)
@@ -76,6 +87,12 @@ class Req:
         self.input_token_logprobs: list[float] = []
         self.output_token_logprobs: list[float] = []
         self.output_top_logprobs: list[tuple[list[float], list[int]]] = []
+        self.last_node: TreeNode | None = None
+        self.tree_prefix_len = 0
+        self.cached_tokens = 0
+        self.sent_len = 0
+        self.prompt_logprobs: list[tuple[int, float, list[tuple[float, int]]]] = []
+        self.input_logprobs_sent = False
         self._generator: torch.Generator | None = None
 
     @property
@@ -85,6 +102,17 @@ class Req:
         if self.req_pool_idx is not None:
             return self.kv_len
         return int(self.prefix_indices.shape[0])
+
+    @property
+    def row(self) -> int:
+        """``req_pool_idx`` of a request that holds a row.
+
+        Raises:
+            RuntimeError: the request holds no row (not yet prefilled, or released).
+        """
+        if self.req_pool_idx is None:
+            raise RuntimeError(f"request {self.rid} holds no req_to_token row")
+        return self.req_pool_idx
 
     @property
     def extend_input_len(self) -> int:

@@ -147,7 +147,7 @@ class ScheduleBatch:
             offset += n
         self.input_ids = [t for r, p in zip(self.reqs, prefix_lens) for t in r.fill_ids[p:]]
         self.out_cache_loc = out_cache_loc
-        self.req_pool_indices = [r.req_pool_idx for r in self.reqs]
+        self.req_pool_indices = [r.row for r in self.reqs]
         self.seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
         self.prefix_lens = prefix_lens
         self.extend_lens = extend_lens
@@ -161,7 +161,7 @@ class ScheduleBatch:
         if req.kv_len < len(known):
             return known[req.kv_len]
         if self.future_tokens and req.kv_len == len(known):
-            return future_placeholder(req.req_pool_idx)
+            return future_placeholder(req.row)
         raise ValueError(f"request {req.rid} has no output token to decode from")
 
     def _next_decode_slots(self, reqs: list[Req]) -> tuple[torch.Tensor, list[int]]:
@@ -169,7 +169,7 @@ class ScheduleBatch:
         Returns the slots and each request's input id."""
         input_ids = [self._decode_input_id(r) for r in reqs]
         slots = self._alloc_slots(len(reqs))
-        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
         cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
         self.req_to_token_pool.write((rows, cols), slots)  # one indexed write for the whole batch
         for req in reqs:
@@ -184,7 +184,7 @@ class ScheduleBatch:
         """
         self.forward_mode = ForwardMode.DECODE
         self.out_cache_loc, self.input_ids = self._next_decode_slots(self.reqs)
-        self.req_pool_indices = [r.req_pool_idx for r in self.reqs]
+        self.req_pool_indices = [r.row for r in self.reqs]
         self.seq_lens = [r.kv_len for r in self.reqs]
         self.prefix_lens = []
         self.extend_lens = []
@@ -202,11 +202,13 @@ class ScheduleBatch:
         slots, input_ids = self._next_decode_slots(running.reqs)
         self.input_ids += input_ids
         self.out_cache_loc = torch.cat([self.out_cache_loc, slots])
-        self.req_pool_indices += [r.req_pool_idx for r in running.reqs]
+        self.req_pool_indices += [r.row for r in running.reqs]
         self.seq_lens += [r.kv_len for r in running.reqs]
         self.prefix_lens += prefix_lens
         self.extend_lens += [1] * len(running.reqs)
         self.reqs = self.reqs + running.reqs
+        if self.sampling_info is None or running.sampling_info is None:
+            raise ValueError("mix_with_running needs both batches prepared (sampling_info set)")
         self.sampling_info.merge_batch(running.sampling_info)
 
     def copy(self) -> "ScheduleBatch":
@@ -229,7 +231,7 @@ class ScheduleBatch:
         if keep_indices == list(range(self.batch_size)):
             return
         self.reqs = [self.reqs[i] for i in keep_indices]
-        self.req_pool_indices = [r.req_pool_idx for r in self.reqs]
+        self.req_pool_indices = [r.row for r in self.reqs]
         self.seq_lens = [r.kv_len for r in self.reqs]
         self.input_ids, self.prefix_lens, self.extend_lens = [], [], []
         self.out_cache_loc = torch.zeros(0, dtype=torch.int64)
@@ -243,9 +245,11 @@ class ScheduleBatch:
         if self.is_empty() or self.sampling_info is None:
             self.reqs, self.sampling_info = list(other.reqs), other.sampling_info
         else:
+            if other.sampling_info is None:
+                raise ValueError("merge_batch needs a prepared batch (sampling_info set)")
             self.reqs = self.reqs + other.reqs
             self.sampling_info.merge_batch(other.sampling_info)
-        self.req_pool_indices = [r.req_pool_idx for r in self.reqs]
+        self.req_pool_indices = [r.row for r in self.reqs]
         self.seq_lens = [r.kv_len for r in self.reqs]
 
     def release_kv(self, req: Req, keep_prefix_len: int = 0) -> None:
@@ -300,7 +304,7 @@ class ScheduleBatch:
         positions in ``[prefix, prefix + extend_len)``) and their vectors."""
         rows, values, start = [], [], 0
         for req, prefix, n in zip(self.reqs, self.prefix_lens, self.extend_lens):
-            if req.input_embeds_positions is not None:
+            if req.input_embeds_positions is not None and req.input_embeds_values is not None:
                 for j, pos in enumerate(req.input_embeds_positions):
                     if prefix <= pos < prefix + n:
                         rows.append(start + pos - prefix)

@@ -15,8 +15,11 @@ Every rank receives the same messages and takes the same decisions from the same
 their batches (and collectives) always match. Rank 0 alone sends outputs to the HTTP process.
 With pipeline parallelism every stage runs a scheduler and the loop is ``event_loop_pp``
 (``scheduler_pp.py``): micro-batches in flight through the stages.
-Batching policy (admission, chunked prefill, prefix cache, KV budget, retraction) is in
-``scheduler_policy.py``; result handling and outputs in ``scheduler_output.py``.
+Batching policy is small objects the scheduler wires together: ``CacheManager`` (KV slots,
+prefix cache, request rows), ``PrefillManager`` (waiting queue, chunked prefill; its
+``PrefillAdder`` budgets one EXTEND batch), ``DecodeManager`` (running batch, retraction), over
+one ``NewTokenRatio`` (``schedule_policy.py``). Result handling and outputs are in
+``scheduler_output.py``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from dataclasses import replace
 from typing import Any
 
@@ -46,11 +48,14 @@ from shardline_runtime.managers.io_struct import (
     WeightsPhaseOut,
 )
 from shardline_runtime.managers.lora_control import LoadLoRAAdapterReqInput, LoRAControl, UnloadLoRAAdapterReqInput
+from shardline_runtime.managers.cache_manager import CacheManager
+from shardline_runtime.managers.decode_manager import DecodeManager
+from shardline_runtime.managers.prefill_manager import PrefillManager
 from shardline_runtime.managers.overlap import FutureMap, InFlightStep, launch_step
 from shardline_runtime.managers.req import FinishReason, Req
 from shardline_runtime.managers.schedule_batch import ScheduleBatch
+from shardline_runtime.managers.schedule_policy import BatchLimits, NewTokenRatio
 from shardline_runtime.managers.scheduler_output import SchedulerOutputMixin
-from shardline_runtime.managers.scheduler_policy import SchedulerPolicyMixin
 from shardline_runtime.managers.scheduler_pp import SchedulerPPMixin
 from shardline_runtime.managers.scheduler_weight_sync import UPDATE_REQUESTS, SchedulerWeightSyncMixin
 from shardline_runtime.mem_cache.radix_cache import RadixCache
@@ -78,7 +83,7 @@ def eos_token_ids(model_config: Any) -> list[int]:
     return ids
 
 
-class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin):
+class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin):
     """Request queue, batching, KV budget and finishing for one TP rank (of one pipeline stage).
 
     Args:
@@ -101,24 +106,27 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
         self.max_total_num_tokens = worker.max_total_num_tokens
         self.max_running_requests = min(server_args.max_running_requests, worker.max_running_requests)
         chunk = server_args.chunked_prefill_size
-        self.chunked_prefill_size = chunk if chunk and chunk > 0 else None
-        self.max_prefill_tokens = server_args.max_prefill_tokens
         self.allocator = worker.token_to_kv_pool_allocator
         self.req_to_token_pool = worker.req_to_token_pool
         # KV computed under one LoRA adapter must not serve another: no shared prefixes with LoRA.
         lora = getattr(server_args, "enable_lora", False)
         self.tree_cache = RadixCache(self.allocator.free, disable=server_args.disable_radix_cache or lora)
+        self.cache = CacheManager(self.allocator, self.req_to_token_pool, self.tree_cache, self.max_total_num_tokens)
+        self.new_token_ratio = NewTokenRatio()
+        limits = BatchLimits(
+            max_running_requests=self.max_running_requests,
+            max_prefill_tokens=server_args.max_prefill_tokens,
+            chunked_prefill_size=chunk if chunk and chunk > 0 else None,
+            max_req_len=self.max_req_len,
+        )
+        self.prefill_manager = PrefillManager(self.cache, self.new_token_ratio, limits, self.new_batch)
+        self.decode_manager = DecodeManager(self.cache, self.new_token_ratio, self.max_req_len)
         self.lora_control = LoRAControl(self) if lora else None
         self.eos_token_ids = eos_token_ids(worker.model_config)
-        self.waiting_queue: deque[Req] = deque()
-        self.running_batch = None  # ScheduleBatch of decoding requests
-        self.chunked_req: Req | None = None
         self.pending_update: Any = None  # one of UPDATE_REQUESTS, waiting for running requests to finish
         self.last_weights_phase_sent = "serving"  # what the HTTP process believes
-        self.new_token_ratio = self.init_new_token_ratio = 0.4
-        self.num_retractions = 0
-        self.last_stats: tuple | None = None
-        self.step_started: float | None = None
+        self.last_stats = None
+        self.step_started = None
         # Overlap scheduling (default; --disable-overlap-schedule). Off with LoRA (adapter slots
         # are loaded and evicted between steps, which must see no step in flight) and with
         # pipeline parallelism (its micro-batch loop keeps the stages busy instead).
@@ -134,13 +142,32 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
         if self.pp_size > 1:
             self.init_pp_loop()
         if tp_rank == 0 and getattr(worker, "pp_rank", 0) == 0 and input_addr is not None:
-            ctx = zmq.Context.instance()
+            ctx: zmq.Context = zmq.Context.instance()
             self.recv_socket = ctx.socket(zmq.PULL)
             self.recv_socket.bind(input_addr)
             self.send_socket = ctx.socket(zmq.PUSH)
             self.send_socket.connect(output_addr)
             self.poller = zmq.Poller()
             self.poller.register(self.recv_socket, zmq.POLLIN)
+
+    # ------------------------------------------------------------------ state (read-only views)
+
+    @property
+    def waiting_queue(self):
+        return self.prefill_manager.waiting_queue
+
+    @property
+    def chunked_req(self) -> Req | None:
+        return self.prefill_manager.chunked_req
+
+    @property
+    def running_batch(self) -> ScheduleBatch | None:
+        return self.decode_manager.running_batch
+
+    @running_batch.setter
+    def running_batch(self, batch: ScheduleBatch | None) -> None:
+        """The pipeline loop swaps each micro-batch slot's running batch in and out."""
+        self.decode_manager.running_batch = batch
 
     # ------------------------------------------------------------------ info
 
@@ -176,7 +203,7 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
         (``managers/overlap.py``) the batch is launched and then the *previous* step's result is
         processed, so the host prepares step N+1 while step N computes. A control message, an
         abort or a waiting weight update first drains the step in flight (they act on settled
-        state); so does a retraction (``scheduler_policy.py``).
+        state); so does a retraction (``DecodeManager.schedule(settle=...)``).
         """
         if self.pending_update is not None or any(not isinstance(m, TokenizedGenerateReqInput) for m in messages):
             self.drain_in_flight()
@@ -208,9 +235,32 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
     def is_idle(self) -> bool:
         if self.pending_update is None and self.generation_blocked():
             return True  # nothing can run until a control message arrives: poll at the idle pace
-        running = bool(self.running_batches())
-        return (not running and not self.waiting_queue and self.chunked_req is None and self.pending_update is None
-                and self.in_flight is None)
+        busy = bool(self.running_batches()) or self.prefill_manager.has_work()
+        return not busy and self.pending_update is None and self.in_flight is None
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        """EXTEND of admitted requests (the running ones joining it with ``--enable-mixed-chunk``),
+        else a DECODE step of the running batch, else None."""
+        if self.generation_blocked():  # paused, or memory released: no forward at all
+            return None
+        # A pending weight update pauses admission, but a started chunked prefill must finish,
+        # and so must requests retracted after they began generating on the old weights (else
+        # they would end on the new ones: one response, two revisions).
+        running = [r for batch in self.running_batches() for r in batch.reqs if not r.finished()]
+        batch = self.prefill_manager.schedule(running, started_only=self.pending_update is not None)
+        if batch is not None:
+            mixed = self.decode_manager.take_for_mix() if self.server_args.enable_mixed_chunk else None
+            if mixed is not None:
+                batch.mix_with_running(mixed)  # the mixed batch becomes the running batch after it
+            return batch
+        # overlap: the step in flight may finish requests, and retraction needs settled state
+        step = self.decode_manager.schedule(settle=self.drain_in_flight)
+        for req in step.retracted:
+            self.prefill_manager.requeue(req)
+            logger.info("[tp %d] retracted request %s (%d output tokens kept)", self.tp_rank, req.rid, len(req.output_ids))
+        if step.finished:
+            self.stream_output(step.finished)
+        return step.batch
 
     def running_batches(self) -> list:
         """Every non-empty batch holding running requests: the running batch, the micro-batch
@@ -279,44 +329,29 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
         room = self.max_req_len - n
         if params.max_new_tokens is None or params.max_new_tokens > room:
             params = replace(params, max_new_tokens=room)
-        req = Req(msg.rid, msg.input_ids, params, self.eos_token_ids, msg.return_logprob,
-                  msg.top_logprobs_num, msg.logprob_start_len)
-        req.sent_len = 0
-        req.tree_prefix_len = 0
-        req.last_node = None
-        req.cached_tokens = 0
-        req.input_logprobs_sent = False
-        req.prompt_logprobs = []
-        req.lora_name = msg.lora_name
+        embeds = None
         if msg.input_embeds_positions is not None:
-            req.input_embeds_positions = list(msg.input_embeds_positions)
-            req.input_embeds_values = torch.tensor(msg.input_embeds_values, dtype=torch.float32)
-        self.waiting_queue.append(req)
+            embeds = torch.tensor(msg.input_embeds_values, dtype=torch.float32)
+        req = Req(msg.rid, msg.input_ids, params, self.eos_token_ids, msg.return_logprob, msg.top_logprobs_num,
+                  msg.logprob_start_len, lora_name=msg.lora_name, input_embeds_positions=msg.input_embeds_positions,
+                  input_embeds_values=embeds)
+        self.prefill_manager.add(req)
 
     def abort_request(self, rid: str | None, reason: dict) -> None:
         """Abort ``rid`` (None: all) wherever it is; its KV is freed now, before the next step."""
         finish = FinishReason(reason.get("type", "abort"), reason.get("matched"), reason.get("message"))
-        for req in list(self.waiting_queue):
-            if rid is None or req.rid == rid:
-                self.waiting_queue.remove(req)
-                req.finished_reason = finish
-                self.release_req(req)
-                self.stream_output([req])
-        if self.chunked_req is not None and (rid is None or self.chunked_req.rid == rid):
-            req, self.chunked_req = self.chunked_req, None
-            req.finished_reason = finish
-            self.release_req(req)
-            self.stream_output([req])
+        hit = self.prefill_manager.abort(rid, finish)
         inflight = self.inflight_batch_ids()
         for batch in self.running_batches():
-            hit = [r for r in batch.reqs if (rid is None or r.rid == rid) and not r.finished()]
-            for req in hit:
+            mine = [r for r in batch.reqs if (rid is None or r.rid == rid) and not r.finished()]
+            for req in mine:
                 req.finished_reason = finish
-                self.release_req(req)
-            if hit:
-                if id(batch) not in inflight:  # an in-flight batch keeps its rows until its result
-                    batch.filter_batch()
-                self.stream_output(hit)
+                self.cache.release(req)
+            if mine and id(batch) not in inflight:  # an in-flight micro-batch keeps its rows until its result
+                batch.filter_batch()
+            hit += mine
+        if hit:
+            self.stream_output(hit)
 
     # ------------------------------------------------------------------ control
 
@@ -326,41 +361,6 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
             return FlushCacheReqOutput(False, "requests are running or queued; flush when idle")
         self.tree_cache.reset()
         return FlushCacheReqOutput(True, "prefix cache flushed")
-
-    def start_weight_update(self, msg: Any) -> None:
-        """Queue an update of any kind (``UPDATE_REQUESTS``); it runs once no request holds KV."""
-        refused = "a weight update is already in progress" if self.pending_update is not None else self.refuse_update(msg)
-        if refused:
-            self.send(self.update_reply(msg, False, self.drain_refused_update(msg, refused)))
-            return
-        self.pending_update = msg
-        if msg.abort_all_requests:
-            self.abort_request(None, {"type": "abort", "message": "aborted for a weight update"})
-
-    def maybe_run_weight_update(self) -> None:
-        """Once no request runs (admission is paused meanwhile), load, flush the prefix cache, reply."""
-        running = bool(self.running_batches())
-        started = not self.generation_blocked() and any(r.output_ids for r in self.waiting_queue)
-        if running or self.chunked_req is not None or started:
-            # Retracted requests that began on the old weights finish on them too; paused with
-            # ``retract`` (an RL loop's pause -> update -> continue) they resume on the new ones.
-            return
-        msg, self.pending_update = self.pending_update, None
-        self.step_started = None  # loading a checkpoint may take longer than one step's watchdog
-        self.send_weights_phase("loading")
-        ok, message = self.run_weight_update(msg)
-        if ok and (getattr(msg, "cuda_graph_max_bs", None) is not None or getattr(msg, "disable_cuda_graph", None) is not None):
-            self.worker.update_cuda_graph_settings(msg.cuda_graph_max_bs, bool(msg.disable_cuda_graph),
-                                                   on_phase=lambda phase: self.send_weights_phase(phase.value))
-        # Old KV must never serve new weights; after a failed update the cache is still valid,
-        # but flushing it costs only recomputation, so do it in every case (a trainer sending
-        # buckets passes flush_cache false on all but the last).
-        if msg.flush_cache:
-            self.tree_cache.reset()
-        phase = getattr(self.worker.weights_phase, "value", str(self.worker.weights_phase))
-        self.send_weights_phase(phase)
-        self.send(self.update_reply(msg, ok, message))
-        self.send_serving_state()
 
     # ------------------------------------------------------------------ rank 0 -> HTTP
 

@@ -10,10 +10,21 @@ and moves a finished EXTEND batch into the running batch. With overlap schedulin
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardline_runtime.managers.io_struct import BatchTokenIDOut, SchedulerStats, TokenizedGenerateReqInput
+
+if TYPE_CHECKING:
+    from shardline_runtime.managers.cache_manager import CacheManager
+    from shardline_runtime.managers.decode_manager import DecodeManager
+    from shardline_runtime.managers.prefill_manager import PrefillManager
+    from shardline_runtime.managers.schedule_batch import ScheduleBatch
+    from shardline_runtime.managers.overlap import InFlightStep
+    from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+    from shardline_runtime.mem_cache.radix_cache import RadixCache
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +44,22 @@ def _reason_dict(reason) -> dict | None:
 
 class SchedulerOutputMixin:
     """Result processing for :class:`~shardline_runtime.managers.scheduler.Scheduler`."""
+
+    # Set by Scheduler.__init__ (declared here for the type checker).
+    tp_rank: int
+    max_req_len: int
+    max_total_num_tokens: int
+    cache: CacheManager
+    tree_cache: RadixCache
+    prefill_manager: PrefillManager
+    decode_manager: DecodeManager
+    send_socket: Any
+    last_stats: tuple | None
+    send: Callable[[Any], None]
+    allocator: TokenToKVPoolAllocator
+    req_to_token_pool: ReqToTokenPool
+    in_flight: InFlightStep | None
+    running_batches: Callable[[], list[ScheduleBatch]]
 
     def process_batch_result(self, batch, result, snapshot: bool = False) -> None:
         """Append the step's tokens, finish requests, move an EXTEND batch into the running batch
@@ -65,18 +92,15 @@ class SchedulerOutputMixin:
             self._release_finished(req)
         streamed = [r for r in batch.reqs if id(r) not in done_before]
         if snapshot:
-            if self.running_batch is not None:
-                self.running_batch.filter_batch()
+            if self.decode_manager.running_batch is not None:
+                self.decode_manager.running_batch.filter_batch()
         elif batch.forward_mode.is_extend():
             keep = [i for i, r in enumerate(batch.reqs) if not r.finished() and r is not batch.chunked_req]
             batch.filter_batch(keep)
             batch.chunked_req = None  # it now decodes; the chunked request stayed out of it
-            if self.running_batch is None or self.running_batch.is_empty():
-                self.running_batch = batch
-            else:
-                self.running_batch.merge_batch(batch)
+            self.decode_manager.add(batch)
         else:
-            batch.filter_batch()
+            batch.filter_batch()  # a decode step's batch is the running batch (of its micro-batch slot)
         self.stream_output(streamed)
 
     def _release_finished(self, req) -> None:
@@ -87,7 +111,7 @@ class SchedulerOutputMixin:
         if step is not None and req.req_pool_idx is not None and step.holds(req):
             req.kv_len -= 1
             step.deferred_free.append(self.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_len : req.kv_len + 1].clone())
-        self.release_req(req)
+        self.cache.release(req)
 
     def drain_in_flight(self) -> bool:
         """(Overlap) Wait for the step in flight and process its result; False when none is."""
@@ -121,10 +145,7 @@ class SchedulerOutputMixin:
         batch.filter_batch([i for i, r in enumerate(batch.reqs) if r is not batch.chunked_req
                             and r.sampling_params.max_new_tokens != 0 and not r.finished()])
         batch.chunked_req = None
-        if self.running_batch is None or self.running_batch.is_empty():
-            self.running_batch = batch
-        else:
-            self.running_batch.merge_batch(batch)
+        self.decode_manager.add(batch)
 
     def _collect_prompt_logprobs(self, batch, result) -> None:
         out = result.logits_output
@@ -141,7 +162,7 @@ class SchedulerOutputMixin:
             if out.input_token_logprobs is not None:
                 values = out.input_token_logprobs[i].tolist()
                 tops = None
-                if out.input_top_logprobs_val is not None and req.top_logprobs_num:
+                if out.input_top_logprobs_val is not None and out.input_top_logprobs_idx is not None and req.top_logprobs_num:
                     tops = list(zip(out.input_top_logprobs_val[i].tolist(), out.input_top_logprobs_idx[i].tolist()))
                 for j, value in enumerate(values):
                     pos = prefix + s + 1 + j
@@ -201,14 +222,14 @@ class SchedulerOutputMixin:
 
     def kv_used_tokens(self) -> int:
         """KV slots held by requests: everything not free and not reclaimable from the cache."""
-        return self.max_total_num_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
+        return self.cache.used_tokens()
 
     def send_stats(self) -> None:
         """Rank 0: push ``SchedulerStats`` to the HTTP process when they changed."""
         if self.send_socket is None:
             return
         running = sum(sum(not r.finished() for r in batch.reqs) for batch in self.running_batches())
-        queued = len(self.waiting_queue) + (1 if self.chunked_req is not None else 0)
+        queued = len(self.prefill_manager.waiting_queue) + (1 if self.prefill_manager.chunked_req is not None else 0)
         stats = (running, queued, self.kv_used_tokens(), self.tree_cache.evictable_size())
         if stats != self.last_stats:
             self.last_stats = stats

@@ -88,9 +88,14 @@ class SchedulerPPMixin:
         """Retract every request of the slots with no batch in flight (``/pause_generation``
         mode ``retract``); the in-flight ones follow as their results arrive."""
         inflight = self.inflight_batch_ids()
+        current = self.decode_manager.running_batch
         for batch in self.running_mbs:
-            while batch is not None and not batch.is_empty() and id(batch) not in inflight:
-                self.retract_one(batch)
+            if batch is None or id(batch) in inflight:
+                continue
+            self.decode_manager.running_batch = batch  # the decode manager retracts from its batch
+            while self.decode_manager.is_running():
+                self.prefill_manager.requeue(self.decode_manager.retract_one())
+        self.decode_manager.running_batch = current
 
     def pp_recv_requests(self) -> list:
         """Stage > 0: this iteration's messages, as the previous stage forwarded them."""

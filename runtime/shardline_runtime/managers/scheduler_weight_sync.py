@@ -19,7 +19,9 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from shardline_runtime.managers.io_struct import (
     ContinueGenerationReqInput,
@@ -39,6 +41,11 @@ from shardline_runtime.managers.io_struct import (
 from shardline_runtime.model_executor.memory_saver import MemorySaverError
 from shardline_runtime.model_executor.weight_update import PhaseClock, WeightsPhase
 
+if TYPE_CHECKING:
+    from shardline_runtime.managers.decode_manager import DecodeManager
+    from shardline_runtime.managers.prefill_manager import PrefillManager
+    from shardline_runtime.mem_cache.radix_cache import RadixCache
+
 logger = logging.getLogger(__name__)
 
 UPDATE_REQUESTS = (UpdateWeightsFromDiskReqInput, UpdateWeightsFromTensorReqInput, UpdateWeightsFromDistributedReqInput)
@@ -51,6 +58,20 @@ class SchedulerWeightSyncMixin:
     paused_mode: str | None = None
     last_serving_state: tuple = (None, None)
     update_timings: dict[str, float] | None = None  # the disk update just run (PhaseClock.seconds)
+    # Set by Scheduler.__init__ (declared here for the type checker).
+    tp_rank: int
+    worker: Any
+    tree_cache: RadixCache
+    prefill_manager: PrefillManager
+    decode_manager: DecodeManager
+    pending_update: Any
+    step_started: float | None
+    send: Callable[[Any], None]
+    send_weights_phase: Callable[[str], None]
+    abort_request: Callable[[str | None, dict], None]
+    running_batches: Callable[[], list]
+    running_mbs: list | None
+    retract_idle_slots: Callable[[], None]
 
     # ------------------------------------------------------------------ state
 
@@ -63,7 +84,7 @@ class SchedulerWeightSyncMixin:
         return self.paused_mode is not None or self.memory_saver.blocked_reason() is not None
 
     def holds_kv(self) -> bool:
-        return bool(self.running_batches()) or self.chunked_req is not None
+        return bool(self.running_batches()) or self.prefill_manager.chunked_req is not None
 
     def send_serving_state(self) -> None:
         state = (self.memory_saver.blocked_reason(), self.paused_mode)
@@ -83,7 +104,7 @@ class SchedulerWeightSyncMixin:
 
     def handle_control(self, msg: Any) -> bool:
         """Run a non-update control message now; False when ``msg`` is not one."""
-        handlers = {
+        handlers: dict[type, Callable[[Any], tuple]] = {
             InitWeightsUpdateGroupReqInput: lambda m: self.worker.init_weights_update_group(m),
             DestroyWeightsUpdateGroupReqInput: lambda m: self.worker.destroy_weights_update_group(m.group_name),
             GetWeightsByNameReqInput: self.get_weights_by_name,
@@ -102,6 +123,44 @@ class SchedulerWeightSyncMixin:
         self.send(ControlReqOutput(ok, message, self.worker.weight_version, data))
         self.send_serving_state()
         return True
+
+    def start_weight_update(self, msg: Any) -> None:
+        """Queue an update of any kind (``UPDATE_REQUESTS``); it runs once no request holds KV."""
+        refused = "a weight update is already in progress" if self.pending_update is not None else self.refuse_update(msg)
+        if refused:
+            self.send(self.update_reply(msg, False, self.drain_refused_update(msg, refused)))
+            return
+        self.pending_update = msg
+        if msg.abort_all_requests:
+            self.abort_request(None, {"type": "abort", "message": "aborted for a weight update"})
+
+    def maybe_run_weight_update(self) -> None:
+        """Once no request runs (admission is paused meanwhile), load, flush the prefix cache, reply."""
+        started = not self.generation_blocked() and any(r.output_ids for r in self.prefill_manager.waiting_queue)
+        if self.running_batches() or self.prefill_manager.chunked_req is not None or started:
+            # Retracted requests that began on the old weights finish on them too; paused with
+            # ``retract`` (an RL loop's pause -> update -> continue) they resume on the new ones.
+            return
+        msg, self.pending_update = self.pending_update, None
+        self.step_started = None  # loading a checkpoint may take longer than one step's watchdog
+        self.send_weights_phase("loading")
+        ok, message = self.run_weight_update(msg)
+        if ok and (getattr(msg, "cuda_graph_max_bs", None) is not None or getattr(msg, "disable_cuda_graph", None) is not None):
+            started_graphs = time.monotonic()
+            self.worker.update_cuda_graph_settings(msg.cuda_graph_max_bs, bool(msg.disable_cuda_graph),
+                                                   on_phase=lambda phase: self.send_weights_phase(phase.value))
+            if self.update_timings is not None:  # capturing with the new settings is recapture time too
+                spent = time.monotonic() - started_graphs
+                self.update_timings["recapture_seconds"] = self.update_timings.get("recapture_seconds", 0.0) + spent
+        # Old KV must never serve new weights; after a failed update the cache is still valid,
+        # but flushing it costs only recomputation, so do it in every case (a trainer sending
+        # buckets passes flush_cache false on all but the last).
+        if msg.flush_cache:
+            self.tree_cache.reset()
+        phase = getattr(self.worker.weights_phase, "value", str(self.worker.weights_phase))
+        self.send_weights_phase(phase)
+        self.send(self.update_reply(msg, ok, message))
+        self.send_serving_state()
 
     def refuse_update(self, msg: Any) -> str | None:
         """Why an update cannot be queued now, or None."""
@@ -164,15 +223,11 @@ class SchedulerWeightSyncMixin:
         if msg.mode == "abort":
             self.abort_request(None, {"type": "abort", "message": "aborted by /pause_generation"})
         elif msg.mode == "retract":
-            batch = self.running_batch
-            while batch is not None and not batch.is_empty():
-                self.retract_one(batch)
+            while self.decode_manager.is_running():
+                self.prefill_manager.requeue(self.decode_manager.retract_one())
             if self.running_mbs is not None:  # pipeline micro-batch slots
                 self.retract_idle_slots()
-            if self.chunked_req is not None:
-                req, self.chunked_req = self.chunked_req, None
-                self.release_req(req)
-                self.waiting_queue.appendleft(req)
+            self.prefill_manager.retract_chunked()
         self.paused_mode = msg.mode
         return True, f"generation paused ({msg.mode})"
 

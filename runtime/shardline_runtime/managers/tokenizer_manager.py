@@ -23,7 +23,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import zmq
 import zmq.asyncio
@@ -46,6 +46,9 @@ from shardline_runtime.managers.io_struct import (
 from shardline_runtime.managers.update_hold import HELD_SECONDS, first_chunk
 from shardline_runtime.model_loader.checkpoint_digest import checkpoint_digest
 from shardline_runtime.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from shardline_runtime.managers.lora_control import LoRAAdapterReqOutput
 
 logger = logging.getLogger(__name__)
 
@@ -565,13 +568,14 @@ class TokenizerManager:
                 text += detok.finish()
                 state.finished = True
             logprobs = []
-            if out.output_token_logprobs[i] is not None:
+            output_lps, input_lps = out.output_token_logprobs[i], out.input_token_logprobs[i]
+            if output_lps is not None:
                 tops = out.output_top_logprobs[i] or [[] for _ in new_ids]
-                logprobs = [(lp, tid, top) for (lp, tid), top in zip(out.output_token_logprobs[i], tops)][:consumed]
+                logprobs = [(lp, tid, top) for (lp, tid), top in zip(output_lps, tops)][:consumed]
             prompt_logprobs = None
-            if out.input_token_logprobs[i] is not None:
-                tops = out.input_top_logprobs[i] or [[] for _ in out.input_token_logprobs[i]]
-                prompt_logprobs = [(lp, tid, top) for (lp, tid), top in zip(out.input_token_logprobs[i], tops)]
+            if input_lps is not None:
+                tops = out.input_top_logprobs[i] or [[] for _ in input_lps]
+                prompt_logprobs = [(lp, tid, top) for (lp, tid), top in zip(input_lps, tops)]
             chunk = GenerateChunk(
                 text, list(new_ids[:consumed]), logprobs, reason, out.prompt_tokens[i],
                 detok.num_tokens, out.cached_tokens[i], prompt_logprobs, self.weight_version,

@@ -312,6 +312,7 @@ class TpModelWorker(BaseTpWorker):
             if group is not None:
                 destroy_weights_update_group(group)
             return False, f"init_weights_update_group failed on some rank; no group was formed. {reason}".strip()
+        assert group is not None  # every rank formed it (the agreement above)
         self.weight_sync_groups[msg.group_name] = group
         return True, f"joined weight-sync group {msg.group_name!r} as rank {group.rank} of {group.world_size}"
 

@@ -149,11 +149,13 @@ class RadixCache:
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Split ``child`` after its first ``n`` tokens; return the new upper node."""
-        upper = TreeNode(child.parent)
+        parent = child.parent
+        assert parent is not None, "the root is never split"
+        upper = TreeNode(parent)
         upper.key, upper.value = child.key[:n], child.value[:n]
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
-        child.parent.children[upper.key[0]] = upper
+        parent.children[upper.key[0]] = upper
         child.key, child.value = child.key[n:], child.value[n:]
         child.parent = upper
         upper.children[child.key[0]] = child
@@ -161,23 +163,25 @@ class RadixCache:
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Protect ``node`` and its ancestors from eviction (a request uses their slots)."""
-        while node is not self.root:
-            if node.lock_ref == 0:
-                self._evictable_size -= len(node.key)
-                self._protected_size += len(node.key)
-            node.lock_ref += 1
-            node = node.parent
+        current: TreeNode | None = node
+        while current is not None and current is not self.root:
+            if current.lock_ref == 0:
+                self._evictable_size -= len(current.key)
+                self._protected_size += len(current.key)
+            current.lock_ref += 1
+            current = current.parent
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Undo one :meth:`inc_lock_ref` of ``node``."""
-        while node is not self.root:
-            if node.lock_ref == 1:
-                self._evictable_size += len(node.key)
-                self._protected_size -= len(node.key)
-            if node.lock_ref <= 0:
+        current: TreeNode | None = node
+        while current is not None and current is not self.root:
+            if current.lock_ref == 1:
+                self._evictable_size += len(current.key)
+                self._protected_size -= len(current.key)
+            if current.lock_ref <= 0:
                 raise RuntimeError("radix cache lock_ref underflow")
-            node.lock_ref -= 1
-            node = node.parent
+            current.lock_ref -= 1
+            current = current.parent
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` slots from unlocked leaves, LRU first (fewer if not possible).
@@ -194,6 +198,7 @@ class RadixCache:
             freed += len(leaf.value)
             self._evictable_size -= len(leaf.key)
             parent = leaf.parent
+            assert parent is not None, "the root is never a leaf on the heap"
             del parent.children[leaf.key[0]]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)

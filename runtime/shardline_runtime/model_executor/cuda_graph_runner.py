@@ -92,7 +92,7 @@ class CudaGraphRunner:
         self.seq_lens = zeros()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Any] = {}
-        self.graph_pool = None
+        self.graph_pool: Any = None  # the first graph's memory pool, shared by the others
         model_runner.attn_backend.init_cuda_graph_state(self.max_bs)
         if self.use_graphs:
             self.capture()

@@ -197,6 +197,7 @@ class ForwardBatch:
             if extend_prefix_lens.shape[0] != bs:
                 raise ValueError(f"extend_prefix_lens has {extend_prefix_lens.shape[0]} entries, batch size is {bs}")
             extend_seq_lens = seq_lens - extend_prefix_lens
+            assert prefix_cpu is not None  # from the given lengths, or the zeros above
             extend_prefix_lens_cpu = prefix_cpu
             extend_seq_lens_cpu = [s - p for s, p in zip(seq_lens_cpu, prefix_cpu)]
             if any(n <= 0 for n in extend_seq_lens_cpu):

@@ -80,6 +80,6 @@ class GenerationBatchResult:
         for j, row in enumerate(self.sampled_rows):
             if logprobs is not None and self.logprob_rows[j]:
                 self.next_token_logprobs[row] = logprobs[j]
-            if self.top_values is not None and self.top_logprobs_nums[j]:
+            if self.top_values is not None and self.top_indices is not None and self.top_logprobs_nums[j]:
                 self.next_token_top_logprobs[row] = (self.top_values[j], self.top_indices[j])
         return self

@@ -54,6 +54,7 @@ def read_kv_scales(tensors: dict[str, TensorInfo]) -> dict[int, dict[str, float]
     scales: dict[int, dict[str, float]] = {}
     for name, tensor in iterate_weights(wanted):
         match = _SCALE_NAME.search(name)
+        assert match is not None  # the name was selected by this pattern
         if tensor.numel() != 1:
             raise ValueError(f"{name}: a per-layer KV scale must hold one value, got shape {tuple(tensor.shape)}")
         value = float(tensor.float().item())

@@ -86,7 +86,7 @@ class MemorySaver:
         self.missing: set[str] = set()
         self._weights: dict[str, tuple[torch.nn.Parameter, torch.Size, torch.Tensor | None]] = {}
         self._kv_shapes: list[torch.Size] = []
-        self._graph_runner = None
+        self._graph_runner: Any = None  # the decode graphs held while released
         self.tms = None
         if use_torch_memory_saver and torch.device(model_runner.device).type == "cuda":
             self.tms = _torch_memory_saver()
@@ -176,7 +176,9 @@ class MemorySaver:
 
     def _release_weights(self) -> None:
         model = self.runner.model
-        names = type(model).checkpoint_shapes(model.config)
+        from shardline_runtime.models.weight_loading import full_checkpoint_shapes
+
+        names = full_checkpoint_shapes(model)
         if self.tms is not None:
             self.tms.pause("weights")
         else:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,11 @@ from shardline_runtime.model_executor.model_runner_config import DEVICES, ModelR
 from shardline_runtime.model_executor.model_runner_graphs import ModelRunnerGraphsMixin
 from shardline_runtime.model_executor.model_runner_kv_cache import KVCacheMemoryError, ModelRunnerKVCacheMixin
 from shardline_runtime.model_executor.weight_update import WeightsPhase, update_weights_from_disk
+
+if TYPE_CHECKING:
+    from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner
+    from shardline_runtime.model_executor.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
+    from shardline_runtime.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +66,10 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
         CheckpointError: a shard is missing/short or a parameter is missing/unexpected.
         KVCacheMemoryError: no memory is left for the KV cache.
     """
+
+    model: LlamaForCausalLM
+    cuda_graph_runner: CudaGraphRunner | None
+    piecewise_cuda_graph_runner: PiecewiseCudaGraphRunner | None
 
     def __init__(self, config: ModelRunnerConfig, model_config: ModelConfig | None = None):
         self.config = config
@@ -202,8 +212,13 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
             a :class:`GenerationBatchResult` whose sampled ids and logprobs are still on the
             device (call ``copy_to_cpu()`` and ``wait()`` before reading them); on a stage that is
             not the last, one with ``pp_hidden_states_proxy_tensors`` and nothing sampled.
+
+        Raises:
+            ValueError: the step stops before the stage's last layer (a partial SPLIT_PREFILL).
         """
         output = self.forward(forward_batch, pp_proxy_tensors)
+        if output is None:
+            raise ValueError("forward_and_sample needs a step that reaches the last layer (not a partial SPLIT_PREFILL)")
         if isinstance(output, PPProxyTensors):
             return GenerationBatchResult(None, forward_batch, pp_hidden_states_proxy_tensors=output)
         return self.sample(output, forward_batch)
@@ -241,13 +256,16 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
 
     def _forward_eager(self, forward_batch: ForwardBatch, pp_proxy_tensors: PPProxyTensors | None = None):
         if self.lora_manager is not None:
-            per_req = forward_batch.extend_seq_lens_cpu if forward_batch.forward_mode.is_extend() else [1] * forward_batch.batch_size
+            per_req = forward_batch.extend_seq_lens_cpu if forward_batch.forward_mode.is_extend() else None
+            per_req = per_req or [1] * forward_batch.batch_size
             self.lora_manager.prepare_lora_batch(forward_batch.lora_names, per_req)
         self.attn_backend.init_forward_metadata(forward_batch)
         with torch.inference_mode():
             embeds = self.input_embeds(forward_batch)
-            out = self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch,
-                                     input_embeds=embeds, pp_proxy_tensors=pp_proxy_tensors)
+            # the layer-range path of SPLIT_PREFILL is the model's own method, beside its plain forward
+            run = self.model.forward_split_prefill if forward_batch.forward_mode.is_split_prefill() else self.model.forward
+            out = run(forward_batch.input_ids, forward_batch.positions, forward_batch, input_embeds=embeds,
+                      pp_proxy_tensors=pp_proxy_tensors)
         if self.eplb_manager is not None:
             self.eplb_manager.on_forward_pass_end()
         return out
@@ -255,7 +273,8 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
     def input_embeds(self, forward_batch: ForwardBatch) -> torch.Tensor | None:
         """(T, hidden_size): the token embeddings with rows ``input_embeds_indices`` replaced by
         ``input_embeds_values`` (the placeholder mechanism of multimodal models), or None."""
-        if forward_batch.input_embeds_indices is None or not self.pipeline_stage.is_first:
+        if (forward_batch.input_embeds_indices is None or forward_batch.input_embeds_values is None
+                or not self.pipeline_stage.is_first):
             return None
         embeds = self.model.get_input_embeddings()(forward_batch.input_ids)  # (T, hidden)
         rows = forward_batch.input_embeds_indices.to(self.device)

@@ -9,8 +9,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
 
 from shardline_runtime.model_executor.weight_update import WeightsPhase
+
+if TYPE_CHECKING:
+    from shardline_runtime.configs.model_config import ModelConfig
+    from shardline_runtime.lora.lora_manager import LoRAManager
+    from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool
+    from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner
+    from shardline_runtime.model_executor.model_runner_config import ModelRunnerConfig
+    from shardline_runtime.model_executor.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -19,6 +30,16 @@ class ModelRunnerGraphsMixin:
     """Graph methods of :class:`~shardline_runtime.model_executor.model_runner.ModelRunner`
     (reads ``config``, ``device``, ``lora_manager``, ``model_config``, ``req_to_token_pool``,
     ``tp_rank``; sets ``cuda_graph_runner`` and ``piecewise_cuda_graph_runner``)."""
+
+    # Set by ModelRunner (declared here for the type checker).
+    config: ModelRunnerConfig
+    device: torch.device
+    lora_manager: LoRAManager | None
+    model_config: ModelConfig
+    req_to_token_pool: ReqToTokenPool
+    tp_rank: int
+    cuda_graph_runner: CudaGraphRunner | None
+    piecewise_cuda_graph_runner: PiecewiseCudaGraphRunner | None
 
     def init_device_graphs(self) -> None:
         """Capture decode graphs with ``CudaGraphRunner`` (GPU, unless disabled)."""

@@ -9,11 +9,17 @@ weights were loaded leaves after them; on the CPU ``--max-total-tokens`` or the
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from shardline_runtime import distributed
+from shardline_runtime.configs.model_config import ModelConfig
 from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
+
+if TYPE_CHECKING:
+    from shardline_runtime.model_executor.model_runner_config import ModelRunnerConfig
+    from shardline_runtime.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +32,16 @@ class ModelRunnerKVCacheMixin:
     """KV-cache methods of :class:`~shardline_runtime.model_executor.model_runner.ModelRunner`
     (reads ``config``, ``device``, ``model``, ``model_config``, ``tp_rank``, ``tp_size``,
     ``dtype``, ``weight_bytes``; sets ``kv_cache_dtype``, ``max_total_num_tokens`` and the pools)."""
+
+    # Set by ModelRunner (declared here for the type checker).
+    config: ModelRunnerConfig
+    device: torch.device
+    dtype: torch.dtype
+    model: LlamaForCausalLM
+    model_config: ModelConfig
+    tp_rank: int
+    tp_size: int
+    weight_bytes: int
 
     def _memory_available(self) -> int:
         if self.device.type == "cuda":

@@ -103,7 +103,7 @@ class PiecewiseCudaGraphRunner:
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.attn_calls: dict[int, list[tuple]] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.graph_pool = None
+        self.graph_pool: Any = None
         self._pieces: list = []
         self._calls: list = []
         if self.use_graphs:

@@ -5,7 +5,7 @@ After SGLang's ``ModelRunner.update_weights_from_tensor`` / ``update_weights_fro
 
 1. **Check** every declared ``(name, dtype, shape)`` against the running model before any live
    weight changes: the name must be a checkpoint tensor of this architecture
-   (``checkpoint_shapes``), the shape its full (unsharded) checkpoint shape, the dtype the
+   (``checkpoint_shapes``, read from the built model), the shape its full (unsharded) checkpoint shape, the dtype the
    model's dtype. The first problem is named.
 2. **Receive** every tensor into a staging buffer (full tensors of this call; the caller bounds
    the extra memory by sending buckets). A distributed update still drains the broadcast after
@@ -32,6 +32,9 @@ import torch
 
 from shardline_runtime.distributed import all_gather_pyobj_world, all_reduce_min_int
 from shardline_runtime.model_executor.weight_update import WeightUpdateError
+from shardline_runtime.layers.parameter import weight_loader_of
+from shardline_runtime.models.llama import LlamaForCausalLM
+from shardline_runtime.models.weight_loading import full_checkpoint_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -51,40 +54,35 @@ def parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def checkpoint_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
-    """Checkpoint name -> full shape of every tensor the running ``model`` loads."""
-    return type(model).checkpoint_shapes(model.config)
-
-
-def _resolve(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], name: str):
+def _resolve(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter], name: str):
     """Checkpoint ``name`` -> (parameter, extra ``weight_loader`` arguments); None for names the
     loader skips. The same mapping as ``models/weight_loading.py: load_named_weights``: MoE expert
     tensors first (``(expert_id, shard_id)``), then fused q/k/v and gate/up (``shard_id``)."""
     if any(name.endswith(i) for i in model.ignored_checkpoint_names()):
         return None
-    experts = model.expert_params_mapping() if hasattr(model, "expert_params_mapping") else ()
-    target, args = name, ()
-    for fragment, fused, expert_id, sid in experts:
+    target = name
+    args: tuple = ()
+    for fragment, fused, expert_id, sid in model.expert_params_mapping():
         if fragment in name:
             target, args = name.replace(fragment, fused), (expert_id, sid)
             break
     else:
-        for fragment, stacked, sid in model.stacked_params_mapping:
+        for fragment, stacked, stacked_id in model.stacked_params_mapping:
             if fragment in name:
-                target, args = name.replace(fragment, stacked), (sid,)
+                target, args = name.replace(fragment, stacked), (stacked_id,)
                 break
     if target not in params:
         raise WeightUpdateError(f"parameter {name}: no such parameter in the serving model")
     return params[target], args
 
 
-def check_specs(model: torch.nn.Module, dtype: torch.dtype, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+def check_specs(model: LlamaForCausalLM, dtype: torch.dtype, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
     """Check declared ``(name, dtype, full shape)`` triples against the running model.
 
     Raises:
         WeightUpdateError: naming the first unknown or repeated parameter, wrong shape or dtype.
     """
-    shapes = checkpoint_shapes(model)
+    shapes = full_checkpoint_shapes(model)
     ignored = model.ignored_checkpoint_names()
     seen: set[str] = set()
     for name, got_dtype, shape in specs:
@@ -101,7 +99,7 @@ def check_specs(model: torch.nn.Module, dtype: torch.dtype, specs: list[tuple[st
 
 
 @torch.no_grad()
-def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+def load_named_tensors(model: LlamaForCausalLM, named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """Load full tensors into their parameters through ``weight_loader`` (each rank its shard).
 
     Unlike a checkpoint load, a subset of the parameters is fine. Returns the names loaded.
@@ -113,7 +111,7 @@ def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.
         if resolved is None:
             continue
         param, args = resolved
-        param.weight_loader(param, tensor, *args)
+        weight_loader_of(param)(param, tensor, *args)
         loaded.append(name)
     if params and next(iter(params.values())).device.type == "cuda":
         torch.cuda.synchronize()
@@ -156,10 +154,10 @@ def update_weights_from_safetensors(model_runner: Any, data: bytes) -> tuple[boo
     return True, f"loaded {len(loaded)} tensors on tp rank {model_runner.tp_rank}", loaded
 
 
-def _drainable(model: torch.nn.Module, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> bool:
+def _drainable(model: LlamaForCausalLM, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> bool:
     """Whether every declared shape can be received: no negative dimension, and no more
     elements than the largest checkpoint tensor (so draining a rejected update is bounded)."""
-    largest = max((math.prod(s) for s in checkpoint_shapes(model).values()), default=0)
+    largest = max((math.prod(s) for s in full_checkpoint_shapes(model).values()), default=0)
     return all(min(shape, default=0) >= 0 and math.prod(shape) <= largest for _, _, shape in specs)
 
 
@@ -228,7 +226,7 @@ def get_weights_by_name(model_runner: Any, name: str, truncate_size: int = 100) 
     if not 1 <= truncate_size <= MAX_TRUNCATE_SIZE:
         raise WeightUpdateError(f"truncate_size must be in [1, {MAX_TRUNCATE_SIZE}], got {truncate_size}")
     model = model_runner.model
-    shapes = checkpoint_shapes(model)
+    shapes = full_checkpoint_shapes(model)
     if name == "lm_head.weight" and model.config.tie_word_embeddings:
         name = "model.embed_tokens.weight"  # tied: the head is the embedding
     if name not in shapes:
@@ -249,7 +247,7 @@ def get_weights_by_name(model_runner: Any, name: str, truncate_size: int = 100) 
         param, args = resolved
         where = torch.zeros(param.shape, dtype=torch.int64)
         index = torch.arange(1, row * full_shape[0] + 1, dtype=torch.int64).view(full_shape)
-        param.weight_loader(where, index, *args)
+        weight_loader_of(param)(where, index, *args)
         mine = (where > 0) & (where <= limit)
         positions = (where[mine] - 1).tolist()
         values = param.data.detach().cpu().float()[mine].tolist()

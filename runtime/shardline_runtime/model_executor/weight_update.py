@@ -35,14 +35,6 @@ logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors")
 
-# Config fields that change behaviour without changing any parameter shape: they must match.
-_BEHAVIOUR_FIELDS = (
-    "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings",
-    "rope_parameters", "hidden_act", "qk_norm", "qkv_bias", "o_proj_bias", "mlp_bias",
-    "sliding_windows", "max_position_embeddings", "context_len",
-    "num_experts", "num_experts_per_tok", "norm_topk_prob", "moe_layers",
-)
-
 
 class WeightsPhase(str, enum.Enum):
     """What a rank's weights are doing (``/get_server_info`` ``weights_phase``)."""
@@ -152,10 +144,12 @@ def compare_models(live_config: Any, live_model: torch.nn.Module, new_config: An
             raise WeightUpdateError(
                 f"unexpected parameter {name} (new shape {tuple(new.shape)}) not in the serving model"
             )
-    for field_name in _BEHAVIOUR_FIELDS:
-        old_value, new_value = getattr(live_config, field_name, None), getattr(new_config, field_name, None)
-        if old_value != new_value:
-            raise WeightUpdateError(f"config field {field_name}: old {old_value!r}, new {new_value!r}")
+    from shardline_runtime.configs.model_config import first_mismatch
+
+    mismatch = first_mismatch(live_config, new_config)
+    if mismatch is not None:
+        field_name, old_value, new_value = mismatch
+        raise WeightUpdateError(f"config field {field_name}: old {old_value!r}, new {new_value!r}")
 
 
 @torch.no_grad()
@@ -217,6 +211,7 @@ def update_weights_from_disk(
         if not reason:
             reason = "the new checkpoint was rejected on another tensor-parallel rank or pipeline stage (see its log)"
         return False, f"update_weights_from_disk({model_path}) failed; old weights kept. {reason}"
+    assert new_model is not None  # every rank loaded it (all_ok)
     copied = copy_weights_in_place(model_runner.model, new_model)
     del new_model
     model_runner.model_config = new_config  # same shapes and behaviour; reports the new path

@@ -12,6 +12,7 @@ from torch import nn
 from shardline_runtime.configs.model_config import ModelConfig
 from shardline_runtime.configs.pipeline_stage import PipelineStage
 from shardline_runtime.model_loader.checkpoint_files import TensorInfo, discover_checkpoint, iterate_weights
+from shardline_runtime.models.llama import LlamaForCausalLM
 from shardline_runtime.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ def resolve_tying(model_config: ModelConfig, tensors: dict[str, TensorInfo]) -> 
     return dataclasses.replace(model_config, tie_word_embeddings=False)
 
 
-def build_model(model_config: ModelConfig, device: torch.device, stage: PipelineStage | None = None) -> nn.Module:
+def build_model(model_config: ModelConfig, device: torch.device, stage: PipelineStage | None = None) -> LlamaForCausalLM:
     """Instantiate the architecture's model (uninitialised weights) on ``device`` in its dtype;
     with a pipeline ``stage``, only the parts that stage owns."""
     cls = get_model_class(model_config.architecture)
@@ -45,7 +46,7 @@ def build_model(model_config: ModelConfig, device: torch.device, stage: Pipeline
 
 
 def load_model(model_config: ModelConfig, model_path: str, device: torch.device,
-               prepare: Callable[[nn.Module], None] | None = None, stage: PipelineStage | None = None) -> nn.Module:
+               prepare: Callable[[nn.Module], None] | None = None, stage: PipelineStage | None = None) -> LlamaForCausalLM:
     """Check the files (fails fast on a missing/short shard), build the model, load weights
     (only the pipeline ``stage``'s, when given: its layers, embedding / norm / LM head).
 

@@ -2,20 +2,21 @@
 
 Used before an in-place weight update: reads only ``config.json`` and the safetensors headers
 (plus a file-size check of every shard), never tensor data, and never the model's parameters.
+The expected tensors and shapes come from the model class built on the ``meta`` device (no
+memory) with the running config (``models/weight_loading.py: checkpoint_shapes``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from shardline_runtime.configs.model_config import ModelConfig, ModelConfigError
+import torch
+
+from shardline_runtime.configs.model_config import ModelConfig, ModelConfigError, first_mismatch
 from shardline_runtime.model_loader.checkpoint_files import FLOAT_DTYPES, TensorInfo, discover_checkpoint
 from shardline_runtime.model_loader.errors import CheckpointError
-from shardline_runtime.models.registry import get_model_class
-
-# Config fields that change the meaning of weights with identical shapes.
-_SEMANTIC_FIELDS = ("architecture", "rope_parameters", "rms_norm_eps", "tie_word_embeddings", "qk_norm",
-                    "sliding_windows", "hidden_act", "num_experts_per_tok", "norm_topk_prob", "moe_layers")
+from shardline_runtime.model_loader.loader import build_model
+from shardline_runtime.models.weight_loading import checkpoint_shapes
 
 
 def _fmt(shape: tuple[int, ...] | None) -> str:
@@ -28,8 +29,7 @@ def validate_checkpoint(model_path: str | Path, model_config: ModelConfig, model
     Checks, in order: ``config.json`` parses and names the same architecture; every tensor
     the running model needs is present with the same full shape (the first mismatch is
     reported with the running and the new shape); no unexpected tensor; floating dtypes;
-    every shard present and complete; config fields that change the meaning of the weights
-    (RoPE, norm epsilon, tying) are equal.
+    every shard present and complete; ``MUST_MATCH_FIELDS`` of the config are equal.
 
     Args:
         model_path: checkpoint directory.
@@ -51,12 +51,13 @@ def validate_checkpoint(model_path: str | Path, model_config: ModelConfig, model
             f"config field architectures[0]: running {model_config.architecture!r}, new checkpoint {new.architecture!r}"
         )
     tensors = discover_checkpoint(model_path)
-    want = get_model_class(model_config.architecture).checkpoint_shapes(model_config)
-    ignored = ("rotary_emb.inv_freq", ".k_scale", ".v_scale") + (("lm_head.weight",) if model_config.tie_word_embeddings else ())
+    expected = build_model(model_config, torch.device("meta"))
+    want = checkpoint_shapes(expected)
+    ignored = expected.ignored_checkpoint_names()
     for name, shape in want.items():
         info = tensors.get(name)
-        got = info.shape if info else None
-        if got != shape:
+        if info is None or info.shape != shape:
+            got = info.shape if info else None
             raise CheckpointError(
                 f"parameter {name}: shape {_fmt(shape)} in the running model, {_fmt(got)} in {model_path}"
             )
@@ -65,8 +66,8 @@ def validate_checkpoint(model_path: str | Path, model_config: ModelConfig, model
     for name in tensors:
         if name not in want and not name.endswith(ignored):
             raise CheckpointError(f"unexpected parameter {name} in {tensors[name].file} (the running model has no such parameter)")
-    for field in _SEMANTIC_FIELDS:
-        old_value, new_value = getattr(model_config, field), getattr(new, field)
-        if old_value != new_value:
-            raise CheckpointError(f"config field {field}: running {old_value!r}, new checkpoint {new_value!r}")
+    mismatch = first_mismatch(model_config, new)
+    if mismatch is not None:
+        field, old_value, new_value = mismatch
+        raise CheckpointError(f"config field {field}: running {old_value!r}, new checkpoint {new_value!r}")
     return tensors

@@ -5,7 +5,10 @@ into the next RMSNorm (as SGLang); fused QKV and gate/up projections (column-par
 row-parallel output projections, so each block does exactly two all-reduces (in ``o_proj`` and
 ``down_proj``). Parameter names follow the HuggingFace checkpoint, with ``q/k/v_proj`` stacked
 into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj`` at load time. Qwen2, Qwen3 and
-Mistral reuse these blocks (see their modules). This file never imports ``torch.distributed``.
+Mistral reuse these blocks; what makes each family different (biases, q/k norm) is declared in
+its own model file by overriding the hooks of :class:`LlamaAttention`. The checkpoint's expected
+tensors and shapes are read from the built module (``weight_loading.checkpoint_shapes``). This
+file never imports ``torch.distributed``.
 
 Pipeline parallelism: the model is built for one :class:`PipelineStage` (default: the whole
 model). It creates the decoder layers of its range only (the others are :class:`PPMissingLayer`,
@@ -17,7 +20,8 @@ is handed in by the ModelRunner; the model never asks ``torch.distributed`` for 
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -52,18 +56,40 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    """Grouped-query attention with RoPE. A model family states how it differs here:
+
+    - ``qk_norm`` (class attribute): RMSNorm over each head of q and k (weight of size
+      ``head_dim``, parameters ``q_norm`` / ``k_norm``) before RoPE (Qwen3).
+    - :meth:`qkv_bias` / :meth:`o_proj_bias`: whether the projections carry biases (Llama and
+      Mistral: ``config.json``'s ``attention_bias``; Qwen2: always on q/k/v, never on o).
+    """
+
+    qk_norm: ClassVar[bool] = False
+
+    @classmethod
+    def qkv_bias(cls, config: ModelConfig) -> bool:
+        return config.attention_bias
+
+    @classmethod
+    def o_proj_bias(cls, config: ModelConfig) -> bool:
+        return config.attention_bias
+
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads,
-            bias=config.qkv_bias,
+            bias=self.qkv_bias(config),
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias
+            config.num_attention_heads * config.head_dim, config.hidden_size, bias=self.o_proj_bias(config)
         )
+        self.q_norm = self.k_norm = None
+        if self.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.rotary_emb = get_rope(  # one table shared by every layer
             config.head_dim, config.rope_parameters, config.max_position_embeddings,
             max_positions=max(config.context_len, config.max_position_embeddings) + 8,
@@ -73,16 +99,13 @@ class LlamaAttention(nn.Module):
             self.num_heads, config.head_dim, config.head_dim ** -0.5, self.num_kv_heads, layer_id, sliding_window=window
         )
 
-    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hook for per-head q/k normalisation (Qwen3); identity for Llama."""
-        return q, k
-
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)  # (T, q_size + 2 * kv_size)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)  # (T, H_kv, D)
-        q, k = self.norm_qk(q, k)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # per head
         q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v.contiguous(), forward_batch)
         return self.o_proj(out)  # (T, hidden), all-reduced
@@ -121,7 +144,8 @@ class PPMissingLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm; with a ``stage``, only those it owns."""
+    """Embedding, decoder layers, final norm: (T,) token ids -> (T, hidden_size) hidden states;
+    with a ``stage``, only the parts it owns (see the module docstring)."""
 
     layer_cls = LlamaDecoderLayer
 
@@ -132,11 +156,44 @@ class LlamaModel(nn.Module):
         stage = stage or PipelineStage()
         n = config.num_hidden_layers
         self.start_layer, self.end_layer = stage.start_layer, stage.end(n)
+        self.is_first, self.is_last = stage.is_first, stage.is_last
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if stage.is_first else PPMissingLayer()
         self.layers = nn.ModuleList([
             layer_cls(config, i) if self.start_layer <= i < self.end_layer else PPMissingLayer() for i in range(n)
         ])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else PPMissingLayer()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch,
+                input_embeds: torch.Tensor | None = None,
+                pp_proxy_tensors: PPProxyTensors | None = None) -> torch.Tensor | PPProxyTensors:
+        """This stage's layers (all of them without pipeline parallelism). The first stage
+        embeds ``input_ids`` (or takes ``input_embeds`` (T, hidden_size)); the others start from
+        the previous stage's ``pp_proxy_tensors``. Returns the normed (T, hidden_size) states on
+        the last stage, else :class:`PPProxyTensors` (``hidden_states`` and ``residual``)."""
+        if self.is_first:
+            hidden_states = self.embed_tokens(input_ids) if input_embeds is None else input_embeds  # (T, hidden)
+            residual = None
+        else:
+            assert pp_proxy_tensors is not None, "a pipeline stage after the first needs the previous stage's tensors"
+            hidden_states, residual = pp_proxy_tensors["hidden_states"], pp_proxy_tensors["residual"]
+        hidden_states, residual = self.forward_layers(self.start_layer, self.end_layer, positions, hidden_states,
+                                                      residual, forward_batch)
+        if not self.is_last:
+            return PPProxyTensors({"hidden_states": hidden_states, "residual": residual})  # (T, hidden) each
+        return self.final_norm(hidden_states, residual)
+
+    def forward_layers(self, start: int, end: int, positions: torch.Tensor, hidden_states: torch.Tensor,
+                       residual: torch.Tensor | None, forward_batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layers ``[start, end)`` on (T, hidden) states and the residual carried between them
+        (None before the first layer)."""
+        for layer in self.layers[start:end]:
+            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+        return hidden_states, residual
+
+    def final_norm(self, hidden_states: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        if residual is None:
+            return self.norm(hidden_states)
+        return self.norm(hidden_states, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -168,12 +225,24 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch,
                 input_embeds: torch.Tensor | None = None,
-                pp_proxy_tensors: PPProxyTensors | None = None) -> LogitsProcessorOutput | PPProxyTensors | None:
-        """Runs this stage's layers, or ``[split_forward_start_layer, split_forward_end_layer)``
-        of them; returns None when a split range stops before the stage's last layer (states kept
-        on the batch), :class:`PPProxyTensors` on a stage that is not the last, else the logits.
-        ``input_embeds`` (T, hidden_size), when given, replaces the token embedding (first stage);
-        ``pp_proxy_tensors`` are the previous stage's output (every other stage)."""
+                pp_proxy_tensors: PPProxyTensors | None = None) -> LogitsProcessorOutput | PPProxyTensors:
+        """This stage's layers, then the logits on the last stage (:class:`PPProxyTensors` on the
+        others). ``input_embeds`` (T, hidden_size), when given, replaces the token embedding
+        (first stage); ``pp_proxy_tensors`` are the previous stage's output (every other stage)."""
+        out = self.model(input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
+        if isinstance(out, PPProxyTensors):
+            return out
+        return self.logits_processor(input_ids, out, self.lm_head, forward_batch)
+
+    def forward_split_prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch,
+                              input_embeds: torch.Tensor | None = None,
+                              pp_proxy_tensors: PPProxyTensors | None = None,
+                              ) -> LogitsProcessorOutput | PPProxyTensors | None:
+        """Layers ``[split_forward_start_layer, split_forward_end_layer)`` of a SPLIT_PREFILL
+        step (SGLang's ``forward_split_prefill``), within this stage's range: hidden states and
+        residual are carried in ``forward_batch.split_hidden_states`` / ``split_residual`` between
+        calls; the call that reaches the stage's last layer returns the logits (last stage) or
+        :class:`PPProxyTensors`, earlier calls None."""
         first, last = self.model.start_layer, self.model.end_layer
         start = forward_batch.split_forward_start_layer if forward_batch.split_forward_start_layer is not None else first
         end = forward_batch.split_forward_end_layer if forward_batch.split_forward_end_layer is not None else last
@@ -184,17 +253,13 @@ class LlamaForCausalLM(nn.Module):
             hidden_states, residual = pp_proxy_tensors["hidden_states"], pp_proxy_tensors["residual"]
         else:
             hidden_states, residual = forward_batch.split_hidden_states, forward_batch.split_residual
-        for layer in self.model.layers[start:end]:
-            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+        hidden_states, residual = self.model.forward_layers(start, end, positions, hidden_states, residual, forward_batch)
         if end < last:
             forward_batch.split_hidden_states, forward_batch.split_residual = hidden_states, residual
             return None
         if not self.stage.is_last:
             return PPProxyTensors({"hidden_states": hidden_states, "residual": residual})  # (T, hidden) each
-        if residual is None:
-            hidden_states = self.model.norm(hidden_states)
-        else:
-            hidden_states, _ = self.model.norm(hidden_states, residual)
+        hidden_states = self.model.final_norm(hidden_states, residual)
         return self.logits_processor(input_ids, hidden_states, self.lm_head, forward_batch)
 
     # Checkpoint name fragment -> (stacked parameter fragment, shard id).
@@ -206,35 +271,13 @@ class LlamaForCausalLM(nn.Module):
         (".up_proj.", ".gate_up_proj.", 1),
     )
 
-    @classmethod
-    def checkpoint_shapes(cls, config: ModelConfig) -> dict[str, tuple[int, ...]]:
-        """Name -> full (unsharded) shape of every tensor a checkpoint of ``config`` must hold."""
-        h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
-        q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
-        for i in range(config.num_hidden_layers):
-            p = f"model.layers.{i}."
-            shapes.update({
-                p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-                p + "mlp.down_proj.weight": (h, inter),
-                p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            })
-            if config.qkv_bias:
-                shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                               p + "self_attn.v_proj.bias": (kv,)})
-            if config.o_proj_bias:
-                shapes[p + "self_attn.o_proj.bias"] = (h,)
-            if config.mlp_bias:
-                shapes.update({p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,),
-                               p + "mlp.down_proj.bias": (h,)})
-            if config.qk_norm:
-                shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
-        shapes["model.norm.weight"] = (h,)
-        if not config.tie_word_embeddings:
-            shapes["lm_head.weight"] = (config.vocab_size, h)
-        return shapes
+    def expert_params_mapping(self) -> list[tuple[str, str, int, str]]:
+        """``(checkpoint fragment, parameter fragment, expert_id, shard_id)`` rows; none here."""
+        return []
+
+    def to_checkpoint_name(self, name: str) -> str:
+        """Checkpoint spelling of a (split) parameter name; the same here."""
+        return name
 
     def ignored_checkpoint_names(self) -> tuple[str, ...]:
         """Checkpoint names that are not parameters (skipped silently)."""

@@ -1,24 +1,14 @@
 """Qwen3: the Llama block plus RMSNorm over each head of q and k (``q_norm``/``k_norm``, weight
 of size ``head_dim``) before RoPE, and an explicit ``head_dim`` that may differ from
-``hidden_size / num_attention_heads``."""
+``hidden_size / num_attention_heads``. Biases follow ``config.json``'s ``attention_bias``."""
 
 from __future__ import annotations
 
-import torch
-
-from shardline_runtime.configs.model_config import ModelConfig
-from shardline_runtime.layers.layernorm import RMSNorm
 from shardline_runtime.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: ModelConfig, layer_id: int):
-        super().__init__(config, layer_id)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-
-    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_norm(q), self.k_norm(k)  # per head: (T, H, head_dim)
+    qk_norm = True
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):

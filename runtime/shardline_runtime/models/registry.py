@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from shardline_runtime.configs.model_config import ModelConfigError
 from shardline_runtime.models.llama import LlamaForCausalLM
 from shardline_runtime.models.mistral import MistralForCausalLM
@@ -13,7 +11,7 @@ from shardline_runtime.models.qwen2_moe import Qwen2MoeForCausalLM
 from shardline_runtime.models.qwen3 import Qwen3ForCausalLM
 from shardline_runtime.models.qwen3_moe import Qwen3MoeForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
@@ -24,7 +22,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
     """The model class of ``architecture``.
 
     Raises:

@@ -27,7 +27,8 @@ class SparseMoeBlock(nn.Module):
         self.gate = TopKRouter(config.hidden_size, config.num_experts, config.num_experts_per_tok, config.norm_topk_prob)
         self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size, layer_id,
                                 reduce_results=False)
-        self.shared_expert = self.shared_expert_gate = None
+        self.shared_expert: LlamaMLP | None = None
+        self.shared_expert_gate: ReplicatedLinear | None = None
         if config.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(config, config.shared_expert_intermediate_size, reduce_results=False)
             self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)
@@ -35,7 +36,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         _, topk_weights, topk_ids = self.gate(hidden_states)  # (T, k), (T, k)
         out = self.experts(hidden_states, topk_weights, topk_ids)  # (T, hidden) partial
-        if self.shared_expert is not None:
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = torch.sigmoid(self.shared_expert_gate(hidden_states))  # (T, 1), same on every rank
             out = out + gate * self.shared_expert(hidden_states)  # gate is per token, so it commutes with the sum
         return expert_parallel_combine(out)
@@ -66,26 +67,9 @@ class MoeForCausalLM(LlamaForCausalLM):
                 rows.append((f".experts.{e}.{name}.", fused, e, shard_id))
         return rows
 
-    @classmethod
-    def checkpoint_shapes(cls, config: ModelConfig) -> dict[str, tuple[int, ...]]:
-        shapes = LlamaForCausalLM.checkpoint_shapes(config)
-        h, inter = config.hidden_size, config.moe_intermediate_size
-        for i, sparse in enumerate(config.moe_layers):
-            if not sparse:
-                continue
-            p = f"model.layers.{i}."
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                shapes.pop(f"{p}mlp.{proj}.weight", None)
-            block = f"{p}{cls.moe_block_name}."
-            shapes[f"{block}gate.weight"] = (config.num_experts, h)
-            for e in range(config.num_experts):
-                for shard_id, name in cls.expert_names.items():
-                    shapes[f"{block}experts.{e}.{name}.weight"] = (h, inter) if shard_id == "w2" else (inter, h)
-            if config.shared_expert_intermediate_size:
-                s = config.shared_expert_intermediate_size
-                shapes.update({f"{block}shared_expert.gate_proj.weight": (s, h), f"{block}shared_expert.up_proj.weight": (s, h),
-                               f"{block}shared_expert.down_proj.weight": (h, s), f"{block}shared_expert_gate.weight": (1, h)})
-        return shapes
+    def to_checkpoint_name(self, name: str) -> str:
+        """The checkpoint spells the block ``moe_block_name`` (Mixtral: every layer is sparse)."""
+        return name.replace(".mlp.", f".{self.moe_block_name}.") if self.moe_block_name != "mlp" else name
 
     def load_weights(self, weights) -> None:
         """Load full checkpoint tensors; experts go through ``FusedMoE.weight_loader``.

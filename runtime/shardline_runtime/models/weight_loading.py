@@ -6,13 +6,18 @@ Stacked parameters (``qkv_proj``, ``gate_up_proj``) count as written when each o
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from shardline_runtime.layers.linear import ShardShapeError
+from shardline_runtime.layers.parameter import checkpoint_shapes_of, weight_loader_of
 from shardline_runtime.model_loader.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from shardline_runtime.models.llama import LlamaForCausalLM
 
 
 def load_named_weights(
@@ -37,7 +42,7 @@ def load_named_weights(
     expert_params_mapping = tuple(expert_params_mapping)
     expected: dict[str, set] = {name: {None} for name in params}
     for name in params:
-        for _, stacked, shard_id in stacked_params_mapping:
+        for _, stacked, _ in stacked_params_mapping:
             if stacked in name:
                 expected[name] = {s for _, st, s in stacked_params_mapping if st == stacked}
         for _, fused, _, _ in expert_params_mapping:
@@ -47,15 +52,16 @@ def load_named_weights(
     for ckpt_name, tensor in weights:
         if any(ckpt_name.endswith(i) for i in ignored):
             continue
-        target, shard_id = ckpt_name, None
+        target = ckpt_name
+        shard_id: Any = None  # None, "q"/"k"/"v", an index, or (expert_id, "w1"|"w2"|"w3")
         for fragment, fused, expert_id, sid in expert_params_mapping:
             if fragment in ckpt_name:
                 target, shard_id = ckpt_name.replace(fragment, fused), (expert_id, sid)
                 break
         else:
-            for fragment, stacked, sid in stacked_params_mapping:
+            for fragment, stacked, stacked_id in stacked_params_mapping:
                 if fragment in ckpt_name:
-                    target, shard_id = ckpt_name.replace(fragment, stacked), sid
+                    target, shard_id = ckpt_name.replace(fragment, stacked), stacked_id
                     break
         if target not in params:
             raise CheckpointError(f"unexpected parameter {ckpt_name!r} in the checkpoint (no such parameter in {type(model).__name__})")
@@ -65,12 +71,13 @@ def load_named_weights(
             raise CheckpointError(f"parameter {ckpt_name!r} has dtype {tensor.dtype}; a floating-point dtype is expected")
         param = params[target]
         try:
+            loader = weight_loader_of(param)
             if shard_id is None:
-                param.weight_loader(param, tensor)
+                loader(param, tensor)
             elif isinstance(shard_id, tuple):
-                param.weight_loader(param, tensor, *shard_id)
+                loader(param, tensor, *shard_id)
             else:
-                param.weight_loader(param, tensor, shard_id)
+                loader(param, tensor, shard_id)
         except ShardShapeError as e:
             raise CheckpointError(f"parameter {ckpt_name!r}: {e}") from None
         written[target].add(shard_id)
@@ -79,3 +86,49 @@ def load_named_weights(
         if missing:
             what = name if missing == {None} else f"{name} (shards {sorted(map(str, missing))})"
             raise CheckpointError(f"parameter {what} was never written: the checkpoint lacks it")
+
+
+def checkpoint_shapes(model: LlamaForCausalLM) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name -> full (unsharded) shape of every tensor a checkpoint of ``model`` holds,
+    read from the built module: each parameter's ``checkpoint_shapes`` (declared by its layer
+    next to its ``weight_loader``: shard id -> full shape), named back through the model's
+    ``expert_params_mapping`` / ``stacked_params_mapping`` and ``to_checkpoint_name``. A tied
+    LM head is the embedding parameter, so it is listed once, as the embedding.
+
+    Raises:
+        AttributeError: a parameter whose layer declares no ``checkpoint_shapes``.
+    """
+    stacked = tuple(model.stacked_params_mapping)
+    experts = tuple(model.expert_params_mapping())
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, param in model.named_parameters(remove_duplicate=True):
+        for shard_id, shape in checkpoint_shapes_of(param).items():
+            if shard_id is None:
+                ckpt = name
+            elif isinstance(shard_id, tuple):
+                ckpt = next(name.replace(fused, fragment) for fragment, fused, e, s in experts
+                            if fused in name and (e, s) == shard_id)
+            else:
+                ckpt = next(name.replace(st, fragment) for fragment, st, s in stacked if st in name and s == shard_id)
+            shapes[model.to_checkpoint_name(ckpt)] = tuple(shape)
+    return shapes
+
+
+def full_checkpoint_shapes(model: LlamaForCausalLM) -> dict[str, tuple[int, ...]]:
+    """:func:`checkpoint_shapes` of the whole model, also when ``model`` is one pipeline stage.
+
+    A stage builds only its own layers (and embedding / norm / LM head), but a checkpoint, a
+    trainer's tensors and ``get_weights_by_name`` name every tensor of the model; the full set
+    comes from the same class built with the same config on the ``meta`` device (no memory),
+    once per model instance.
+    """
+    stage = getattr(model, "stage", None)
+    if stage is None or (stage.is_first and stage.is_last):
+        return checkpoint_shapes(model)
+    cached: dict[str, tuple[int, ...]] | None = getattr(model, "_full_checkpoint_shapes", None)
+    if cached is None:
+        with torch.device("meta"):
+            whole = type(model)(model.config)
+        cached = checkpoint_shapes(whole)
+        model._full_checkpoint_shapes = cached  # type: ignore[attr-defined]
+    return cached

@@ -18,8 +18,9 @@ import torch
 
 
 def default_physical_to_logical(num_experts: int, num_physical: int) -> torch.Tensor:
-    """Physical slot ``p`` holds logical expert ``p % num_experts``: (num_physical,) int64."""
-    return torch.arange(num_physical, dtype=torch.int64) % num_experts
+    """Physical slot ``p`` holds logical expert ``p % num_experts``: (num_physical,) int64 on the
+    CPU (also while a model is built under another default device, e.g. ``meta``)."""
+    return torch.arange(num_physical, dtype=torch.int64, device="cpu") % num_experts
 
 
 def logical_maps(physical_to_logical: torch.Tensor, num_experts: int, max_replicas: int
@@ -39,7 +40,7 @@ def logical_maps(physical_to_logical: torch.Tensor, num_experts: int, max_replic
         ValueError: a logical expert has no replica or more than ``max_replicas``.
     """
     p2l = physical_to_logical.cpu().tolist()
-    table = [[] for _ in range(num_experts)]
+    table: list[list[int]] = [[] for _ in range(num_experts)]
     for p, e in enumerate(p2l):
         if not 0 <= e < num_experts:
             raise ValueError(f"physical expert {p} maps to logical expert {e}, outside [0, {num_experts})")

@@ -22,6 +22,7 @@ from shardline_runtime.distributed import expert_parallel_combine, get_expert_pa
 from shardline_runtime.layers.linear import ShardShapeError
 from shardline_runtime.layers.moe.expert_location import default_physical_to_logical, logical_maps, route_to_physical
 from shardline_runtime.layers.moe.moe_compute import experts_forward
+from shardline_runtime.layers.parameter import set_weight_attrs
 
 SHARD_IDS = ("w1", "w2", "w3")
 
@@ -40,6 +41,10 @@ class FusedMoE(nn.Module):
     Raises:
         ValueError: experts or intermediate size cannot be split over the layout.
     """
+
+    physical_to_logical_map: torch.Tensor
+    logical_to_physical_map: torch.Tensor
+    logical_replica_count: torch.Tensor
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, layer_id: int,
                  num_redundant_experts: int | None = None, reduce_results: bool = True):
@@ -60,8 +65,12 @@ class FusedMoE(nn.Module):
         i = self.intermediate_per_rank
         self.w13_weight = nn.Parameter(torch.empty(self.num_local_experts, 2 * i, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, i), requires_grad=False)
-        self.w13_weight.weight_loader = self.weight_loader
-        self.w2_weight.weight_loader = self.weight_loader
+        # checkpoints hold one (I, H) gate (w1) / up (w3) and one (H, I) down (w2) per logical expert
+        set_weight_attrs(self.w13_weight, self.weight_loader, {
+            (e, s): (intermediate_size, hidden_size) for e in range(num_experts) for s in ("w1", "w3")
+        })
+        set_weight_attrs(self.w2_weight, self.weight_loader,
+                         {(e, "w2"): (hidden_size, intermediate_size) for e in range(num_experts)})
         self.register_buffer("physical_to_logical_map", torch.zeros(self.num_physical_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("logical_to_physical_map", torch.zeros(num_experts, self.max_replicas, dtype=torch.int64), persistent=False)
         self.register_buffer("logical_replica_count", torch.zeros(num_experts, dtype=torch.int64), persistent=False)

@@ -105,6 +105,8 @@ class ExpertDistributionRecorder:
 
     def take_window(self) -> torch.Tensor:
         """The EPLB window's counts (num_layers, num_physical) and a fresh window."""
+        if self._window is None:
+            raise RecorderError("no EPLB window is kept (enable_window was not called)")
         counts = self._window.clone()
         self._window.zero_()
         return counts
@@ -187,3 +189,4 @@ class ExpertDistributionRecorder:
             except FileExistsError:
                 continue
             return {"path": path}
+        raise AssertionError("unreachable: itertools.count() never ends")

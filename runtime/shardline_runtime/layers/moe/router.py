@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from shardline_runtime.layers.parameter import set_weight_attrs
 
 
 class ReplicatedLinear(nn.Module):
@@ -17,7 +18,7 @@ class ReplicatedLinear(nn.Module):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_attrs(self.weight, self.weight_loader, {None: (output_size, input_size)})
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         from shardline_runtime.layers.linear import _check_shape
@@ -58,7 +59,7 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
-        self.weight.weight_loader = ReplicatedLinear.weight_loader.__get__(self)
+        set_weight_attrs(self.weight, ReplicatedLinear.weight_loader.__get__(self), {None: (num_experts, hidden_size)})
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         router_logits = F.linear(x, self.weight)  # (T, E)
