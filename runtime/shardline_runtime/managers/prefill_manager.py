@@ -54,18 +54,20 @@ class PrefillManager:
     def has_work(self) -> bool:
         return bool(self.waiting_queue) or self.chunked_req is not None
 
-    def schedule(self, running_reqs: Sequence[Req], started_only: bool = False) -> ScheduleBatch | None:
+    def schedule(self, running_reqs: Sequence[Req], started_only: bool = False,
+                 num_running: int | None = None) -> ScheduleBatch | None:
         """Form and prepare an EXTEND batch: the chunked request's next chunk first, then waiting
         requests in order while the :class:`PrefillAdder` admits them. ``started_only`` admits
         only requests that already have output tokens (retracted ones). None when nothing can run
         (KV slots are allocated only when every admitted request's new tokens fit).
+        ``num_running`` is passed to the :class:`PrefillAdder` (``max_running_requests`` count).
 
         Raises:
             KVCacheFullError: from ``prepare_for_extend`` (not expected: slots were ensured).
         """
         if not self.has_work():
             return None
-        adder = PrefillAdder(self.limits, self.ratio, self.cache, running_reqs)
+        adder = PrefillAdder(self.limits, self.ratio, self.cache, running_reqs, num_running)
         if self.chunked_req is not None:
             req, self.chunked_req = self.chunked_req, None
             adder.add_chunked_req(req)

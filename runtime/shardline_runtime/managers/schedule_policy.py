@@ -93,17 +93,21 @@ class PrefillAdder:
         ratio: the shared :class:`NewTokenRatio`.
         cache: the rank's :class:`CacheManager` (matched, locked; nothing is allocated here).
         running_reqs: the requests decoding now (their reserve is held back).
+        num_running: requests counted against ``max_running_requests`` (default: all of
+            ``running_reqs``; a pipeline micro-batch slot counts only its own running batch,
+            while the KV reserve covers every slot's requests).
 
     Attributes:
         can_run_list: admitted requests, in order.
         new_chunked_req: the admitted request whose prompt continues next step, or None.
     """
 
-    def __init__(self, limits: BatchLimits, ratio: NewTokenRatio, cache: CacheManager, running_reqs: Sequence[Req]):
+    def __init__(self, limits: BatchLimits, ratio: NewTokenRatio, cache: CacheManager, running_reqs: Sequence[Req],
+                 num_running: int | None = None):
         self.limits = limits
         self.ratio = ratio
         self.cache = cache
-        self.num_running = len(running_reqs)
+        self.num_running = len(running_reqs) if num_running is None else num_running
         self.reserved_tokens = ratio.reserved(running_reqs, limits.max_req_len)
         self.rem_input_tokens = limits.max_prefill_tokens
         self.rem_kv_tokens = cache.available_size() - self.reserved_tokens

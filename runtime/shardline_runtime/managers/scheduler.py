@@ -246,8 +246,11 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin
         # A pending weight update pauses admission, but a started chunked prefill must finish,
         # and so must requests retracted after they began generating on the old weights (else
         # they would end on the new ones: one response, two revisions).
+        # The KV reserve covers every running request (all pipeline micro-batch slots); the
+        # max_running_requests count is the current slot's running batch (as SGLang's PP loop).
         running = [r for batch in self.running_batches() for r in batch.reqs if not r.finished()]
-        batch = self.prefill_manager.schedule(running, started_only=self.pending_update is not None)
+        in_slot = 0 if self.running_batch is None else self.running_batch.batch_size
+        batch = self.prefill_manager.schedule(running, started_only=self.pending_update is not None, num_running=in_slot)
         if batch is not None:
             mixed = self.decode_manager.take_for_mix() if self.server_args.enable_mixed_chunk else None
             if mixed is not None:
