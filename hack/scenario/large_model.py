@@ -30,7 +30,7 @@ from hack.scenario.models import MODELS_ROOT
 
 # Everything that changes the files is here; its hash names the cache directory.
 RECIPE: dict[str, Any] = {
-    "arch": "llama", "vocab_size": 512, "std": 0.02, "writer": 1,
+    "arch": "llama", "vocab_size": 512, "std": 0.02, "writer": 2,
     "config": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 12,
                "num_attention_heads": 16, "num_key_value_heads": 16},
     "seeds": {"rev-a": 1, "rev-b": 2},
@@ -54,7 +54,9 @@ def write_checkpoint(out: Path, seed: int) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     config = tiny_config(RECIPE["arch"], vocab_size=RECIPE["vocab_size"], **RECIPE["config"])
     with torch.device("meta"):
-        shapes = {name: t.shape for name, t in transformers.AutoModelForCausalLM.from_config(config).state_dict().items()}
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    shapes = {name: t.shape for name, t in model.state_dict().items()}
+    config.architectures = [type(model).__name__]  # what save_pretrained records
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, shape in sorted(shapes.items()):
