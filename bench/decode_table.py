@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from shardline_runtime.managers.schedule_batch import Req
+from shardline_runtime.managers.schedule_batch import Req, ScheduleBatch
 from shardline_runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=None, ignore_eos=True)
@@ -76,9 +76,9 @@ def build_context(worker, prompts):
     per = max(1, PREFILL_TOKENS // len(prompts[0]))
     for start in range(0, len(prompts), per):
         reqs = [Req(f"r{start + i}", p, GREEDY) for i, p in enumerate(prompts[start:start + per])]
-        batch = worker.new_batch(reqs)
+        batch = ScheduleBatch.init_new(reqs, worker)
         batch.prepare_for_extend()
-        result = worker.forward_batch_generation(batch)
+        result = worker.forward_batch_generation(batch.get_model_worker_batch()).copy_to_cpu().wait()
         for req, token in zip(reqs, result.next_token_ids.tolist()):
             req.append_output(token)
         if running is None:
@@ -119,7 +119,7 @@ def engine_steps(worker, batch, steps: int, use_graphs: bool) -> float | None:
     try:
         def step():
             batch.prepare_for_decode()
-            result = worker.forward_batch_generation(batch)
+            result = worker.forward_batch_generation(batch.get_model_worker_batch()).copy_to_cpu().wait()
             for req, token in zip(batch.reqs, result.next_token_ids.tolist()):
                 req.append_output(token)
 

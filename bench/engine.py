@@ -50,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from shardline_runtime.managers.schedule_batch import Req  # noqa: E402
+from shardline_runtime.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
 from shardline_runtime.managers.tp_worker import TpModelWorker  # noqa: E402
 from shardline_runtime.sampling import SamplingParams  # noqa: E402
 from shardline_runtime.server_args import ServerArgs  # noqa: E402
@@ -114,11 +114,11 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def engine_prefill(worker, batch_prompts):
     """Returns (seconds, first tokens, batch) with the KV still held."""
     reqs = [Req(f"p{i}", p, GREEDY) for i, p in enumerate(batch_prompts)]
-    batch = worker.new_batch(reqs)
+    batch = ScheduleBatch.init_new(reqs, worker)
     sync(worker.device)
     start = clock()
     batch.prepare_for_extend()
-    result = worker.forward_batch_generation(batch)
+    result = worker.forward_batch_generation(batch.get_model_worker_batch()).copy_to_cpu().wait()
     tokens = result.next_token_ids.tolist()
     sync(worker.device)
     elapsed = clock() - start
@@ -133,7 +133,7 @@ def engine_decode(worker, batch, steps: int):
     start = clock()
     for _ in range(steps):
         batch.prepare_for_decode()
-        result = worker.forward_batch_generation(batch)
+        result = worker.forward_batch_generation(batch.get_model_worker_batch()).copy_to_cpu().wait()
         for req, token in zip(batch.reqs, result.next_token_ids.tolist()):
             req.append_output(token)
     sync(worker.device)
@@ -236,7 +236,7 @@ def profile_decode(args, steps: int = 6, rounds: int = 3) -> None:
         def engine_steps(n):
             for _ in range(n):
                 batch.prepare_for_decode()
-                result = worker.forward_batch_generation(batch)
+                result = worker.forward_batch_generation(batch.get_model_worker_batch()).copy_to_cpu().wait()
                 for req, token in zip(batch.reqs, result.next_token_ids.tolist()):
                     req.append_output(token)
 

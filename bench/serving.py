@@ -13,6 +13,9 @@ ITL come from per-step timestamps (a logits processor).
 
     python bench/serving.py --concurrency 1 4 16 64 --out docs/figures/serving_throughput.png
 
+``--compare-overlap`` serves the same requests from a second server started with
+``--disable-overlap-schedule`` (overlap scheduling off), right after the first at each level.
+
 ``--client guidellm`` (or ``both``) also drives the server with guidellm on the same requests
 (``bench/guidellm_client.py``): its synchronous / concurrent profile at each level, then its
 throughput profile beside our client with every request in flight at once.
@@ -217,12 +220,12 @@ def run_hf_static(model_path: str, requests: list[Request], batch_size: int, thr
 
 # ------------------------------------------------------------------ orchestration
 
-def start_shardline(model_path: str, args) -> tuple[object, str]:
+def start_shardline(model_path: str, args, *flags: str) -> tuple[object, str]:
     from serving_server import start_server
 
     log_dir = Path(tempfile.mkdtemp(prefix="shardline-bench-"))
     extra = ["--max-total-tokens", str(args.max_total_tokens), "--served-model-name", "bench",
-             "--max-running-requests", str(max(args.concurrency)), "--log-level", "warning"]
+             "--max-running-requests", str(max(args.concurrency)), "--log-level", "warning", *flags]
     server = start_server(model_path, log_dir, *extra, timeout=300, env={"OMP_NUM_THREADS": str(args.threads)})
     return server, "bench"
 
@@ -300,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client", choices=["ours", "guidellm", "both"], default="ours",
                    help="load generator: this script's, guidellm on the same requests (text prompts), or both")
     p.add_argument("--guidellm-bin", default="guidellm", help="the guidellm executable")
+    p.add_argument("--compare-overlap", action="store_true",
+                   help="also serve with --disable-overlap-schedule (a second server, same requests, run right after)")
     p.add_argument("--json", type=Path, default=None, help="write the result rows here")
     p.add_argument("--out", type=Path, default=None, help="PNG plot of throughput vs concurrency")
     args = p.parse_args(argv)
@@ -314,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     if url is None:
         server, model = start_shardline(model_path, args)
         url = server.url
+    others = []  # (backend label, server) run on the same requests after the main one
+    if args.compare_overlap:
+        others.append(("shardline-no-overlap", start_shardline(model_path, args, "--disable-overlap-schedule")[0]))
     rows = []
     try:
         for c in args.concurrency:
@@ -330,6 +338,13 @@ def main(argv: list[str] | None = None) -> int:
             cpu = process_tree_cpu_seconds(server.proc.pid) - cpu0 if server is not None else None
             rows.append(summarize("shardline", c, results, wall, cpu, client_cpu))
             print(json.dumps(rows[-1]), flush=True)
+            for label, other in others:
+                asyncio.run(run_load(other.url, model, requests[: min(4, n)], c, None, args.seed))  # warm-up
+                cpu0 = process_tree_cpu_seconds(other.proc.pid)
+                results, wall, client_cpu = asyncio.run(run_load(other.url, model, requests, c, args.request_rate, args.seed))
+                cpu = process_tree_cpu_seconds(other.proc.pid) - cpu0
+                rows.append(summarize(label, c, results, wall, cpu, client_cpu))
+                print(json.dumps(rows[-1]), flush=True)
             if args.baseline == "hf":
                 results, wall, cpu = run_hf_static(model_path, requests, c, args.threads)
                 rows.append(summarize("transformers-static", c, results, wall, cpu))
@@ -337,14 +352,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.client != "ours":
             rows += run_guidellm_level(args, url, model, model_path, requests, None, server)
     finally:
-        if server is not None:
-            server.stop()
+        for other in [server] + [o for _, o in others]:
+            if other is not None:
+                other.stop()
     key = "output_tok_per_cpu_s" if args.clock == "cpu" else "output_tok_per_s"
     for c in args.concurrency:
-        pair = {r["backend"]: r for r in rows if r["concurrency"] == c}
-        if len(pair) == 2 and pair["shardline"][key] and pair["transformers-static"][key]:
-            ratio = pair["shardline"][key] / pair["transformers-static"][key]
-            print(f"concurrency {c}: shardline / transformers-static {key} = {ratio:.2f}x")
+        level = {r["backend"]: r for r in rows if r["concurrency"] == c}
+        for other in ("transformers-static", "shardline-no-overlap"):
+            if other in level and level["shardline"][key] and level[other][key]:
+                ratio = level["shardline"][key] / level[other][key]
+                print(f"concurrency {c}: shardline / {other} {key} = {ratio:.2f}x")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     if args.out:

@@ -28,6 +28,7 @@ def tp2_example() -> tuple[Path, dict]:
         par = doc.get("spec", {}).get("parallelism", {})
         seen.append(f"{path.name}: {par}")
         if par.get("tensor") == 2 and par.get("gpusPerPod", 1) == 1 and par.get("expert", 1) == 1 and \
+                par.get("pipeline", 1) == 1 and \
                 len([d for d in yaml.safe_load_all(path.read_text()) if d]) == 1:
             return path, doc
     raise LookupError("no single-document example in examples/ has parallelism "
@@ -46,3 +47,17 @@ def moe_ep2_example() -> tuple[Path, dict]:
         if par.get("expert") == 2:
             return path, doc
     raise LookupError(f"no example in examples/ has parallelism.expert 2; found: {seen or 'none'}")
+
+
+def pipeline_example() -> tuple[Path, dict]:
+    """The example serving with ``parallelism.pipeline: 2`` (tensor 2) over its pods.
+
+    Raises LookupError listing the examples when none fits.
+    """
+    seen = []
+    for path, doc in inference_deployments():
+        par = doc.get("spec", {}).get("parallelism", {})
+        seen.append(f"{path.name}: {par}")
+        if par.get("pipeline") == 2 and par.get("tensor") == 2:
+            return path, doc
+    raise LookupError(f"no example in examples/ has parallelism {{tensor: 2, pipeline: 2}}; found: {seen or 'none'}")

@@ -32,10 +32,12 @@ class ServedModel:
 
 
 def runtime_args(spec: DeploymentSpec, group: int, served: ServedModel) -> list[str]:
-    """Arguments of ``shardline-runtime serve`` for every pod of TP group ``group``.
+    """Arguments of ``shardline-runtime serve`` for every pod of group ``group``.
 
     ``$(POD_IP)`` and ``$(POD_INDEX)`` are expanded by kubelet from the downward-API env of the
-    same names, so all pods of a group share one template and the rank is the pod ordinal.
+    same names, so all pods of a group share one template and the node rank is the pod ordinal.
+    With ``--pp-size`` the group's ``tensor x pipeline`` ranks span ``--nnodes`` pods; the
+    runtime maps ``--node-rank`` to its (pp, tp) ranks as ``ParallelismSpec.pod_ranks`` does.
     User ``spec.runtime.args`` come last (reserved flags are rejected by ``parse_spec``).
     """
     args = [
@@ -52,6 +54,10 @@ def runtime_args(spec: DeploymentSpec, group: int, served: ServedModel) -> list[
         "--kv-cache-dtype", spec.runtime.kv_cache_dtype,
         "--mem-fraction-static", repr(spec.runtime.mem_fraction_static),
     ]
+    if spec.parallelism.pipeline > 1:
+        args += ["--pp-size", str(spec.parallelism.pipeline)]
+    if spec.parallelism.pipeline_layer_partition:
+        args += ["--pp-layer-partition", ",".join(map(str, spec.parallelism.pipeline_layer_partition))]
     if spec.parallelism.expert > 1:
         args += ["--ep-size", str(spec.parallelism.expert)]
     if spec.runtime.max_total_tokens is not None:

@@ -16,6 +16,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
+from .parallelism import MAX_PIPELINE, MAX_WORLD_SIZE, ParallelismSpec
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")  # the runtime's --kv-cache-dtype
 STRATEGIES = ("InPlace", "Restart")
@@ -28,7 +30,7 @@ RESERVED_FLAGS = (
     "--model-path", "--served-model-name", "--revision", "--host", "--port", "--tp-size",
     "--nnodes", "--node-rank", "--dist-init-addr", "--dtype", "--mem-fraction-static",
     "--max-total-tokens", "--cuda-graph-max-bs", "--disable-cuda-graph", "--ep-size", "--api-key",
-    "--admin-api-key", "--kv-cache-dtype", "--lora-paths",
+    "--admin-api-key", "--kv-cache-dtype", "--lora-paths", "--pp-size", "--pp-layer-partition",
 )
 DEFAULT_MAX_LORAS_PER_BATCH = 8  # the runtime's --max-loras-per-batch default
 # The keys reach the runtime only through these env vars, filled from Secrets (spec.auth).
@@ -56,21 +58,6 @@ class ModelSpec:
     revision: str
     mount_path: str
     volume: Mapping[str, Any] | None = None
-
-
-@dataclass(frozen=True)
-class ParallelismSpec:
-    """``spec.parallelism``: ``tensor`` TP ranks per group, ``gpus_per_pod`` ranks per pod,
-    ``expert`` expert-parallel size of MoE models (divides ``tensor``; the runtime's ``--ep-size``)."""
-
-    tensor: int = 1
-    gpus_per_pod: int = 1
-    expert: int = 1
-
-    @property
-    def pods_per_group(self) -> int:
-        """Pods (= TP nodes, the runtime's ``--nnodes``) of one group."""
-        return self.tensor // self.gpus_per_pod
 
 
 @dataclass(frozen=True)
@@ -227,7 +214,7 @@ class DeploymentSpec:
             "modelName": self.model.name,
             "mountPath": self.model.mount_path,
             "volume": self.model.volume,
-            "parallelism": asdict(self.parallelism),
+            "parallelism": self.parallelism.restart_fields(),
             "runtime": {k: v for k, v in asdict(self.runtime).items() if k != "cuda_graph"},
             "scheduling": asdict(self.scheduling),
         }
@@ -420,23 +407,14 @@ def parse_spec(name: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> 
                         f"(lowercase letters, digits, '-'; starting with a letter), got {name!r}")
     if not isinstance(spec, Mapping):
         raise SpecError(f"spec must be an object, got {type(spec).__name__}")
-    parallel_raw = _get(spec, "parallelism", "spec", dict, {})
-    parallelism = ParallelismSpec(
-        tensor=_int_in(parallel_raw, "tensor", "spec.parallelism", 1, 1, 1024),
-        gpus_per_pod=_int_in(parallel_raw, "gpusPerPod", "spec.parallelism", 1, 1, 64),
-        expert=_int_in(parallel_raw, "expert", "spec.parallelism", 1, 1, 1024),
-    )
-    if parallelism.tensor % parallelism.expert != 0:
-        raise SpecError(f"spec.parallelism: expert ({parallelism.expert}) must divide tensor ({parallelism.tensor}): "
-                        f"experts are split over expert groups of tensor / expert ranks; allowed: "
-                        f"{[d for d in range(1, parallelism.tensor + 1) if parallelism.tensor % d == 0]}")
-    if parallelism.tensor % parallelism.gpus_per_pod != 0:
-        raise SpecError(f"spec.parallelism: tensor ({parallelism.tensor}) must be a multiple of "
-                        f"gpusPerPod ({parallelism.gpus_per_pod})")
+    parallelism = parse_parallelism(_get(spec, "parallelism", "spec", dict, {}))
     update_raw = _get(spec, "weightUpdate", "spec", dict, {})
     restart_raw = _get(spec, "restartPolicy", "spec", dict, {})
     sched_raw = _get(spec, "scheduling", "spec", dict, {})
     service_raw = _get(spec, "service", "spec", dict, {})
+    if parallelism.pipeline > 1 and _get(spec, "loraAdapters", "spec", list, []):
+        raise SpecError(f"spec.loraAdapters are not served with spec.parallelism.pipeline > 1 (got pipeline "
+                        f"{parallelism.pipeline}); use pipeline 1 or remove the adapters")
     return DeploymentSpec(
         name=name,
         namespace=namespace,
@@ -465,6 +443,26 @@ def parse_spec(name: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> 
         auth=parse_auth(_get(spec, "auth", "spec", dict, {})),
         network_policy=parse_network_policy(_get(spec, "networkPolicy", "spec", dict, {})),
     )
+
+
+def parse_parallelism(raw: Mapping[str, Any]) -> ParallelismSpec:
+    """Parse ``spec.parallelism`` (see ``parallelism.py`` for the rank layout). Raises :class:`SpecError`."""
+    path = "spec.parallelism"
+    partition = _get(raw, "pipelineLayerPartition", path, list, [])
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in partition):
+        raise SpecError(f"{path}.pipelineLayerPartition must be a list of layer counts >= 1 (one per stage), "
+                        f"got {partition!r}")
+    parallelism = ParallelismSpec(
+        tensor=_int_in(raw, "tensor", path, 1, 1, MAX_WORLD_SIZE),
+        gpus_per_pod=_int_in(raw, "gpusPerPod", path, 1, 1, 64),
+        expert=_int_in(raw, "expert", path, 1, 1, MAX_WORLD_SIZE),
+        pipeline=_int_in(raw, "pipeline", path, 1, 1, MAX_PIPELINE),
+        pipeline_layer_partition=tuple(partition),
+    )
+    error = parallelism.layout_error()
+    if error is not None:
+        raise SpecError(f"{path}: {error}")
+    return parallelism
 
 
 def _max_loras_per_batch(runtime_raw: Mapping[str, Any]) -> int:

@@ -21,6 +21,7 @@ from . import labels
 from .clock import from_rfc3339, to_rfc3339
 from .group_health import GroupRecord
 from .observed import GroupObservation, PodObservation
+from .parallelism import ParallelismSpec
 from .rollout import GroupView
 from .rollout_state import FAILED, RolloutState
 from .runtime_args import ServedModel
@@ -75,25 +76,38 @@ def group_phase(report: GroupReport) -> str:
     return "Initializing" if any(p.phase == "Running" for p in group.live_pods) else "Pending"
 
 
-def rank_status(pod: PodObservation) -> dict[str, Any]:
-    """One ``status.groups[].ranks[]`` item: which pod and node hold the rank, and how it is."""
+def rank_status(pod: PodObservation, parallelism: ParallelismSpec) -> dict[str, Any]:
+    """One ``status.groups[].ranks[]`` item: which pod and node hold the node rank, its
+    pipeline stages and TP ranks (``ppRanks`` x ``tpRanks``), and how it is."""
     item: dict[str, Any] = {"rank": pod.rank if pod.rank is not None else -1, "pod": pod.name,
                             "node": pod.node or "", "ready": pod.ready,
                             "phase": "Terminating" if pod.deleting else pod.phase}
+    if pod.rank is not None and 0 <= pod.rank < parallelism.pods_per_group:
+        ranks = parallelism.pod_ranks(pod.rank)
+        item["ppRanks"], item["tpRanks"] = list(ranks.pp_ranks), list(ranks.tp_ranks)
     if pod.error_message:
         item["lastError"] = pod.error_message[:256]
     return item
 
 
-def group_status(report: GroupReport, phase: str) -> dict[str, Any]:
-    """One ``status.groups[]`` item."""
+def restart_message(report: GroupReport, phase: str) -> str | None:
+    """While a group restarts after a failure (not a rollout's planned restart): why, as the
+    first error line one of its pods wrote to its termination log (None without one)."""
+    if phase != "Restarting" or report.planned:
+        return None
+    error = next((p.error_message for p in report.observation.pods if p.error_message), None)
+    return f"restarting after: {error}" if error else None
+
+
+def group_status(report: GroupReport, phase: str, parallelism: ParallelismSpec) -> dict[str, Any]:
+    """One ``status.groups[]`` item (``parallelism`` maps each pod to its pp and tp ranks)."""
     group, record = report.observation, report.record
     item: dict[str, Any] = {
         "index": group.index, "phase": phase, "pods": len(group.live_pods), "readyPods": group.ready_pods,
         "revision": report.revision, "restarts": record.restarts,
         "podUIDs": dict(record.pod_uids),
-        "message": record.failed_message or report.mixed or "",
-        "ranks": [rank_status(p) for p in group.pods],
+        "message": record.failed_message or report.mixed or restart_message(report, phase) or "",
+        "ranks": [rank_status(p, parallelism) for p in group.pods],
     }
     if report.digest:
         item["weightsDigest"] = report.digest
@@ -193,6 +207,8 @@ def build_status(spec: DeploymentSpec, generation: int, reports: Sequence[GroupR
                              bool(mixed), not unplanned)
     failed_messages = [f"group {r.observation.index}: {r.record.failed_message}"
                        for r in reports if r.record.failed_message]
+    failed_messages += [f"group {r.observation.index}: {m}" for r, p in zip(reports, phases)
+                        if (m := restart_message(r, p)) is not None and not r.record.failed_message]
     progress = f"{len(on_target)}/{spec.replicas} groups on {desired.revision}"
     if rollout is not None and rollout.phase == FAILED:
         weights = (False, "UpdateFailed", rollout.message)
@@ -232,7 +248,7 @@ def build_status(spec: DeploymentSpec, generation: int, reports: Sequence[GroupR
         "selector": labels.label_selector_string(labels.selector_labels(spec.name)),
         "servedRevision": served_revision([r.revision for r in reports]),
         "targetRevision": desired.revision,
-        "groups": [group_status(r, p) for r, p in zip(reports, phases)],
+        "groups": [group_status(r, p, spec.parallelism) for r, p in zip(reports, phases)],
         "conditions": conditions,
         "rollout": rollout.to_status() if rollout is not None else None,
     }

@@ -1,4 +1,9 @@
-"""Process layout of one pod: scheduler processes per local TP rank, plus the HTTP server.
+"""Process layout of one pod: scheduler processes per local rank, plus the HTTP server.
+
+A model replica is ``tp_size * pp_size`` ranks (world rank ``pp_rank * tp_size + tp_rank``) over
+``nnodes`` pods; node ``n`` runs the ``k = tp_size * pp_size / nnodes`` consecutive world ranks
+``n * k .. n * k + k - 1``, one process per local GPU. So with ``k == tp_size`` each pod is one
+pipeline stage, and the first stage (world rank 0, which talks to the HTTP server) is on node 0.
 
 Node rank 0: spawns the schedulers of its ranks, starts uvicorn on ``--host:--port`` at once
 (``/health`` and ``/ready`` answer 503 while the weights load), and swaps in the full API when
@@ -29,10 +34,10 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from shardline_runtime.cli import write_termination_log
+from shardline_runtime.termination_log import write_termination_log
 from shardline_runtime.entrypoints.auth import guard
 from shardline_runtime.lora.lora_config import parse_lora_paths
-from shardline_runtime.managers.scheduler_process import configure_logging, run_scheduler_process
+from shardline_runtime.managers.scheduler_process import configure_logging, rank_label, run_scheduler_process
 from shardline_runtime.server_args import ServerArgs
 
 logger = logging.getLogger("shardline_runtime.launch")
@@ -123,17 +128,18 @@ class _Server(uvicorn.Server):
 
 
 def _spawn_schedulers(args: ServerArgs, input_addr: str, output_addr: str):
-    from shardline_runtime.distributed.parallel_state import tp_ranks_of_node
+    from shardline_runtime.distributed.parallel_state import rank_layout, tp_ranks_of_node
 
     ctx = mp.get_context("spawn")
     procs = []
-    for rank in tp_ranks_of_node(args.tp_size, args.nnodes, args.node_rank):
+    for rank in tp_ranks_of_node(args.tp_size, args.nnodes, args.node_rank, args.pp_size):
         reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=run_scheduler_process, args=(args, rank, input_addr, output_addr, writer),
-                           name=f"shardline-scheduler-tp{rank}")
+        pp_rank, tp_rank = rank_layout(rank, args.tp_size)
+        name = f"shardline-scheduler-tp{tp_rank}" + (f"-pp{pp_rank}" if args.pp_size > 1 else "")
+        proc = ctx.Process(target=run_scheduler_process, args=(args, rank, input_addr, output_addr, writer), name=name)
         proc.start()
         writer.close()
-        procs.append((rank, proc, reader))
+        procs.append((rank_label(tp_rank, pp_rank, args.pp_size), proc, reader))
     return procs
 
 
@@ -143,13 +149,13 @@ def _wait_ready(procs) -> tuple[list, str | None]:
     for rank, proc, reader in procs:
         while not reader.poll(0.5):
             if not proc.is_alive():
-                return infos, f"[tp {rank}] scheduler process exited with code {proc.exitcode} while starting"
+                return infos, f"{rank} scheduler process exited with code {proc.exitcode} while starting"
         try:
             msg = reader.recv()
         except EOFError:
-            return infos, f"[tp {rank}] scheduler process exited while starting"
+            return infos, f"{rank} scheduler process exited while starting"
         if msg["status"] != "ready":
-            return infos, msg.get("message", f"[tp {rank}] failed")
+            return infos, msg.get("message", f"{rank} failed")
         infos.append(msg["info"])
     return infos, None
 
@@ -175,13 +181,13 @@ async def _serve(args: ServerArgs, procs, ipc_dir: str, input_addr: str, output_
     exit_code = 0
     if error is None:
         state["ready"] = True
-        logger.info("ready: serving %s on http://%s:%d (tp_size %d, node %d/%d)", args.model_name, args.host,
-                    args.port, args.tp_size, args.node_rank, args.nnodes)
+        logger.info("ready: serving %s on http://%s:%d (tp_size %d, pp_size %d, node %d/%d)", args.model_name,
+                    args.host, args.port, args.tp_size, args.pp_size, args.node_rank, args.nnodes)
         while not serve_task.done():
             dead = [(rank, p) for rank, p, _ in procs if not p.is_alive()]
             if dead and not state["draining"]:
                 rank, p = dead[0]
-                error = f"[tp {rank}] scheduler process died (exit code {p.exitcode})"
+                error = f"{rank} scheduler process died (exit code {p.exitcode})"
                 break
             await asyncio.sleep(0.5)
     if error is not None:
@@ -232,7 +238,7 @@ def launch_server(args: ServerArgs) -> int:
         logger.error(message)
         write_termination_log(message)
         return 1
-    if args.tp_size > 1 and args.nnodes == 1 and not args.dist_init_addr:
+    if args.world_size > 1 and args.nnodes == 1 and not args.dist_init_addr:
         args = dataclasses.replace(args, dist_init_addr=f"127.0.0.1:{free_port()}")
     ipc_dir = tempfile.mkdtemp(prefix="shardline-")
     input_addr, output_addr = f"ipc://{ipc_dir}/scheduler_input", f"ipc://{ipc_dir}/http_output"

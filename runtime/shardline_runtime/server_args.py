@@ -1,7 +1,7 @@
 """Server arguments: the one command-line parser of ``shardline-runtime serve``.
 
 Flag names follow ``sglang.launch_server`` where the concept is the same (``--model-path``,
-``--tp-size``, ``--nnodes``, ``--node-rank``, ``--dist-init-addr``, ``--mem-fraction-static``,
+``--tp-size``, ``--pp-size``, ``--nnodes``, ``--node-rank``, ``--dist-init-addr``, ``--mem-fraction-static``,
 ``--max-total-tokens``, ``--chunked-prefill-size``, ``--cuda-graph-max-bs`` ...), so a user of
 SGLang can read a Shardline pod spec without a table. The operator renders its container
 arguments with one function and a contract test parses them with :func:`make_parser`.
@@ -88,8 +88,8 @@ class ServerArgs:
     ``served_model_name`` from ``model_path``, ``tokenizer_path`` = ``model_path``.
 
     Raises:
-        ServerArgsError: a cross-field rule is broken (e.g. ``tp_size`` not divisible by
-            ``nnodes``, ``node_rank >= nnodes``, ``nnodes > 1`` without ``dist_init_addr``).
+        ServerArgsError: a cross-field rule is broken (e.g. ``tp_size * pp_size`` not divisible
+            by ``nnodes``, ``node_rank >= nnodes``, ``nnodes > 1`` without ``dist_init_addr``).
     """
 
     model_path: str
@@ -100,6 +100,8 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 8000
     tp_size: int = 1
+    pp_size: int = 1
+    pp_layer_partition: tuple[int, ...] = ()
     ep_size: int = 1
     ep_num_redundant_experts: int = 0
     eplb_rebalance_num_iterations: int = 0
@@ -118,6 +120,7 @@ class ServerArgs:
     context_length: int | None = None
     disable_radix_cache: bool = False
     enable_mixed_chunk: bool = False
+    disable_overlap_schedule: bool = False
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"
     cuda_graph_max_bs: int = 160
@@ -145,11 +148,12 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ServerArgsError("--model-path is required and must be a non-empty directory path")
-        if self.tp_size % self.nnodes != 0:
+        if self.world_size % self.nnodes != 0:
             raise ServerArgsError(
-                f"--tp-size ({self.tp_size}) must be divisible by --nnodes ({self.nnodes}): "
-                "every node runs tp_size / nnodes ranks"
+                f"--tp-size x --pp-size ({self.tp_size} x {self.pp_size} = {self.world_size}) must be divisible by "
+                f"--nnodes ({self.nnodes}): every node runs tp_size * pp_size / nnodes ranks"
             )
+        self._check_pipeline()
         if not 0 <= self.node_rank < self.nnodes:
             raise ServerArgsError(
                 f"--node-rank must be in [0, {self.nnodes - 1}] for --nnodes {self.nnodes}, got {self.node_rank}"
@@ -179,6 +183,23 @@ class ServerArgs:
         if self.chunked_prefill_size > self.max_prefill_tokens and self.max_prefill_tokens > 0:
             object.__setattr__(self, "max_prefill_tokens", self.chunked_prefill_size)
 
+    def _check_pipeline(self) -> None:
+        from shardline_runtime.configs.pipeline_stage import PipelineLayoutError, parse_layer_partition
+
+        partition = self.pp_layer_partition
+        if isinstance(partition, str):
+            try:
+                partition = parse_layer_partition(partition)
+            except PipelineLayoutError as e:
+                raise ServerArgsError(str(e)) from None
+        object.__setattr__(self, "pp_layer_partition", tuple(partition or ()))
+        if self.pp_layer_partition and len(self.pp_layer_partition) != self.pp_size:
+            raise ServerArgsError(
+                f"--pp-layer-partition gives {len(self.pp_layer_partition)} stages but --pp-size is {self.pp_size}"
+            )
+        if self.pp_size > 1 and (self.enable_lora or self.lora_paths):
+            raise ServerArgsError("--enable-lora / --lora-paths is not supported with --pp-size > 1; use --pp-size 1")
+
     def _check_lora(self) -> None:
         from shardline_runtime.lora.lora_config import parse_lora_paths, resolve_target_modules
 
@@ -196,9 +217,14 @@ class ServerArgs:
                 f"--lora-paths names {len(paths)} adapters but --max-loras-per-batch is {self.max_loras_per_batch}")
 
     @property
+    def world_size(self) -> int:
+        """Ranks of one model replica: ``tp_size * pp_size``."""
+        return self.tp_size * self.pp_size
+
+    @property
     def tp_size_per_node(self) -> int:
-        """Number of TP ranks (scheduler processes) this node runs."""
-        return self.tp_size // self.nnodes
+        """Number of ranks (scheduler processes) this node runs: ``tp_size * pp_size / nnodes``."""
+        return self.world_size // self.nnodes
 
     @property
     def model_name(self) -> str:
@@ -261,8 +287,10 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
 
     d_ = p.add_argument_group("parallelism")
     d_.add_argument("--tp-size", type=_int_range("--tp-size", 1), default=default("tp_size"), help="Tensor-parallel size across all nodes.")
+    d_.add_argument("--pp-size", type=_int_range("--pp-size", 1), default=default("pp_size"), help="Pipeline-parallel stages: each runs a contiguous range of the layers on tp_size ranks; the world is tp_size x pp_size ranks (rank = pp_rank * tp_size + tp_rank).")
+    d_.add_argument("--pp-layer-partition", default=None, help="Layers per pipeline stage as a comma list (e.g. 10,11,11; --pp-size entries summing to the model's layers); default: an even split, the remainder on the stages before the last.")
     d_.add_argument("--ep-size", type=_int_range("--ep-size", 1), default=default("ep_size"), help="Expert-parallel size (MoE models): experts are split over this many groups of tp_size / ep_size ranks; must divide --tp-size.")
-    d_.add_argument("--nnodes", type=_int_range("--nnodes", 1), default=default("nnodes"), help="Number of nodes (pods) of the TP group.")
+    d_.add_argument("--nnodes", type=_int_range("--nnodes", 1), default=default("nnodes"), help="Number of nodes (pods) of the model replica; node n runs world ranks n * k .. n * k + k - 1 with k = tp_size * pp_size / nnodes.")
     d_.add_argument("--node-rank", type=_int_range("--node-rank", 0), default=default("node_rank"), help="This node's rank in [0, nnodes); rank 0 serves the API.")
     d_.add_argument("--dist-init-addr", type=_host_port, default=None, help="HOST:PORT of node 0 for the torch.distributed rendezvous (required when --nnodes > 1).")
     d_.add_argument("--device", default=default("device"), choices=DEVICES, help="auto picks cuda when available, else cpu (gloo).")
@@ -276,6 +304,7 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
     mem.add_argument("--max-prefill-tokens", type=_int_range("--max-prefill-tokens", 1), default=default("max_prefill_tokens"), help="Maximum prompt tokens of all requests in one prefill step.")
     mem.add_argument("--disable-radix-cache", action="store_true", help="Disable the prefix (radix) cache.")
     mem.add_argument("--enable-mixed-chunk", action="store_true", help="Run the running requests' decode in the same forward as a prefill (one step instead of two).")
+    mem.add_argument("--disable-overlap-schedule", action="store_true", help="Process each step's result before preparing the next step (default: the next step is prepared and launched while the current one computes; off with --enable-lora).")
 
     e = p.add_argument_group("experts (MoE models)")
     e.add_argument("--ep-num-redundant-experts", type=_int_range("--ep-num-redundant-experts", 0), default=default("ep_num_redundant_experts"), help="Extra physical expert slots per MoE layer for EPLB replicas; num_experts + this must be divisible by --ep-size.")

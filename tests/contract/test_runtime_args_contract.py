@@ -28,6 +28,13 @@ SPECS = {
                      "runtime": {"image": "r:1", "cudaGraph": {"maxBatchSize": 32}}},
     "moe-ep4": {"model": {"name": "moe", "path": "/models/moe/v1"}, "parallelism": {"tensor": 8, "gpusPerPod": 4, "expert": 4},
                 "runtime": {"image": "r:1", "args": ["--ep-num-redundant-experts", "8"]}},
+    "tp2-pp2-two-pods": {"model": {"name": "pp", "path": "/models/pp/v1"},
+                         "parallelism": {"tensor": 2, "pipeline": 2, "gpusPerPod": 2}, "runtime": {"image": "r:1"}},
+    "tp2-pp2-four-pods": {"model": {"name": "pp", "path": "/models/pp/v1"},
+                          "parallelism": {"tensor": 2, "pipeline": 2, "gpusPerPod": 1, "pipelineLayerPartition": [3, 5]},
+                          "runtime": {"image": "r:1"}},
+    "pp4-two-stages-per-pod": {"model": {"name": "pp", "path": "/models/pp/v1"},
+                               "parallelism": {"tensor": 1, "pipeline": 4, "gpusPerPod": 2}, "runtime": {"image": "r:1"}},
 }
 
 
@@ -61,6 +68,8 @@ def test_rendered_args_parse_with_the_runtime_parser(spec_name):
         assert args.served_model_name == spec.model.name
         assert args.revision == spec.model.revision
         assert args.tp_size == spec.parallelism.tensor
+        assert args.pp_size == spec.parallelism.pipeline
+        assert tuple(args.pp_layer_partition) == spec.parallelism.pipeline_layer_partition
         assert args.ep_size == spec.parallelism.expert
         assert args.nnodes == spec.parallelism.pods_per_group
         assert args.node_rank == rank
@@ -86,3 +95,17 @@ def test_kv_cache_dtype_choices_match():
     from shardline_operator.spec import KV_CACHE_DTYPES
 
     assert tuple(server_args.KV_CACHE_DTYPES) == KV_CACHE_DTYPES
+
+
+@pytest.mark.parametrize("spec_name", sorted(SPECS))
+def test_runtime_runs_the_ranks_the_operator_reports_for_each_pod(spec_name):
+    """The (pp, tp) ranks in ``status.groups[].ranks[]`` are the ones the runtime starts on that pod."""
+    from shardline_runtime.distributed.parallel_state import rank_layout, tp_ranks_of_node
+
+    for spec, _, rank, _, argv in pods(spec_name):
+        args = server_args.ServerArgs.from_cli(argv)
+        started = {rank_layout(r, args.tp_size) for r in tp_ranks_of_node(args.tp_size, args.nnodes, args.node_rank,
+                                                                          args.pp_size)}
+        reported = spec.parallelism.pod_ranks(rank)
+        assert started == {(pp, tp) for pp in reported.pp_ranks for tp in reported.tp_ranks}
+        assert len(started) == spec.parallelism.gpus_per_pod

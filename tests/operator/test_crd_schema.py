@@ -36,7 +36,9 @@ def test_names_columns_and_subresources():
     assert crd["spec"]["names"]["shortNames"] == ["infd"]
     version = crd["spec"]["versions"][0]
     assert [c["name"].upper() for c in version["additionalPrinterColumns"]] == [
-        "MODEL", "TP", "REPLICAS", "READY", "PHASE", "REVISION", "AGE"]
+        "MODEL", "TP", "PP", "REPLICAS", "READY", "PHASE", "REVISION", "AGE"]
+    wide_only = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority", 0) > 0]
+    assert wide_only == ["PP"], "kubectl get shows PP only with -o wide"
     assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
                                                 "statusReplicasPath": ".status.replicas",
                                                 "labelSelectorPath": ".status.selector"}
@@ -129,7 +131,7 @@ def test_crd_defaults_equal_parser_defaults():
     expected = {
         "replicas": parsed.replicas, "model.mountPath": parsed.model.mount_path,
         "parallelism.tensor": parsed.parallelism.tensor, "parallelism.gpusPerPod": parsed.parallelism.gpus_per_pod,
-        "parallelism.expert": parsed.parallelism.expert,
+        "parallelism.expert": parsed.parallelism.expert, "parallelism.pipeline": parsed.parallelism.pipeline,
         "runtime.imagePullPolicy": parsed.runtime.image_pull_policy, "runtime.dtype": parsed.runtime.dtype,
         "runtime.kvCacheDtype": parsed.runtime.kv_cache_dtype,
         "runtime.memFractionStatic": parsed.runtime.mem_fraction_static,

@@ -25,6 +25,8 @@ def test_the_three_examples_exist():
     docs = {p.name: yaml.safe_load(p.read_text()) for p in EXAMPLES}
     shapes = sorted((d["spec"]["parallelism"]["tensor"], d["spec"]["parallelism"]["gpusPerPod"]) for d in docs.values())
     assert (1, 1) in shapes and (2, 1) in shapes
+    pipelines = [d["spec"]["parallelism"] for d in docs.values() if d["spec"]["parallelism"].get("pipeline", 1) > 1]
+    assert {"tensor": 2, "pipeline": 2, "gpusPerPod": 2} in pipelines, "examples/tp2-pp2.yaml: TP 2 x PP 2 over two pods"
     assert docs["weight-rollout.yaml"]["metadata"]["name"] == docs["tp2-two-pods.yaml"]["metadata"]["name"]
     assert docs["weight-rollout.yaml"]["spec"]["model"]["revision"] != docs["tp2-two-pods.yaml"]["spec"]["model"]["revision"]
 

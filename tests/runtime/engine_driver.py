@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from shardline_runtime.managers.schedule_batch import Req
+from shardline_runtime.managers.schedule_batch import Req, ScheduleBatch
 from shardline_runtime.managers.tp_worker import TpModelWorker
 from shardline_runtime.sampling import SamplingParams
 from shardline_runtime.server_args import ServerArgs
@@ -45,7 +45,7 @@ def run_engine(worker, prompts, params, mixed: bool = True, chunk: int | None = 
         if waiting:
             req = waiting.pop(0)
             req.init_next_round_input(max_extend_len=chunk)
-            batch = worker.new_batch([req])
+            batch = ScheduleBatch.init_new([req], worker)
             batch.prepare_for_extend()
             if running is not None and mixed:
                 batch.mix_with_running(running)
@@ -53,7 +53,7 @@ def run_engine(worker, prompts, params, mixed: bool = True, chunk: int | None = 
         else:
             batch = running
             batch.prepare_for_decode()
-        result = worker.forward_batch_generation(batch)
+        result = worker.forward_batch_generation(batch.get_model_worker_batch()).copy_to_cpu().wait()
         keep = []
         for i, r in enumerate(batch.reqs):
             token = int(result.next_token_ids[i])

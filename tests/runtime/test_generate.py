@@ -41,15 +41,15 @@ def test_seeded_request_same_alone_and_batched(tiny_checkpoint):
 def test_prefill_only_request_returns_prompt_logprobs(tiny_checkpoint):
     import torch
 
-    from shardline_runtime.managers.schedule_batch import Req
+    from shardline_runtime.managers.schedule_batch import Req, ScheduleBatch
 
     path = tiny_checkpoint("llama", seed=0)
     worker = make_worker(path)
     prompt = PROMPTS[0]
     req = Req("p", prompt, SamplingParams(max_new_tokens=0), return_logprob=True, logprob_start_len=0)
-    batch = worker.new_batch([req])
+    batch = ScheduleBatch.init_new([req], worker)
     batch.prepare_for_extend()
-    result = worker.forward_batch_generation(batch)
+    result = worker.forward_batch_generation(batch.get_model_worker_batch()).copy_to_cpu().wait()
     assert result.next_token_ids.tolist() == [-1]
     import transformers
 

@@ -26,8 +26,8 @@ def test_gpu_token_budget_uses_pre_load_free_memory(tiny_checkpoint, monkeypatch
 
 def test_init_order_follows_the_design_notes(tiny_checkpoint, monkeypatch):
     calls = []
-    for name in ("_memory_available", "_make_sampler", "load_model", "configure_kv_cache_dtype", "init_memory_pool",
-                 "init_attention_backend", "init_cuda_graphs", "init_piecewise_cuda_graphs"):
+    for name in ("init_torch_distributed", "_make_sampler", "load_model", "configure_kv_cache_dtype", "init_memory_pool",
+                 "init_attention_backend", "init_device_graphs", "init_piecewise_cuda_graphs"):
         original = getattr(mr.ModelRunner, name)
 
         def wrapped(self, *args, _name=name, _original=original, **kwargs):
@@ -36,6 +36,5 @@ def test_init_order_follows_the_design_notes(tiny_checkpoint, monkeypatch):
 
         monkeypatch.setattr(mr.ModelRunner, name, wrapped)
     harness.make_runner(tiny_checkpoint("llama"))
-    order = [c for i, c in enumerate(calls) if c != "_memory_available" or i == 0]
-    assert order == ["_memory_available", "_make_sampler", "load_model", "configure_kv_cache_dtype",
-                     "init_memory_pool", "init_attention_backend", "init_cuda_graphs", "init_piecewise_cuda_graphs"]
+    assert calls == ["init_torch_distributed", "_make_sampler", "load_model", "configure_kv_cache_dtype",
+                     "init_memory_pool", "init_attention_backend", "init_device_graphs", "init_piecewise_cuda_graphs"]

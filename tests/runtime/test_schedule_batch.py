@@ -33,7 +33,7 @@ def test_extend_then_decode_then_release(pools):
     a, b = req("a", 3), req("b", 5)
     batch = batch_of(pools, [a, b])
     batch.prepare_for_extend()
-    fb = batch.get_forward_batch()
+    fb = batch.get_model_worker_batch().to_forward_batch()
     assert fb.forward_mode == ForwardMode.EXTEND
     assert fb.input_ids.tolist() == [1, 2, 3, 1, 2, 3, 4, 5]
     assert fb.seq_lens.tolist() == [3, 5] and fb.extend_seq_lens.tolist() == [3, 5]
@@ -45,7 +45,7 @@ def test_extend_then_decode_then_release(pools):
     a.append_output(7)
     b.append_output(9)
     batch.prepare_for_decode()
-    fb = batch.get_forward_batch()
+    fb = batch.get_model_worker_batch().to_forward_batch()
     assert fb.forward_mode == ForwardMode.DECODE
     assert fb.input_ids.tolist() == [7, 9] and fb.seq_lens.tolist() == [4, 6] and fb.positions.tolist() == [3, 5]
     assert rows.req_to_token[b.req_pool_idx, 5] == fb.out_cache_loc[1]
@@ -62,7 +62,7 @@ def test_cached_prefix_is_reused_not_recomputed(pools):
     r.init_next_round_input(prefix_indices=prefix)
     batch = batch_of(pools, [r])
     batch.prepare_for_extend()
-    fb = batch.get_forward_batch()
+    fb = batch.get_model_worker_batch().to_forward_batch()
     assert fb.input_ids.tolist() == [5, 6] and fb.extend_prefix_lens.tolist() == [4]
     assert fb.positions.tolist() == [4, 5]
     assert rows.req_to_token[r.req_pool_idx, :4].tolist() == prefix.tolist()
@@ -111,7 +111,7 @@ def test_mix_with_running_and_filter(pools):
     new = batch_of(pools, [req("n0", 4)])
     new.prepare_for_extend()
     new.mix_with_running(running)
-    fb = new.get_forward_batch()
+    fb = new.get_model_worker_batch().to_forward_batch()
     assert fb.forward_mode == ForwardMode.EXTEND
     assert fb.input_ids.tolist() == [1, 2, 3, 4, 11, 11]
     assert fb.extend_prefix_lens.tolist() == [0, 3, 2] and fb.seq_lens.tolist() == [4, 4, 3]

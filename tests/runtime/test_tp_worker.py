@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from shardline_runtime.managers.schedule_batch import Req
+from shardline_runtime.managers.schedule_batch import Req, ScheduleBatch
 from shardline_runtime.sampling import SamplingParams
 
 from tests.runtime.engine_driver import hf_greedy, make_worker, run_engine, tp_rank_main
@@ -29,25 +29,35 @@ def test_limits(tiny_checkpoint):
     assert info["weights_phase"] == "serving" and info["vocab_size"] == 512 and info["random_seed"] == 0
 
 
-def test_delayed_sampling_hook(tiny_checkpoint):
+def test_one_step_runs_forward_then_the_runners_sampler(tiny_checkpoint):
     worker = make_worker(tiny_checkpoint("llama", seed=0))
+    runner = worker.model_runner
     req = Req("a", PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=1))
-    batch = worker.new_batch([req])
+    batch = ScheduleBatch.init_new([req], worker)
     batch.prepare_for_extend()
-    result = worker.forward_batch_generation(batch, skip_sample=True)
-    assert result.next_token_ids is None
-    worker.sample(result, batch)
-    assert result.next_token_ids.tolist() == [int(result.logits_output.next_token_logits.argmax())]
+    passes_before = runner.forward_pass_id
+    result = worker.forward_batch_generation(batch.get_model_worker_batch())
+    assert runner.forward_pass_id == passes_before + 1, "each step counts one forward pass"
+    assert result.copy_to_cpu().wait().next_token_ids.tolist() == [int(result.logits_output.next_token_logits.argmax())]
     batch.release_kv(req)
+
+
+def test_worker_is_a_base_tp_worker_exposing_runner_and_window(tiny_checkpoint):
+    from shardline_runtime.managers.tp_worker import BaseTpWorker
+
+    worker = make_worker(tiny_checkpoint("mistral", seed=0, sliding_window=64))
+    assert isinstance(worker, BaseTpWorker)
+    assert worker.model_runner.is_generation is True
+    assert worker.sliding_window_size == 64
 
 
 def test_logprobs_of_sampled_tokens(tiny_checkpoint):
     path = tiny_checkpoint("llama", seed=0)
     worker = make_worker(path)
     req = Req("a", PROMPTS[2], SamplingParams(temperature=0.0, max_new_tokens=1), return_logprob=True, top_logprobs_num=2)
-    batch = worker.new_batch([req])
+    batch = ScheduleBatch.init_new([req], worker)
     batch.prepare_for_extend()
-    result = worker.forward_batch_generation(batch)
+    result = worker.forward_batch_generation(batch.get_model_worker_batch()).copy_to_cpu().wait()
     raw = result.logits_output.next_token_logits[0].log_softmax(-1)
     assert result.next_token_logprobs[0] == pytest.approx(float(raw.max()))
     values, ids = result.next_token_top_logprobs[0]
@@ -58,10 +68,8 @@ def test_logprobs_of_sampled_tokens(tiny_checkpoint):
 def test_update_phases_are_reported(tiny_checkpoint):
     worker = make_worker(tiny_checkpoint("llama", seed=0))
     seen = []
-    from shardline_runtime.model_executor import weight_update
-
-    ok, _ = weight_update.update_weights_from_disk(
-        worker.model_runner, str(tiny_checkpoint("llama", seed=1, tokenizer=False)), on_phase=seen.append
+    ok, _ = worker.model_runner.update_weights_from_disk(
+        str(tiny_checkpoint("llama", seed=1, tokenizer=False)), recapture_cuda_graph=False, on_phase=seen.append
     )
     assert ok and [p.value for p in seen] == ["loading", "serving"]
 

@@ -29,28 +29,51 @@ def make_scheduler(model_path, **overrides) -> Scheduler:
 
 
 def run_to_completion(scheduler: Scheduler, max_steps: int = 20000) -> dict[str, dict]:
-    """Step the scheduler until idle; return per rid: tokens, finish reason, messages."""
-    results: dict[str, dict] = {}
+    """Step the scheduler until idle (one step at a time, no overlap); return per rid: tokens,
+    finish reason, messages (:func:`collect_results`)."""
     for _ in range(max_steps):
         scheduler.process_input_requests([])  # as the event loop: runs a pending weight update
         batch = scheduler.get_next_batch_to_run()
         if batch is None and scheduler.is_idle():
             break
         if batch is not None:
-            scheduler.process_batch_result(batch, scheduler.worker.forward_batch_generation(batch))
+            scheduler.process_batch_result(batch, scheduler.run_batch(batch))
     else:
         raise AssertionError("scheduler did not finish")
-    for msg in scheduler.send_socket.messages:
+    return collect_results(scheduler.send_socket.messages)
+
+
+def run_loop(scheduler: Scheduler, arrivals: dict[int, list], max_steps: int = 20000) -> dict[str, dict]:
+    """Drive the scheduler's own loop (``run_step``, overlap or not) with ``arrivals[i]``
+    delivered at iteration ``i``, until every message is delivered and it is idle."""
+    last = max(arrivals, default=0)
+    for step in range(max_steps):
+        scheduler.run_step(arrivals.get(step, []))
+        if step >= last and scheduler.is_idle():
+            break
+    else:
+        raise AssertionError("scheduler did not finish")
+    return collect_results(scheduler.send_socket.messages)
+
+
+def collect_results(messages) -> dict[str, dict]:
+    """Per rid: tokens, finish reason, output messages, prompt logprobs, cached tokens and the
+    sampled tokens' logprobs, from what rank 0 sent."""
+    results: dict[str, dict] = {}
+    for msg in messages:
         if not isinstance(msg, BatchTokenIDOut):
             continue
         for i, rid in enumerate(msg.rids):
-            r = results.setdefault(rid, {"ids": [], "finish": None, "chunks": 0, "prompt_logprobs": None, "cached": 0})
+            r = results.setdefault(rid, {"ids": [], "finish": None, "chunks": 0, "prompt_logprobs": None, "cached": 0,
+                                         "logprobs": []})
             r["ids"] += msg.output_ids[i]
             r["chunks"] += 1
             r["finish"] = msg.finished_reasons[i] or r["finish"]
             r["cached"] = msg.cached_tokens[i]
             if msg.input_token_logprobs[i] is not None:
                 r["prompt_logprobs"] = msg.input_token_logprobs[i]
+            if msg.output_token_logprobs[i] is not None:
+                r["logprobs"] += [lp for lp, _ in msg.output_token_logprobs[i]]
     return results
 
 

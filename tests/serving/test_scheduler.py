@@ -55,7 +55,7 @@ def test_s4_chunked_prefill_equals_unchunked(ckpt):
         if batch is None:
             break
         before = len(chunked.send_socket.messages)
-        chunked.process_batch_result(batch, chunked.worker.forward_batch_generation(batch))
+        chunked.process_batch_result(batch, chunked.run_batch(batch))
         steps_with_output.append(len(chunked.send_socket.messages) > before)
     # 300 prompt tokens in chunks of 64: 4 intermediate chunks emit nothing, the 5th emits a token
     assert steps_with_output[:5] == [False, False, False, False, True]
@@ -99,7 +99,7 @@ def test_abort_frees_kv_before_next_step(ckpt):
     scheduler.process_input_requests([greedy("long", _prompts(4, 1, 50, 50)[0], 500), greedy("queued", [5, 6, 7], 5)])
     for _ in range(3):
         batch = scheduler.get_next_batch_to_run()
-        scheduler.process_batch_result(batch, scheduler.worker.forward_batch_generation(batch))
+        scheduler.process_batch_result(batch, scheduler.run_batch(batch))
     assert scheduler.kv_used_tokens() > 0
     scheduler.process_input_requests([AbortReq("long"), AbortReq("queued")])
     assert scheduler.kv_used_tokens() == 0 and scheduler.is_idle()
@@ -126,7 +126,7 @@ def test_mixed_chunk_equals_separate_steps(ckpt):
         for i, p in enumerate(prompts[1:], 1):  # arrivals while r0 decodes
             for _ in range(3):
                 batch = scheduler.get_next_batch_to_run()
-                scheduler.process_batch_result(batch, scheduler.worker.forward_batch_generation(batch))
+                scheduler.process_batch_result(batch, scheduler.run_batch(batch))
                 steps += 1
             scheduler.process_input_requests([greedy(f"r{i}", p, 10 + i)])
         got = {rid: r["ids"] for rid, r in run_to_completion(scheduler).items()}
@@ -142,7 +142,7 @@ def test_weight_update_waits_for_a_chunked_prefill(ckpt):
     scheduler = make_scheduler(ckpt, chunked_prefill_size=32, max_prefill_tokens=32)
     scheduler.process_input_requests([greedy("long", _prompts(7, 1, 200, 200)[0], 4)])
     batch = scheduler.get_next_batch_to_run()  # first chunk only
-    scheduler.process_batch_result(batch, scheduler.worker.forward_batch_generation(batch))
+    scheduler.process_batch_result(batch, scheduler.run_batch(batch))
     assert scheduler.chunked_req is not None
     scheduler.process_input_requests([UpdateWeightsFromDiskReqInput(str(ckpt)), greedy("later", [5, 6], 2)])
     results = run_to_completion(scheduler)
@@ -186,7 +186,7 @@ def test_weight_update_lets_retracted_requests_finish_on_the_old_weights(ckpt, t
     for _ in range(2000):  # step until a retracted request that already has output waits
         batch = small.get_next_batch_to_run()
         assert batch is not None, "the workload finished without a retraction"
-        small.process_batch_result(batch, small.worker.forward_batch_generation(batch))
+        small.process_batch_result(batch, small.run_batch(batch))
         if any(r.output_ids for r in small.waiting_queue):
             break
     started = {r.rid for r in small.waiting_queue if r.output_ids} | {r.rid for r in small.running_batch.reqs}

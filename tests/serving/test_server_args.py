@@ -22,6 +22,11 @@ def test_operator_style_arguments_parse():
     assert make_parser().parse_args(argv).dist_init_addr.endswith(":29500")
 
 
+def test_overlap_schedule_is_on_by_default_and_the_flag_turns_it_off():
+    assert ServerArgs.from_cli(["--model-path", "/m"]).disable_overlap_schedule is False
+    assert ServerArgs.from_cli(["--model-path", "/m", "--disable-overlap-schedule"]).disable_overlap_schedule is True
+
+
 @pytest.mark.parametrize(
     "flag,value,fragment",
     [

@@ -12,8 +12,8 @@ from .meta import child_metadata
 def build_pod_disruption_budget(spec: DeploymentSpec) -> dict[str, Any]:
     """PDB allowing voluntary disruption of at most one group's worth of pods at a time.
 
-    Evicting any pod takes its whole TP group down, so the budget is counted in pods of one
-    group: ``maxUnavailable = tensor / gpusPerPod``.
+    Evicting any pod takes its whole group (every TP and pipeline rank) down, so the budget is counted in pods of one
+    group: ``maxUnavailable = tensor x pipeline / gpusPerPod``.
     """
     return {
         "apiVersion": "policy/v1",

@@ -12,11 +12,11 @@ from .pod_template import build_pod_template
 
 
 def build_statefulset(spec: DeploymentSpec, group: int, served: ServedModel) -> dict[str, Any]:
-    """StatefulSet ``<name>-g<group>``: ``tensor / gpusPerPod`` pods, rank = ordinal.
+    """StatefulSet ``<name>-g<group>``: ``tensor x pipeline / gpusPerPod`` pods, node rank = ordinal.
 
     ``Parallel`` pod management starts all ranks together (they rendezvous with each other);
     ``OnDelete`` updates leave restarts to the operator, which restarts a group as a whole so TP
-    ranks never mix revisions. The annotations record what the group serves (read back by the
+    ranks (all TP and pipeline ranks) never mix revisions. The annotations record what the group serves (read back by the
     reconciler after an operator restart).
     """
     annotations = {

@@ -2,9 +2,11 @@
 
 from shardline_runtime.distributed.communication_op import (
     all_gather_pyobj,
+    all_gather_pyobj_world,
     all_reduce_min_int,
     barrier,
     broadcast_pyobj,
+    broadcast_pyobj_world,
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
@@ -17,17 +19,43 @@ from shardline_runtime.distributed.expert_parallel import (
 )
 from shardline_runtime.distributed.parallel_state import (
     DistributedInitError,
+    GroupCoordinator,
     destroy_distributed_environment,
+    get_pipeline_model_parallel_rank,
+    get_pipeline_model_parallel_world_size,
+    get_pp_group,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     get_tp_group,
+    get_world_group,
     init_distributed_environment,
+    rank_layout,
     tp_ranks_of_node,
+)
+from shardline_runtime.distributed.pipeline_comm import (
+    PendingSends,
+    recv_pyobj,
+    recv_tensor_dict,
+    send_pyobj,
+    send_tensor_dict,
 )
 
 __all__ = [
     "DistributedInitError",
+    "GroupCoordinator",
+    "PendingSends",
+    "broadcast_pyobj_world",
+    "get_pipeline_model_parallel_rank",
+    "get_pipeline_model_parallel_world_size",
+    "get_pp_group",
+    "get_world_group",
+    "rank_layout",
+    "recv_pyobj",
+    "recv_tensor_dict",
+    "send_pyobj",
+    "send_tensor_dict",
     "ExpertParallelLayout",
+    "all_gather_pyobj_world",
     "all_gather_pyobj",
     "broadcast_tensor",
     "expert_parallel_combine",

@@ -1,6 +1,8 @@
-"""Collectives of the TP group; every one is a no-op at ``tp_size == 1``.
+"""Collectives of the TP group (and, for agreement, of the whole world); each is a no-op on a
+group of one rank.
 
-Layers call these in their ``forward`` so communication stays visible where it happens.
+Layers call these in their ``forward`` so communication stays visible where it happens. Sources
+are given as group ranks; torch.distributed wants world ranks, so each call maps them.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardline_runtime.distributed.parallel_state import get_tp_group
+from shardline_runtime.distributed.parallel_state import get_tp_group, get_world_group
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -42,7 +44,17 @@ def broadcast_pyobj(obj: Any, src: int = 0) -> Any:
     if group.size == 1:
         return obj
     box = [obj if group.rank == src else None]
-    dist.broadcast_object_list(box, src=src, group=group.cpu_group)
+    dist.broadcast_object_list(box, src=group.world_rank_of(src), group=group.cpu_group)
+    return box[0]
+
+
+def broadcast_pyobj_world(obj: Any) -> Any:
+    """Send a picklable object from world rank 0 to every rank of every pipeline stage."""
+    group = get_world_group()
+    if group.size == 1:
+        return obj
+    box = [obj if group.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=group.cpu_group)
     return box[0]
 
 
@@ -56,9 +68,20 @@ def all_gather_pyobj(obj: Any) -> list[Any]:
     return out
 
 
+def all_gather_pyobj_world(obj: Any) -> list[Any]:
+    """Every world rank's picklable ``obj`` (all stages, all TP ranks), in world rank order."""
+    group = get_world_group()
+    if group.size == 1:
+        return [obj]
+    out: list[Any] = [None] * group.size
+    dist.all_gather_object(out, obj, group=group.cpu_group)
+    return out
+
+
 def all_reduce_min_int(value: int) -> int:
-    """Minimum of an integer over the TP ranks (CPU group)."""
-    group = get_tp_group()
+    """Minimum of an integer over every rank of the world: all TP ranks of all pipeline stages
+    (CPU group), so an agreement (a weight update, a KV pool size) holds for the whole model."""
+    group = get_world_group()
     if group.size == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64)
@@ -67,7 +90,7 @@ def all_reduce_min_int(value: int) -> int:
 
 
 def barrier() -> None:
-    """Wait for all TP ranks (CPU group)."""
-    group = get_tp_group()
+    """Wait for every rank of the world (CPU group)."""
+    group = get_world_group()
     if group.size > 1:
         dist.barrier(group=group.cpu_group)

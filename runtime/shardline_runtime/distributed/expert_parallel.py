@@ -74,5 +74,5 @@ def broadcast_tensor(x: torch.Tensor, src: int) -> torch.Tensor:
     shape and dtype). Used to move expert weights between ranks (EPLB)."""
     group = get_tp_group()
     if group.size > 1:
-        dist.broadcast(x, src=src, group=group.device_group)
+        dist.broadcast(x, src=group.world_rank_of(src), group=group.device_group)
     return x

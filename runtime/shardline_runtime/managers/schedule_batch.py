@@ -2,10 +2,10 @@
 
 A ``ScheduleBatch`` owns the bookkeeping of one step: it takes request rows from
 ``ReqToTokenPool`` and KV slots from ``TokenToKVPoolAllocator``, writes ``req_to_token`` and then
-produces the ``ForwardBatch`` the model runs on (:meth:`ScheduleBatch.get_forward_batch`).
+produces the ``ModelWorkerBatch`` the worker runs (:meth:`ScheduleBatch.get_model_worker_batch`).
 
 Life of a batch:
-  1. ``ScheduleBatch.init_new(reqs, ...)`` then ``prepare_for_extend()``: each request's new
+  1. ``ScheduleBatch.init_new(reqs, worker)`` then ``prepare_for_extend()``: each request's new
      tokens ``fill_ids[cached_len:]`` get KV slots; a cached prefix (``req.prefix_indices``, from
      the prefix cache or an earlier chunk) is reused, not recomputed.
   2. Optionally ``mix_with_running(running_batch)``: the running requests join this EXTEND step
@@ -14,7 +14,9 @@ Life of a batch:
   3. After sampling, the caller appends tokens (``Req.append_output``), calls
      ``Req.check_finished``, frees finished requests (:meth:`release_kv`) and drops them
      (:meth:`filter_batch`); ``merge_batch`` adds a freshly prefilled batch to the running one.
-  4. ``prepare_for_decode()`` each later step: one slot per request, ``seq_lens += 1``.
+  4. ``prepare_for_decode()`` each later step: one slot per request, ``seq_lens += 1``. With
+     overlap scheduling (``future_tokens``) a request whose last token is still being sampled by
+     the step in flight gets a placeholder input id (``managers/overlap.py``).
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from collections.abc import Sequence
 
 import torch
 
+from shardline_runtime.managers.model_worker_batch import ModelWorkerBatch
+from shardline_runtime.managers.overlap import future_placeholder
 from shardline_runtime.managers.req import FinishReason, Req
 from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
-from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from shardline_runtime.model_executor.forward_batch_info import ForwardMode
 from shardline_runtime.sampling.sampling_batch_info import SamplingBatchInfo
 
 
@@ -73,6 +77,18 @@ class ScheduleBatch:
         self.prefix_lens: list[int] = []
         self.extend_lens: list[int] = []
         self.sampling_info: SamplingBatchInfo | None = None
+        # overlap scheduling: a decode input may be the token the step in flight samples
+        self.future_tokens = False
+        # The request of this EXTEND whose prefill continues in a later step (set when formed):
+        # with pipeline micro-batches or overlap scheduling the scheduler's own ``chunked_req``
+        # may have moved on by the time this batch's result is processed.
+        self.chunked_req: Req | None = None
+
+    @classmethod
+    def init_new(cls, reqs: list[Req], worker) -> "ScheduleBatch":
+        """A batch of ``reqs`` over ``worker``'s pools, vocabulary size and device."""
+        return cls(reqs, worker.req_to_token_pool, worker.token_to_kv_pool_allocator,
+                   worker.model_config.vocab_size, worker.device)
 
     @property
     def batch_size(self) -> int:
@@ -137,18 +153,28 @@ class ScheduleBatch:
         self.extend_lens = extend_lens
         self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs, self.vocab_size, self.device)
 
-    def _next_decode_slots(self, reqs: list[Req]) -> torch.Tensor:
-        """One new KV slot per request, written at position ``kv_len``; advances ``kv_len``."""
-        for req in reqs:
-            if not req.output_ids:
-                raise ValueError(f"request {req.rid} has no output token to decode from")
+    def _decode_input_id(self, req: Req) -> int:
+        """The token at position ``kv_len`` (the one this step computes the KV of): known on
+        the host, or (overlap scheduling) still being sampled by the step in flight, then a
+        :func:`future_placeholder` resolved on the device."""
+        known = req.origin_input_ids + req.output_ids
+        if req.kv_len < len(known):
+            return known[req.kv_len]
+        if self.future_tokens and req.kv_len == len(known):
+            return future_placeholder(req.req_pool_idx)
+        raise ValueError(f"request {req.rid} has no output token to decode from")
+
+    def _next_decode_slots(self, reqs: list[Req]) -> tuple[torch.Tensor, list[int]]:
+        """One new KV slot per request, written at position ``kv_len``; advances ``kv_len``.
+        Returns the slots and each request's input id."""
+        input_ids = [self._decode_input_id(r) for r in reqs]
         slots = self._alloc_slots(len(reqs))
         rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
         self.req_to_token_pool.write((rows, cols), slots)  # one indexed write for the whole batch
         for req in reqs:
             req.kv_len += 1
-        return slots
+        return slots, input_ids
 
     def prepare_for_decode(self) -> None:
         """One new token per request: the last output id, at position ``kv_len`` (DECODE).
@@ -157,8 +183,7 @@ class ScheduleBatch:
             KVCacheFullError: fewer free KV slots than requests (nothing is allocated then).
         """
         self.forward_mode = ForwardMode.DECODE
-        self.out_cache_loc = self._next_decode_slots(self.reqs)
-        self.input_ids = [r.output_ids[-1] for r in self.reqs]
+        self.out_cache_loc, self.input_ids = self._next_decode_slots(self.reqs)
         self.req_pool_indices = [r.req_pool_idx for r in self.reqs]
         self.seq_lens = [r.kv_len for r in self.reqs]
         self.prefix_lens = []
@@ -174,8 +199,8 @@ class ScheduleBatch:
         if not self.forward_mode.is_extend():
             raise ValueError("mix_with_running needs a batch prepared with prepare_for_extend()")
         prefix_lens = [r.kv_len for r in running.reqs]
-        slots = self._next_decode_slots(running.reqs)
-        self.input_ids += [r.output_ids[-1] for r in running.reqs]
+        slots, input_ids = self._next_decode_slots(running.reqs)
+        self.input_ids += input_ids
         self.out_cache_loc = torch.cat([self.out_cache_loc, slots])
         self.req_pool_indices += [r.req_pool_idx for r in running.reqs]
         self.seq_lens += [r.kv_len for r in running.reqs]
@@ -183,6 +208,17 @@ class ScheduleBatch:
         self.extend_lens += [1] * len(running.reqs)
         self.reqs = self.reqs + running.reqs
         self.sampling_info.merge_batch(running.sampling_info)
+
+    def copy(self) -> "ScheduleBatch":
+        """A snapshot of the rows as they are now (requests, mode, lengths, the chunked request;
+        no sampling state, which stays with this batch), for processing a step's result after
+        this batch has moved on (overlap scheduling)."""
+        other = ScheduleBatch(list(self.reqs), self.req_to_token_pool, self.token_to_kv_pool_allocator,
+                              self.vocab_size, self.device)
+        other.forward_mode, other.future_tokens, other.chunked_req = self.forward_mode, self.future_tokens, self.chunked_req
+        other.req_pool_indices, other.seq_lens = list(self.req_pool_indices), list(self.seq_lens)
+        other.prefix_lens, other.extend_lens = list(self.prefix_lens), list(self.extend_lens)
+        return other
 
     def filter_batch(self, keep_indices: Sequence[int] | None = None) -> None:
         """Keep rows ``keep_indices`` (default: unfinished requests), in order; per-token state
@@ -227,38 +263,39 @@ class ScheduleBatch:
         req.req_pool_idx, req.kv_len = None, 0
         req.prefix_indices = torch.zeros(0, dtype=torch.int64)
 
-    def get_forward_batch(self, model_runner=None) -> ForwardBatch:
-        """The ``ForwardBatch`` of the prepared step (pools and attention backend from
-        ``model_runner``)."""
+    def get_model_worker_batch(self) -> ModelWorkerBatch:
+        """The prepared step as the worker sees it (per-request flags read now, after
+        ``prepare_for_extend`` / ``prepare_for_decode``)."""
         reqs = self.reqs
         extend = self.forward_mode.is_extend()
+        logprob = self.return_logprob
         logprob_starts = None
-        if extend and self.return_logprob:
+        if extend and logprob:
             logprob_starts = [
                 min(max(r.logprob_start_len - p, 0), n) if r.return_logprob and r.logprob_start_len >= 0 else n
                 for r, p, n in zip(reqs, self.prefix_lens, self.extend_lens)
             ]
-        forward_batch = ForwardBatch.init_new(
+        batch = ModelWorkerBatch(
             forward_mode=self.forward_mode,
-            input_ids=self.input_ids,
-            req_pool_indices=self.req_pool_indices,
-            seq_lens=self.seq_lens,
+            input_ids=torch.as_tensor(self.input_ids, dtype=torch.int64),
+            req_pool_indices=list(self.req_pool_indices),
+            seq_lens=list(self.seq_lens),
             out_cache_loc=self.out_cache_loc,
-            model_runner=model_runner,
-            extend_prefix_lens=self.prefix_lens if extend else None,
-            return_logprob=self.return_logprob,
-            top_logprobs_nums=[r.top_logprobs_num for r in reqs] if self.return_logprob else None,
-            extend_logprob_start_lens=logprob_starts,
+            wants_token=[r.wants_token for r in reqs],
             sampling_info=self.sampling_info,
-            device=self.device,
+            extend_prefix_lens=list(self.prefix_lens) if extend else None,
+            extend_logprob_start_lens=logprob_starts,
+            return_logprob=logprob,
+            return_logprobs=[r.return_logprob for r in reqs] if logprob else None,
+            top_logprobs_nums=[r.top_logprobs_num for r in reqs] if logprob else None,
         )
         if any(r.lora_name is not None for r in reqs):
-            forward_batch.lora_names = [r.lora_name for r in reqs]
+            batch.lora_names = [r.lora_name for r in reqs]
         if extend and any(r.input_embeds_positions is not None for r in reqs):
-            self._attach_input_embeds(forward_batch)
-        return forward_batch
+            self._attach_input_embeds(batch)
+        return batch
 
-    def _attach_input_embeds(self, forward_batch: ForwardBatch) -> None:
+    def _attach_input_embeds(self, batch: ModelWorkerBatch) -> None:
         """Rows of this step's packed tokens whose embedding the request gave (prompt
         positions in ``[prefix, prefix + extend_len)``) and their vectors."""
         rows, values, start = [], [], 0
@@ -270,5 +307,5 @@ class ScheduleBatch:
                         values.append(req.input_embeds_values[j])
             start += n
         if rows:
-            forward_batch.input_embeds_indices = torch.tensor(rows, dtype=torch.int64)
-            forward_batch.input_embeds_values = torch.stack(values)
+            batch.input_embeds_indices = torch.tensor(rows, dtype=torch.int64)
+            batch.input_embeds_values = torch.stack(values)

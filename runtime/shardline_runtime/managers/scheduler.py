@@ -6,10 +6,15 @@ The loop, every rank in lockstep::
         messages = recv_requests()          # rank 0 reads ZMQ, broadcast_pyobj to every rank
         process_input_requests(messages)    # new requests, aborts, flush, weight updates
         batch = get_next_batch_to_run()     # EXTEND of admitted requests, else DECODE of running
-        if batch: process_batch_result(batch, worker.forward_batch_generation(batch))
+        if batch: process_batch_result(batch, run_batch(batch))  # the worker gets a ModelWorkerBatch
+
+With overlap scheduling (the default) step N+1 is launched before step N's result is processed
+(``run_step``; ``managers/overlap.py``).
 
 Every rank receives the same messages and takes the same decisions from the same state, so
 their batches (and collectives) always match. Rank 0 alone sends outputs to the HTTP process.
+With pipeline parallelism every stage runs a scheduler and the loop is ``event_loop_pp``
+(``scheduler_pp.py``): micro-batches in flight through the stages.
 Batching policy (admission, chunked prefill, prefix cache, KV budget, retraction) is in
 ``scheduler_policy.py``; result handling and outputs in ``scheduler_output.py``.
 """
@@ -41,11 +46,16 @@ from shardline_runtime.managers.io_struct import (
     WeightsPhaseOut,
 )
 from shardline_runtime.managers.lora_control import LoadLoRAAdapterReqInput, LoRAControl, UnloadLoRAAdapterReqInput
+from shardline_runtime.managers.overlap import FutureMap, InFlightStep, launch_step
 from shardline_runtime.managers.req import FinishReason, Req
+from shardline_runtime.managers.schedule_batch import ScheduleBatch
 from shardline_runtime.managers.scheduler_output import SchedulerOutputMixin
 from shardline_runtime.managers.scheduler_policy import SchedulerPolicyMixin
+from shardline_runtime.managers.scheduler_pp import SchedulerPPMixin
 from shardline_runtime.managers.scheduler_weight_sync import UPDATE_REQUESTS, SchedulerWeightSyncMixin
 from shardline_runtime.mem_cache.radix_cache import RadixCache
+from shardline_runtime.model_executor.generation_result import GenerationBatchResult
+from shardline_runtime.termination_log import write_termination_log
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +78,12 @@ def eos_token_ids(model_config: Any) -> list[int]:
     return ids
 
 
-class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncMixin):
-    """Request queue, batching, KV budget and finishing for one TP rank.
+class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin):
+    """Request queue, batching, KV budget and finishing for one TP rank (of one pipeline stage).
 
     Args:
         server_args: the validated ``ServerArgs``.
-        tp_rank: this process's TP rank.
+        tp_rank: this process's TP rank (its stage is ``worker.pp_rank``).
         worker: the rank's ``TpModelWorker`` (built by the caller, after the process group).
         input_addr / output_addr: ZMQ addresses (rank 0 only): requests are PULLed from
             ``input_addr`` (bound here), outputs PUSHed to ``output_addr``.
@@ -84,6 +94,8 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
         self.tp_rank = tp_rank
         self.worker = worker
         self.tp_size = server_args.tp_size
+        self.pp_size = getattr(worker, "pp_size", 1)
+        self.running_mbs: list | None = None  # micro-batch slots (pipeline parallelism only)
         self.max_req_len = worker.max_req_len
         self.max_req_input_len = worker.max_req_input_len
         self.max_total_num_tokens = worker.max_total_num_tokens
@@ -107,8 +119,21 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
         self.num_retractions = 0
         self.last_stats: tuple | None = None
         self.step_started: float | None = None
+        # Overlap scheduling (default; --disable-overlap-schedule). Off with LoRA (adapter slots
+        # are loaded and evicted between steps, which must see no step in flight) and with
+        # pipeline parallelism (its micro-batch loop keeps the stages busy instead).
+        overlap = not getattr(server_args, "disable_overlap_schedule", False) and not lora and self.pp_size == 1
+        self.future_map = FutureMap(self.req_to_token_pool.size, worker.device) if overlap else None
+        self.in_flight: InFlightStep | None = None
+        stream = getattr(worker.model_runner, "forward_stream", None)
+        if overlap and stream is not None:
+            # Every device op of this process (batch preparation, merges, the steps) is queued on
+            # the forward stream in program order; the host waits only when it reads a result.
+            torch.cuda.set_stream(stream)
         self.recv_socket = self.send_socket = None
-        if tp_rank == 0 and input_addr is not None:
+        if self.pp_size > 1:
+            self.init_pp_loop()
+        if tp_rank == 0 and getattr(worker, "pp_rank", 0) == 0 and input_addr is not None:
             ctx = zmq.Context.instance()
             self.recv_socket = ctx.socket(zmq.PULL)
             self.recv_socket.bind(input_addr)
@@ -133,27 +158,79 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
 
     def event_loop(self, should_stop=lambda: False) -> None:
         """Run until ``should_stop()`` (checked once per iteration) returns True."""
+        if self.pp_size > 1:
+            self.event_loop_pp(should_stop)
+            return
         self.start_watchdog()
         while not should_stop():
             self.step_started = time.monotonic()  # the watchdog covers the broadcast and the forward
-            messages = self.recv_requests()
-            self.process_input_requests(messages)
-            batch = self.get_next_batch_to_run()
-            if batch is not None:
-                result = self.worker.forward_batch_generation(batch)
-                self.process_batch_result(batch, result)
+            self.run_step(self.recv_requests())
             self.send_stats()
             self.step_started = None
+        self.drain_in_flight()
+
+    def run_step(self, messages: list[Any]) -> None:
+        """One iteration: handle ``messages``, then run the next batch.
+
+        Without overlap the batch runs and its result is processed at once. With overlap
+        (``managers/overlap.py``) the batch is launched and then the *previous* step's result is
+        processed, so the host prepares step N+1 while step N computes. A control message, an
+        abort or a waiting weight update first drains the step in flight (they act on settled
+        state); so does a retraction (``scheduler_policy.py``).
+        """
+        if self.pending_update is not None or any(not isinstance(m, TokenizedGenerateReqInput) for m in messages):
+            self.drain_in_flight()
+        self.process_input_requests(messages)
+        self.join_in_flight_extend()
+        batch = self.get_next_batch_to_run()
+        if batch is None:
+            self.drain_in_flight()
+        elif self.future_map is None:
+            self.process_batch_result(batch, self.run_batch(batch))
+        else:
+            result = launch_step(self.worker, batch.get_model_worker_batch(), self.future_map)
+            previous, self.in_flight = self.in_flight, InFlightStep(batch, batch.copy(), result)
+            if previous is not None:
+                self._process_step(previous)
+
+    def new_batch(self, reqs: list[Req]) -> ScheduleBatch:
+        """A ``ScheduleBatch`` of ``reqs`` over the worker's pools, vocabulary and device."""
+        batch = ScheduleBatch.init_new(reqs, self.worker)
+        batch.future_tokens = self.future_map is not None
+        return batch
+
+    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        """Run the prepared ``batch`` on the worker (which sees only its ``ModelWorkerBatch``)
+        and wait for the sampled tokens on the host (the loop without overlap)."""
+        result = self.worker.forward_batch_generation(batch.get_model_worker_batch())
+        return result.copy_to_cpu().wait()
 
     def is_idle(self) -> bool:
         if self.pending_update is None and self.generation_blocked():
             return True  # nothing can run until a control message arrives: poll at the idle pace
-        running = self.running_batch is not None and not self.running_batch.is_empty()
-        return not running and not self.waiting_queue and self.chunked_req is None and self.pending_update is None
+        running = bool(self.running_batches())
+        return (not running and not self.waiting_queue and self.chunked_req is None and self.pending_update is None
+                and self.in_flight is None)
+
+    def running_batches(self) -> list:
+        """Every non-empty batch holding running requests: the running batch, the micro-batch
+        slots' and the batches still in flight through the pipeline stages."""
+        candidates = [self.running_batch, *(self.running_mbs or [])]
+        candidates += [item[0] for item in (getattr(self, "pp_inflight", None) or []) if item is not None]
+        seen: set[int] = set()
+        out = []
+        for batch in candidates:
+            if batch is not None and not batch.is_empty() and id(batch) not in seen:
+                seen.add(id(batch))
+                out.append(batch)
+        return out
 
     def recv_requests(self) -> list[Any]:
         """Rank 0: every message waiting on ZMQ (blocking up to the heartbeat when idle);
-        then the list is broadcast so every rank processes the same messages."""
+        then the list is broadcast so every rank processes the same messages. A later pipeline
+        stage receives the list from the stage before it."""
+        if getattr(self.worker, "pp_rank", 0) > 0:
+            return self.pp_recv_requests()
         messages: list[Any] = []
         if self.tp_rank == 0 and self.recv_socket is not None:
             timeout = _IDLE_POLL_MS if self.is_idle() else 0
@@ -230,14 +307,15 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
             req.finished_reason = finish
             self.release_req(req)
             self.stream_output([req])
-        batch = self.running_batch
-        if batch is not None and not batch.is_empty():
-            hit = [r for r in batch.reqs if rid is None or r.rid == rid]
+        inflight = self.inflight_batch_ids()
+        for batch in self.running_batches():
+            hit = [r for r in batch.reqs if (rid is None or r.rid == rid) and not r.finished()]
             for req in hit:
                 req.finished_reason = finish
                 self.release_req(req)
             if hit:
-                batch.filter_batch()
+                if id(batch) not in inflight:  # an in-flight batch keeps its rows until its result
+                    batch.filter_batch()
                 self.stream_output(hit)
 
     # ------------------------------------------------------------------ control
@@ -261,7 +339,7 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
 
     def maybe_run_weight_update(self) -> None:
         """Once no request runs (admission is paused meanwhile), load, flush the prefix cache, reply."""
-        running = self.running_batch is not None and not self.running_batch.is_empty()
+        running = bool(self.running_batches())
         started = not self.generation_blocked() and any(r.output_ids for r in self.waiting_queue)
         if running or self.chunked_req is not None or started:
             # Retracted requests that began on the old weights finish on them too; paused with
@@ -272,7 +350,8 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
         self.send_weights_phase("loading")
         ok, message = self.run_weight_update(msg)
         if ok and (getattr(msg, "cuda_graph_max_bs", None) is not None or getattr(msg, "disable_cuda_graph", None) is not None):
-            self.apply_cuda_graph_settings(msg.cuda_graph_max_bs, bool(msg.disable_cuda_graph))
+            self.worker.update_cuda_graph_settings(msg.cuda_graph_max_bs, bool(msg.disable_cuda_graph),
+                                                   on_phase=lambda phase: self.send_weights_phase(phase.value))
         # Old KV must never serve new weights; after a failed update the cache is still valid,
         # but flushing it costs only recomputation, so do it in every case (a trainer sending
         # buckets passes flush_cache false on all but the last).
@@ -282,23 +361,6 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
         self.send_weights_phase(phase)
         self.send(self.update_reply(msg, ok, message))
         self.send_serving_state()
-
-    def apply_cuda_graph_settings(self, max_bs: int | None, disable: bool) -> None:
-        """New decode-graph settings from an update request (GPU only; CPU runs eagerly)."""
-        runner = self.worker.model_runner
-        if runner.device.type != "cuda":
-            return
-        from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner, get_batch_sizes_to_capture
-
-        old = runner.cuda_graph_runner
-        if old is not None and (disable or max_bs is not None):
-            self.req_to_token_pool.free(old.dummy_req_row)
-            runner.cuda_graph_runner = None
-        if not disable and max_bs is not None:
-            self.send_weights_phase("recapturing")
-            sizes = get_batch_sizes_to_capture(max_bs, runner.config.max_running_requests)
-            runner.cuda_graph_runner = CudaGraphRunner(runner, batch_sizes=sizes)
-        logger.info("[tp %d] CUDA graphs: %s", self.tp_rank, "disabled" if disable else f"max batch size {max_bs}")
 
     # ------------------------------------------------------------------ rank 0 -> HTTP
 
@@ -323,8 +385,6 @@ class Scheduler(SchedulerPolicyMixin, SchedulerOutputMixin, SchedulerWeightSyncM
                 time.sleep(min(5.0, limit / 4))
                 started = self.step_started
                 if started is not None and time.monotonic() - started > limit:
-                    from shardline_runtime.cli import write_termination_log
-
                     message = f"[tp {self.tp_rank}] watchdog: a forward step ran over {limit}s (a peer rank may be dead)"
                     logger.error(message)
                     write_termination_log(message)

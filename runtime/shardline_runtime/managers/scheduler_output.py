@@ -2,7 +2,8 @@
 
 After a step every rank appends the same sampled ids (identical on every rank by construction of
 the sampler), checks the finish conditions, returns finished requests' KV (to the prefix cache)
-and moves a finished EXTEND batch into the running batch. Rank 0 then sends one
+and moves a finished EXTEND batch into the running batch. With overlap scheduling
+(``managers/overlap.py``) this runs one step late: the in-flight bookkeeping is here too. Rank 0 then sends one
 ``BatchTokenIDOut`` with the new tokens (and logprobs) of every request that advanced.
 """
 
@@ -33,32 +34,97 @@ def _reason_dict(reason) -> dict | None:
 class SchedulerOutputMixin:
     """Result processing for :class:`~shardline_runtime.managers.scheduler.Scheduler`."""
 
-    def process_batch_result(self, batch, result) -> None:
+    def process_batch_result(self, batch, result, snapshot: bool = False) -> None:
+        """Append the step's tokens, finish requests, move an EXTEND batch into the running batch
+        and stream the news.
+
+        Args:
+            batch: the batch that ran.
+            result: its ``GenerationBatchResult``, on the host (``wait()`` done).
+            snapshot: (overlap) ``batch`` is a copy of the rows as launched, whose requests are
+                in the running batch already (``join_in_flight_extend``); finished ones are
+                dropped from the running batch instead.
+
+        Requests finished before this result (aborted while a pipeline micro-batch was in flight,
+        or, with overlap, finished by the step before, this row's token then being discarded)
+        are skipped. With overlap ``self.in_flight`` is the step launched after this one.
+        """
         next_ids = result.next_token_ids.tolist()
+        done_before = {id(req) for req in batch.reqs if req.finished()}
         if batch.forward_mode.is_extend():
             self._collect_prompt_logprobs(batch, result)
         for i, req in enumerate(batch.reqs):
-            if req is self.chunked_req:
+            if req is batch.chunked_req or id(req) in done_before:
                 continue  # an intermediate chunk samples nothing
             if req.wants_token and next_ids[i] >= 0:
                 top = result.next_token_top_logprobs[i] if req.top_logprobs_num else None
                 req.append_output(next_ids[i], result.next_token_logprobs[i] if req.return_logprob else None, top)
             req.check_finished(self.max_req_len)
-        finished = [r for r in batch.reqs if r.finished()]
+        finished = [r for r in batch.reqs if r.finished() and id(r) not in done_before]
         for req in finished:
-            self.release_req(req)
-        if batch.forward_mode.is_extend():
-            keep = [i for i, r in enumerate(batch.reqs) if not r.finished() and r is not self.chunked_req]
-            streamed = list(batch.reqs)
+            self._release_finished(req)
+        streamed = [r for r in batch.reqs if id(r) not in done_before]
+        if snapshot:
+            if self.running_batch is not None:
+                self.running_batch.filter_batch()
+        elif batch.forward_mode.is_extend():
+            keep = [i for i, r in enumerate(batch.reqs) if not r.finished() and r is not batch.chunked_req]
             batch.filter_batch(keep)
+            batch.chunked_req = None  # it now decodes; the chunked request stayed out of it
             if self.running_batch is None or self.running_batch.is_empty():
                 self.running_batch = batch
             else:
                 self.running_batch.merge_batch(batch)
         else:
-            streamed = list(batch.reqs)
             batch.filter_batch()
         self.stream_output(streamed)
+
+    def _release_finished(self, req) -> None:
+        """Release a finished request. When the step in flight (overlap) computes one more
+        (discarded) token for it, that token's KV slot stays out of the prefix cache and is
+        freed once that step has completed."""
+        step = getattr(self, "in_flight", None)
+        if step is not None and req.req_pool_idx is not None and step.holds(req):
+            req.kv_len -= 1
+            step.deferred_free.append(self.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_len : req.kv_len + 1].clone())
+        self.release_req(req)
+
+    def drain_in_flight(self) -> bool:
+        """(Overlap) Wait for the step in flight and process its result; False when none is."""
+        step, self.in_flight = getattr(self, "in_flight", None), None
+        if step is None:
+            return False
+        self._process_step(step)
+        return True
+
+    def _process_step(self, step) -> None:
+        result = step.result.wait()
+        self.join_extend(step)
+        self.process_batch_result(step.rows, result, snapshot=True)
+        for slots in step.deferred_free:
+            self.allocator.free(slots)
+
+    def join_in_flight_extend(self) -> None:
+        """(Overlap) Requests of the EXTEND step in flight that will decode join the running
+        batch now, before their first token is known (their next input is a placeholder)."""
+        if self.in_flight is not None:
+            self.join_extend(self.in_flight)
+
+    def join_extend(self, step) -> None:
+        """Move the requests of ``step``'s EXTEND batch that will decode into the running batch
+        (once): not the chunked request, not prefill-only ones, not finished ones (a mixed step
+        can hold requests the step before finished)."""
+        batch = step.batch
+        if step.joined_running or not batch.forward_mode.is_extend():
+            return
+        step.joined_running = True
+        batch.filter_batch([i for i, r in enumerate(batch.reqs) if r is not batch.chunked_req
+                            and r.sampling_params.max_new_tokens != 0 and not r.finished()])
+        batch.chunked_req = None
+        if self.running_batch is None or self.running_batch.is_empty():
+            self.running_batch = batch
+        else:
+            self.running_batch.merge_batch(batch)
 
     def _collect_prompt_logprobs(self, batch, result) -> None:
         out = result.logits_output
@@ -82,7 +148,7 @@ class SchedulerOutputMixin:
                     top = list(zip(*tops[j])) if tops else []
                     req.prompt_logprobs.append((pos, value, top))
             end = prefix + extend
-            if req is self.chunked_req and end < len(full):
+            if req is batch.chunked_req and end < len(full):
                 logprobs = torch.log_softmax(out.next_token_logits[i].float(), dim=-1)
                 top = []
                 if req.top_logprobs_num:
@@ -141,7 +207,7 @@ class SchedulerOutputMixin:
         """Rank 0: push ``SchedulerStats`` to the HTTP process when they changed."""
         if self.send_socket is None:
             return
-        running = 0 if self.running_batch is None else self.running_batch.batch_size
+        running = sum(sum(not r.finished() for r in batch.reqs) for batch in self.running_batches())
         queued = len(self.waiting_queue) + (1 if self.chunked_req is not None else 0)
         stats = (running, queued, self.kv_used_tokens(), self.tree_cache.evictable_size())
         if stats != self.last_stats:

@@ -92,7 +92,7 @@ class SchedulerPolicyMixin:
         return self.update_running_batch()
 
     def _reserved_tokens(self) -> int:
-        reqs = [] if self.running_batch is None else self.running_batch.reqs
+        reqs = [req for batch in self.running_batches() for req in batch.reqs if not req.finished()]
         return sum(
             int(min(r.sampling_params.max_new_tokens - len(r.output_ids), self.max_req_len) * self.new_token_ratio)
             for r in reqs
@@ -165,7 +165,8 @@ class SchedulerPolicyMixin:
                 else:
                     self.chunked_req = req
             return None
-        batch = self.worker.new_batch(admitted)
+        batch = self.new_batch(admitted)
+        batch.chunked_req = self.chunked_req
         batch.prepare_for_extend()
         return batch
 
@@ -176,6 +177,8 @@ class SchedulerPolicyMixin:
             return None
         self.new_token_ratio = max(_MIN_NEW_TOKEN_RATIO, self.new_token_ratio - _NEW_TOKEN_RATIO_DECAY)
         while not self.ensure_free_slots(batch.batch_size):
+            if self.drain_in_flight():
+                continue  # overlap: the step in flight may finish requests (and retraction needs settled state)
             if batch.batch_size == 1:
                 # One request alone cannot grow: it is at the pool size (max_req_len clips it
                 # before that, so this is defensive).
@@ -186,6 +189,8 @@ class SchedulerPolicyMixin:
                 self.stream_output([req])
                 return None
             self.retract_one(batch)
+        if batch.is_empty():
+            return None
         batch.prepare_for_decode()
         return batch
 

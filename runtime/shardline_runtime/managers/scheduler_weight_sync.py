@@ -63,8 +63,7 @@ class SchedulerWeightSyncMixin:
         return self.paused_mode is not None or self.memory_saver.blocked_reason() is not None
 
     def holds_kv(self) -> bool:
-        running = self.running_batch is not None and not self.running_batch.is_empty()
-        return running or self.chunked_req is not None
+        return bool(self.running_batches()) or self.chunked_req is not None
 
     def send_serving_state(self) -> None:
         state = (self.memory_saver.blocked_reason(), self.paused_mode)
@@ -168,6 +167,8 @@ class SchedulerWeightSyncMixin:
             batch = self.running_batch
             while batch is not None and not batch.is_empty():
                 self.retract_one(batch)
+            if self.running_mbs is not None:  # pipeline micro-batch slots
+                self.retract_idle_slots()
             if self.chunked_req is not None:
                 req, self.chunked_req = self.chunked_req, None
                 self.release_req(req)

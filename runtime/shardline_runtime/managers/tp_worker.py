@@ -1,56 +1,101 @@
 """TpModelWorker: one TP rank's model worker, the interface the Scheduler drives (after SGLang).
 
-It owns the ``ModelRunner``, publishes the limits the scheduler plans with, turns a
-``ScheduleBatch`` into a ``ForwardBatch``, runs it and samples, and routes weight updates.
+Layering (the design notes)::
+
+    Scheduler --ModelWorkerBatch--> TpModelWorker --ForwardBatch--> ModelRunner
+              <-GenerationBatchResult--           <-GenerationBatchResult--
+
+The worker owns the ``ModelRunner``, publishes the limits the scheduler plans with, turns a
+``ModelWorkerBatch`` into a ``ForwardBatch`` and runs it through the runner's one step
+(``forward_and_sample``), and routes weight updates to the runner. It never sees a
+``ScheduleBatch``.
+
+Init order (the design notes'): model config -> ModelRunner (process group, weights, KV pools,
+backend, graphs) -> limits -> random-seed broadcast (from world rank 0 to every stage).
+
+Pipeline parallelism (the design notes' ``forward_batch_generation`` branch): every stage but
+the first receives the previous stage's ``PPProxyTensors`` first; every stage but the last sends
+its own to the next stage and returns them unsampled; the last stage samples and sends the ids
+(and logprobs) to every other stage, where :meth:`TpModelWorker.resolve_stage_outputs` receives
+them, so every rank appends the same tokens.
 
 Limits (tokens):
 - ``max_total_num_tokens``: KV-cache slots of this rank (minimum over ranks).
 - ``max_req_len = min(context_len - 1, max_total_num_tokens - 1)``: prompt + output of one request.
-- ``max_req_input_len = max_req_len - 1``: longest prompt (leaves room for one output token).
+- ``max_req_input_len = max_req_len - 1``: longest prompt (leaves room for one output token;
+  SGLang keeps 5, Shardline has no speculative tokens to reserve).
 - ``max_running_requests``: request rows (one row is kept for padded CUDA-graph rows).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from shardline_runtime.distributed import broadcast_pyobj
-from shardline_runtime.layers.sampler import Sampler, SamplerOutput
-from shardline_runtime.managers.schedule_batch import ScheduleBatch
-from shardline_runtime.model_executor.forward_batch_info import ForwardBatch
-from shardline_runtime.model_executor.model_runner import ModelRunner, ModelRunnerConfig
-from shardline_runtime.model_executor.weight_update import WeightsPhase, update_weights_from_disk
+from shardline_runtime.configs.model_config import ModelConfig
+from shardline_runtime.distributed import (
+    PendingSends,
+    broadcast_pyobj_world,
+    recv_pyobj,
+    recv_tensor_dict,
+    send_pyobj,
+    send_tensor_dict,
+)
+from shardline_runtime.managers.model_worker_batch import ModelWorkerBatch
+from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from shardline_runtime.model_executor.forward_batch_info import PPProxyTensors
+from shardline_runtime.model_executor.generation_result import GenerationBatchResult
+from shardline_runtime.model_executor.model_runner import (
+    ModelRunner,
+    ModelRunnerConfig,
+    resolve_device,
+)
+from shardline_runtime.model_executor.weight_update import WeightsPhase
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class GenerationBatchResult:
-    """Outcome of one ``forward_batch_generation`` call for a batch of ``bs`` requests.
-
-    Attributes:
-        logits_output: the model's ``LogitsProcessorOutput`` (``next_token_logits`` (bs, vocab)
-            float32; ``input_token_logprobs`` etc. when prompt logprobs were asked).
-        forward_batch: the ``ForwardBatch`` that ran.
-        next_token_ids: (bs,) int64 on CPU; -1 for rows that sampled nothing (intermediate
-            chunks, prefill-only requests). ``None`` until sampled (delayed sampling).
-        next_token_logprobs: per row, the raw logprob of the sampled token, or ``None``.
-        next_token_top_logprobs: per row, ``(values, token_ids)`` or ``None``.
-    """
-
-    logits_output: Any
-    forward_batch: ForwardBatch
-    next_token_ids: torch.Tensor | None = None
-    next_token_logprobs: list[float | None] = field(default_factory=list)
-    next_token_top_logprobs: list[tuple[list[float], list[int]] | None] = field(default_factory=list)
+__all__ = ["BaseTpWorker", "GenerationBatchResult", "TpModelWorker"]
 
 
-class TpModelWorker:
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
+
+
+class BaseTpWorker(ABC):
+    """What every TP worker offers the scheduler (SGLang's ``BaseTpWorker``)."""
+
+    @abstractmethod
+    def forward_batch_generation(self, model_worker_batch: ModelWorkerBatch) -> GenerationBatchResult:
+        """Run one prepared step and sample; see :meth:`TpModelWorker.forward_batch_generation`."""
+
+    @property
+    @abstractmethod
+    def model_runner(self) -> ModelRunner:
+        """The rank's ``ModelRunner``."""
+
+    @property
+    def sliding_window_size(self) -> int | None:
+        """The model's sliding attention window in tokens, or None (from the runner)."""
+        return self.model_runner.sliding_window_size
+
+    @property
+    def req_to_token_pool(self) -> ReqToTokenPool:
+        return self.model_runner.req_to_token_pool
+
+    @property
+    def token_to_kv_pool_allocator(self) -> TokenToKVPoolAllocator:
+        return self.model_runner.token_to_kv_pool_allocator
+
+
+class TpModelWorker(BaseTpWorker):
     """The model side of one TP rank.
 
     Args:
@@ -58,28 +103,55 @@ class TpModelWorker:
             plus ``revision``).
         tp_rank: this process's TP rank.
         model_runner: an already built runner (tests); default builds one.
+        pp_rank: this process's pipeline stage.
 
     Raises:
-        whatever ``ModelRunner`` raises (bad config, bad checkpoint, no memory).
+        ModelConfigError: a bad config.json (before any weight is read).
+        ValueError: the limits leave no room for a prompt.
+        whatever ``ModelRunner`` raises (bad checkpoint, no memory).
     """
 
-    def __init__(self, server_args: Any, tp_rank: int = 0, model_runner: ModelRunner | None = None):
+    def __init__(self, server_args: Any, tp_rank: int = 0, model_runner: ModelRunner | None = None, pp_rank: int = 0):
         self.server_args = server_args
         self.tp_rank = tp_rank
-        if model_runner is None:
-            model_runner = ModelRunner(ModelRunnerConfig.from_server_args(server_args, tp_rank))
-        self.model_runner = model_runner
-        self.model_config = model_runner.model_config
-        self.tp_size = model_runner.tp_size
-        self.device = model_runner.device
-        # Rank 0's seed everywhere, so unseeded sampling draws the same numbers on every rank.
-        self.random_seed = broadcast_pyobj(int(getattr(server_args, "random_seed", 0)))
+        self.pp_rank = pp_rank
+        self.pending_sends = PendingSends()  # stage-to-stage sends still in flight
+        self._init_model_config(model_runner)
+        self._init_model_runner(model_runner)
+        self._init_limits()
+        # World rank 0's seed on every rank of every stage, so unseeded sampling draws the same numbers.
+        self.random_seed = broadcast_pyobj_world(int(getattr(server_args, "random_seed", 0)))
         torch.manual_seed(self.random_seed)
-        if self.tp_size > 1:
-            self.sampler = Sampler(broadcast=self._broadcast_token_ids)
-        else:
-            self.sampler = Sampler()
-        self.max_total_num_tokens = model_runner.max_total_num_tokens
+        self.model_path = self.model_config.model_path
+        self.weights_revision = getattr(server_args, "revision", None)
+        self.weights_phase = WeightsPhase.SERVING
+        self.weight_version = str(getattr(server_args, "weight_version", "default"))
+        self.weight_sync_groups: dict[str, Any] = {}
+
+    def _init_model_config(self, model_runner: ModelRunner | None) -> None:
+        if model_runner is not None:
+            self.model_config = model_runner.model_config
+            return
+        config = ModelRunnerConfig.from_server_args(self.server_args, self.tp_rank, self.pp_rank)
+        self.model_config = ModelConfig.from_pretrained(
+            config.model_path, dtype=config.dtype, context_length=config.context_length,
+            device_type=resolve_device(config.device, config.local_rank).type,
+        )
+
+    def _init_model_runner(self, model_runner: ModelRunner | None) -> None:
+        if model_runner is None:
+            model_runner = ModelRunner(ModelRunnerConfig.from_server_args(self.server_args, self.tp_rank, self.pp_rank),
+                                       model_config=self.model_config)
+        self._model_runner = model_runner
+        self.model_config = model_runner.model_config  # the loaded model's (same values)
+        self.tp_size = model_runner.tp_size
+        self.pp_rank = getattr(model_runner, "pp_rank", self.pp_rank)
+        self.pp_size = getattr(model_runner, "pp_size", 1)
+        self.device = model_runner.device
+
+    def _init_limits(self) -> None:
+        runner = self.model_runner
+        self.max_total_num_tokens = runner.max_total_num_tokens
         self.max_req_len = min(self.model_config.context_len - 1, self.max_total_num_tokens - 1)
         self.max_req_input_len = self.max_req_len - 1
         if self.max_req_input_len < 1:
@@ -87,17 +159,12 @@ class TpModelWorker:
                 f"max_total_num_tokens {self.max_total_num_tokens} / context length {self.model_config.context_len} "
                 "leave no room for a prompt; raise --max-total-tokens or --context-length"
             )
-        rows_free = model_runner.req_to_token_pool.available_size()
-        self.max_running_requests = min(int(getattr(server_args, "max_running_requests", rows_free)), rows_free)
-        self.model_path = self.model_config.model_path
-        self.weights_revision = getattr(server_args, "revision", None)
-        self.weights_phase = WeightsPhase.SERVING
-        self.weight_version = str(getattr(server_args, "weight_version", "default"))
-        self.weight_sync_groups: dict[str, Any] = {}
+        rows_free = runner.req_to_token_pool.available_size()
+        self.max_running_requests = min(int(getattr(self.server_args, "max_running_requests", rows_free)), rows_free)
 
-    @staticmethod
-    def _broadcast_token_ids(ids: torch.Tensor) -> None:
-        ids.copy_(torch.tensor(broadcast_pyobj(ids.tolist()), dtype=ids.dtype))
+    @property
+    def model_runner(self) -> ModelRunner:
+        return self._model_runner
 
     def get_worker_info(self) -> dict[str, Any]:
         """Limits and identity for the scheduler and ``/get_server_info``."""
@@ -110,74 +177,68 @@ class TpModelWorker:
             "context_len": self.model_config.context_len,
             "vocab_size": self.model_config.vocab_size,
             "device": str(self.device),
+            "is_generation": self.model_runner.is_generation,
             "model_path": self.model_path,
             "weights_revision": self.weights_revision,
             "weights_phase": self.weights_phase.value,
             "weight_version": self.weight_version,
         }
 
-    @property
-    def req_to_token_pool(self):
-        return self.model_runner.req_to_token_pool
-
-    @property
-    def token_to_kv_pool_allocator(self):
-        return self.model_runner.token_to_kv_pool_allocator
-
-    def new_batch(self, reqs: list) -> ScheduleBatch:
-        """A ``ScheduleBatch`` over this worker's pools, vocabulary and device."""
-        return ScheduleBatch(
-            reqs, self.req_to_token_pool, self.token_to_kv_pool_allocator, self.model_config.vocab_size, self.device
-        )
-
-    def forward_batch_generation(self, batch: ScheduleBatch, skip_sample: bool = False) -> GenerationBatchResult:
-        """Run the prepared step of ``batch`` and sample one token per request that needs one.
-
-        Args:
-            batch: prepared with ``prepare_for_extend`` / ``prepare_for_decode``.
-            skip_sample: delayed-sampling hook (overlap scheduling): return after the forward;
-                call :meth:`sample` later with the result.
+    def forward_batch_generation(self, model_worker_batch: ModelWorkerBatch) -> GenerationBatchResult:
+        """Run one prepared step and sample one token per request that wants one.
 
         Returns:
-            :class:`GenerationBatchResult`; requests with ``wants_token == False`` (intermediate
-            chunks, ``max_new_tokens == 0``) get -1 and can still return prompt logprobs.
+            :class:`GenerationBatchResult` (sampled ids and logprobs still on the device; the
+            caller calls ``copy_to_cpu()`` then ``wait()``). Requests that want no token
+            (intermediate chunks, ``max_new_tokens == 0``) get -1 and can still return prompt
+            logprobs.
         """
-        forward_batch = batch.get_forward_batch(self.model_runner)
-        logits_output = self.model_runner.forward(forward_batch)
-        result = GenerationBatchResult(logits_output=logits_output, forward_batch=forward_batch)
-        if not skip_sample:
-            self.sample(result, batch)
+        forward_batch = model_worker_batch.to_forward_batch(self.model_runner)
+        result = self.model_runner.forward_and_sample(forward_batch, self.recv_proxy_tensors())
+        if not self.is_last_stage:  # the ids come later (resolve_stage_outputs)
+            self.send_proxy_tensors(result.pp_hidden_states_proxy_tensors)
+        elif self.pp_size > 1:
+            self.send_stage_outputs(result.copy_to_cpu().wait())
         return result
 
-    def sample(self, result: GenerationBatchResult, batch: ScheduleBatch) -> GenerationBatchResult:
-        """Fill ``result.next_token_*`` for the rows that want a token; updates penalty counts."""
-        bs = batch.batch_size
-        rows = [i for i, req in enumerate(batch.reqs) if req.wants_token]
-        next_ids = torch.full((bs,), -1, dtype=torch.int64)
-        result.next_token_logprobs = [None] * bs
-        result.next_token_top_logprobs = [None] * bs
-        if rows:
-            info = batch.sampling_info if len(rows) == bs else batch.sampling_info.copy_rows(rows)
-            logits = result.logits_output.next_token_logits
-            if len(rows) < bs:
-                logits = logits[torch.tensor(rows, device=logits.device)]
-            want_logprob = [batch.reqs[i].return_logprob for i in rows]
-            top_nums = [batch.reqs[i].top_logprobs_num if batch.reqs[i].return_logprob else 0 for i in rows]
-            out: SamplerOutput = self.sampler(logits, info, any(want_logprob), top_nums if any(top_nums) else None)
-            sampled = out.next_token_ids
-            if batch.sampling_info.penalties is not None:
-                batch.sampling_info.penalties.cumulate_output_tokens(
-                    sampled, torch.tensor(rows, device=sampled.device)
-                )
-            sampled_cpu = sampled.cpu()
-            logprobs = out.next_token_logprobs.tolist() if out.next_token_logprobs is not None else None
-            for j, row in enumerate(rows):
-                next_ids[row] = sampled_cpu[j]
-                if want_logprob[j] and logprobs is not None:
-                    result.next_token_logprobs[row] = logprobs[j]
-                if top_nums[j] and out.top_logprobs_val is not None:
-                    result.next_token_top_logprobs[row] = (out.top_logprobs_val[j], out.top_logprobs_idx[j])
-        result.next_token_ids = next_ids
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def recv_proxy_tensors(self) -> PPProxyTensors | None:
+        """The previous stage's ``PPProxyTensors`` of this step (blocks); None on the first stage."""
+        if self.is_first_stage:
+            return None
+        return PPProxyTensors(recv_tensor_dict(self.pp_rank - 1, self.device))
+
+    def send_proxy_tensors(self, proxy: PPProxyTensors) -> None:
+        """Send this stage's ``PPProxyTensors`` to the next stage, without waiting."""
+        send_tensor_dict(proxy.tensors, self.pp_rank + 1, self.pending_sends)
+
+    def send_stage_outputs(self, result: GenerationBatchResult) -> None:
+        """Last stage: send the sampled ids and logprobs (host lists), and the logits object when
+        a request asked for prompt logprobs, to every other stage without waiting."""
+        batch = result.forward_batch
+        logits = result.logits_output if batch.return_logprob else None
+        if logits is not None:  # tensors travel pickled: move them off the device first
+            logits = type(logits)(**{k: _to_cpu(v) for k, v in vars(logits).items()})
+        payload = (result.next_token_ids.tolist(), result.next_token_logprobs, result.next_token_top_logprobs, logits)
+        for stage in range(self.pp_size - 1):
+            send_pyobj(payload, stage, self.pending_sends)
+
+    def resolve_stage_outputs(self, result: GenerationBatchResult) -> GenerationBatchResult:
+        """The step's sampled ids and logprobs on the host, on every stage: the last stage's own
+        (``copy_to_cpu().wait()``); the others receive them from the last stage, in step order."""
+        if result.pp_hidden_states_proxy_tensors is None:
+            return result.copy_to_cpu().wait()
+        ids, logprobs, tops, logits = recv_pyobj(self.pp_size - 1)
+        result.next_token_ids = torch.tensor(ids, dtype=torch.int64)
+        result.next_token_logprobs, result.next_token_top_logprobs = logprobs, tops
+        result.logits_output = logits
         return result
 
     def update_weights_from_disk(
@@ -185,11 +246,10 @@ class TpModelWorker:
         recapture_cuda_graph: bool = True,
         on_phase: Callable[[WeightsPhase], None] | None = None,
     ) -> tuple[bool, str]:
-        """Validate and load new weights in place on every rank; see ``weight_update.py``.
+        """Route an update from disk to ``ModelRunner.update_weights_from_disk`` (every rank).
 
         ``on_phase`` is called with each phase as it begins (``loading``, ``recapturing``, then
         ``serving`` or ``failed``), so the scheduler can report progress while this call runs.
-
         The caller (Scheduler) pauses admission, drains or aborts running requests first and
         flushes the prefix cache afterwards. Updates ``weights_phase``, ``weights_revision`` and
         ``model_path`` on success; on failure the old weights keep serving and
@@ -204,15 +264,19 @@ class TpModelWorker:
             if on_phase is not None:
                 on_phase(phase)
 
-        ok, message = update_weights_from_disk(
-            self.model_runner, model_path, load_format=load_format,
-            recapture_cuda_graph=recapture_cuda_graph, on_phase=set_phase,
+        ok, message = self.model_runner.update_weights_from_disk(
+            model_path, load_format, recapture_cuda_graph=recapture_cuda_graph, on_phase=set_phase,
         )
         if ok:
             self.model_path = model_path
             self.weights_revision = revision
         logger.info("[tp %d] update_weights_from_disk(%s): %s %s", self.tp_rank, model_path, ok, message)
         return ok, message
+
+    def update_cuda_graph_settings(self, cuda_graph_max_bs: int | None, disable: bool,
+                                   on_phase: Callable[[WeightsPhase], None] | None = None) -> None:
+        """New decode-graph settings from an update request; the runner rebuilds its graphs."""
+        self.model_runner.update_cuda_graph_settings(cuda_graph_max_bs, disable, on_phase)
 
     # ---- weight sync from a trainer (model_executor/weight_sync.py) ----------------------------
 
@@ -223,10 +287,13 @@ class TpModelWorker:
         return update_weights_from_safetensors(self.model_runner, data)
 
     def init_weights_update_group(self, msg: Any) -> tuple[bool, str]:
-        """Every rank joins ``msg.group_name`` as rank ``rank_offset + tp_rank`` (or none does)."""
+        """Every rank joins ``msg.group_name`` as rank ``rank_offset + world_rank`` (``world_rank =
+        pp_rank * tp_size + tp_rank``; just ``tp_rank`` without pipeline parallelism), or none does."""
         from shardline_runtime.distributed import all_reduce_min_int
         from shardline_runtime.distributed.weight_sync_group import (
-            WeightSyncGroupError, destroy_weights_update_group, init_weights_update_group,
+            WeightSyncGroupError,
+            destroy_weights_update_group,
+            init_weights_update_group,
         )
 
         group, reason = None, ""
@@ -235,7 +302,8 @@ class TpModelWorker:
         else:
             try:
                 group = init_weights_update_group(
-                    msg.master_address, msg.master_port, msg.rank_offset + self.tp_rank, msg.world_size,
+                    msg.master_address, msg.master_port, msg.rank_offset + self.pp_rank * self.tp_size + self.tp_rank,
+                    msg.world_size,
                     msg.group_name, msg.backend, msg.timeout_s, self.device,
                 )
             except WeightSyncGroupError as exc:

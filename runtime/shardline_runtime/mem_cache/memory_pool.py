@@ -78,11 +78,13 @@ class TokenToKVPool:
 
     Args:
         size: usable slots (tokens); buffers have ``size + 1`` rows, row 0 being the dummy slot.
-        num_layers: transformer layers.
+        num_layers: transformer layers this pool holds (a pipeline stage's own layers only).
         num_kv_heads_per_rank: KV heads this TP rank holds.
         head_dim: per-head dimension.
         dtype: element dtype of the cache (the KV cache dtype: the model dtype, or an fp8 type).
         device: where the buffers live.
+        start_layer: global index of the first layer held (a pipeline stage's ``start_layer``);
+            methods take global layer ids ``start_layer .. start_layer + num_layers - 1``.
 
     Attributes:
         k_buffer_head_major, v_buffer_head_major: lists of ``num_layers`` contiguous tensors
@@ -101,6 +103,7 @@ class TokenToKVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        start_layer: int = 0,
     ):
         if size < 1 or num_layers < 1 or num_kv_heads_per_rank < 1 or head_dim < 1:
             raise ValueError(
@@ -109,6 +112,7 @@ class TokenToKVPool:
             )
         self.size = size
         self.num_layers = num_layers
+        self.start_layer = start_layer
         self.num_kv_heads = num_kv_heads_per_rank
         self.head_dim = head_dim
         self.dtype = dtype
@@ -130,18 +134,20 @@ class TokenToKVPool:
         return sum(b.numel() * b.element_size() for b in self.k_buffer + self.v_buffer)
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.k_buffer[layer_id]
+        return self.k_buffer[layer_id - self.start_layer]
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.v_buffer[layer_id]
+        return self.v_buffer[layer_id - self.start_layer]
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a layer as (size + 1, heads, head_dim) views."""
-        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+        i = layer_id - self.start_layer
+        return self.k_buffer[i], self.v_buffer[i]
 
     def get_kv_buffer_head_major(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V storage of a layer: contiguous (heads, size + 1, head_dim)."""
-        return self.k_buffer_head_major[layer_id], self.v_buffer_head_major[layer_id]
+        i = layer_id - self.start_layer
+        return self.k_buffer_head_major[i], self.v_buffer_head_major[i]
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       k_scale: float = 1.0, v_scale: float = 1.0) -> None:
@@ -154,8 +160,9 @@ class TokenToKVPool:
                 cast to the cache dtype; fp8 values are clamped to the type's finite range first
                 (a plain cast of a larger value gives NaN).
         """
-        self.k_buffer[layer_id][loc] = self._quantize(k, k_scale)
-        self.v_buffer[layer_id][loc] = self._quantize(v, v_scale)
+        i = layer_id - self.start_layer
+        self.k_buffer[i][loc] = self._quantize(k, k_scale)
+        self.v_buffer[i][loc] = self._quantize(v, v_scale)
 
     def _quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         if scale != 1.0:

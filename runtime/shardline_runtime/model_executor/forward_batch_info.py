@@ -48,6 +48,25 @@ class ForwardMode(IntEnum):
         return self == ForwardMode.SPLIT_PREFILL
 
 
+class PPProxyTensors:
+    """What one pipeline stage hands the next (SGLang's ``PPProxyTensors``): named tensors, by
+    default ``hidden_states`` (T, hidden_size) and ``residual`` (T, hidden_size) in the model
+    dtype, after the stage's last layer. Models return it from a stage that is not the last and
+    take it on a stage that is not the first; ``TpModelWorker`` sends and receives it."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __repr__(self) -> str:
+        return f"PPProxyTensors({ {k: tuple(v.shape) for k, v in self.tensors.items()} })"
+
+
 def _as_int64(name: str, value: Any, device: torch.device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         if value.dtype not in (torch.int32, torch.int64):
@@ -71,7 +90,10 @@ class ForwardBatch:
       (``cached_len``) per request, EXTEND only; ``*_cpu`` are the same as Python lists.
     - ``extend_logprob_start_lens_cpu``: per request, the offset inside this step's new tokens
       from which prompt logprobs are returned (only read when ``return_logprob``).
-    - ``top_logprobs_nums``: per request, how many top prompt logprobs per position (0 = none).
+    - ``top_logprobs_nums``: per request, how many top logprobs (prompt and sampled) per
+      position (0 = none).
+    - ``wants_token``: per request, whether sampling draws a token for it (``None``: every row).
+    - ``return_logprobs``: per request, whether the sampled token's logprob is returned.
     - ``split_forward_start_layer`` / ``split_forward_end_layer``: layer range [start, end) of a
       SPLIT_PREFILL step.
     """
@@ -95,6 +117,8 @@ class ForwardBatch:
     top_logprobs_nums: list[int] | None = None
     extend_logprob_start_lens_cpu: list[int] | None = None
     sampling_info: Any = None
+    wants_token: list[bool] | None = None
+    return_logprobs: list[bool] | None = None
     split_forward_start_layer: int | None = None
     split_forward_end_layer: int | None = None
     # Hidden states carried between SPLIT_PREFILL calls: (T, hidden_size) and the residual.
@@ -127,6 +151,8 @@ class ForwardBatch:
         top_logprobs_nums: list[int] | None = None,
         extend_logprob_start_lens: list[int] | None = None,
         sampling_info: Any = None,
+        wants_token: list[bool] | None = None,
+        return_logprobs: list[bool] | None = None,
         split_forward_start_layer: int | None = None,
         split_forward_end_layer: int | None = None,
         device: torch.device | str | None = None,
@@ -146,6 +172,12 @@ class ForwardBatch:
         if device is None:
             device = getattr(model_runner, "device", "cpu")
         device = torch.device(device)
+        # host copies from the host inputs (reading them back from the device would wait for it)
+        seq_lens_cpu = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else [int(n) for n in seq_lens]
+        prefix_cpu = None
+        if extend_prefix_lens is not None:
+            prefix_cpu = (extend_prefix_lens.tolist() if isinstance(extend_prefix_lens, torch.Tensor)
+                          else [int(n) for n in extend_prefix_lens])
         input_ids = _as_int64("input_ids", input_ids, device)
         req_pool_indices = _as_int64("req_pool_indices", req_pool_indices, device)
         seq_lens = _as_int64("seq_lens", seq_lens, device)
@@ -157,17 +189,16 @@ class ForwardBatch:
             raise ValueError(
                 f"out_cache_loc has {out_cache_loc.shape[0]} slots but input_ids has {input_ids.shape[0]} tokens"
             )
-        seq_lens_cpu = seq_lens.tolist()
         extend_seq_lens = extend_seq_lens_cpu = extend_prefix_lens_cpu = None
         if forward_mode.is_extend():
             if extend_prefix_lens is None:
-                extend_prefix_lens = torch.zeros(bs, dtype=torch.int64, device=device)
+                extend_prefix_lens, prefix_cpu = torch.zeros(bs, dtype=torch.int64, device=device), [0] * bs
             extend_prefix_lens = _as_int64("extend_prefix_lens", extend_prefix_lens, device)
             if extend_prefix_lens.shape[0] != bs:
                 raise ValueError(f"extend_prefix_lens has {extend_prefix_lens.shape[0]} entries, batch size is {bs}")
             extend_seq_lens = seq_lens - extend_prefix_lens
-            extend_seq_lens_cpu = extend_seq_lens.tolist()
-            extend_prefix_lens_cpu = extend_prefix_lens.tolist()
+            extend_prefix_lens_cpu = prefix_cpu
+            extend_seq_lens_cpu = [s - p for s, p in zip(seq_lens_cpu, prefix_cpu)]
             if any(n <= 0 for n in extend_seq_lens_cpu):
                 raise ValueError(f"every request must extend by >= 1 token; extend_seq_lens = {extend_seq_lens_cpu}")
             if sum(extend_seq_lens_cpu) != input_ids.shape[0]:
@@ -214,6 +245,8 @@ class ForwardBatch:
             top_logprobs_nums=top_logprobs_nums,
             extend_logprob_start_lens_cpu=extend_logprob_start_lens,
             sampling_info=sampling_info,
+            wants_token=wants_token,
+            return_logprobs=return_logprobs,
             split_forward_start_layer=split_forward_start_layer,
             split_forward_end_layer=split_forward_end_layer,
         )

@@ -11,10 +11,11 @@ After SGLang's ``ModelRunner.update_weights_from_tensor`` / ``update_weights_fro
    the extra memory by sending buckets). A distributed update still drains the broadcast after
    a failed check, so the trainer is never left blocked; a broken broadcast (dead trainer) ends
    within the group's timeout.
-3. **Agree**: ``all_reduce_min`` of a success flag over the TP group. Any failure on any rank
+3. **Agree**: ``all_reduce_min`` of a success flag over every rank of every pipeline stage. Any failure on any rank
    leaves every rank on its old weights.
 4. **Load** through each parameter's ``weight_loader``, so every rank cuts its own TP shard,
-   copying into the existing storage (same addresses: captured graphs stay valid).
+   copying into the existing storage (same addresses: captured graphs stay valid). A pipeline
+   stage loads the tensors of its own layers (``stage_weights``) and skips the others.
 
 Names are checkpoint (HuggingFace) names, as a trainer's ``model.named_parameters()`` gives them:
 ``model.layers.0.self_attn.q_proj.weight``, not the fused ``qkv_proj``.
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from shardline_runtime.distributed import all_gather_pyobj, all_reduce_min_int
+from shardline_runtime.distributed import all_gather_pyobj_world, all_reduce_min_int
 from shardline_runtime.model_executor.weight_update import WeightUpdateError
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.
     """
     params = dict(model.named_parameters())
     loaded = []
-    for name, tensor in named:
+    for name, tensor in model.stage_weights(named):
         resolved = _resolve(model, params, name)
         if resolved is None:
             continue
@@ -123,7 +124,7 @@ def _agree(reason: str, what: str) -> tuple[bool, str]:
     ok = all_reduce_min_int(0 if reason else 1) == 1
     if ok:
         return True, ""
-    return False, f"{what} failed; old weights kept. {reason or 'rejected on another tensor-parallel rank (see its log)'}"
+    return False, f"{what} failed; old weights kept. {reason or 'rejected on another tensor-parallel rank or pipeline stage (see its log)'}"
 
 
 def update_weights_from_safetensors(model_runner: Any, data: bytes) -> tuple[bool, str, list[str]]:
@@ -213,7 +214,8 @@ def update_weights_from_distributed(
 @torch.no_grad()
 def get_weights_by_name(model_runner: Any, name: str, truncate_size: int = 100) -> list:
     """The first ``truncate_size`` rows of checkpoint tensor ``name`` as the full (unsharded)
-    tensor, gathered from every TP rank (each rank calls it). Values as Python floats.
+    tensor, gathered from every rank (each rank calls it; with pipeline parallelism the ranks of
+    the stage that holds ``name`` contribute). Values as Python floats.
 
     Each rank finds which full-tensor elements its shard holds by running the parameter's own
     ``weight_loader`` on a tensor of element indices, so the inverse of every sharding layout
@@ -232,7 +234,7 @@ def get_weights_by_name(model_runner: Any, name: str, truncate_size: int = 100) 
     if name not in shapes:
         raise WeightUpdateError(f"parameter {name}: no such parameter in the serving model")
     full_shape = shapes[name]
-    param, args = _resolve(model, dict(model.named_parameters()), name)
+    held = [n for n, _ in model.stage_weights([(name, None)])]  # [] on a stage without it
     row = 1
     for size in full_shape[1:]:
         row *= size
@@ -241,13 +243,17 @@ def get_weights_by_name(model_runner: Any, name: str, truncate_size: int = 100) 
         raise WeightUpdateError(
             f"truncate_size {truncate_size} of {name} (rows of {row} values) would return {limit} values; "
             f"ask for at most {max(1, MAX_RETURNED_ELEMENTS // row)} rows")
-    where = torch.zeros(param.shape, dtype=torch.int64)
-    index = torch.arange(1, row * full_shape[0] + 1, dtype=torch.int64).view(full_shape)
-    param.weight_loader(where, index, *args)
-    mine = (where > 0) & (where <= limit)
-    positions = (where[mine] - 1).tolist()
-    values = param.data.detach().cpu().float()[mine].tolist()
+    positions, values = [], []
+    resolved = _resolve(model, dict(model.named_parameters()), held[0]) if held else None
+    if resolved is not None:
+        param, args = resolved
+        where = torch.zeros(param.shape, dtype=torch.int64)
+        index = torch.arange(1, row * full_shape[0] + 1, dtype=torch.int64).view(full_shape)
+        param.weight_loader(where, index, *args)
+        mine = (where > 0) & (where <= limit)
+        positions = (where[mine] - 1).tolist()
+        values = param.data.detach().cpu().float()[mine].tolist()
     out = torch.zeros(limit, dtype=torch.float64)
-    for pos, val in all_gather_pyobj((positions, values)):
+    for pos, val in all_gather_pyobj_world((positions, values)):
         out[torch.tensor(pos, dtype=torch.int64)] = torch.tensor(val, dtype=torch.float64)
     return out.view((limit // row,) + tuple(full_shape[1:])).tolist()

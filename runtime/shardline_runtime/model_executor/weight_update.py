@@ -124,7 +124,8 @@ def load_candidate(model_runner: Any, model_path: str, load_format: str = "auto"
     def same_expert_placement(candidate: torch.nn.Module) -> None:
         copy_expert_placement(model_runner.model, candidate)
 
-    return new_config, load_model(new_config, model_path, torch.device("cpu"), prepare=same_expert_placement)
+    return new_config, load_model(new_config, model_path, torch.device("cpu"), prepare=same_expert_placement,
+                                  stage=getattr(model_runner, "pipeline_stage", None))
 
 
 def compare_models(live_config: Any, live_model: torch.nn.Module, new_config: Any, new_model: torch.nn.Module) -> None:
@@ -177,13 +178,16 @@ def copy_weights_in_place(live_model: torch.nn.Module, new_model: torch.nn.Modul
 def update_weights_from_disk(
     model_runner: Any,
     model_path: str,
-    load_format: str = "auto",
-    recapture_cuda_graph: bool = False,
+    load_format: str,
+    *,
+    recapture_cuda_graph: bool,
     on_phase: Callable[[WeightsPhase], None] | None = None,
 ) -> tuple[bool, str]:
     """Replace ``model_runner``'s weights by those in ``model_path``, in place, on every rank.
 
-    Every TP rank must call this together (it runs one collective).
+    Every rank of every pipeline stage must call this together (it runs one collective over the
+    whole world, so a checkpoint rejected on any stage leaves every stage's weights untouched).
+    The one caller is ``ModelRunner.update_weights_from_disk`` (which holds the defaults).
 
     Args:
         model_runner: the live ``ModelRunner`` (``model``, ``model_config``, ``config``,
@@ -211,7 +215,7 @@ def update_weights_from_disk(
     if not all_ok:
         phase(WeightsPhase.FAILED)
         if not reason:
-            reason = "the new checkpoint was rejected on another tensor-parallel rank (see its log)"
+            reason = "the new checkpoint was rejected on another tensor-parallel rank or pipeline stage (see its log)"
         return False, f"update_weights_from_disk({model_path}) failed; old weights kept. {reason}"
     copied = copy_weights_in_place(model_runner.model, new_model)
     del new_model

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from shardline_runtime.configs.model_config import ModelConfig
+from shardline_runtime.configs.pipeline_stage import PipelineStage
 from shardline_runtime.model_loader.checkpoint_files import TensorInfo, discover_checkpoint, iterate_weights
 from shardline_runtime.models.registry import get_model_class
 
@@ -29,22 +30,24 @@ def resolve_tying(model_config: ModelConfig, tensors: dict[str, TensorInfo]) -> 
     return dataclasses.replace(model_config, tie_word_embeddings=False)
 
 
-def build_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
-    """Instantiate the architecture's model (uninitialised weights) on ``device`` in its dtype."""
+def build_model(model_config: ModelConfig, device: torch.device, stage: PipelineStage | None = None) -> nn.Module:
+    """Instantiate the architecture's model (uninitialised weights) on ``device`` in its dtype;
+    with a pipeline ``stage``, only the parts that stage owns."""
     cls = get_model_class(model_config.architecture)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:
         with torch.device(device):
-            model = cls(model_config)
+            model = cls(model_config, stage=stage or PipelineStage())
     finally:
         torch.set_default_dtype(previous)
     return model.eval()
 
 
 def load_model(model_config: ModelConfig, model_path: str, device: torch.device,
-               prepare: Callable[[nn.Module], None] | None = None) -> nn.Module:
-    """Check the files (fails fast on a missing/short shard), build the model, load weights.
+               prepare: Callable[[nn.Module], None] | None = None, stage: PipelineStage | None = None) -> nn.Module:
+    """Check the files (fails fast on a missing/short shard), build the model, load weights
+    (only the pipeline ``stage``'s, when given: its layers, embedding / norm / LM head).
 
     The model's ``config`` attribute is the config it was built with (see :func:`resolve_tying`).
     ``prepare(model)`` runs between building and loading (a weight update gives a candidate MoE
@@ -54,9 +57,11 @@ def load_model(model_config: ModelConfig, model_path: str, device: torch.device,
         CheckpointError: file problems or a missing/unexpected/duplicate parameter.
     """
     tensors = discover_checkpoint(model_path)
-    model = build_model(resolve_tying(model_config, tensors), device)
+    model = build_model(resolve_tying(model_config, tensors), device, stage)
     if prepare is not None:
         prepare(model)
+    if stage is not None and stage.pp_size > 1:  # read only the tensors this stage holds
+        tensors = {n: info for n, info in tensors.items() if any(True for _ in model.stage_weights([(n, None)]))}
     with torch.no_grad():
         model.load_weights(iterate_weights(tensors))
     return model

@@ -6,6 +6,13 @@ row-parallel output projections, so each block does exactly two all-reduces (in 
 ``down_proj``). Parameter names follow the HuggingFace checkpoint, with ``q/k/v_proj`` stacked
 into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj`` at load time. Qwen2, Qwen3 and
 Mistral reuse these blocks (see their modules). This file never imports ``torch.distributed``.
+
+Pipeline parallelism: the model is built for one :class:`PipelineStage` (default: the whole
+model). It creates the decoder layers of its range only (the others are :class:`PPMissingLayer`,
+so ``model.layers.<i>`` keeps its global index and checkpoint name), the embedding on the first
+stage and the final norm and LM head on the last. A stage that is not the last returns
+:class:`PPProxyTensors`; one that is not the first starts from the ones it is given. The stage
+is handed in by the ModelRunner; the model never asks ``torch.distributed`` for its rank.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import torch
 from torch import nn
 
 from shardline_runtime.configs.model_config import ModelConfig
+from shardline_runtime.configs.pipeline_stage import PipelineStage
 from shardline_runtime.layers.activation import SiluAndMul
 from shardline_runtime.layers.layernorm import RMSNorm
 from shardline_runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -23,6 +31,7 @@ from shardline_runtime.layers.logits_processor import LogitsProcessor, LogitsPro
 from shardline_runtime.layers.radix_attention import RadixAttention
 from shardline_runtime.layers.rotary_embedding import get_rope
 from shardline_runtime.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from shardline_runtime.model_executor.forward_batch_info import PPProxyTensors
 from shardline_runtime.models.weight_loading import load_named_weights
 
 
@@ -104,31 +113,50 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+class PPMissingLayer(nn.Module):
+    """Placeholder for a module another pipeline stage owns: no parameters, never called."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this module belongs to another pipeline stage")
+
+
 class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm; with a ``stage``, only those it owns."""
+
     layer_cls = LlamaDecoderLayer
 
-    def __init__(self, config: ModelConfig, layer_cls: type[LlamaDecoderLayer] | None = None):
+    def __init__(self, config: ModelConfig, layer_cls: type[LlamaDecoderLayer] | None = None,
+                 stage: PipelineStage | None = None):
         super().__init__()
         layer_cls = layer_cls or self.layer_cls
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([layer_cls(config, i) for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        stage = stage or PipelineStage()
+        n = config.num_hidden_layers
+        self.start_layer, self.end_layer = stage.start_layer, stage.end(n)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if stage.is_first else PPMissingLayer()
+        self.layers = nn.ModuleList([
+            layer_cls(config, i) if self.start_layer <= i < self.end_layer else PPMissingLayer() for i in range(n)
+        ])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else PPMissingLayer()
 
 
 class LlamaForCausalLM(nn.Module):
     """Causal LM: ``forward(input_ids, positions, forward_batch) -> LogitsProcessorOutput``.
 
     With ``tie_word_embeddings`` the LM head *is* the embedding module (one parameter), and a
-    stored ``lm_head.weight`` is ignored, as transformers does.
+    stored ``lm_head.weight`` is ignored, as transformers does. When the first and last pipeline
+    stages differ, the last stage has its own LM head and loads the embedding's weights into it.
     """
 
     layer_cls = LlamaDecoderLayer
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, stage: PipelineStage | None = None):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.layer_cls)
-        if config.tie_word_embeddings:
+        self.stage = stage or PipelineStage()
+        self.model = LlamaModel(config, self.layer_cls, self.stage)
+        if not self.stage.is_last:
+            self.lm_head = PPMissingLayer()
+        elif config.tie_word_embeddings and self.stage.is_first:
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
@@ -139,23 +167,30 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch,
-                input_embeds: torch.Tensor | None = None) -> LogitsProcessorOutput | None:
-        """Runs layers ``[split_forward_start_layer, split_forward_end_layer)`` (all by default);
-        returns None when the range stops before the last layer (states kept on the batch).
-        ``input_embeds`` (T, hidden_size), when given, replaces the token embedding."""
-        n = len(self.model.layers)
-        start = forward_batch.split_forward_start_layer or 0
-        end = forward_batch.split_forward_end_layer if forward_batch.split_forward_end_layer is not None else n
+                input_embeds: torch.Tensor | None = None,
+                pp_proxy_tensors: PPProxyTensors | None = None) -> LogitsProcessorOutput | PPProxyTensors | None:
+        """Runs this stage's layers, or ``[split_forward_start_layer, split_forward_end_layer)``
+        of them; returns None when a split range stops before the stage's last layer (states kept
+        on the batch), :class:`PPProxyTensors` on a stage that is not the last, else the logits.
+        ``input_embeds`` (T, hidden_size), when given, replaces the token embedding (first stage);
+        ``pp_proxy_tensors`` are the previous stage's output (every other stage)."""
+        first, last = self.model.start_layer, self.model.end_layer
+        start = forward_batch.split_forward_start_layer if forward_batch.split_forward_start_layer is not None else first
+        end = forward_batch.split_forward_end_layer if forward_batch.split_forward_end_layer is not None else last
         if start == 0:
             hidden_states = self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds  # (T, hidden)
             residual = None
+        elif start == first and pp_proxy_tensors is not None:
+            hidden_states, residual = pp_proxy_tensors["hidden_states"], pp_proxy_tensors["residual"]
         else:
             hidden_states, residual = forward_batch.split_hidden_states, forward_batch.split_residual
         for layer in self.model.layers[start:end]:
             hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
-        if end < n:
+        if end < last:
             forward_batch.split_hidden_states, forward_batch.split_residual = hidden_states, residual
             return None
+        if not self.stage.is_last:
+            return PPProxyTensors({"hidden_states": hidden_states, "residual": residual})  # (T, hidden) each
         if residual is None:
             hidden_states = self.model.norm(hidden_states)
         else:
@@ -204,12 +239,33 @@ class LlamaForCausalLM(nn.Module):
     def ignored_checkpoint_names(self) -> tuple[str, ...]:
         """Checkpoint names that are not parameters (skipped silently)."""
         names = ("rotary_emb.inv_freq", ".k_scale", ".v_scale")  # KV scales: model_executor/kv_cache_dtype.py
-        return names + (("lm_head.weight",) if self.config.tie_word_embeddings else ())
+        head_is_embedding = self.config.tie_word_embeddings and self.stage.is_first
+        return names + (("lm_head.weight",) if head_is_embedding else ())
+
+    def stage_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint tensors this pipeline stage holds: its layers, the embedding on the
+        first stage, the norm and LM head on the last (a tied last stage that is not the first
+        takes the embedding as ``lm_head.weight``). Everything passes without a pipeline."""
+        stage, tied_head = self.stage, self.config.tie_word_embeddings and not self.stage.is_first
+        for name, tensor in weights:
+            if name.startswith("model.layers."):
+                if self.model.start_layer <= int(name.split(".")[2]) < self.model.end_layer:
+                    yield name, tensor
+            elif name.startswith("model.embed_tokens."):
+                if stage.is_first:
+                    yield name, tensor
+                if stage.is_last and tied_head:
+                    yield name.replace("model.embed_tokens.", "lm_head."), tensor
+            elif name.startswith(("model.norm.", "lm_head.")):
+                if stage.is_last and not (tied_head and name.startswith("lm_head.")):
+                    yield name, tensor
+            else:
+                yield name, tensor
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load full checkpoint tensors; each parameter takes its TP shard.
+        """Load full checkpoint tensors of this stage; each parameter takes its TP shard.
 
         Raises:
             CheckpointError: unexpected, duplicate or missing parameter, or wrong shape (named).
         """
-        load_named_weights(self, weights, self.stacked_params_mapping, self.ignored_checkpoint_names())
+        load_named_weights(self, self.stage_weights(weights), self.stacked_params_mapping, self.ignored_checkpoint_names())

@@ -94,6 +94,7 @@ class MoeForCausalLM(LlamaForCausalLM):
             CheckpointError: unexpected, duplicate or missing parameter or expert, or wrong shape.
         """
         block = f".{self.moe_block_name}."
+        weights = self.stage_weights(weights)
         if block != ".mlp.":
             weights = ((name.replace(block, ".mlp."), t) for name, t in weights)
         load_named_weights(self, weights, self.stacked_params_mapping, self.ignored_checkpoint_names(),
