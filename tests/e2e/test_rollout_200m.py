@@ -75,6 +75,7 @@ def test_in_place_rollout_of_200m_params_under_traffic_fails_no_request(fleet):
         assert info["weights_revision"] == "rev-b", (pod, info)
         update = info["last_weight_update"]
         assert update["success"] and update["model_path"] == str(fleet["revisions"]["rev-b"]), (pod, update)
-        assert update["load_seconds"] >= 1.0, f"{pod} loaded 810 MB in {update['load_seconds']}s: not the case under test"
+        assert update["load_seconds"] >= 1.0, (  # else raise RECIPE's num_hidden_layers in large_model.py
+            f"{pod} loaded 810 MB in {update['load_seconds']:.2f}s: not the seconds-long load this test is about")
     status = client.get(f"/apis/shardline.dev/v1alpha1/namespaces/{ns}/inferencedeployments/{NAME}")["status"]
     assert [g.get("weightsDigest") for g in status["groups"]] == [new_digests.pop()] * 2, status["groups"]
