@@ -8,19 +8,17 @@ it rolls back; a Restart rollout back to rev-a. Every step: 0 failed requests.
 """
 from __future__ import annotations
 
-import json
 import time
 import uuid
 
 import httpx
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from hack.scenario.examples import tp2_example
+from hack.scenario import rollout_fleet
 from hack.scenario.models import write_revisions
-from hack.scenario.operator_install import OPERATOR_NAMESPACE, install_operator, operator_logs
-from hack.scenario.status_watch import StatusWatcher
+from hack.scenario.operator_install import OPERATOR_NAMESPACE, install_operator
+from hack.scenario.rollout_fleet import apply, two_group_doc
 from hack.scenario.traffic import Traffic
 from tests.kube_fixtures import agent_nodes_only
 
@@ -33,20 +31,12 @@ READY_TIMEOUT = 420
 def fleet(kube_cluster):
     revisions = write_revisions()
     install_operator(kube_cluster)
-    _, doc = tp2_example()
     ns = f"e2e-roll-{uuid.uuid4().hex[:6]}"
-    kube_cluster.kubectl("create", "namespace", ns, check=False)
-    doc = json.loads(json.dumps(doc))
-    doc["metadata"] = {"name": "roll", "namespace": ns}
-    doc["spec"]["replicas"] = 2
-    doc["spec"]["parallelism"] = {"tensor": 1, "gpusPerPod": 1}
-    doc["spec"]["model"].update(path=str(revisions["rev-a"]), revision="rev-a")
-    client = kube_cluster.client()
-    watch = StatusWatcher(client, ns, "roll").start()
+    doc = two_group_doc(ns, "roll", str(revisions["rev-a"]), "rev-a")
     with agent_nodes_only(kube_cluster):
-        kube_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
-        state = {"cluster": kube_cluster, "ns": ns, "client": client, "watch": watch, "revisions": revisions,
-                 "model": doc["spec"]["model"]["name"]}
+        watch = apply(kube_cluster, doc)
+        state = {"cluster": kube_cluster, "ns": ns, "client": kube_cluster.client(), "watch": watch,
+                 "revisions": revisions, "model": doc["spec"]["model"]["name"]}
         wait_ready(state, "rev-a", 0)
         yield state
     watch.stop()
@@ -54,14 +44,11 @@ def fleet(kube_cluster):
 
 
 def wait_ready(fleet, revision: str, since: int):
-    return fleet["watch"].wait(
-        lambda s: s.phase == "Ready" and s.served_revision == revision and s.ready_replicas == 2
-        and s.observed_generation == s.generation, READY_TIMEOUT, f"Ready on {revision}", since)
+    return rollout_fleet.wait_ready(fleet["watch"], revision, since, READY_TIMEOUT)
 
 
 def patch(fleet, spec: dict) -> None:
-    fleet["cluster"].kubectl("patch", "infd", "roll", "-n", fleet["ns"], "--type", "merge",
-                             "-p", json.dumps({"spec": spec}))
+    rollout_fleet.patch(fleet["cluster"], fleet["ns"], "roll", spec)
 
 
 def traffic(fleet) -> Traffic:
@@ -69,8 +56,7 @@ def traffic(fleet) -> Traffic:
 
 
 def diagnostics(fleet) -> str:
-    history = "\n".join(s.line() for s in fleet["watch"].history[-40:])
-    return f"{history}\n{operator_logs(fleet['cluster'])[-4000:]}"
+    return rollout_fleet.diagnostics(fleet["cluster"], fleet["watch"])
 
 
 def operator_sample(fleet, name: str) -> float:
