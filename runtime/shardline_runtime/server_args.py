@@ -262,6 +262,7 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
         description="Serve a model with Shardline's tensor-parallel runtime (OpenAI-compatible HTTP API).",
         add_help=add_help,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,  # "--pp-s 1" in spec.runtime.args must not override the rendered --pp-size
     )
     d = ServerArgs.__dataclass_fields__
 

@@ -36,6 +36,10 @@ def test_overlap_schedule_is_on_by_default_and_the_flag_turns_it_off():
         ("--mem-fraction-static", "1.5", "--mem-fraction-static: must be in (0.0, 1.0]"),
         ("--dist-init-addr", "nohostport", "--dist-init-addr: must be HOST:PORT"),
         ("--node-rank", "x", "--node-rank: must be an integer"),
+        ("--pp-size", "0", "--pp-size: must be in [1, inf], got 0"),
+        # no abbreviations: spec.runtime.args ["--pp-s", "1"] would override the operator's --pp-size
+        ("--pp-s", "1", "unrecognized arguments: --pp-s 1"),
+        ("--tp", "2", "unrecognized arguments: --tp 2"),
     ],
 )
 def test_bad_flag_values_name_the_flag(flag, value, fragment, capsys):
