@@ -69,12 +69,18 @@ def test_frozen():
         args.port = 1  # type: ignore[misc]
 
 
-def test_cli_writes_termination_log(tmp_path):
+@pytest.mark.parametrize("argv, fragment", [
+    (["--nnodes", "2", "--tp-size", "2"], "--dist-init-addr"),
+    # an argparse error: its message (naming the flag), not only "see the container log"
+    (["--pp-size", "0"], "invalid arguments: shardline-runtime serve: error: argument --pp-size: must be in [1, inf], got 0"),
+])
+def test_cli_writes_termination_log(tmp_path, argv, fragment):
     log = tmp_path / "termination-log"
     proc = subprocess.run(
-        [sys.executable, "-m", "shardline_runtime", "serve", "--model-path", "/m", "--nnodes", "2", "--tp-size", "2"],
+        [sys.executable, "-m", "shardline_runtime", "serve", "--model-path", "/m", *argv],
         env={"SHARDLINE_TERMINATION_LOG": str(log), "PYTHONPATH": "runtime", "PATH": "/usr/bin:/bin"},
         capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 2
-    assert "--dist-init-addr" in log.read_text()
+    assert fragment in log.read_text()
+    assert "shardline-runtime serve: error:" in proc.stderr  # the message still reaches the container log
