@@ -147,6 +147,22 @@ def test_server_args_pipeline_flags():
         ServerArgs(model_path="/m", pp_size=2, pp_layer_partition="a,b")
 
 
+def test_max_running_requests_counts_every_micro_batch_slot(tiny_checkpoint):
+    """--max-running-requests caps the requests of all slots together, not of each slot (one
+    process with two micro-batch slots: the admission rule of a pp=2 stage, without the stages)."""
+    scheduler = pp_harness.make_scheduler(tiny_checkpoint("llama"), loop_size=2, max_running_requests=1)
+    step, peak = scheduler.pp_step, []
+
+    def counted_step():
+        step()
+        peak.append(len({id(r) for b in scheduler.running_batches() for r in b.reqs if not r.finished()}))
+
+    scheduler.pp_step = counted_step
+    outputs = pp_harness.drive(scheduler, [requests(n=4)])
+    assert max(peak) == 1
+    assert sorted(len(ids) for ids in outputs.values()) == [4, 4, 4]
+
+
 def test_node_ranks_map_to_stage_and_tp_rank():
     from shardline_runtime.distributed import rank_layout, tp_ranks_of_node
 

@@ -5,7 +5,8 @@ Policy (first come, first served, as SGLang's default ``fcfs``):
 - A step runs an EXTEND batch when requests wait (the continuing chunk of a chunked prefill
   first), else a DECODE step of the running batch; a finished EXTEND joins the running batch,
   so new requests enter decoding while others are mid-generation (continuous batching).
-- Admission stops at ``max_running_requests``, at ``max_prefill_tokens`` prompt tokens per
+- Admission stops at ``max_running_requests`` (all pipeline micro-batch slots together, and
+  ``max(max_running_requests // slots, 1)`` per slot), at ``max_prefill_tokens`` prompt tokens per
   step, and when the KV pool (free + evictable prefix-cache slots) cannot hold the new tokens
   plus a reserve for the running requests' future tokens (``new_token_ratio`` x their remaining
   ``max_new_tokens``, as SGLang estimates it; the ratio rises after a retraction and decays).
@@ -102,7 +103,13 @@ class SchedulerPolicyMixin:
         """Form an EXTEND batch from the chunked request and (when ``admit_new``) the waiting
         queue, or None. ``started_only`` admits only requests that already have output tokens
         (retracted ones), in queue order."""
-        running = 0 if self.running_batch is None else self.running_batch.batch_size
+        # --max-running-requests caps every running batch together: with pipeline parallelism the
+        # other micro-batch slots' and the batches still in flight through the stages count too.
+        # Each slot also takes at most max(max_running_requests // slots, 1), as SGLang's
+        # pp_max_micro_batch_size, so one slot cannot take them all and leave the stages idle.
+        running = len({id(r) for b in self.running_batches() for r in b.reqs if r is not self.chunked_req})
+        slot_running = 0 if self.running_batch is None else self.running_batch.batch_size
+        per_slot = max(self.max_running_requests // len(self.running_mbs or [None]), 1)
         if self.chunked_req is None and (not self.waiting_queue or not admit_new):
             return None
         budget_tokens = self.max_prefill_tokens
@@ -118,7 +125,8 @@ class SchedulerPolicyMixin:
             if _is_partial(req):
                 self.chunked_req = req
         while admit_new and self.waiting_queue and self.chunked_req is None:
-            if running + len(admitted) >= self.max_running_requests or budget_tokens <= 0:
+            if (running + len(admitted) >= self.max_running_requests or slot_running + len(admitted) >= per_slot
+                    or budget_tokens <= 0):
                 break
             if len(admitted) >= self.req_to_token_pool.available_size():
                 break
