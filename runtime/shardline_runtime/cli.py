@@ -6,6 +6,8 @@ line is written to the termination log (``termination_log.py``).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 from typing import Sequence
 
@@ -25,11 +27,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from shardline_runtime.server_args import ServerArgs, ServerArgsError
 
+    usage_errors = io.StringIO()
     try:
-        args = ServerArgs.from_cli(argv[1:])
+        with contextlib.redirect_stderr(usage_errors):  # argparse's message, for the termination log too
+            args = ServerArgs.from_cli(argv[1:])
     except SystemExit as exc:
+        sys.stderr.write(usage_errors.getvalue())
         if exc.code not in (0, None):
-            write_termination_log("invalid arguments: see the container log for the argparse message")
+            lines = usage_errors.getvalue().strip().splitlines()
+            # e.g. "shardline-runtime serve: error: argument --pp-size: must be in [1, inf], got 0"
+            write_termination_log(f"invalid arguments: {lines[-1] if lines else 'see the container log'}")
         raise
     except ServerArgsError as exc:
         print(f"shardline-runtime serve: error: {exc}", file=sys.stderr)

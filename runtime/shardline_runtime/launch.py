@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import multiprocessing as mp
 import shutil
@@ -27,12 +28,14 @@ import signal
 import socket
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from shardline_runtime.configs.pipeline_stage import PipelineLayoutError, layer_partition
 from shardline_runtime.termination_log import write_termination_log
 from shardline_runtime.entrypoints.auth import guard
 from shardline_runtime.lora.lora_config import parse_lora_paths
@@ -224,6 +227,24 @@ def _full_app(args: ServerArgs, info, input_addr: str, output_addr: str, state: 
     return build_app(tm, args, metrics, state)
 
 
+def _pipeline_layout_error(args: ServerArgs) -> str | None:
+    """The layer split checked against ``config.json`` before ``tp x pp / nnodes`` processes are
+    spawned (``--pp-size 64`` on a 2-layer model must not start 64 processes to learn it; each
+    rank checks again with the full config). None when it fits or config.json is unreadable here
+    (the ranks then report why)."""
+    if args.pp_size == 1 and not args.pp_layer_partition:
+        return None
+    try:
+        layers = int(json.loads((Path(args.model_path) / "config.json").read_text())["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        layer_partition(layers, args.pp_size, args.pp_layer_partition)
+    except PipelineLayoutError as exc:
+        return f"PipelineLayoutError: {exc}"
+    return None
+
+
 def launch_server(args: ServerArgs) -> int:
     """Run the pod's processes until SIGTERM (returns 0) or a failure (returns 1)."""
     configure_logging(args.log_level, f"[node {args.node_rank}]")
@@ -236,6 +257,11 @@ def launch_server(args: ServerArgs) -> int:
         message = f"cannot listen on --host {args.host} --port {args.port}: {exc}"
         logger.error(message)
         write_termination_log(message)
+        return 1
+    layout_error = _pipeline_layout_error(args)
+    if layout_error is not None:
+        logger.error("%s", layout_error)
+        write_termination_log(layout_error)
         return 1
     if args.world_size > 1 and args.nnodes == 1 and not args.dist_init_addr:
         args = dataclasses.replace(args, dist_init_addr=f"127.0.0.1:{free_port()}")

@@ -262,6 +262,7 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
         description="Serve a model with Shardline's tensor-parallel runtime (OpenAI-compatible HTTP API).",
         add_help=add_help,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,  # "--pp-s 1" in spec.runtime.args must not override the rendered --pp-size
     )
     d = ServerArgs.__dataclass_fields__
 
@@ -304,7 +305,7 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
     mem.add_argument("--max-prefill-tokens", type=_int_range("--max-prefill-tokens", 1), default=default("max_prefill_tokens"), help="Maximum prompt tokens of all requests in one prefill step.")
     mem.add_argument("--disable-radix-cache", action="store_true", help="Disable the prefix (radix) cache.")
     mem.add_argument("--enable-mixed-chunk", action="store_true", help="Run the running requests' decode in the same forward as a prefill (one step instead of two).")
-    mem.add_argument("--disable-overlap-schedule", action="store_true", help="Process each step's result before preparing the next step (default: the next step is prepared and launched while the current one computes; off with --enable-lora).")
+    mem.add_argument("--disable-overlap-schedule", action="store_true", help="Process each step's result before preparing the next step (default: the next step is prepared and launched while the current one computes; off with --enable-lora and with --pp-size > 1, whose micro-batches keep the stages busy instead).")
 
     e = p.add_argument_group("experts (MoE models)")
     e.add_argument("--ep-num-redundant-experts", type=_int_range("--ep-num-redundant-experts", 0), default=default("ep_num_redundant_experts"), help="Extra physical expert slots per MoE layer for EPLB replicas; num_experts + this must be divisible by --ep-size.")

@@ -32,9 +32,21 @@ PIPELINE = {"tensor": 2, "pipeline": 2, "gpusPerPod": 1}
      "pipelineLayerPartition must give one layer count per pipeline stage"),
     ({"parallelism": {"tensor": 1, "pipeline": 2, "pipelineLayerPartition": [2, 0]}},
      "spec.parallelism.pipelineLayerPartition[1]"),
+    ({"parallelism": {"tensor": 2, "pipeline": -1}}, "spec.parallelism.pipeline"),
+    ({"parallelism": {"tensor": 2, "pipeline": "2"}}, "spec.parallelism.pipeline"),
+    ({"parallelism": {"tensor": 2, "pipeline": 3, "gpusPerPod": 4}},
+     "tensor x spec.parallelism.pipeline must be a multiple of spec.parallelism.gpusPerPod"),
+    ({"parallelism": {"tensor": 4, "pipeline": 2, "expert": 3}}, "spec.parallelism.expert must divide spec.parallelism.tensor"),
+    ({"parallelism": {"tensor": 1, "pipeline": 2, "pipelineLayerPartition": [-1, 3]}},
+     "spec.parallelism.pipelineLayerPartition[0]"),
+    ({"parallelism": {"tensor": 1, "pipeline": 64, "pipelineLayerPartition": [1] * 65}},
+     "spec.parallelism.pipelineLayerPartition: Too many"),
+    ({"parallelism": {"tensor": 1, "pipelineLayerPartition": [1, 1]}},  # pipeline defaults to 1
+     "pipelineLayerPartition must give one layer count per pipeline stage"),
     ({"parallelism": {"tensor": 1, "pipeline": 2}, "loraAdapters": [{"name": "a", "path": "/adapters/a"}]},
      "spec.loraAdapters are not served with spec.parallelism.pipeline > 1"),
     ({"runtime": {"image": "r:1", "args": ["--pp-size", "2"]}}, "must not set a flag the operator renders"),
+    ({"runtime": {"image": "r:1", "args": ["--pp-layer-partition=1,1"]}}, "must not set a flag the operator renders"),
 ])
 def test_api_server_rejects_invalid_pipeline_specs(op, change, message):  # noqa: F811
     proc = op.apply(deployment("invalid", **change), check=False, dry_run=True)

@@ -88,6 +88,30 @@ def test_fewer_layers_than_stages_reaches_the_termination_log(tiny_checkpoint, t
     assert "[tp 0 pp 0] PipelineLayoutError: the model has 1 layers but --pp-size is 2" in log.read_text()
 
 
+@pytest.mark.parametrize("pp_size, partition, message", [
+    (1000, (), "the model has 2 layers but --pp-size is 1000"),
+    (2, (1, 2), "--pp-layer-partition 1,2 must give 2 stages"),
+])
+def test_launcher_rejects_a_bad_layer_split_before_spawning_any_rank(
+        tiny_checkpoint, tmp_path, monkeypatch, pp_size, partition, message):
+    """--pp-size 1000 on a 2-layer model must not start 1000 scheduler processes to find out."""
+    from shardline_runtime import launch
+    from shardline_runtime.launch import free_port, launch_server
+    from shardline_runtime.server_args import ServerArgs
+
+    def spawned(*_):
+        raise AssertionError("scheduler processes were spawned for a layer split that cannot work")
+
+    log = tmp_path / "termination-log"
+    monkeypatch.setenv("SHARDLINE_TERMINATION_LOG", str(log))
+    monkeypatch.setattr(launch, "_spawn_schedulers", spawned)
+    monkeypatch.setattr("shardline_runtime.termination_log._written", False)  # one line per process
+    args = ServerArgs(model_path=str(tiny_checkpoint("llama")), pp_size=pp_size, pp_layer_partition=partition,
+                      device="cpu", port=free_port())
+    assert launch_server(args) == 1
+    assert log.read_text().startswith(f"PipelineLayoutError: {message}")
+
+
 def test_stage_model_holds_only_its_layers_and_loads_only_its_weights(tiny_checkpoint):
     from safetensors.torch import load_file
 
@@ -121,6 +145,22 @@ def test_server_args_pipeline_flags():
         ServerArgs(model_path="/m", pp_size=3, nnodes=2, dist_init_addr="h:1")
     with pytest.raises(ServerArgsError, match="comma-separated layer counts"):
         ServerArgs(model_path="/m", pp_size=2, pp_layer_partition="a,b")
+
+
+def test_max_running_requests_counts_every_micro_batch_slot(tiny_checkpoint):
+    """--max-running-requests caps the requests of all slots together, not of each slot (one
+    process with two micro-batch slots: the admission rule of a pp=2 stage, without the stages)."""
+    scheduler = pp_harness.make_scheduler(tiny_checkpoint("llama"), loop_size=2, max_running_requests=1)
+    step, peak = scheduler.pp_step, []
+
+    def counted_step():
+        step()
+        peak.append(len({id(r) for b in scheduler.running_batches() for r in b.reqs if not r.finished()}))
+
+    scheduler.pp_step = counted_step
+    outputs = pp_harness.drive(scheduler, [requests(n=4)])
+    assert max(peak) == 1
+    assert sorted(len(ids) for ids in outputs.values()) == [4, 4, 4]
 
 
 def test_node_ranks_map_to_stage_and_tp_rank():

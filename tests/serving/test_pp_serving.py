@@ -69,3 +69,16 @@ def test_pp2_weight_update_in_place_over_http(pp2_pods, serving_checkpoint_b):
     assert reply["success"] is True, reply
     assert node0.get("/get_server_info").json()["weights_revision"] == "b"
     assert _generate_all(node0, 8) == _reference(serving_checkpoint_b, 8)
+
+
+@pytest.mark.slow
+def test_pp2_weight_sync_group_counts_every_stage_rank(pp2_pods):
+    """world_size 2 with rank_offset 1 leaves no rank for stage 1 (engine ranks are tp x pp = 2):
+    a 400 naming world_size at once, not a rendezvous that cannot complete."""
+    node0, _ = pp2_pods
+    body = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
+            "group_name": "too-small", "backend": "gloo", "timeout_s": 5}
+    reply = node0.post("/init_weights_update_group", body)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "world_size" and "tp_size x pp_size (1 x 2)" in error["message"], error

@@ -36,6 +36,10 @@ def test_overlap_schedule_is_on_by_default_and_the_flag_turns_it_off():
         ("--mem-fraction-static", "1.5", "--mem-fraction-static: must be in (0.0, 1.0]"),
         ("--dist-init-addr", "nohostport", "--dist-init-addr: must be HOST:PORT"),
         ("--node-rank", "x", "--node-rank: must be an integer"),
+        ("--pp-size", "0", "--pp-size: must be in [1, inf], got 0"),
+        # no abbreviations: spec.runtime.args ["--pp-s", "1"] would override the operator's --pp-size
+        ("--pp-s", "1", "unrecognized arguments: --pp-s 1"),
+        ("--tp", "2", "unrecognized arguments: --tp 2"),
     ],
 )
 def test_bad_flag_values_name_the_flag(flag, value, fragment, capsys):
@@ -65,12 +69,18 @@ def test_frozen():
         args.port = 1  # type: ignore[misc]
 
 
-def test_cli_writes_termination_log(tmp_path):
+@pytest.mark.parametrize("argv, fragment", [
+    (["--nnodes", "2", "--tp-size", "2"], "--dist-init-addr"),
+    # an argparse error: its message (naming the flag), not only "see the container log"
+    (["--pp-size", "0"], "invalid arguments: shardline-runtime serve: error: argument --pp-size: must be in [1, inf], got 0"),
+])
+def test_cli_writes_termination_log(tmp_path, argv, fragment):
     log = tmp_path / "termination-log"
     proc = subprocess.run(
-        [sys.executable, "-m", "shardline_runtime", "serve", "--model-path", "/m", "--nnodes", "2", "--tp-size", "2"],
+        [sys.executable, "-m", "shardline_runtime", "serve", "--model-path", "/m", *argv],
         env={"SHARDLINE_TERMINATION_LOG": str(log), "PYTHONPATH": "runtime", "PATH": "/usr/bin:/bin"},
         capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 2
-    assert "--dist-init-addr" in log.read_text()
+    assert fragment in log.read_text()
+    assert "shardline-runtime serve: error:" in proc.stderr  # the message still reaches the container log

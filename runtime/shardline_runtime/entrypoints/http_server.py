@@ -211,7 +211,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
                              "recapture_seconds": out.recapture_seconds},
                             status_code=200 if out.success else 400)
 
-    add_weight_sync_routes(app, tm, metrics, error_response, server_args.tp_size)
+    add_weight_sync_routes(app, tm, metrics, error_response, server_args.tp_size, server_args.pp_size)
 
     @app.post("/abort_request")
     async def abort_request(body: AbortRequest):

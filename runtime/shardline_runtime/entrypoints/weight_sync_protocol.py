@@ -21,7 +21,8 @@ Dimension = Annotated[int, Field(ge=0)]
 
 
 class InitWeightsUpdateGroupRequest(BaseModel):
-    """``POST /init_weights_update_group``: engine TP rank ``r`` joins as ``rank_offset + r``."""
+    """``POST /init_weights_update_group``: engine rank ``r = pp_rank * tp_size + tp_rank`` joins as
+    ``rank_offset + r``."""
 
     model_config = _STRICT
 

@@ -43,9 +43,10 @@ from shardline_runtime.managers.io_struct import (
 from shardline_runtime.managers.tokenizer_manager import RequestValidationError, TokenizerManager
 
 
-def add_weight_sync_routes(app: FastAPI, tm: TokenizerManager, metrics: Any, error_response, tp_size: int) -> None:
+def add_weight_sync_routes(app: FastAPI, tm: TokenizerManager, metrics: Any, error_response, tp_size: int,
+                           pp_size: int = 1) -> None:
     """Register the routes on ``app`` (``error_response(status, message)`` builds 503s;
-    ``tp_size`` engine ranks join a weight-sync group)."""
+    ``tp_size x pp_size`` engine ranks join a weight-sync group)."""
 
     async def call(req: Any, **extra: Any) -> JSONResponse:
         out = await tm.control_request(req)
@@ -63,10 +64,10 @@ def add_weight_sync_routes(app: FastAPI, tm: TokenizerManager, metrics: Any, err
 
     @app.post("/init_weights_update_group", include_in_schema=False)
     async def init_weights_update_group(body: InitWeightsUpdateGroupRequest):
-        if body.rank_offset + tp_size > body.world_size:
+        if body.rank_offset + tp_size * pp_size > body.world_size:  # every rank of every stage joins
             raise RequestValidationError(
-                f"world_size {body.world_size} is too small for rank_offset {body.rank_offset} + tp_size "
-                f"{tp_size} engine ranks", "world_size")
+                f"world_size {body.world_size} is too small for rank_offset {body.rank_offset} + tp_size x pp_size "
+                f"({tp_size} x {pp_size}) engine ranks", "world_size")
         return await call(InitWeightsUpdateGroupReqInput(
             body.master_address, body.master_port, body.rank_offset, body.world_size, body.group_name,
             body.backend, body.timeout_s))

@@ -3,7 +3,8 @@
 
 Policy (first come, first served, as SGLang's default ``fcfs``):
 
-- Admission stops at ``max_running_requests``, at ``max_prefill_tokens`` prompt tokens per
+- Admission stops at ``max_running_requests`` (all pipeline micro-batch slots together, and
+  ``max(max_running_requests // slots, 1)`` per slot), at ``max_prefill_tokens`` prompt tokens per
   step, and when the KV pool (free + evictable prefix-cache slots) cannot hold the new tokens
   plus a reserve for the running requests' future tokens (``new_token_ratio`` x their remaining
   ``max_new_tokens``, as SGLang estimates it; the ratio rises after a retraction and decays).
@@ -94,8 +95,8 @@ class PrefillAdder:
         cache: the rank's :class:`CacheManager` (matched, locked; nothing is allocated here).
         running_reqs: the requests decoding now (their reserve is held back).
         num_running: requests counted against ``max_running_requests`` (default: all of
-            ``running_reqs``; a pipeline micro-batch slot counts only its own running batch,
-            while the KV reserve covers every slot's requests).
+            ``running_reqs``; the scheduler raises it with pipeline micro-batches so that the
+            per-slot cap holds too).
 
     Attributes:
         can_run_list: admitted requests, in order.

@@ -246,11 +246,19 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin
         # A pending weight update pauses admission, but a started chunked prefill must finish,
         # and so must requests retracted after they began generating on the old weights (else
         # they would end on the new ones: one response, two revisions).
-        # The KV reserve covers every running request (all pipeline micro-batch slots); the
-        # max_running_requests count is the current slot's running batch (as SGLang's PP loop).
-        running = [r for batch in self.running_batches() for r in batch.reqs if not r.finished()]
+        # The KV reserve covers every running request (all pipeline micro-batch slots and the
+        # batches in flight). --max-running-requests caps them all together, and each slot takes
+        # at most max(cap // slots, 1), as SGLang's pp_max_micro_batch_size, so one slot cannot
+        # take every request and leave the stages idle. The adder admits while
+        # num_running + admitted < cap, so num_running is set to make both caps hold.
+        batches = self.running_batches()
+        running = [r for batch in batches for r in batch.reqs if not r.finished()]
+        total = len({id(r) for batch in batches for r in batch.reqs if r is not self.chunked_req})
         in_slot = 0 if self.running_batch is None else self.running_batch.batch_size
-        batch = self.prefill_manager.schedule(running, started_only=self.pending_update is not None, num_running=in_slot)
+        cap = self.max_running_requests
+        per_slot = max(cap // len(self.running_mbs or [None]), 1)
+        batch = self.prefill_manager.schedule(running, started_only=self.pending_update is not None,
+                                              num_running=max(total, in_slot + cap - per_slot))
         if batch is not None:
             mixed = self.decode_manager.take_for_mix() if self.server_args.enable_mixed_chunk else None
             if mixed is not None:
