@@ -15,6 +15,8 @@ def from_rfc3339(text: str | None) -> float | None:
     if not text:
         return None
     try:
-        return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
+        return (
+            datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
+        )
     except ValueError:
         return None

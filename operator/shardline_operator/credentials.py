@@ -14,7 +14,8 @@ import binascii
 import hashlib
 import re
 import secrets
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .spec import SpecError
 
@@ -40,7 +41,9 @@ def secret_value(secret: Mapping[str, Any], key: str) -> str | None:
         return None
 
 
-def api_key_from_secret(secret: Mapping[str, Any] | None, name: str, key: str, namespace: str) -> str:
+def api_key_from_secret(
+    secret: Mapping[str, Any] | None, name: str, key: str, namespace: str
+) -> str:
     """The API key in ``secret`` (``spec.auth.apiKeySecretRef``).
 
     Raises:
@@ -48,15 +51,21 @@ def api_key_from_secret(secret: Mapping[str, Any] | None, name: str, key: str, n
     """
     path = "spec.auth.apiKeySecretRef"
     if secret is None:
-        raise SpecError(f"{path}: Secret {name!r} not found in namespace {namespace!r}; create it, e.g. "
-                        f"kubectl create secret generic {name} --from-literal={key}=<key>")
+        raise SpecError(
+            f"{path}: Secret {name!r} not found in namespace {namespace!r}; create it, e.g. "
+            f"kubectl create secret generic {name} --from-literal={key}=<key>"
+        )
     value = secret_value(secret, key)
     if value is None:
         keys = sorted((secret.get("data") or {}).keys())
-        raise SpecError(f"{path}: Secret {name!r} has no key {key!r} (keys: {keys}); set {path}.key")
+        raise SpecError(
+            f"{path}: Secret {name!r} has no key {key!r} (keys: {keys}); set {path}.key"
+        )
     if not _KEY.match(value):
-        raise SpecError(f"{path}: the value of {name}/{key} must be one key, or several separated by commas, "
-                        "of 1-4096 printable ASCII characters without spaces (sent in an HTTP header)")
+        raise SpecError(
+            f"{path}: the value of {name}/{key} must be one key, or several separated by commas, "
+            "of 1-4096 printable ASCII characters without spaces (sent in an HTTP header)"
+        )
     return value
 
 

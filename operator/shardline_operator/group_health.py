@@ -10,8 +10,8 @@ CrashLoopBackOff; after ``maxGroupRestarts`` restarts the next failure marks the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Mapping
 
 from .observed import GroupObservation
 from .spec import RestartPolicySpec
@@ -61,7 +61,9 @@ def _problem(group: GroupObservation, record: GroupRecord) -> str | None:
     return None
 
 
-def decide(group: GroupObservation, record: GroupRecord, policy: RestartPolicySpec, now: float) -> HealthDecision:
+def decide(
+    group: GroupObservation, record: GroupRecord, policy: RestartPolicySpec, now: float
+) -> HealthDecision:
     """Decide what to do about group ``group`` given its bookkeeping ``record``.
 
     Returns the decision with the updated record (membership recorded once every rank exists,
@@ -73,7 +75,11 @@ def decide(group: GroupObservation, record: GroupRecord, policy: RestartPolicySp
     if problem is None:
         live = group.live_pods
         members = {p.name: p.uid for p in live}
-        if len(live) == group.size and len(group.pods) == group.size and members != dict(record.pod_uids):
+        if (
+            len(live) == group.size
+            and len(group.pods) == group.size
+            and members != dict(record.pod_uids)
+        ):
             record = replace(record, pod_uids=members)
         return HealthDecision("none", record)
     error_line = next((p.error_message for p in group.pods if p.error_message), None)

@@ -41,7 +41,9 @@ _OWNED = {labels.LABEL_DEPLOYMENT: kopf.PRESENT}
 OPERATOR_NAMESPACE_ENV = "SHARDLINE_OPERATOR_NAMESPACE"
 _context: Context | None = None
 _wakeups: dict[tuple[str, str], asyncio.Event] = {}
-_deleted: set[tuple[str, str]] = set()  # objects whose gauges were dropped: no pass may set them again
+_deleted: set[tuple[str, str]] = (
+    set()
+)  # objects whose gauges were dropped: no pass may set them again
 log = logging.getLogger(__name__)
 
 
@@ -51,11 +53,15 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     global _context
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=labels.API_GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=labels.API_GROUP, key="last-handled-configuration")
+        prefix=labels.API_GROUP, key="last-handled-configuration"
+    )
     settings.persistence.finalizer = f"{labels.API_GROUP}/finalizer"
     settings.posting.level = 20  # logging.INFO: Events for Normal transitions too
-    _context = Context(kube=KubeClient(), leaders=HttpLeaderClient(),
-                       operator_namespace=os.environ.get(OPERATOR_NAMESPACE_ENV) or None)
+    _context = Context(
+        kube=KubeClient(),
+        leaders=HttpLeaderClient(),
+        operator_namespace=os.environ.get(OPERATOR_NAMESPACE_ENV) or None,
+    )
 
 
 def wake(namespace: str | None, name: str | None) -> None:
@@ -93,8 +99,14 @@ def _pass(namespace: str, name: str) -> ReconcileResult | None:
 
 
 @kopf.daemon(*RESOURCE, cancellation_timeout=10.0)
-async def worker(body: kopf.Body, namespace: str | None, name: str, stopped: kopf.DaemonStopped,
-                 logger: kopf.Logger, **_: Any) -> None:
+async def worker(
+    body: kopf.Body,
+    namespace: str | None,
+    name: str,
+    stopped: kopf.DaemonStopped,
+    logger: kopf.Logger,
+    **_: Any,
+) -> None:
     """Run this object's passes until it is deleted or the operator stops."""
     assert namespace is not None  # InferenceDeployment is a namespaced resource
     key = (namespace, name)
@@ -117,7 +129,9 @@ async def worker(body: kopf.Body, namespace: str | None, name: str, stopped: kop
                 if exc.status == 404:
                     _forget(namespace, name)
                     return
-                logger.warning("API request failed, retrying in %.0f s: %s", ERROR_RETRY_SECONDS, exc)
+                logger.warning(
+                    "API request failed, retrying in %.0f s: %s", ERROR_RETRY_SECONDS, exc
+                )
                 delay = ERROR_RETRY_SECONDS
                 continue
             except Exception:  # noqa: BLE001  (a bug in one pass must not end the object's worker)
@@ -130,7 +144,9 @@ async def worker(body: kopf.Body, namespace: str | None, name: str, stopped: kop
             for kind, reason, message in result.events:
                 kopf.event(body, type=kind, reason=reason, message=message[:1024])
             delay = next_delay(result)
-            logger.debug("reconciled: phase=%s, next pass in %.1f s", result.status.get("phase"), delay)
+            logger.debug(
+                "reconciled: phase=%s, next pass in %.1f s", result.status.get("phase"), delay
+            )
     finally:
         if _wakeups.get(key) is wakeup:
             del _wakeups[key]
@@ -164,7 +180,9 @@ async def on_pod_event(namespace: str | None, body: kopf.Body, **_: Any) -> None
 async def on_statefulset_event(namespace: str | None, body: kopf.Body, **_: Any) -> None:
     """A StatefulSet of a deployment changed: reconcile the InferenceDeployment that owns it."""
     for owner in body.metadata.get("ownerReferences") or []:
-        if owner.get("kind") == labels.KIND and owner.get("apiVersion", "").startswith(f"{labels.API_GROUP}/"):
+        if owner.get("kind") == labels.KIND and owner.get("apiVersion", "").startswith(
+            f"{labels.API_GROUP}/"
+        ):
             wake(namespace, owner.get("name"))
             return
     wake(namespace, body.metadata.labels.get(labels.LABEL_DEPLOYMENT))

@@ -8,7 +8,8 @@ objects are plain dicts, as rendered.
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from kubernetes import client, config
 from kubernetes.config.config_exception import ConfigException
@@ -25,7 +26,9 @@ RESOURCES = {
     ("apps/v1", "StatefulSet"): ("/apis/apps/v1", "statefulsets"),
     ("policy/v1", "PodDisruptionBudget"): ("/apis/policy/v1", "poddisruptionbudgets"),
     (f"{labels.API_GROUP}/{labels.API_VERSION}", labels.KIND): (
-        f"/apis/{labels.API_GROUP}/{labels.API_VERSION}", labels.PLURAL),
+        f"/apis/{labels.API_GROUP}/{labels.API_VERSION}",
+        labels.PLURAL,
+    ),
 }
 
 
@@ -64,15 +67,28 @@ class KubeClient:
     def __init__(self, configuration: client.Configuration | None = None) -> None:
         self._api = client.ApiClient(configuration or load_configuration())
 
-    def request(self, method: str, path: str, query: Iterable[tuple[str, Any]] = (),
-                body: Any = None, content_type: str = "application/json") -> dict[str, Any]:
+    def request(
+        self,
+        method: str,
+        path: str,
+        query: Iterable[tuple[str, Any]] = (),
+        body: Any = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:
         """Send one request; returns the decoded JSON body ({} when empty)."""
         headers = {"Accept": "application/json", "Content-Type": content_type}
         method, url, headers, body, post = self._api.param_serialize(
-            method=method, resource_path=path, query_params=list(query) or None, header_params=headers,
-            body=body, auth_settings=["BearerToken"])
+            method=method,
+            resource_path=path,
+            query_params=list(query) or None,
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
         try:
-            response = self._api.call_api(method, url, headers, body, post, _request_timeout=REQUEST_TIMEOUT_SECONDS)
+            response = self._api.call_api(
+                method, url, headers, body, post, _request_timeout=REQUEST_TIMEOUT_SECONDS
+            )
             response.read()
         except client.ApiException as exc:
             raise KubeError(exc.status or 0, str(exc.body or exc.reason)) from exc
@@ -91,15 +107,23 @@ class KubeClient:
         """Server-side apply ``obj`` with field manager ``shardline-operator`` (force: we own these)."""
         meta = obj["metadata"]
         path = resource_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
-        return self.request("PATCH", path, [("fieldManager", labels.FIELD_MANAGER), ("force", "true")],
-                            body=obj, content_type="application/apply-patch+yaml")
+        return self.request(
+            "PATCH",
+            path,
+            [("fieldManager", labels.FIELD_MANAGER), ("force", "true")],
+            body=obj,
+            content_type="application/apply-patch+yaml",
+        )
 
     def create(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
         """Create ``obj``; None when an object of that name exists already (it is left as is)."""
         meta = obj["metadata"]
         try:
-            return self.request("POST", resource_path(obj["apiVersion"], obj["kind"], meta["namespace"]),
-                                body=dict(obj))
+            return self.request(
+                "POST",
+                resource_path(obj["apiVersion"], obj["kind"], meta["namespace"]),
+                body=dict(obj),
+            )
         except KubeError as exc:
             if exc.status == 409:
                 return None
@@ -114,14 +138,20 @@ class KubeClient:
                 return None
             raise
 
-    def list(self, api_version: str, kind: str, namespace: str, selector: Mapping[str, str]) -> list[dict[str, Any]]:
+    def list(
+        self, api_version: str, kind: str, namespace: str, selector: Mapping[str, str]
+    ) -> list[dict[str, Any]]:
         """Objects of ``kind`` in ``namespace`` matching the label ``selector``."""
-        reply = self.request("GET", resource_path(api_version, kind, namespace),
-                             [("labelSelector", labels.label_selector_string(dict(selector)))])
+        reply = self.request(
+            "GET",
+            resource_path(api_version, kind, namespace),
+            [("labelSelector", labels.label_selector_string(dict(selector)))],
+        )
         return list(reply.get("items") or [])
 
-    def delete(self, api_version: str, kind: str, namespace: str, name: str,
-               uid: str | None = None) -> bool:
+    def delete(
+        self, api_version: str, kind: str, namespace: str, name: str, uid: str | None = None
+    ) -> bool:
         """Delete one object (background propagation); False when it was already gone.
 
         With ``uid`` the deletion only happens if the object is still that incarnation.
@@ -137,17 +167,28 @@ class KubeClient:
             raise
         return True
 
-    def merge_patch(self, api_version: str, kind: str, namespace: str, name: str,
-                    patch: Mapping[str, Any], subresource: str | None = None) -> dict[str, Any]:
+    def merge_patch(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        patch: Mapping[str, Any],
+        subresource: str | None = None,
+    ) -> dict[str, Any]:
         """JSON merge patch of an object (or of its ``status`` subresource)."""
         path = resource_path(api_version, kind, namespace, name)
         if subresource:
             path = f"{path}/{subresource}"
-        return self.request("PATCH", path, body=dict(patch), content_type="application/merge-patch+json")
+        return self.request(
+            "PATCH", path, body=dict(patch), content_type="application/merge-patch+json"
+        )
 
     def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The ``InferenceDeployment`` as stored now, or None when it is gone."""
-        path = resource_path(f"{labels.API_GROUP}/{labels.API_VERSION}", labels.KIND, namespace, name)
+        path = resource_path(
+            f"{labels.API_GROUP}/{labels.API_VERSION}", labels.KIND, namespace, name
+        )
         try:
             return self.request("GET", path)
         except KubeError as exc:
@@ -155,7 +196,15 @@ class KubeClient:
                 return None
             raise
 
-    def patch_deployment_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> dict[str, Any]:
+    def patch_deployment_status(
+        self, namespace: str, name: str, status: Mapping[str, Any]
+    ) -> dict[str, Any]:
         """Merge-patch ``status`` of an ``InferenceDeployment`` (None values delete fields)."""
-        return self.merge_patch(f"{labels.API_GROUP}/{labels.API_VERSION}", labels.KIND, namespace, name,
-                                {"status": dict(status)}, subresource="status")
+        return self.merge_patch(
+            f"{labels.API_GROUP}/{labels.API_VERSION}",
+            labels.KIND,
+            namespace,
+            name,
+            {"status": dict(status)},
+            subresource="status",
+        )

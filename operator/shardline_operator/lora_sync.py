@@ -9,9 +9,10 @@ adapter, how many groups have it loaded and the last error a leader returned.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
-from typing import Any, Mapping, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 from .observed import GroupObservation
 from .rollout_executor import leader_url
@@ -54,8 +55,12 @@ class LoRAReport:
     pending: bool = False  # some leader could not be reached or refused: pass again soon
 
 
-def sync(desired: tuple[LoRAAdapterSpec, ...], groups: list[GroupObservation], client: LoRALeaderClient,
-         skip: AbstractSet[int] = frozenset()) -> LoRAReport:
+def sync(
+    desired: tuple[LoRAAdapterSpec, ...],
+    groups: list[GroupObservation],
+    client: LoRALeaderClient,
+    skip: AbstractSet[int] = frozenset(),
+) -> LoRAReport:
     """Bring every Ready leader (groups not in ``skip``, e.g. one updating weights) to ``desired``."""
     report = LoRAReport({a.name: 0 for a in desired})
     for group in groups:
@@ -95,7 +100,11 @@ def lora_status(desired: tuple[LoRAAdapterSpec, ...], report: LoRAReport) -> lis
     """``status.loraAdapters``: one entry per spec adapter, in spec order."""
     out = []
     for a in desired:
-        entry: dict[str, Any] = {"name": a.name, "path": a.path, "loadedGroups": report.loaded_groups.get(a.name, 0)}
+        entry: dict[str, Any] = {
+            "name": a.name,
+            "path": a.path,
+            "loadedGroups": report.loaded_groups.get(a.name, 0),
+        }
         if a.name in report.errors:
             entry["error"] = report.errors[a.name]
         out.append(entry)

@@ -9,32 +9,56 @@ Served over HTTP by :func:`serve` (``shardline-operator --metrics-port``).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
 
 _LABELS = ("namespace", "name")
 _BUCKETS = (0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
 
 ROLLOUT_DURATION = Histogram(
     "shardline_operator_rollout_duration_seconds",
-    "Seconds from a rollout's start to every group serving the target.", _LABELS, buckets=_BUCKETS)
+    "Seconds from a rollout's start to every group serving the target.",
+    _LABELS,
+    buckets=_BUCKETS,
+)
 GROUP_UPDATE = Histogram(
     "shardline_operator_group_update_seconds",
-    "Seconds one group spent loading new weights in place.", _LABELS, buckets=_BUCKETS)
+    "Seconds one group spent loading new weights in place.",
+    _LABELS,
+    buckets=_BUCKETS,
+)
 GROUP_RECAPTURE = Histogram(
     "shardline_operator_group_recapture_seconds",
     "Seconds one group spent recapturing CUDA graphs after a weight update, as its leader reported "
-    "(recapture_seconds of /update_weights_from_disk; 0 when it had no graphs).", _LABELS, buckets=_BUCKETS)
+    "(recapture_seconds of /update_weights_from_disk; 0 when it had no graphs).",
+    _LABELS,
+    buckets=_BUCKETS,
+)
 ROLLBACKS = Counter(
-    "shardline_operator_rollbacks_total", "Rollouts rolled back (failed update or failed gate).", _LABELS)
+    "shardline_operator_rollbacks_total",
+    "Rollouts rolled back (failed update or failed gate).",
+    _LABELS,
+)
 FAILED_UPDATES = Counter(
-    "shardline_operator_failed_updates_total", "In-place group updates that failed.", _LABELS)
+    "shardline_operator_failed_updates_total", "In-place group updates that failed.", _LABELS
+)
 GROUPS_PER_REVISION = Gauge(
-    "shardline_operator_groups", "Groups serving each revision.", (*_LABELS, "revision"))
+    "shardline_operator_groups", "Groups serving each revision.", (*_LABELS, "revision")
+)
 MIXED_VERSIONS = Gauge(
     "shardline_operator_mixed_version_groups",
-    "Groups whose leader serves another weights digest than status records.", _LABELS)
+    "Groups whose leader serves another weights digest than status records.",
+    _LABELS,
+)
 
 
 def observe_rollout(namespace: str, name: str, seconds: float) -> None:
@@ -42,8 +66,9 @@ def observe_rollout(namespace: str, name: str, seconds: float) -> None:
     ROLLOUT_DURATION.labels(namespace, name).observe(seconds)
 
 
-def observe_group_update(namespace: str, name: str, update_seconds: float,
-                         recapture_seconds: float | None = None) -> None:
+def observe_group_update(
+    namespace: str, name: str, update_seconds: float, recapture_seconds: float | None = None
+) -> None:
     """One group's in-place update took ``update_seconds`` (operator wall time, from the request to
     the reply) and its leader reported ``recapture_seconds`` (None: not reported, no sample)."""
     GROUP_UPDATE.labels(namespace, name).observe(update_seconds)
@@ -81,7 +106,9 @@ def forget(namespace: str, name: str) -> None:
         pass
 
 
-def serve(port: int, addr: str = "0.0.0.0", registry: CollectorRegistry = REGISTRY) -> tuple[Any, Any]:
+def serve(
+    port: int, addr: str = "0.0.0.0", registry: CollectorRegistry = REGISTRY
+) -> tuple[Any, Any]:
     """Serve ``/metrics`` on ``addr:port`` from a daemon thread; returns ``(server, thread)``
     (``server.shutdown()`` stops it). Raises OSError when the port is taken."""
     return start_http_server(port, addr=addr, registry=registry)
@@ -90,18 +117,30 @@ def serve(port: int, addr: str = "0.0.0.0", registry: CollectorRegistry = REGIST
 # Facts the chart's alerts need, read from the status a pass wrote (see observe_status).
 ROLLOUT_IN_PROGRESS = Gauge(
     "shardline_operator_rollout_in_progress",
-    "1 while a rollout has groups left to update or roll back (status.rollout), else 0.", _LABELS)
+    "1 while a rollout has groups left to update or roll back (status.rollout), else 0.",
+    _LABELS,
+)
 FAILED_GROUPS = Gauge(
-    "shardline_operator_failed_groups", "Groups in phase Failed (restart budget exhausted).", _LABELS)
+    "shardline_operator_failed_groups",
+    "Groups in phase Failed (restart budget exhausted).",
+    _LABELS,
+)
 GROUP_RESTARTS = Gauge(
     "shardline_operator_group_restarts",
-    "Whole-group restarts counted against the restart budget since the spec last changed.", (*_LABELS, "group"))
+    "Whole-group restarts counted against the restart budget since the spec last changed.",
+    (*_LABELS, "group"),
+)
 RESTART_BUDGET = Gauge(
-    "shardline_operator_restart_budget", "spec.restartPolicy.maxGroupRestarts of the deployment.", _LABELS)
+    "shardline_operator_restart_budget",
+    "spec.restartPolicy.maxGroupRestarts of the deployment.",
+    _LABELS,
+)
 _SETTLED_ROLLOUT_PHASES = ("", "Failed", "Complete", "Completed")
 
 
-def observe_status(namespace: str, name: str, status: Mapping[str, Any], max_group_restarts: int) -> None:
+def observe_status(
+    namespace: str, name: str, status: Mapping[str, Any], max_group_restarts: int
+) -> None:
     """Mirror one written ``status`` (and the spec's restart budget) into the alerting gauges.
 
     ``status``: the InferenceDeployment's status as a pass wrote it (``groups[].index``,
@@ -109,7 +148,9 @@ def observe_status(namespace: str, name: str, status: Mapping[str, Any], max_gro
     """
     groups = status.get("groups") or []
     rollout_phase = str((status.get("rollout") or {}).get("phase") or "")
-    ROLLOUT_IN_PROGRESS.labels(namespace, name).set(0 if rollout_phase in _SETTLED_ROLLOUT_PHASES else 1)
+    ROLLOUT_IN_PROGRESS.labels(namespace, name).set(
+        0 if rollout_phase in _SETTLED_ROLLOUT_PHASES else 1
+    )
     FAILED_GROUPS.labels(namespace, name).set(sum(1 for g in groups if g.get("phase") == "Failed"))
     RESTART_BUDGET.labels(namespace, name).set(max_group_restarts)
     current = {str(g.get("index")) for g in groups}
@@ -117,7 +158,9 @@ def observe_status(namespace: str, name: str, status: Mapping[str, Any], max_gro
         if labels[:2] == (namespace, name) and labels[2] not in current:
             GROUP_RESTARTS.remove(*labels)
     for group in groups:
-        GROUP_RESTARTS.labels(namespace, name, str(group.get("index"))).set(int(group.get("restarts") or 0))
+        GROUP_RESTARTS.labels(namespace, name, str(group.get("index"))).set(
+            int(group.get("restarts") or 0)
+        )
 
 
 def forget_status(namespace: str, name: str) -> None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from . import labels
 from .runtime_args import ServedModel
@@ -29,7 +30,7 @@ class PodObservation:
     revision: str | None = None
 
     @classmethod
-    def from_api(cls, pod: Mapping[str, Any]) -> "PodObservation":
+    def from_api(cls, pod: Mapping[str, Any]) -> PodObservation:
         """Parse a ``v1.Pod`` dict (as returned by the API, camelCase keys)."""
         meta, status = pod.get("metadata", {}), pod.get("status") or {}
         pod_labels, annotations = meta.get("labels") or {}, meta.get("annotations") or {}
@@ -109,22 +110,29 @@ class GroupObservation:
         revision = annotations.get(labels.ANNOTATION_MODEL_REVISION)
         if path is None or revision is None:
             return None
-        return ServedModel(path=path, revision=revision, cuda_graph=parse_cuda_graph_key(
-            annotations.get(labels.ANNOTATION_CUDA_GRAPH, "")))
+        return ServedModel(
+            path=path,
+            revision=revision,
+            cuda_graph=parse_cuda_graph_key(annotations.get(labels.ANNOTATION_CUDA_GRAPH, "")),
+        )
 
     @property
     def restart_hash(self) -> str | None:
         if self.statefulset is None:
             return None
-        return (self.statefulset.get("metadata", {}).get("annotations") or {}).get(labels.ANNOTATION_RESTART_HASH)
+        return (self.statefulset.get("metadata", {}).get("annotations") or {}).get(
+            labels.ANNOTATION_RESTART_HASH
+        )
 
 
 def parse_cuda_graph_key(text: str) -> CudaGraphSpec:
     """Inverse of :meth:`CudaGraphSpec.key`; unknown or malformed text gives the defaults."""
     fields = dict(part.split("=", 1) for part in text.split(",") if "=" in part)
     size = fields.get("maxBatchSize", "")
-    return CudaGraphSpec(enabled=fields.get("enabled", "true") == "true",
-                         max_batch_size=int(size) if size.isdigit() else CudaGraphSpec.max_batch_size)
+    return CudaGraphSpec(
+        enabled=fields.get("enabled", "true") == "true",
+        max_batch_size=int(size) if size.isdigit() else CudaGraphSpec.max_batch_size,
+    )
 
 
 def group_pods(pods: Iterable[Mapping[str, Any]]) -> dict[int, list[PodObservation]]:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from . import labels, metrics
 from .credentials import api_key_from_secret, credentials_digest, new_admin_token, secret_value
@@ -108,14 +109,18 @@ class Reconciler:
     def run(self) -> ReconcileResult:
         meta = self.body["metadata"]
         try:
-            spec = parse_spec(self.name, self.namespace, meta.get("uid", ""), self.body.get("spec") or {})
+            spec = parse_spec(
+                self.name, self.namespace, meta.get("uid", ""), self.body.get("spec") or {}
+            )
             spec, admin_token = self._credentials(spec)
             # Every call to a leader carries the admin token (control and info endpoints).
             self.leaders = self.ctx.leaders_with_token(admin_token)
         except SpecError as exc:
             if self.previous.get("message") != str(exc):
                 self.events.append(("Warning", "InvalidSpec", str(exc)))
-            return self._finish(invalid_spec_status(str(exc), self.generation, self.previous, self.now))
+            return self._finish(
+                invalid_spec_status(str(exc), self.generation, self.previous, self.now)
+            )
         groups, records = self._observe(spec)
         overrides: dict[int, str] = {}
         planned: set[int] = set()
@@ -124,9 +129,16 @@ class Reconciler:
             self._remove_template_drift(group, records, overrides)
         key_prefix = f"{self.namespace}/{self.name}"
         rollout_state = RolloutState.from_status(self.previous.get("rollout"))
-        digests = {item.get("index"): item.get("weightsDigest") for item in self.previous.get("groups") or []}
+        digests = {
+            item.get("index"): item.get("weightsDigest")
+            for item in self.previous.get("groups") or []
+        }
         for group in groups:  # a digest is recorded per incarnation: new pods report afresh
-            if overrides.get(group.index) == "Restarting" or group.leader is None or not group.ready:
+            if (
+                overrides.get(group.index) == "Restarting"
+                or group.leader is None
+                or not group.ready
+            ):
                 digests[group.index] = None
         views = gather(rollout_state, groups, digests, spec.weight_update, self.leaders, key_prefix)
         wave_in_flight = rollout_state is not None and bool(rollout_state.wave)
@@ -139,8 +151,14 @@ class Reconciler:
             planned.add(restart.index)
             digests[restart.index] = None
         elif not (stale and not wave_in_flight):
-            plan = plan_rollout(rollout_state, ServedModel.desired(spec), views, spec.weight_update, self.now,
-                                exclude=frozenset(stale))
+            plan = plan_rollout(
+                rollout_state,
+                ServedModel.desired(spec),
+                views,
+                spec.weight_update,
+                self.now,
+                exclude=frozenset(stale),
+            )
             start_updates(plan, groups, spec.weight_update, self.leaders, key_prefix)
             for index, served in plan.apply.items():
                 groups[index] = self._apply_group(spec, groups[index], served)
@@ -150,45 +168,91 @@ class Reconciler:
         for index in plan.forget_digest:
             digests[index] = None
         in_flight = set(rollout_state.wave) if rollout_state is not None else set()
-        reasons = {v.index: v.mixed_reason() for v in views if v.index not in in_flight and v.index not in stale}
+        reasons = {
+            v.index: v.mixed_reason()
+            for v in views
+            if v.index not in in_flight and v.index not in stale
+        }
         mixed = {i: r for i, r in reasons.items() if r and i not in plan.apply}
 
         versions = self._weight_versions(groups, views)
 
-        def reports(trail_index: int | None = None, trail_phase: str | None = None) -> list[GroupReport]:
+        def reports(
+            trail_index: int | None = None, trail_phase: str | None = None
+        ) -> list[GroupReport]:
             out = []
             for g, v in zip(groups, views):
                 digest = digests.get(g.index)
-                if digest is None and g.index not in plan.forget_digest and v.leader is not None \
-                        and v.leader.weights_phase == "serving" and g.index not in mixed \
-                        and overrides.get(g.index) != "Restarting":
+                if (
+                    digest is None
+                    and g.index not in plan.forget_digest
+                    and v.leader is not None
+                    and v.leader.weights_phase == "serving"
+                    and g.index not in mixed
+                    and overrides.get(g.index) != "Restarting"
+                ):
                     digest = v.leader.digest
                 phase = trail_phase if g.index == trail_index else overrides.get(g.index)
-                out.append(GroupReport(g, records[g.index], phase, versions.get(g.index), view=v, digest=digest,
-                                       mixed=mixed.get(g.index), planned=g.index in planned))
+                out.append(
+                    GroupReport(
+                        g,
+                        records[g.index],
+                        phase,
+                        versions.get(g.index),
+                        view=v,
+                        digest=digest,
+                        mixed=mixed.get(g.index),
+                        planned=g.index in planned,
+                    )
+                )
             return out
 
-        for index, phase in plan.trail:  # phases passed through since the last pass, each as a status write
-            step = build_status(spec, self.generation, reports(index, phase), plan.state, self.previous, self.now,
-                                restarts_pending=len(stale))
+        for (
+            index,
+            phase,
+        ) in plan.trail:  # phases passed through since the last pass, each as a status write
+            step = build_status(
+                spec,
+                self.generation,
+                reports(index, phase),
+                plan.state,
+                self.previous,
+                self.now,
+                restarts_pending=len(stale),
+            )
             self.events.append(("Normal", phase, f"group {index}: {phase}"))
             self._write(step)
         lora = self._sync_lora(spec, groups, plan.state)
-        status = build_status(spec, self.generation, reports(), plan.state, self.previous, self.now,
-                              restarts_pending=len(stale))
+        status = build_status(
+            spec,
+            self.generation,
+            reports(),
+            plan.state,
+            self.previous,
+            self.now,
+            restarts_pending=len(stale),
+        )
         if spec.lora_adapters or self.previous.get("loraAdapters"):
             status["loraAdapters"] = lora_status(spec.lora_adapters, lora)
         self._observe_fleet(views, mixed)
         if status["phase"] != self.previous.get("phase"):
             kind = "Warning" if status["phase"] in ("Degraded", "Failed") else "Normal"
-            self.events.append((kind, status["phase"], f"phase {self.previous.get('phase', 'None')} -> "
-                                f"{status['phase']}" + (f": {status['message']}" if status["message"] else "")))
+            self.events.append(
+                (
+                    kind,
+                    status["phase"],
+                    f"phase {self.previous.get('phase', 'None')} -> "
+                    f"{status['phase']}" + (f": {status['message']}" if status["message"] else ""),
+                )
+            )
         requeue = plan.requeue_after_seconds
         if stale and requeue is None:
             requeue = RESTART_POLL_SECONDS  # follow the replaced pods until the group is Ready
         return self._finish(status, requeue)
 
-    def _sync_lora(self, spec: DeploymentSpec, groups: list[GroupObservation], rollout: RolloutState | None) -> LoRAReport:
+    def _sync_lora(
+        self, spec: DeploymentSpec, groups: list[GroupObservation], rollout: RolloutState | None
+    ) -> LoRAReport:
         """Load/unload ``spec.loraAdapters`` on Ready leaders (not on a group updating weights)."""
         if not isinstance(self.leaders, LoRALeaderClient):
             return LoRAReport()
@@ -200,13 +264,20 @@ class Reconciler:
             self.requeue_after = min(self.requeue_after or LORA_RETRY_SECONDS, LORA_RETRY_SECONDS)
         return report
 
-    def _weight_versions(self, groups: list[GroupObservation], views: list[GroupView]) -> dict[int, str]:
+    def _weight_versions(
+        self, groups: list[GroupObservation], views: list[GroupView]
+    ) -> dict[int, str]:
         """Each ready group's ``weight_version`` from its leader (set by a trainer's weight sync);
         an unreachable leader keeps the last reported value."""
-        previous = {item.get("index"): item.get("weightVersion") for item in self.previous.get("groups") or []}
+        previous = {
+            item.get("index"): item.get("weightVersion")
+            for item in self.previous.get("groups") or []
+        }
         versions: dict[int, str] = {}
         for group, view in zip(groups, views):
-            reported = view.leader.weight_version if group.ready and view.leader is not None else None
+            reported = (
+                view.leader.weight_version if group.ready and view.leader is not None else None
+            )
             version = reported or previous.get(group.index)
             if isinstance(version, str):
                 versions[group.index] = version
@@ -236,13 +307,19 @@ class Reconciler:
         """Patch status, skipped when nothing changed (status is updated only on change)."""
         status = {**status, "restartBudgetGeneration": self.generation}
         if _pruned(status) != _pruned(self.previous):  # an idle pass (the resync) writes nothing
-            self.ctx.kube.patch_deployment_status(self.namespace, self.name, status_patch(self.previous, status))
+            self.ctx.kube.patch_deployment_status(
+                self.namespace, self.name, status_patch(self.previous, status)
+            )
         self.previous = status
 
-    def _finish(self, status: dict[str, Any], requeue_after_seconds: float | None = None) -> ReconcileResult:
+    def _finish(
+        self, status: dict[str, Any], requeue_after_seconds: float | None = None
+    ) -> ReconcileResult:
         self._write(status)
         if self.requeue_after is not None:  # a health backoff ends sooner
-            requeue_after_seconds = min(requeue_after_seconds or self.requeue_after, self.requeue_after)
+            requeue_after_seconds = min(
+                requeue_after_seconds or self.requeue_after, self.requeue_after
+            )
         return ReconcileResult(dict(self.previous), self.events, requeue_after_seconds)
 
     def _credentials(self, spec: DeploymentSpec) -> tuple[DeploymentSpec, str]:
@@ -257,16 +334,24 @@ class Reconciler:
         if secret is None:
             kube.create(build_admin_secret(spec, new_admin_token()))
             secret = kube.get("v1", "Secret", self.namespace, name) or {}
-            self.events.append(("Normal", "AdminTokenCreated", f"Secret {name} holds the admin token"))
+            self.events.append(
+                ("Normal", "AdminTokenCreated", f"Secret {name} holds the admin token")
+            )
         token = secret_value(secret, labels.ADMIN_TOKEN_KEY)
         if not token:
-            raise SpecError(f"Secret {name} has no '{labels.ADMIN_TOKEN_KEY}': delete it and the operator "
-                            "creates a new admin token")
+            raise SpecError(
+                f"Secret {name} has no '{labels.ADMIN_TOKEN_KEY}': delete it and the operator "
+                "creates a new admin token"
+            )
         api_key = None
         ref = spec.auth.api_key_secret
         if ref is not None:
-            api_key = api_key_from_secret(kube.get("v1", "Secret", self.namespace, ref.name), ref.name, ref.key,
-                                          self.namespace)
+            api_key = api_key_from_secret(
+                kube.get("v1", "Secret", self.namespace, ref.name),
+                ref.name,
+                ref.key,
+                self.namespace,
+            )
         return replace(spec, credentials_digest=credentials_digest(token, api_key)), token
 
     def _network_policies(self, spec: DeploymentSpec) -> None:
@@ -277,14 +362,26 @@ class Reconciler:
                 policy = build_network_policy(spec, index, self.ctx.operator_namespace)
                 self.ctx.apply(policy, self.now)
                 wanted.add(policy["metadata"]["name"])
-        for policy in self.ctx.kube.list("networking.k8s.io/v1", "NetworkPolicy", self.namespace,
-                                         labels.selector_labels(self.name)):
+        for policy in self.ctx.kube.list(
+            "networking.k8s.io/v1",
+            "NetworkPolicy",
+            self.namespace,
+            labels.selector_labels(self.name),
+        ):
             if policy["metadata"]["name"] not in wanted:
-                self.ctx.kube.delete("networking.k8s.io/v1", "NetworkPolicy", self.namespace,
-                                     policy["metadata"]["name"])
-                self.ctx.applied.pop(f"NetworkPolicy/{self.namespace}/{policy['metadata']['name']}", None)
+                self.ctx.kube.delete(
+                    "networking.k8s.io/v1",
+                    "NetworkPolicy",
+                    self.namespace,
+                    policy["metadata"]["name"],
+                )
+                self.ctx.applied.pop(
+                    f"NetworkPolicy/{self.namespace}/{policy['metadata']['name']}", None
+                )
 
-    def _observe(self, spec: DeploymentSpec) -> tuple[list[GroupObservation], dict[int, GroupRecord]]:
+    def _observe(
+        self, spec: DeploymentSpec
+    ) -> tuple[list[GroupObservation], dict[int, GroupRecord]]:
         kube, selector = self.ctx.kube, labels.selector_labels(self.name)
         statefulsets: dict[int, dict[str, Any]] = {}
         for listed in kube.list("apps/v1", "StatefulSet", self.namespace, selector):
@@ -292,9 +389,13 @@ class Reconciler:
             if group.isdigit():
                 statefulsets[int(group)] = listed
         for index in sorted(g for g in statefulsets if g >= spec.replicas):
-            kube.delete("apps/v1", "StatefulSet", self.namespace, labels.statefulset_name(self.name, index))
+            kube.delete(
+                "apps/v1", "StatefulSet", self.namespace, labels.statefulset_name(self.name, index)
+            )
             kube.delete("v1", "Service", self.namespace, labels.rank_service_name(self.name, index))
-            self.events.append(("Normal", "GroupRemoved", f"group {index} removed (replicas={spec.replicas})"))
+            self.events.append(
+                ("Normal", "GroupRemoved", f"group {index} removed (replicas={spec.replicas})")
+            )
         self._network_policies(spec)
         for index in range(spec.replicas):
             self.ctx.apply(build_rank_service(spec, index), self.now)
@@ -311,11 +412,23 @@ class Reconciler:
             sts = statefulsets.get(index)
             if sts is None:
                 sts = kube.apply(build_statefulset(spec, index, new_group_model))
-                self.events.append(("Normal", "GroupCreated", f"group {index}: StatefulSet {sts['metadata']['name']}"))
-            groups.append(GroupObservation(index, spec.parallelism.pods_per_group, sts, tuple(pods.get(index, []))))
+                self.events.append(
+                    (
+                        "Normal",
+                        "GroupCreated",
+                        f"group {index}: StatefulSet {sts['metadata']['name']}",
+                    )
+                )
+            groups.append(
+                GroupObservation(
+                    index, spec.parallelism.pods_per_group, sts, tuple(pods.get(index, []))
+                )
+            )
         return groups, records
 
-    def _new_group_model(self, spec: DeploymentSpec, statefulsets: Mapping[int, Any]) -> ServedModel:
+    def _new_group_model(
+        self, spec: DeploymentSpec, statefulsets: Mapping[int, Any]
+    ) -> ServedModel:
         """What a group created now loads: the spec's model, except while a rollout is
         unfinished (or failed), when it joins the lowest existing group and is rolled with the rest."""
         if RolloutState.from_status(self.previous.get("rollout")) is not None:
@@ -328,57 +441,103 @@ class Reconciler:
     def _delete_pods(self, group: GroupObservation) -> None:
         """Delete every current pod of the group (listed afresh: a member recreated since the
         pass began must go too, or the group would mix incarnations or templates)."""
-        current = self.ctx.kube.list("v1", "Pod", self.namespace, labels.group_selector_labels(self.name, group.index))
+        current = self.ctx.kube.list(
+            "v1", "Pod", self.namespace, labels.group_selector_labels(self.name, group.index)
+        )
         for pod in current:
             if pod["metadata"].get("deletionTimestamp") is None:
                 self.ctx.kube.delete("v1", "Pod", self.namespace, pod["metadata"]["name"])
 
-    def _remove_template_drift(self, group: GroupObservation, records: dict[int, GroupRecord],
-                               overrides: dict[int, str]) -> None:
+    def _remove_template_drift(
+        self, group: GroupObservation, records: dict[int, GroupRecord], overrides: dict[int, str]
+    ) -> None:
         """Restart a group whose live pods do not all come from its StatefulSet's current
         template (e.g. one rank recreated while the operator was changing the template)."""
         hashes = {p.restart_hash for p in group.live_pods}
-        if not hashes or hashes == {group.restart_hash} or overrides.get(group.index) == "Restarting":
+        if (
+            not hashes
+            or hashes == {group.restart_hash}
+            or overrides.get(group.index) == "Restarting"
+        ):
             return
         self._delete_pods(group)
         records[group.index] = replace(records[group.index], pod_uids={})
         overrides[group.index] = "Restarting"
-        self.events.append(("Normal", "GroupRestart", f"group {group.index}: pods from an older pod template"))
+        self.events.append(
+            ("Normal", "GroupRestart", f"group {group.index}: pods from an older pod template")
+        )
 
-    def _check_health(self, spec: DeploymentSpec, group: GroupObservation, records: dict[int, GroupRecord],
-                      overrides: dict[int, str]) -> None:
+    def _check_health(
+        self,
+        spec: DeploymentSpec,
+        group: GroupObservation,
+        records: dict[int, GroupRecord],
+        overrides: dict[int, str],
+    ) -> None:
         decision = decide(group, records[group.index], spec.restart_policy, self.now)
         records[group.index] = decision.record
         if decision.action == "restart":
             self._delete_pods(group)
             overrides[group.index] = "Restarting"
-            self.events.append(("Warning", "GroupRestart",
-                                f"group {group.index} restart {decision.record.restarts}/"
-                                f"{spec.restart_policy.max_group_restarts}: {decision.reason}"))
+            self.events.append(
+                (
+                    "Warning",
+                    "GroupRestart",
+                    f"group {group.index} restart {decision.record.restarts}/"
+                    f"{spec.restart_policy.max_group_restarts}: {decision.reason}",
+                )
+            )
         elif decision.action == "wait":
             overrides[group.index] = "Restarting"
             if decision.retry_in_seconds is not None:  # no event ends a backoff: come back then
-                self.requeue_after = min(self.requeue_after or decision.retry_in_seconds, decision.retry_in_seconds)
+                self.requeue_after = min(
+                    self.requeue_after or decision.retry_in_seconds, decision.retry_in_seconds
+                )
         elif decision.action == "fail":
-            self.events.append(("Warning", "GroupFailed", f"group {group.index}: {decision.reason}"))
+            self.events.append(
+                ("Warning", "GroupFailed", f"group {group.index}: {decision.reason}")
+            )
 
-    def _restart_group(self, spec: DeploymentSpec, group: GroupObservation, groups: list[GroupObservation],
-                       records: dict[int, GroupRecord], overrides: dict[int, str]) -> None:
+    def _restart_group(
+        self,
+        spec: DeploymentSpec,
+        group: GroupObservation,
+        groups: list[GroupObservation],
+        records: dict[int, GroupRecord],
+        overrides: dict[int, str],
+    ) -> None:
         """Roll a changed pod template onto ``group`` (``restart_plan.next_restart`` chose it)."""
-        groups[group.index] = self._apply_group(spec, group, ServedModel.desired(spec), relabel=False)
+        groups[group.index] = self._apply_group(
+            spec, group, ServedModel.desired(spec), relabel=False
+        )
         self._delete_pods(group)
         records[group.index] = replace(records[group.index], pod_uids={}, failed_message=None)
         overrides[group.index] = "Restarting"
-        self.events.append(("Normal", "GroupRestart", f"group {group.index}: rolling out the new pod template"))
+        self.events.append(
+            ("Normal", "GroupRestart", f"group {group.index}: rolling out the new pod template")
+        )
 
-    def _apply_group(self, spec: DeploymentSpec, group: GroupObservation, served: ServedModel,
-                     relabel: bool = True) -> GroupObservation:
+    def _apply_group(
+        self,
+        spec: DeploymentSpec,
+        group: GroupObservation,
+        served: ServedModel,
+        relabel: bool = True,
+    ) -> GroupObservation:
         """Re-render the group's StatefulSet for ``served``; relabel its running pods with the revision."""
         sts = self.ctx.kube.apply(build_statefulset(spec, group.index, served))
         for pod in group.live_pods if relabel else ():
-            self.ctx.kube.merge_patch("v1", "Pod", self.namespace, pod.name,
-                                      {"metadata": {"labels": {labels.LABEL_REVISION: served.revision}}})
-        pods = tuple(replace(p, revision=served.revision) if relabel and not p.deleting else p for p in group.pods)
+            self.ctx.kube.merge_patch(
+                "v1",
+                "Pod",
+                self.namespace,
+                pod.name,
+                {"metadata": {"labels": {labels.LABEL_REVISION: served.revision}}},
+            )
+        pods = tuple(
+            replace(p, revision=served.revision) if relabel and not p.deleting else p
+            for p in group.pods
+        )
         return replace(group, statefulset=sts, pods=pods)
 
 

@@ -9,7 +9,7 @@ no in-place wave is in flight, so capacity drops by at most one group.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from .observed import GroupObservation
 from .runtime_args import ServedModel
@@ -21,17 +21,28 @@ def needs_restart(spec: DeploymentSpec, group: GroupObservation) -> bool:
     if group.restart_hash != spec.restart_hash():
         return True
     served, desired = group.served, ServedModel.desired(spec)
-    return spec.weight_update.strategy == "Restart" and served is not None and (
-        (served.path, served.revision) != (desired.path, desired.revision))
+    return (
+        spec.weight_update.strategy == "Restart"
+        and served is not None
+        and ((served.path, served.revision) != (desired.path, desired.revision))
+    )
 
 
 def needs_in_place(spec: DeploymentSpec, group: GroupObservation) -> bool:
     """The group serves another model or graph setting than the spec, and no restart is due."""
-    return group.served is not None and group.served != ServedModel.desired(spec) and not needs_restart(spec, group)
+    return (
+        group.served is not None
+        and group.served != ServedModel.desired(spec)
+        and not needs_restart(spec, group)
+    )
 
 
-def next_restart(spec: DeploymentSpec, groups: Sequence[GroupObservation], failed: Mapping[int, bool],
-                 wave_in_flight: bool) -> GroupObservation | None:
+def next_restart(
+    spec: DeploymentSpec,
+    groups: Sequence[GroupObservation],
+    failed: Mapping[int, bool],
+    wave_in_flight: bool,
+) -> GroupObservation | None:
     """The group to restart now, or None (none stale, a wave in flight, or another group unsettled).
 
     ``failed``: group index -> the group is marked Failed (counts as settled).

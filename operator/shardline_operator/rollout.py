@@ -28,8 +28,9 @@ record metrics). Rules:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from .rollout_state import FAILED, PAUSED, ROLLING_BACK, UPDATING, VERIFYING, RolloutState
 from .runtime_args import ServedModel
@@ -51,13 +52,18 @@ class LeaderReport:
     weight_version: str | None = None
 
     @classmethod
-    def from_info(cls, info: Mapping[str, Any] | None) -> "LeaderReport | None":
+    def from_info(cls, info: Mapping[str, Any] | None) -> LeaderReport | None:
         if not info:
             return None
         version = info.get("weight_version")
-        return cls(str(info.get("weights_phase", "serving")), info.get("model_path"), info.get("weights_revision"),
-                   info.get("weights_digest"), str(info.get("message") or ""),
-                   version if isinstance(version, str) else None)
+        return cls(
+            str(info.get("weights_phase", "serving")),
+            info.get("model_path"),
+            info.get("weights_revision"),
+            info.get("weights_digest"),
+            str(info.get("message") or ""),
+            version if isinstance(version, str) else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -90,8 +96,13 @@ class GroupView:
     def served(self) -> ServedModel | None:
         """The leader's model when it reports one (serving or failed), else ``declared``."""
         leader, declared = self.leader, self.declared
-        if (declared is not None and leader is not None and leader.weights_phase in ("serving", "failed")
-                and leader.model_path and leader.revision is not None):
+        if (
+            declared is not None
+            and leader is not None
+            and leader.weights_phase in ("serving", "failed")
+            and leader.model_path
+            and leader.revision is not None
+        ):
             return ServedModel(leader.model_path, leader.revision, declared.cuda_graph)
         return declared
 
@@ -101,7 +112,9 @@ class GroupView:
         if served is None or declared is None or leader is None:
             return None
         expected = self.pod_revision or declared.revision
-        if served.revision != expected or (expected == declared.revision and served.path != declared.path):
+        if served.revision != expected or (
+            expected == declared.revision and served.path != declared.path
+        ):
             return f"group {self.index}: leader serves {served.revision} ({served.path}), expected {expected}"
         if self.recorded_digest and leader.digest and leader.digest != self.recorded_digest:
             return f"group {self.index}: leader serves digest {leader.digest[:19]}, status records {self.recorded_digest[:19]}"
@@ -137,21 +150,34 @@ class RolloutPlan:
 
 def update_body(current: ServedModel | None, target: ServedModel) -> dict[str, Any]:
     """JSON body of ``/update_weights_from_disk`` (DESIGN 2.4) moving ``current`` to ``target``."""
-    body: dict[str, Any] = {"model_path": target.path, "revision": target.revision,
-                            "recapture_cuda_graph": target.cuda_graph.enabled}
+    body: dict[str, Any] = {
+        "model_path": target.path,
+        "revision": target.revision,
+        "recapture_cuda_graph": target.cuda_graph.enabled,
+    }
     if current is None or target.cuda_graph != current.cuda_graph:
-        body.update(cuda_graph_max_bs=target.cuda_graph.max_batch_size,
-                    disable_cuda_graph=not target.cuda_graph.enabled)
+        body.update(
+            cuda_graph_max_bs=target.cuda_graph.max_batch_size,
+            disable_cuda_graph=not target.cuda_graph.enabled,
+        )
     return body
 
 
-def plan_rollout(state: RolloutState | None, desired: ServedModel, groups: Sequence[GroupView],
-                 policy: WeightUpdateSpec, now: float, exclude: frozenset[int] = frozenset()) -> RolloutPlan:
+def plan_rollout(
+    state: RolloutState | None,
+    desired: ServedModel,
+    groups: Sequence[GroupView],
+    policy: WeightUpdateSpec,
+    now: float,
+    exclude: frozenset[int] = frozenset(),
+) -> RolloutPlan:
     """The next step towards ``desired`` (pure). ``exclude``: groups a restart rollout owns."""
     views = {g.index: g for g in groups}
     wave = set(state.wave) if state is not None else set()
-    out = RolloutPlan(state, mixed={g.index: r for g in groups if g.index not in wave
-                                    for r in [g.mixed_reason()] if r})
+    out = RolloutPlan(
+        state,
+        mixed={g.index: r for g in groups if g.index not in wave for r in [g.mixed_reason()] if r},
+    )
     if state is not None and state.wave:
         return _follow_wave(state, views, policy, now, out)
     if state is not None and state.phase == VERIFYING and state.target == desired:
@@ -161,9 +187,20 @@ def plan_rollout(state: RolloutState | None, desired: ServedModel, groups: Seque
             return out
         passed, message = canary.gate
         if not passed:
-            return _fail(state, views, policy, f"canary group {state.canary} failed verification: {message}", out)
-        state = replace(state, phase=UPDATING, canary=None, canary_passed=True,
-                        message=f"canary group {canary.index} passed verification")
+            return _fail(
+                state,
+                views,
+                policy,
+                f"canary group {state.canary} failed verification: {message}",
+                out,
+            )
+        state = replace(
+            state,
+            phase=UPDATING,
+            canary=None,
+            canary_passed=True,
+            message=f"canary group {canary.index} passed verification",
+        )
         out.events.append(("Normal", "CanaryPassed", state.message))
     if state is not None and state.phase == PAUSED and state.target == desired:
         if state.pause_until is not None and now < state.pause_until:
@@ -172,7 +209,9 @@ def plan_rollout(state: RolloutState | None, desired: ServedModel, groups: Seque
         state = replace(state, phase=UPDATING, pause_until=None)
     if state is not None and state.phase == FAILED and state.target == desired:
         if all(g.served == desired for g in groups if g.served is not None):
-            out.state = None  # the target was reached another way (a restart rollout): nothing failed now
+            out.state = (
+                None  # the target was reached another way (a restart rollout): nothing failed now
+            )
             return out
         return _repair_while_failed(state, groups, now, exclude, out)
     if state is not None and state.phase == ROLLING_BACK and state.target == desired:
@@ -180,16 +219,30 @@ def plan_rollout(state: RolloutState | None, desired: ServedModel, groups: Seque
         todo = [g for g in groups if g.served == state.target and g.index not in exclude]
     else:
         target = desired
-        todo = [g for g in groups if g.index not in exclude and g.served is not None
-                and (g.served != desired or g.index in out.mixed)]
-        if state is None or state.target != desired or state.phase not in (UPDATING, PAUSED, VERIFYING):
+        todo = [
+            g
+            for g in groups
+            if g.index not in exclude
+            and g.served is not None
+            and (g.served != desired or g.index in out.mixed)
+        ]
+        if (
+            state is None
+            or state.target != desired
+            or state.phase not in (UPDATING, PAUSED, VERIFYING)
+        ):
             if not todo:
                 out.state = None
                 return out
             counts = Counter(g.served for g in todo if g.served != desired)
             previous = counts.most_common(1)[0][0] if counts else None
-            state = RolloutState(UPDATING, desired, previous, rollout_started_at=now,
-                                 canary_passed=policy.canary is None or len(todo) < 2)
+            state = RolloutState(
+                UPDATING,
+                desired,
+                previous,
+                rollout_started_at=now,
+                canary_passed=policy.canary is None or len(todo) < 2,
+            )
     out.state = state
     if not todo:
         return _finish(state, target, now, out)
@@ -210,32 +263,59 @@ def plan_rollout(state: RolloutState | None, desired: ServedModel, groups: Seque
         out.group_phases[g.index] = "UpdatingWeights"
     names = ", ".join(str(g.index) for g in ready)
     progress = f"updating group{'s' if len(ready) > 1 else ''} {names} to {target.revision}" + (
-        " (canary)" if gated else "")
-    out.state = replace(state, wave=tuple(g.index for g in ready), started_at=now,
-                        group_phases={g.index: "UpdatingWeights" for g in ready},
-                        canary=ready[0].index if gated else None,
-                        message=progress if state.phase == UPDATING else state.message)
+        " (canary)" if gated else ""
+    )
+    out.state = replace(
+        state,
+        wave=tuple(g.index for g in ready),
+        started_at=now,
+        group_phases={g.index: "UpdatingWeights" for g in ready},
+        canary=ready[0].index if gated else None,
+        message=progress if state.phase == UPDATING else state.message,
+    )
     out.events.append(("Normal", "UpdatingWeights", progress))
     out.requeue_after_seconds = POLL_SECONDS
     return out
 
 
-def _repair_while_failed(state: RolloutState, groups: Sequence[GroupView], now: float, exclude: frozenset[int],
-                         out: RolloutPlan) -> RolloutPlan:
+def _repair_while_failed(
+    state: RolloutState,
+    groups: Sequence[GroupView],
+    now: float,
+    exclude: frozenset[int],
+    out: RolloutPlan,
+) -> RolloutPlan:
     """Failed: send each mixed-version group back to what its StatefulSet declares (its last good
     weights), as a wave that keeps the phase Failed; nothing else moves."""
-    repair = [g for g in groups if g.index in out.mixed and g.index not in exclude and g.live and g.ready
-              and g.declared is not None and g.served is not None]
+    repair = [
+        g
+        for g in groups
+        if g.index in out.mixed
+        and g.index not in exclude
+        and g.live
+        and g.ready
+        and g.declared is not None
+        and g.served is not None
+    ]
     if not repair:
         return out
     for g in repair:
         assert g.declared is not None and g.served is not None  # selected above
         out.start[g.index] = update_body(g.served, g.declared)
         out.group_phases[g.index] = "UpdatingWeights"
-        out.events.append(("Warning", "RepairingMixedVersion",
-                           f"{out.mixed[g.index]}; updating it back to {g.declared.revision}"))
-    out.state = replace(state, wave=tuple(g.index for g in repair), started_at=now,
-                        group_phases={g.index: "UpdatingWeights" for g in repair})
+        out.events.append(
+            (
+                "Warning",
+                "RepairingMixedVersion",
+                f"{out.mixed[g.index]}; updating it back to {g.declared.revision}",
+            )
+        )
+    out.state = replace(
+        state,
+        wave=tuple(g.index for g in repair),
+        started_at=now,
+        group_phases={g.index: "UpdatingWeights" for g in repair},
+    )
     out.requeue_after_seconds = POLL_SECONDS
     return out
 
@@ -265,8 +345,13 @@ def _result(view: GroupView, target: ServedModel) -> tuple[str, str]:
     return "unknown", ""
 
 
-def _follow_wave(state: RolloutState, views: Mapping[int, GroupView], policy: WeightUpdateSpec, now: float,
-                 out: RolloutPlan) -> RolloutPlan:
+def _follow_wave(
+    state: RolloutState,
+    views: Mapping[int, GroupView],
+    policy: WeightUpdateSpec,
+    now: float,
+    out: RolloutPlan,
+) -> RolloutPlan:
     """Await every group of the wave in flight; then decide what follows."""
     target = (state.previous or state.target) if state.phase == ROLLING_BACK else state.target
     still, phases, failures = [], {}, []
@@ -294,13 +379,17 @@ def _follow_wave(state: RolloutState, views: Mapping[int, GroupView], policy: We
             still.append(index)
         elif result == "success":
             if target.cuda_graph.enabled and (trail[-1] if trail else last) != "RecapturingGraphs":
-                trail.append("RecapturingGraphs")  # shorter than the sampling interval, still a step
+                trail.append(
+                    "RecapturingGraphs"
+                )  # shorter than the sampling interval, still a step
             out.trail += [(index, p) for p in trail]
             out.apply[index] = target
             out.forget_digest.append(index)
             out.group_update_seconds.append((index, now - started))
             if "recapture_seconds" in view.update_seconds:
-                out.group_recapture_seconds.append((index, view.update_seconds["recapture_seconds"]))
+                out.group_recapture_seconds.append(
+                    (index, view.update_seconds["recapture_seconds"])
+                )
             out.events.append(("Normal", "GroupUpdated", f"group {index} serves {target.revision}"))
         else:
             out.failed_updates += 1
@@ -310,7 +399,9 @@ def _follow_wave(state: RolloutState, views: Mapping[int, GroupView], policy: We
         out.requeue_after_seconds = POLL_SECONDS
         return out
     done = replace(state, wave=(), started_at=None, group_phases={})
-    if done.phase == FAILED:  # a repair wave ended; the rollout stays Failed, the next pass checks again
+    if (
+        done.phase == FAILED
+    ):  # a repair wave ended; the rollout stays Failed, the next pass checks again
         out.state = done
         for failure in failures:
             out.events.append(("Warning", "MixedVersionRepairFailed", failure))
@@ -322,24 +413,43 @@ def _follow_wave(state: RolloutState, views: Mapping[int, GroupView], policy: We
         return _fail(done, views, policy, "; ".join(failures), out, updated=bool(updated))
     out.requeue_after_seconds = 0.0
     if done.phase == UPDATING and not done.canary_passed and done.canary is not None:
-        out.state = replace(done, phase=VERIFYING, message=f"verifying canary group {done.canary} on {target.revision}")
+        out.state = replace(
+            done,
+            phase=VERIFYING,
+            message=f"verifying canary group {done.canary} on {target.revision}",
+        )
         out.events.append(("Normal", "VerifyingCanary", out.state.message))
         return out
     message = f"groups {', '.join(map(str, sorted(out.apply)))} serve {target.revision}"
     if done.phase == UPDATING and policy.pause_seconds > 0:
-        out.state = replace(done, phase=PAUSED, pause_until=now + policy.pause_seconds,
-                            message=f"{message}; next wave in {policy.pause_seconds}s")
+        out.state = replace(
+            done,
+            phase=PAUSED,
+            pause_until=now + policy.pause_seconds,
+            message=f"{message}; next wave in {policy.pause_seconds}s",
+        )
         return out
     out.state = replace(done, message=message if done.phase == UPDATING else done.message)
     return out
 
 
-def _fail(state: RolloutState, views: Mapping[int, GroupView], policy: WeightUpdateSpec, reason: str,
-          out: RolloutPlan, updated: bool | None = None) -> RolloutPlan:
+def _fail(
+    state: RolloutState,
+    views: Mapping[int, GroupView],
+    policy: WeightUpdateSpec,
+    reason: str,
+    out: RolloutPlan,
+    updated: bool | None = None,
+) -> RolloutPlan:
     """A wave or the gate failed: roll back the groups already on the target, or stop."""
     if updated is None:
         updated = any(v.served == state.target for v in views.values())
-    if state.phase != ROLLING_BACK and policy.rollback_on_failure and updated and state.previous is not None:
+    if (
+        state.phase != ROLLING_BACK
+        and policy.rollback_on_failure
+        and updated
+        and state.previous is not None
+    ):
         out.state = replace(state, phase=ROLLING_BACK, canary=None, message=reason)
         out.rolled_back = True
         out.requeue_after_seconds = 0.0

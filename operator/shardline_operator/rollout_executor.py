@@ -9,7 +9,8 @@ can play whole rollouts with a scripted one.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from . import labels
 from .observed import GroupObservation
@@ -21,7 +22,9 @@ from .spec import VerifySpec, WeightUpdateSpec
 class LeaderClient(Protocol):
     """Calls to a group leader's admin API (see ``runtime_client.HttpLeaderClient``)."""
 
-    def start_update(self, key: str, url: str, body: Mapping[str, Any], timeout_seconds: float) -> None:
+    def start_update(
+        self, key: str, url: str, body: Mapping[str, Any], timeout_seconds: float
+    ) -> None:
         """Send ``POST {url}/update_weights_from_disk`` in the background, tracked under ``key``."""
 
     def poll(self, key: str) -> tuple[str, str]:
@@ -47,8 +50,14 @@ def leader_url(group: GroupObservation) -> str | None:
     return f"http://{leader.ip}:{labels.HTTP_PORT}" if leader is not None and leader.ip else None
 
 
-def gather(state: RolloutState | None, groups: Sequence[GroupObservation], recorded_digests: Mapping[int, str | None],
-           policy: WeightUpdateSpec, client: LeaderClient, key_prefix: str) -> list[GroupView]:
+def gather(
+    state: RolloutState | None,
+    groups: Sequence[GroupObservation],
+    recorded_digests: Mapping[int, str | None],
+    policy: WeightUpdateSpec,
+    client: LeaderClient,
+    key_prefix: str,
+) -> list[GroupView]:
     """One :class:`GroupView` per group (leaders asked only when their pod is Running with an IP)."""
     wave = set(state.wave) if state is not None else set()
     views = []
@@ -66,17 +75,40 @@ def gather(state: RolloutState | None, groups: Sequence[GroupObservation], recor
             if update[0] in ("success", "failure"):
                 seconds = dict(client.update_seconds(key))
         gate = None
-        if (state is not None and state.phase == VERIFYING and state.canary == group.index and group.ready
-                and url is not None and policy.canary is not None):
+        if (
+            state is not None
+            and state.phase == VERIFYING
+            and state.canary == group.index
+            and group.ready
+            and url is not None
+            and policy.canary is not None
+        ):
             gate = client.verify(url, policy.canary.verify)
-        views.append(GroupView(group.index, group.served, group.ready, bool(group.live_pods), report,
-                               recorded_digests.get(group.index), update, phases, gate,
-                               leader.revision if leader is not None else None, seconds))
+        views.append(
+            GroupView(
+                group.index,
+                group.served,
+                group.ready,
+                bool(group.live_pods),
+                report,
+                recorded_digests.get(group.index),
+                update,
+                phases,
+                gate,
+                leader.revision if leader is not None else None,
+                seconds,
+            )
+        )
     return views
 
 
-def start_updates(plan: RolloutPlan, groups: Sequence[GroupObservation], policy: WeightUpdateSpec,
-                  client: LeaderClient, key_prefix: str) -> None:
+def start_updates(
+    plan: RolloutPlan,
+    groups: Sequence[GroupObservation],
+    policy: WeightUpdateSpec,
+    client: LeaderClient,
+    key_prefix: str,
+) -> None:
     """Send the plan's ``/update_weights_from_disk`` requests (in the background)."""
     by_index = {g.index: g for g in groups}
     for index, body in plan.start.items():

@@ -13,22 +13,32 @@ Phases:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from .clock import from_rfc3339, to_rfc3339
 from .observed import parse_cuda_graph_key
 from .runtime_args import ServedModel
 
-UPDATING, VERIFYING, PAUSED, ROLLING_BACK, FAILED = "Updating", "Verifying", "Paused", "RollingBack", "Failed"
+UPDATING, VERIFYING, PAUSED, ROLLING_BACK, FAILED = (
+    "Updating",
+    "Verifying",
+    "Paused",
+    "RollingBack",
+    "Failed",
+)
 PHASES = (UPDATING, VERIFYING, PAUSED, ROLLING_BACK, FAILED)
 
 
 def _model(raw: Mapping[str, Any], prefix: str) -> ServedModel | None:
     if not raw.get(f"{prefix}ModelPath"):
         return None
-    return ServedModel(raw[f"{prefix}ModelPath"], raw.get(f"{prefix}Revision", ""),
-                       parse_cuda_graph_key(raw.get(f"{prefix}CudaGraph", "")))
+    return ServedModel(
+        raw[f"{prefix}ModelPath"],
+        raw.get(f"{prefix}Revision", ""),
+        parse_cuda_graph_key(raw.get(f"{prefix}CudaGraph", "")),
+    )
 
 
 @dataclass(frozen=True)
@@ -54,13 +64,20 @@ class RolloutState:
     message: str = ""
 
     def to_status(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"phase": self.phase, "targetModelPath": self.target.path,
-                               "targetRevision": self.target.revision,
-                               "targetCudaGraph": self.target.cuda_graph.key(), "message": self.message,
-                               "canaryPassed": self.canary_passed}
+        out: dict[str, Any] = {
+            "phase": self.phase,
+            "targetModelPath": self.target.path,
+            "targetRevision": self.target.revision,
+            "targetCudaGraph": self.target.cuda_graph.key(),
+            "message": self.message,
+            "canaryPassed": self.canary_passed,
+        }
         if self.previous is not None:
-            out.update(previousModelPath=self.previous.path, previousRevision=self.previous.revision,
-                       previousCudaGraph=self.previous.cuda_graph.key())
+            out.update(
+                previousModelPath=self.previous.path,
+                previousRevision=self.previous.revision,
+                previousCudaGraph=self.previous.cuda_graph.key(),
+            )
         if self.wave:
             out.update(wave=list(self.wave), startedAt=to_rfc3339(self.started_at or 0.0))
         if self.group_phases:
@@ -74,7 +91,7 @@ class RolloutState:
         return out
 
     @classmethod
-    def from_status(cls, raw: Mapping[str, Any] | None) -> "RolloutState | None":
+    def from_status(cls, raw: Mapping[str, Any] | None) -> RolloutState | None:
         """Inverse of :meth:`to_status`; also reads the single-``group`` form written before waves."""
         if not raw or raw.get("phase") not in PHASES:
             return None
@@ -84,10 +101,19 @@ class RolloutState:
         phases = {int(k): v for k, v in (raw.get("groupPhases") or {}).items() if str(k).isdigit()}
         if not phases and raw.get("groupPhase") and wave:
             phases = {wave[0]: raw["groupPhase"]}
-        target = _model(raw, "target") or ServedModel("", raw.get("targetRevision", ""),
-                                                      parse_cuda_graph_key(raw.get("targetCudaGraph", "")))
-        return cls(phase=raw["phase"], target=target, previous=_model(raw, "previous"), wave=wave,
-                   started_at=from_rfc3339(raw.get("startedAt")),
-                   rollout_started_at=from_rfc3339(raw.get("rolloutStartedAt")), group_phases=phases,
-                   canary=raw.get("canaryGroup"), canary_passed=bool(raw.get("canaryPassed", False)),
-                   pause_until=from_rfc3339(raw.get("pauseUntil")), message=raw.get("message", ""))
+        target = _model(raw, "target") or ServedModel(
+            "", raw.get("targetRevision", ""), parse_cuda_graph_key(raw.get("targetCudaGraph", ""))
+        )
+        return cls(
+            phase=raw["phase"],
+            target=target,
+            previous=_model(raw, "previous"),
+            wave=wave,
+            started_at=from_rfc3339(raw.get("startedAt")),
+            rollout_started_at=from_rfc3339(raw.get("rolloutStartedAt")),
+            group_phases=phases,
+            canary=raw.get("canaryGroup"),
+            canary_passed=bool(raw.get("canaryPassed", False)),
+            pause_until=from_rfc3339(raw.get("pauseUntil")),
+            message=raw.get("message", ""),
+        )

@@ -26,9 +26,11 @@ class ServedModel:
     cuda_graph: CudaGraphSpec
 
     @classmethod
-    def desired(cls, spec: DeploymentSpec) -> "ServedModel":
+    def desired(cls, spec: DeploymentSpec) -> ServedModel:
         """The model the spec asks every group to serve."""
-        return cls(path=spec.model.path, revision=spec.model.revision, cuda_graph=spec.runtime.cuda_graph)
+        return cls(
+            path=spec.model.path, revision=spec.model.revision, cuda_graph=spec.runtime.cuda_graph
+        )
 
 
 def runtime_args(spec: DeploymentSpec, group: int, served: ServedModel) -> list[str]:
@@ -41,23 +43,38 @@ def runtime_args(spec: DeploymentSpec, group: int, served: ServedModel) -> list[
     User ``spec.runtime.args`` come last (reserved flags are rejected by ``parse_spec``).
     """
     args = [
-        "--model-path", served.path,
-        "--served-model-name", spec.model.name,
-        "--revision", served.revision,
-        "--host", "$(POD_IP)",
-        "--port", str(labels.HTTP_PORT),
-        "--tp-size", str(spec.parallelism.tensor),
-        "--nnodes", str(spec.parallelism.pods_per_group),
-        "--node-rank", "$(POD_INDEX)",
-        "--dist-init-addr", labels.dist_init_addr(spec.name, spec.namespace, group),
-        "--dtype", spec.runtime.dtype,
-        "--kv-cache-dtype", spec.runtime.kv_cache_dtype,
-        "--mem-fraction-static", repr(spec.runtime.mem_fraction_static),
+        "--model-path",
+        served.path,
+        "--served-model-name",
+        spec.model.name,
+        "--revision",
+        served.revision,
+        "--host",
+        "$(POD_IP)",
+        "--port",
+        str(labels.HTTP_PORT),
+        "--tp-size",
+        str(spec.parallelism.tensor),
+        "--nnodes",
+        str(spec.parallelism.pods_per_group),
+        "--node-rank",
+        "$(POD_INDEX)",
+        "--dist-init-addr",
+        labels.dist_init_addr(spec.name, spec.namespace, group),
+        "--dtype",
+        spec.runtime.dtype,
+        "--kv-cache-dtype",
+        spec.runtime.kv_cache_dtype,
+        "--mem-fraction-static",
+        repr(spec.runtime.mem_fraction_static),
     ]
     if spec.parallelism.pipeline > 1:
         args += ["--pp-size", str(spec.parallelism.pipeline)]
     if spec.parallelism.pipeline_layer_partition:
-        args += ["--pp-layer-partition", ",".join(map(str, spec.parallelism.pipeline_layer_partition))]
+        args += [
+            "--pp-layer-partition",
+            ",".join(map(str, spec.parallelism.pipeline_layer_partition)),
+        ]
     if spec.parallelism.expert > 1:
         args += ["--ep-size", str(spec.parallelism.expert)]
     if spec.runtime.max_total_tokens is not None:
@@ -66,6 +83,12 @@ def runtime_args(spec: DeploymentSpec, group: int, served: ServedModel) -> list[
         args += ["--cuda-graph-max-bs", str(served.cuda_graph.max_batch_size)]
     else:
         args.append("--disable-cuda-graph")
-    if spec.lora_adapters:  # loaded at start; later changes are loaded/unloaded in place (lora_sync.py)
-        args += ["--enable-lora", "--lora-paths", *(f"{a.name}={a.path}" for a in spec.lora_adapters)]
+    if (
+        spec.lora_adapters
+    ):  # loaded at start; later changes are loaded/unloaded in place (lora_sync.py)
+        args += [
+            "--enable-lora",
+            "--lora-paths",
+            *(f"{a.name}={a.path}" for a in spec.lora_adapters),
+        ]
     return args + list(spec.runtime.args)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Mapping
+from typing import Any
 
 import httpx
 
@@ -32,20 +33,30 @@ class HttpLeaderClient:
         self._seconds: dict[str, dict[str, float]] = {}  # what poll last handed out, per key
         self._lock = threading.Lock()
 
-    def with_token(self, token: str | None) -> "TokenLeaderClient":
+    def with_token(self, token: str | None) -> TokenLeaderClient:
         """This client as a ``rollout.LeaderClient`` that sends ``token`` on every call."""
         return TokenLeaderClient(self, token)
 
-    def start_update(self, key: str, url: str, body: Mapping[str, Any], timeout_seconds: float,
-                     token: str | None = None) -> None:
+    def start_update(
+        self,
+        key: str,
+        url: str,
+        body: Mapping[str, Any],
+        timeout_seconds: float,
+        token: str | None = None,
+    ) -> None:
         """Start ``POST {url}/update_weights_from_disk``; a previous request under ``key`` is forgotten.
 
         A second thread samples ``weights_phase`` every 0.1 s while the request runs, so phases
         shorter than a reconcile interval are still seen (:meth:`observed_phases`).
         """
         future = self._pool.submit(_post_update, url, dict(body), timeout_seconds, token)
-        sampler = threading.Thread(target=self._sample_phases, args=(key, url, future, token), daemon=True,
-                                   name=f"phases-{key}")
+        sampler = threading.Thread(
+            target=self._sample_phases,
+            args=(key, url, future, token),
+            daemon=True,
+            name=f"phases-{key}",
+        )
         with self._lock:
             self._futures[key] = future
             self._samplers[key] = sampler
@@ -100,7 +111,9 @@ class HttpLeaderClient:
     def server_info(self, url: str, token: str | None = None) -> Mapping[str, Any] | None:
         """``GET {url}/get_server_info`` as a dict, or None when unreachable, refused or not JSON."""
         try:
-            response = httpx.get(f"{url}/get_server_info", headers=_auth(token), timeout=INFO_TIMEOUT_SECONDS)
+            response = httpx.get(
+                f"{url}/get_server_info", headers=_auth(token), timeout=INFO_TIMEOUT_SECONDS
+            )
             response.raise_for_status()
             info = response.json()
         except (httpx.HTTPError, ValueError):
@@ -112,45 +125,75 @@ class HttpLeaderClient:
         ``spec.VerifySpec``), a greedy ``/v1/completions`` of ``verify.prompt`` must answer 200
         within ``verify.max_latency_seconds``. Returns ``(passed, what failed or took)``."""
         try:
-            response = httpx.get(f"{url}/health_generate", headers=_auth(token), timeout=GATE_TIMEOUT_SECONDS)
+            response = httpx.get(
+                f"{url}/health_generate", headers=_auth(token), timeout=GATE_TIMEOUT_SECONDS
+            )
         except httpx.HTTPError as exc:
             return False, f"/health_generate: {exc.__class__.__name__}: {exc}"
         if response.status_code != 200:
-            return False, f"/health_generate answered HTTP {response.status_code}: {response.text[:200]}"
+            return (
+                False,
+                f"/health_generate answered HTTP {response.status_code}: {response.text[:200]}",
+            )
         if verify is None:
             return True, "/health_generate answered 200"
         body = {"prompt": verify.prompt, "max_tokens": verify.max_tokens, "temperature": 0}
         started = time.monotonic()
         try:
-            response = httpx.post(f"{url}/v1/completions", json=body, headers=_auth(token),
-                                  timeout=verify.max_latency_seconds + 5)
+            response = httpx.post(
+                f"{url}/v1/completions",
+                json=body,
+                headers=_auth(token),
+                timeout=verify.max_latency_seconds + 5,
+            )
         except httpx.HTTPError as exc:
             return False, f"verify prompt: {exc.__class__.__name__}: {exc}"
         latency = time.monotonic() - started
         if response.status_code != 200:
-            return False, f"verify prompt answered HTTP {response.status_code}: {response.text[:200]}"
+            return (
+                False,
+                f"verify prompt answered HTTP {response.status_code}: {response.text[:200]}",
+            )
         if latency > verify.max_latency_seconds:
-            return False, f"verify prompt took {latency:.3f}s, over maxLatencySeconds {verify.max_latency_seconds:g}"
+            return (
+                False,
+                f"verify prompt took {latency:.3f}s, over maxLatencySeconds {verify.max_latency_seconds:g}",
+            )
         return True, f"verify prompt answered in {latency:.3f}s"
+
     def lora_adapters(self, url: str, token: str | None = None) -> Mapping[str, str] | None:
         """``{name: path}`` of the LoRA adapters ``GET {url}/v1/models`` lists (cards with a
         ``parent``), or None when unreachable or not the expected JSON."""
         try:
-            response = httpx.get(f"{url}/v1/models", headers=_auth(token), timeout=INFO_TIMEOUT_SECONDS)
+            response = httpx.get(
+                f"{url}/v1/models", headers=_auth(token), timeout=INFO_TIMEOUT_SECONDS
+            )
             response.raise_for_status()
             cards = response.json()["data"]
             return {c["id"]: c.get("root", "") for c in cards if c.get("parent")}
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return None
 
-    def load_lora_adapter(self, url: str, name: str, path: str, token: str | None = None) -> tuple[bool, str]:
+    def load_lora_adapter(
+        self, url: str, name: str, path: str, token: str | None = None
+    ) -> tuple[bool, str]:
         """``POST {url}/load_lora_adapter``: ``(success, message)``."""
-        return _post_json(url, "/load_lora_adapter", {"lora_name": name, "lora_path": path}, LORA_TIMEOUT_SECONDS, token)
+        return _post_json(
+            url,
+            "/load_lora_adapter",
+            {"lora_name": name, "lora_path": path},
+            LORA_TIMEOUT_SECONDS,
+            token,
+        )
 
-    def unload_lora_adapter(self, url: str, name: str, token: str | None = None) -> tuple[bool, str]:
+    def unload_lora_adapter(
+        self, url: str, name: str, token: str | None = None
+    ) -> tuple[bool, str]:
         """``POST {url}/unload_lora_adapter`` (the runtime answers once the adapter's running
         requests finished; a timeout is a failure retried next pass)."""
-        return _post_json(url, "/unload_lora_adapter", {"lora_name": name}, LORA_TIMEOUT_SECONDS, token)
+        return _post_json(
+            url, "/unload_lora_adapter", {"lora_name": name}, LORA_TIMEOUT_SECONDS, token
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -162,7 +205,9 @@ class TokenLeaderClient:
     def __init__(self, client: HttpLeaderClient, token: str | None) -> None:
         self._client, self._token = client, token
 
-    def start_update(self, key: str, url: str, body: Mapping[str, Any], timeout_seconds: float) -> None:
+    def start_update(
+        self, key: str, url: str, body: Mapping[str, Any], timeout_seconds: float
+    ) -> None:
         self._client.start_update(key, url, body, timeout_seconds, self._token)
 
     def poll(self, key: str) -> tuple[str, str]:
@@ -179,6 +224,7 @@ class TokenLeaderClient:
 
     def verify(self, url: str, verify: Any = None) -> tuple[bool, str]:
         return self._client.verify(url, verify, self._token)
+
     def lora_adapters(self, url: str) -> Mapping[str, str] | None:
         return self._client.lora_adapters(url, self._token)
 
@@ -193,22 +239,33 @@ def _auth(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def _post_update(url: str, body: dict[str, Any], timeout_seconds: float,
-                 token: str | None = None) -> tuple[bool, str, dict[str, float]]:
+def _post_update(
+    url: str, body: dict[str, Any], timeout_seconds: float, token: str | None = None
+) -> tuple[bool, str, dict[str, float]]:
     """Send the update; ``(success, message, seconds)`` where ``seconds`` holds the reply's
     ``load_seconds`` / ``recapture_seconds`` that are numbers. Transport errors are failures."""
     seconds: dict[str, float] = {}
-    success, message = _post_json(url, "/update_weights_from_disk", body, timeout_seconds, token, seconds)
+    success, message = _post_json(
+        url, "/update_weights_from_disk", body, timeout_seconds, token, seconds
+    )
     return success, message, seconds
 
 
-def _post_json(url: str, route: str, body: dict[str, Any], timeout_seconds: float,
-               token: str | None = None, seconds: dict[str, float] | None = None) -> tuple[bool, str]:
+def _post_json(
+    url: str,
+    route: str,
+    body: dict[str, Any],
+    timeout_seconds: float,
+    token: str | None = None,
+    seconds: dict[str, float] | None = None,
+) -> tuple[bool, str]:
     """POST ``body`` to ``url + route``; ``(success, message)`` of a ``{"success", "message"}``
     reply (transport errors and non-JSON replies are failures naming ``url``). With ``seconds``,
     the reply's numeric ``*_seconds`` fields are copied into it."""
     try:
-        response = httpx.post(f"{url}{route}", json=body, headers=_auth(token), timeout=timeout_seconds)
+        response = httpx.post(
+            f"{url}{route}", json=body, headers=_auth(token), timeout=timeout_seconds
+        )
     except httpx.HTTPError as exc:
         return False, f"request to {url} failed: {exc.__class__.__name__}: {exc}"
     try:
@@ -218,9 +275,18 @@ def _post_json(url: str, route: str, body: dict[str, Any], timeout_seconds: floa
     if not isinstance(reply, dict):
         return False, f"HTTP {response.status_code} from {url}: unexpected reply {reply!r:.200}"
     if seconds is not None:
-        seconds.update({k: float(v) for k, v in reply.items() if k.endswith("_seconds")
-                        and isinstance(v, (int, float)) and not isinstance(v, bool)})
+        seconds.update(
+            {
+                k: float(v)
+                for k, v in reply.items()
+                if k.endswith("_seconds")
+                and isinstance(v, (int, float))
+                and not isinstance(v, bool)
+            }
+        )
     if response.status_code >= 400 or not reply.get("success", False):
-        message = reply.get("message") or (reply.get("error") or {}).get("message") or str(reply)[:200]
+        message = (
+            reply.get("message") or (reply.get("error") or {}).get("message") or str(reply)[:200]
+        )
         return False, str(message)
     return True, str(reply.get("message", ""))

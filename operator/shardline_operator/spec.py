@@ -13,13 +13,20 @@ import hashlib
 import json
 import posixpath
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, overload
+from typing import Any, overload
 
 from .parallelism import MAX_PIPELINE, MAX_WORLD_SIZE, ParallelismSpec
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")  # the runtime's --kv-cache-dtype
+KV_CACHE_DTYPES = (
+    "auto",
+    "bfloat16",
+    "float16",
+    "fp8_e4m3",
+    "fp8_e5m2",
+)  # the runtime's --kv-cache-dtype
 STRATEGIES = ("InPlace", "Restart")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -27,10 +34,27 @@ MAX_NAME_LENGTH = 40  # "<name>-g99-ranks" and the pods' controller-revision-has
 MAX_REPLICAS = 100
 # Flags the operator renders itself; a user repeating one in runtime.args would contradict it.
 RESERVED_FLAGS = (
-    "--model-path", "--served-model-name", "--revision", "--host", "--port", "--tp-size",
-    "--nnodes", "--node-rank", "--dist-init-addr", "--dtype", "--mem-fraction-static",
-    "--max-total-tokens", "--cuda-graph-max-bs", "--disable-cuda-graph", "--ep-size", "--api-key",
-    "--admin-api-key", "--kv-cache-dtype", "--lora-paths", "--pp-size", "--pp-layer-partition",
+    "--model-path",
+    "--served-model-name",
+    "--revision",
+    "--host",
+    "--port",
+    "--tp-size",
+    "--nnodes",
+    "--node-rank",
+    "--dist-init-addr",
+    "--dtype",
+    "--mem-fraction-static",
+    "--max-total-tokens",
+    "--cuda-graph-max-bs",
+    "--disable-cuda-graph",
+    "--ep-size",
+    "--api-key",
+    "--admin-api-key",
+    "--kv-cache-dtype",
+    "--lora-paths",
+    "--pp-size",
+    "--pp-layer-partition",
 )
 DEFAULT_MAX_LORAS_PER_BATCH = 8  # the runtime's --max-loras-per-batch default
 # The keys reach the runtime only through these env vars, filled from Secrets (spec.auth).
@@ -227,8 +251,14 @@ class DeploymentSpec:
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def _get(obj: Mapping[str, Any], key: str, path: str, kind: type | tuple[type, ...], default: Any = None,
-         required: bool = False) -> Any:
+def _get(
+    obj: Mapping[str, Any],
+    key: str,
+    path: str,
+    kind: type | tuple[type, ...],
+    default: Any = None,
+    required: bool = False,
+) -> Any:
     value = obj.get(key, default)
     if value is None:
         if required:
@@ -236,7 +266,9 @@ def _get(obj: Mapping[str, Any], key: str, path: str, kind: type | tuple[type, .
         return default
     # bool is an int subclass: never accept True where a number is meant.
     if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
-        raise SpecError(f"{path}.{key} must be of type {_type_names(kind)}, got {type(value).__name__} {value!r}")
+        raise SpecError(
+            f"{path}.{key} must be of type {_type_names(kind)}, got {type(value).__name__} {value!r}"
+        )
     return value
 
 
@@ -245,25 +277,55 @@ def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
 
 
 def _type_names(kind: type | tuple[type, ...]) -> str:
-    names = {int: "integer", float: "number", str: "string", bool: "boolean", dict: "object", list: "array"}
+    names = {
+        int: "integer",
+        float: "number",
+        str: "string",
+        bool: "boolean",
+        dict: "object",
+        list: "array",
+    }
     return " or ".join(names.get(k, k.__name__) for k in _as_tuple(kind))
 
 
 @overload
-def _int_in(obj: Mapping[str, Any], key: str, path: str, default: int, low: int, high: int,
-            required: bool = False) -> int: ...
+def _int_in(
+    obj: Mapping[str, Any],
+    key: str,
+    path: str,
+    default: int,
+    low: int,
+    high: int,
+    required: bool = False,
+) -> int: ...
 @overload
-def _int_in(obj: Mapping[str, Any], key: str, path: str, default: None, low: int, high: int,
-            required: bool = False) -> int | None: ...
-def _int_in(obj: Mapping[str, Any], key: str, path: str, default: int | None, low: int, high: int,
-            required: bool = False) -> int | None:
+def _int_in(
+    obj: Mapping[str, Any],
+    key: str,
+    path: str,
+    default: None,
+    low: int,
+    high: int,
+    required: bool = False,
+) -> int | None: ...
+def _int_in(
+    obj: Mapping[str, Any],
+    key: str,
+    path: str,
+    default: int | None,
+    low: int,
+    high: int,
+    required: bool = False,
+) -> int | None:
     value = _get(obj, key, path, int, default, required)
     if value is not None and not low <= value <= high:
         raise SpecError(f"{path}.{key} must be in [{low}, {high}], got {value}")
     return value
 
 
-def _one_of(obj: Mapping[str, Any], key: str, path: str, default: str, allowed: tuple[str, ...]) -> str:
+def _one_of(
+    obj: Mapping[str, Any], key: str, path: str, default: str, allowed: tuple[str, ...]
+) -> str:
     value = _get(obj, key, path, str, default)
     if value not in allowed:
         raise SpecError(f"{path}.{key} must be one of {', '.join(allowed)}; got {value!r}")
@@ -278,22 +340,34 @@ def parse_model(raw: Mapping[str, Any]) -> ModelSpec:
     if not name.strip():
         raise SpecError(f"{path}.name must be a non-empty string")
     if not posixpath.isabs(model_path):
-        raise SpecError(f"{path}.path must be an absolute directory path in the pod, got {model_path!r}")
+        raise SpecError(
+            f"{path}.path must be an absolute directory path in the pod, got {model_path!r}"
+        )
     revision = _get(raw, "revision", path, str, posixpath.basename(posixpath.normpath(model_path)))
     if not _LABEL_VALUE.match(revision):
-        raise SpecError(f"{path}.revision must be 1-63 characters [A-Za-z0-9._-], starting and ending "
-                        f"alphanumeric (it becomes a label value), got {revision!r}")
+        raise SpecError(
+            f"{path}.revision must be 1-63 characters [A-Za-z0-9._-], starting and ending "
+            f"alphanumeric (it becomes a label value), got {revision!r}"
+        )
     mount_path = _get(raw, "mountPath", path, str, "/var/lib/shardline/models")
     volume = _get(raw, "volume", path, dict)
     if volume is not None:
         if len(volume) != 1:
-            raise SpecError(f"{path}.volume must hold exactly one volume source (e.g. hostPath, "
-                            f"persistentVolumeClaim), got {sorted(volume)}")
-        inside = posixpath.normpath(model_path).startswith(posixpath.normpath(mount_path).rstrip("/") + "/")
+            raise SpecError(
+                f"{path}.volume must hold exactly one volume source (e.g. hostPath, "
+                f"persistentVolumeClaim), got {sorted(volume)}"
+            )
+        inside = posixpath.normpath(model_path).startswith(
+            posixpath.normpath(mount_path).rstrip("/") + "/"
+        )
         if not inside:
-            raise SpecError(f"{path}.path ({model_path}) must be inside {path}.mountPath ({mount_path}) "
-                            "where the volume is mounted")
-    return ModelSpec(name=name, path=model_path, revision=revision, mount_path=mount_path, volume=volume)
+            raise SpecError(
+                f"{path}.path ({model_path}) must be inside {path}.mountPath ({mount_path}) "
+                "where the volume is mounted"
+            )
+    return ModelSpec(
+        name=name, path=model_path, revision=revision, mount_path=mount_path, volume=volume
+    )
 
 
 def parse_runtime(raw: Mapping[str, Any]) -> RuntimeSpec:
@@ -315,19 +389,25 @@ def parse_runtime(raw: Mapping[str, Any]) -> RuntimeSpec:
         if not isinstance(arg, str):
             raise SpecError(f"{path}.args must be a list of strings, got {arg!r}")
         if arg.split("=", 1)[0] in RESERVED_FLAGS:
-            raise SpecError(f"{path}.args must not set {arg.split('=', 1)[0]}: the operator renders it "
-                            f"from the spec (reserved: {', '.join(RESERVED_FLAGS)})")
+            raise SpecError(
+                f"{path}.args must not set {arg.split('=', 1)[0]}: the operator renders it "
+                f"from the spec (reserved: {', '.join(RESERVED_FLAGS)})"
+            )
     env = tuple(_get(raw, "env", path, list, []))
     for item in env:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise SpecError(f"{path}.env items must be objects with a string 'name', got {item!r}")
         if item["name"] in RESERVED_ENV:
-            raise SpecError(f"{path}.env must not set {item['name']} (reserved: {', '.join(RESERVED_ENV)})")
+            raise SpecError(
+                f"{path}.env must not set {item['name']} (reserved: {', '.join(RESERVED_ENV)})"
+            )
     resources = _get(raw, "resources", path, dict, {})
     for section in ("limits", "requests"):
         if GPU_RESOURCE in (resources.get(section) or {}):
-            raise SpecError(f"{path}.resources.{section} must not set {GPU_RESOURCE}: "
-                            "GPUs come from spec.parallelism.gpusPerPod")
+            raise SpecError(
+                f"{path}.resources.{section} must not set {GPU_RESOURCE}: "
+                "GPUs come from spec.parallelism.gpusPerPod"
+            )
     return RuntimeSpec(
         image=image,
         image_pull_policy=_one_of(raw, "imagePullPolicy", path, "IfNotPresent", PULL_POLICIES),
@@ -355,11 +435,15 @@ def parse_weight_update(raw: Mapping[str, Any]) -> WeightUpdateSpec:
             vpath = f"{path}.canary.verify"
             prompt = _get(verify_raw, "prompt", vpath, str, required=True)
             if not prompt.strip() or len(prompt) > 4096:
-                raise SpecError(f"{vpath}.prompt must be a non-empty string of at most 4096 characters")
+                raise SpecError(
+                    f"{vpath}.prompt must be a non-empty string of at most 4096 characters"
+                )
             latency = _get(verify_raw, "maxLatencySeconds", vpath, (int, float), 10)
             if not 0 < float(latency) <= 600:
                 raise SpecError(f"{vpath}.maxLatencySeconds must be in (0, 600], got {latency}")
-            verify = VerifySpec(prompt, _int_in(verify_raw, "maxTokens", vpath, 8, 1, 256), float(latency))
+            verify = VerifySpec(
+                prompt, _int_in(verify_raw, "maxTokens", vpath, 8, 1, 256), float(latency)
+            )
         canary = CanarySpec(verify)
     strategy = _one_of(raw, "strategy", path, "InPlace", STRATEGIES)
     if canary_raw is not None and strategy != "InPlace":
@@ -383,8 +467,10 @@ def parse_auth(raw: Mapping[str, Any]) -> AuthSpec:
     name = _get(ref, "name", path, str, required=True)
     key = _get(ref, "key", path, str, "api-key")
     if len(name) > 253 or not _SECRET_NAME.match(name):
-        raise SpecError(f"{path}.name must be a Secret name (lowercase letters, digits, '-', '.'; "
-                        f"at most 253 characters), got {name!r}")
+        raise SpecError(
+            f"{path}.name must be a Secret name (lowercase letters, digits, '-', '.'; "
+            f"at most 253 characters), got {name!r}"
+        )
     if len(key) > 253 or not _SECRET_KEY.match(key):
         raise SpecError(f"{path}.key must be a Secret data key ([-._a-zA-Z0-9]+), got {key!r}")
     return AuthSpec(api_key_secret=SecretKeyRef(name=name, key=key))
@@ -396,10 +482,14 @@ def parse_network_policy(raw: Mapping[str, Any]) -> NetworkPolicySpec:
     namespaces = _get(raw, "allowedNamespaces", path, list, [])
     for namespace in namespaces:
         if not isinstance(namespace, str) or len(namespace) > 63 or not _NAMESPACE.match(namespace):
-            raise SpecError(f"{path}.allowedNamespaces items must be namespace names (DNS-1123 labels), "
-                            f"got {namespace!r}")
-    return NetworkPolicySpec(enabled=_get(raw, "enabled", path, bool, True),
-                             allowed_namespaces=tuple(dict.fromkeys(namespaces)))
+            raise SpecError(
+                f"{path}.allowedNamespaces items must be namespace names (DNS-1123 labels), "
+                f"got {namespace!r}"
+            )
+    return NetworkPolicySpec(
+        enabled=_get(raw, "enabled", path, bool, True),
+        allowed_namespaces=tuple(dict.fromkeys(namespaces)),
+    )
 
 
 def parse_spec(name: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> DeploymentSpec:
@@ -409,8 +499,10 @@ def parse_spec(name: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> 
         SpecError: naming the first invalid field, its value and the allowed values.
     """
     if len(name) > MAX_NAME_LENGTH or not _DNS_LABEL.match(name):
-        raise SpecError(f"metadata.name must be a DNS-1035 label of at most {MAX_NAME_LENGTH} characters "
-                        f"(lowercase letters, digits, '-'; starting with a letter), got {name!r}")
+        raise SpecError(
+            f"metadata.name must be a DNS-1035 label of at most {MAX_NAME_LENGTH} characters "
+            f"(lowercase letters, digits, '-'; starting with a letter), got {name!r}"
+        )
     if not isinstance(spec, Mapping):
         raise SpecError(f"spec must be an object, got {type(spec).__name__}")
     parallelism = parse_parallelism(_get(spec, "parallelism", "spec", dict, {}))
@@ -419,8 +511,10 @@ def parse_spec(name: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> 
     sched_raw = _get(spec, "scheduling", "spec", dict, {})
     service_raw = _get(spec, "service", "spec", dict, {})
     if parallelism.pipeline > 1 and _get(spec, "loraAdapters", "spec", list, []):
-        raise SpecError(f"spec.loraAdapters are not served with spec.parallelism.pipeline > 1 (got pipeline "
-                        f"{parallelism.pipeline}); use pipeline 1 or remove the adapters")
+        raise SpecError(
+            f"spec.loraAdapters are not served with spec.parallelism.pipeline > 1 (got pipeline "
+            f"{parallelism.pipeline}); use pipeline 1 or remove the adapters"
+        )
     return DeploymentSpec(
         name=name,
         namespace=namespace,
@@ -431,8 +525,12 @@ def parse_spec(name: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> 
         runtime=parse_runtime(_get(spec, "runtime", "spec", dict, required=True)),
         weight_update=parse_weight_update(update_raw),
         restart_policy=RestartPolicySpec(
-            max_group_restarts=_int_in(restart_raw, "maxGroupRestarts", "spec.restartPolicy", 5, 0, 1000),
-            backoff_seconds=_int_in(restart_raw, "backoffSeconds", "spec.restartPolicy", 10, 1, 3600),
+            max_group_restarts=_int_in(
+                restart_raw, "maxGroupRestarts", "spec.restartPolicy", 5, 0, 1000
+            ),
+            backoff_seconds=_int_in(
+                restart_raw, "backoffSeconds", "spec.restartPolicy", 10, 1, 3600
+            ),
         ),
         scheduling=SchedulingSpec(
             node_selector=_get(sched_raw, "nodeSelector", "spec.scheduling", dict, {}),
@@ -444,8 +542,10 @@ def parse_spec(name: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> 
             type=_one_of(service_raw, "type", "spec.service", "ClusterIP", SERVICE_TYPES),
             port=_int_in(service_raw, "port", "spec.service", 8000, 1, 65535),
         ),
-        lora_adapters=parse_lora_adapters(_get(spec, "loraAdapters", "spec", list, []),
-                                          _max_loras_per_batch(_get(spec, "runtime", "spec", dict, {}))),
+        lora_adapters=parse_lora_adapters(
+            _get(spec, "loraAdapters", "spec", list, []),
+            _max_loras_per_batch(_get(spec, "runtime", "spec", dict, {})),
+        ),
         auth=parse_auth(_get(spec, "auth", "spec", dict, {})),
         network_policy=parse_network_policy(_get(spec, "networkPolicy", "spec", dict, {})),
     )
@@ -456,8 +556,10 @@ def parse_parallelism(raw: Mapping[str, Any]) -> ParallelismSpec:
     path = "spec.parallelism"
     partition = _get(raw, "pipelineLayerPartition", path, list, [])
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in partition):
-        raise SpecError(f"{path}.pipelineLayerPartition must be a list of layer counts >= 1 (one per stage), "
-                        f"got {partition!r}")
+        raise SpecError(
+            f"{path}.pipelineLayerPartition must be a list of layer counts >= 1 (one per stage), "
+            f"got {partition!r}"
+        )
     parallelism = ParallelismSpec(
         tensor=_int_in(raw, "tensor", path, 1, 1, MAX_WORLD_SIZE),
         gpus_per_pod=_int_in(raw, "gpusPerPod", path, 1, 1, 64),
@@ -493,13 +595,19 @@ def parse_lora_adapters(raw: list, max_loaded: int) -> tuple[LoRAAdapterSpec, ..
         name = _get(item, "name", path, str, required=True)
         adapter_path = _get(item, "path", path, str, required=True)
         if not _LABEL_VALUE.match(name):
-            raise SpecError(f"{path}.name must be 1-63 characters [A-Za-z0-9._-], starting and ending alphanumeric, got {name!r}")
+            raise SpecError(
+                f"{path}.name must be 1-63 characters [A-Za-z0-9._-], starting and ending alphanumeric, got {name!r}"
+            )
         if not posixpath.isabs(adapter_path):
-            raise SpecError(f"{path}.path must be an absolute directory path in the pod, got {adapter_path!r}")
+            raise SpecError(
+                f"{path}.path must be an absolute directory path in the pod, got {adapter_path!r}"
+            )
         if any(a.name == name for a in out):
             raise SpecError(f"{path}.name {name!r} is repeated; adapter names must be unique")
         out.append(LoRAAdapterSpec(name=name, path=adapter_path))
     if len(out) > max_loaded:
-        raise SpecError(f"spec.loraAdapters has {len(out)} adapters but the runtime holds {max_loaded} at once "
-                        "(--max-loras-per-batch in spec.runtime.args)")
+        raise SpecError(
+            f"spec.loraAdapters has {len(out)} adapters but the runtime holds {max_loaded} at once "
+            "(--max-loras-per-batch in spec.runtime.args)"
+        )
     return tuple(out)

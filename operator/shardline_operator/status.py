@@ -14,8 +14,9 @@ failed rollout). A group's ``revision`` is what its leader reports, else its lea
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from . import labels
 from .clock import from_rfc3339, to_rfc3339
@@ -44,7 +45,9 @@ class GroupReport:
     observation: GroupObservation
     record: GroupRecord
     phase_override: str | None = None
-    weight_version: str | None = None  # the leader's /get_server_info weight_version (RL weight sync)
+    weight_version: str | None = (
+        None  # the leader's /get_server_info weight_version (RL weight sync)
+    )
     view: GroupView | None = None
     digest: str | None = None
     mixed: str | None = None
@@ -79,9 +82,13 @@ def group_phase(report: GroupReport) -> str:
 def rank_status(pod: PodObservation, parallelism: ParallelismSpec) -> dict[str, Any]:
     """One ``status.groups[].ranks[]`` item: which pod and node hold the node rank, its
     pipeline stages and TP ranks (``ppRanks`` x ``tpRanks``), and how it is."""
-    item: dict[str, Any] = {"rank": pod.rank if pod.rank is not None else -1, "pod": pod.name,
-                            "node": pod.node or "", "ready": pod.ready,
-                            "phase": "Terminating" if pod.deleting else pod.phase}
+    item: dict[str, Any] = {
+        "rank": pod.rank if pod.rank is not None else -1,
+        "pod": pod.name,
+        "node": pod.node or "",
+        "ready": pod.ready,
+        "phase": "Terminating" if pod.deleting else pod.phase,
+    }
     if pod.rank is not None and 0 <= pod.rank < parallelism.pods_per_group:
         ranks = parallelism.pod_ranks(pod.rank)
         item["ppRanks"], item["tpRanks"] = list(ranks.pp_ranks), list(ranks.tp_ranks)
@@ -103,8 +110,12 @@ def group_status(report: GroupReport, phase: str, parallelism: ParallelismSpec) 
     """One ``status.groups[]`` item (``parallelism`` maps each pod to its pp and tp ranks)."""
     group, record = report.observation, report.record
     item: dict[str, Any] = {
-        "index": group.index, "phase": phase, "pods": len(group.live_pods), "readyPods": group.ready_pods,
-        "revision": report.revision, "restarts": record.restarts,
+        "index": group.index,
+        "phase": phase,
+        "pods": len(group.live_pods),
+        "readyPods": group.ready_pods,
+        "revision": report.revision,
+        "restarts": record.restarts,
         "podUIDs": dict(record.pod_uids),
         "message": record.failed_message or report.mixed or restart_message(report, phase) or "",
         "ranks": [rank_status(p, parallelism) for p in group.pods],
@@ -123,9 +134,12 @@ def record_from_status(item: Mapping[str, Any] | None) -> GroupRecord:
     if not item:
         return GroupRecord()
     failed = item.get("message") if item.get("phase") == "Failed" else None
-    return GroupRecord(restarts=int(item.get("restarts") or 0),
-                       last_restart_time=from_rfc3339(item.get("lastRestartTime")),
-                       pod_uids=dict(item.get("podUIDs") or {}), failed_message=failed or None)
+    return GroupRecord(
+        restarts=int(item.get("restarts") or 0),
+        last_restart_time=from_rfc3339(item.get("lastRestartTime")),
+        pod_uids=dict(item.get("podUIDs") or {}),
+        failed_message=failed or None,
+    )
 
 
 def served_revision(revisions: Sequence[str]) -> str:
@@ -137,8 +151,15 @@ def served_revision(revisions: Sequence[str]) -> str:
     return ",".join(seen)
 
 
-def deployment_phase(phases: Sequence[str], ready: int, replicas: int, rollout: RolloutState | None,
-                     rolling: bool = False, mixed: bool = False, planned_restart: bool = False) -> str:
+def deployment_phase(
+    phases: Sequence[str],
+    ready: int,
+    replicas: int,
+    rollout: RolloutState | None,
+    rolling: bool = False,
+    mixed: bool = False,
+    planned_restart: bool = False,
+) -> str:
     """Aggregate phase of the deployment from its group phases.
 
     ``rolling``: some group does not serve the target yet (or a rollout is running);
@@ -164,19 +185,42 @@ def deployment_phase(phases: Sequence[str], ready: int, replicas: int, rollout: 
     return "Initializing"
 
 
-def condition(ctype: str, ok: bool, reason: str, message: str, generation: int,
-              previous: Sequence[Mapping[str, Any]], now: str) -> dict[str, Any]:
+def condition(
+    ctype: str,
+    ok: bool,
+    reason: str,
+    message: str,
+    generation: int,
+    previous: Sequence[Mapping[str, Any]],
+    now: str,
+) -> dict[str, Any]:
     """A standard condition; keeps the previous ``lastTransitionTime`` when the status is unchanged."""
     status = "True" if ok else "False"
     old = next((c for c in previous if c.get("type") == ctype), None)
-    since = old.get("lastTransitionTime", now) if old is not None and old.get("status") == status else now
-    return {"type": ctype, "status": status, "reason": reason, "message": message,
-            "lastTransitionTime": since, "observedGeneration": generation}
+    since = (
+        old.get("lastTransitionTime", now)
+        if old is not None and old.get("status") == status
+        else now
+    )
+    return {
+        "type": ctype,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since,
+        "observedGeneration": generation,
+    }
 
 
-def build_status(spec: DeploymentSpec, generation: int, reports: Sequence[GroupReport],
-                 rollout: RolloutState | None, previous: Mapping[str, Any], now: float,
-                 restarts_pending: int = 0) -> dict[str, Any]:
+def build_status(
+    spec: DeploymentSpec,
+    generation: int,
+    reports: Sequence[GroupReport],
+    rollout: RolloutState | None,
+    previous: Mapping[str, Any],
+    now: float,
+    restarts_pending: int = 0,
+) -> dict[str, Any]:
     """The whole ``status`` written after a reconcile (``now`` in Unix seconds).
 
     ``restarts_pending``: groups a restart rollout has still to replace (their pods are old).
@@ -186,58 +230,128 @@ def build_status(spec: DeploymentSpec, generation: int, reports: Sequence[GroupR
     phases = [group_phase(r) for r in reports]
     desired = ServedModel.desired(spec)
     ready = sum(1 for r, p in zip(reports, phases) if r.observation.ready and p != "Failed")
-    on_target = [r for r in reports if r.observation.served is not None
-                 and (r.observation.served.path, r.observation.served.revision) == (desired.path, desired.revision)
-                 and r.revision == desired.revision and not r.mixed]
-    graphs_current = all(r.observation.served is not None and r.observation.served.cuda_graph == desired.cuda_graph
-                         for r in reports)
+    on_target = [
+        r
+        for r in reports
+        if r.observation.served is not None
+        and (r.observation.served.path, r.observation.served.revision)
+        == (desired.path, desired.revision)
+        and r.revision == desired.revision
+        and not r.mixed
+    ]
+    graphs_current = all(
+        r.observation.served is not None and r.observation.served.cuda_graph == desired.cuda_graph
+        for r in reports
+    )
     rollout_active = rollout is not None and rollout.phase != FAILED
     unplanned = any(p == "Restarting" and not r.planned for r, p in zip(reports, phases))
     mixed = [r.mixed for r in reports if r.mixed]
     all_updated = len(on_target) == len(reports) and graphs_current
-    declared_behind = any(r.observation.served is not None and r.observation.served != desired for r in reports)
+    declared_behind = any(
+        r.observation.served is not None and r.observation.served != desired for r in reports
+    )
     # A group still starting has no leader to report yet: that is Initializing, not a rollout.
     restarting = restarts_pending > 0 or any(r.planned for r in reports)
     # A rollout is over when every group is Ready on the target: the last group a restart rollout
     # replaced is still part of it while it starts (not "Initializing").
-    rolling = (rollout_active or restarting or declared_behind or (ready == spec.replicas and not all_updated)
-               or (previous.get("phase") == ROLLING_OUT and ready < spec.replicas and not unplanned))
+    rolling = (
+        rollout_active
+        or restarting
+        or declared_behind
+        or (ready == spec.replicas and not all_updated)
+        or (previous.get("phase") == ROLLING_OUT and ready < spec.replicas and not unplanned)
+    )
     # While groups are being replaced, an earlier failed in-place rollout is not what is happening.
-    phase = deployment_phase(phases, ready, spec.replicas, None if restarting else rollout, rolling,
-                             bool(mixed), not unplanned)
-    failed_messages = [f"group {r.observation.index}: {r.record.failed_message}"
-                       for r in reports if r.record.failed_message]
-    failed_messages += [f"group {r.observation.index}: {m}" for r, p in zip(reports, phases)
-                        if (m := restart_message(r, p)) is not None and not r.record.failed_message]
+    phase = deployment_phase(
+        phases,
+        ready,
+        spec.replicas,
+        None if restarting else rollout,
+        rolling,
+        bool(mixed),
+        not unplanned,
+    )
+    failed_messages = [
+        f"group {r.observation.index}: {r.record.failed_message}"
+        for r in reports
+        if r.record.failed_message
+    ]
+    failed_messages += [
+        f"group {r.observation.index}: {m}"
+        for r, p in zip(reports, phases)
+        if (m := restart_message(r, p)) is not None and not r.record.failed_message
+    ]
     progress = f"{len(on_target)}/{spec.replicas} groups on {desired.revision}"
     if rollout is not None and rollout.phase == FAILED:
         weights = (False, "UpdateFailed", rollout.message)
     elif all_updated:
         weights = (True, "Updated", f"all groups serve {desired.revision}")
     else:
-        weights = (False, "Updating", rollout.message if rollout else f"rolling out {desired.revision}")
+        weights = (
+            False,
+            "Updating",
+            rollout.message if rollout else f"rolling out {desired.revision}",
+        )
     if not desired.cuda_graph.enabled:
         graphs = (False, "Disabled", "spec.runtime.cudaGraph.enabled is false")
     elif graphs_current and ready == spec.replicas:
-        graphs = (True, "Captured", f"decode graphs up to batch size {desired.cuda_graph.max_batch_size}")
+        graphs = (
+            True,
+            "Captured",
+            f"decode graphs up to batch size {desired.cuda_graph.max_batch_size}",
+        )
     else:
         graphs = (False, "Capturing", "groups are starting or recapturing")
-    progressing = phase in ("Pending", "Initializing", ROLLING_OUT, *ROLLOUT_PHASES) or rollout_active
+    progressing = (
+        phase in ("Pending", "Initializing", ROLLING_OUT, *ROLLOUT_PHASES) or rollout_active
+    )
     message = "; ".join(failed_messages + mixed) or (rollout.message if rollout else "")
     serving = phase == "Ready"
     degraded = phase in ("Degraded", "Failed")
-    degraded_reason = "MixedVersions" if mixed else ("RolloutFailed" if rollout is not None and rollout.phase == FAILED
-                                                     and not failed_messages and not unplanned else phase)
+    degraded_reason = (
+        "MixedVersions"
+        if mixed
+        else (
+            "RolloutFailed"
+            if rollout is not None
+            and rollout.phase == FAILED
+            and not failed_messages
+            and not unplanned
+            else phase
+        )
+    )
     conditions = [
-        condition("Ready", serving, "AllGroupsReady" if serving else ("RollingOut" if phase == ROLLING_OUT
-                                                                      else "GroupsNotReady"),
-                  f"{ready}/{spec.replicas} groups ready; {progress}", generation, old_conditions, stamp),
-        condition("Progressing", progressing, "RolloutInProgress" if progressing else "Stable",
-                  progress if rolling else phase, generation, old_conditions, stamp),
+        condition(
+            "Ready",
+            serving,
+            "AllGroupsReady"
+            if serving
+            else ("RollingOut" if phase == ROLLING_OUT else "GroupsNotReady"),
+            f"{ready}/{spec.replicas} groups ready; {progress}",
+            generation,
+            old_conditions,
+            stamp,
+        ),
+        condition(
+            "Progressing",
+            progressing,
+            "RolloutInProgress" if progressing else "Stable",
+            progress if rolling else phase,
+            generation,
+            old_conditions,
+            stamp,
+        ),
         condition("WeightsUpdated", *weights, generation, old_conditions, stamp),
         condition("GraphsCaptured", *graphs, generation, old_conditions, stamp),
-        condition("Degraded", degraded, degraded_reason if degraded else "Healthy",
-                  message if degraded else "", generation, old_conditions, stamp),
+        condition(
+            "Degraded",
+            degraded,
+            degraded_reason if degraded else "Healthy",
+            message if degraded else "",
+            generation,
+            old_conditions,
+            stamp,
+        ),
     ]
     return {
         "phase": phase,
@@ -254,7 +368,9 @@ def build_status(spec: DeploymentSpec, generation: int, reports: Sequence[GroupR
     }
 
 
-def invalid_spec_status(error: str, generation: int, previous: Mapping[str, Any], now: float) -> dict[str, Any]:
+def invalid_spec_status(
+    error: str, generation: int, previous: Mapping[str, Any], now: float
+) -> dict[str, Any]:
     """Status for a spec the operator cannot run: phase Failed, Ready=False/InvalidSpec."""
     stamp = to_rfc3339(now)
     old = previous.get("conditions") or []
@@ -262,8 +378,10 @@ def invalid_spec_status(error: str, generation: int, previous: Mapping[str, Any]
         "phase": "Failed",
         "message": error,
         "observedGeneration": generation,
-        "conditions": [condition("Ready", False, "InvalidSpec", error, generation, old, stamp),
-                       condition("Degraded", True, "InvalidSpec", error, generation, old, stamp)],
+        "conditions": [
+            condition("Ready", False, "InvalidSpec", error, generation, old, stamp),
+            condition("Degraded", True, "InvalidSpec", error, generation, old, stamp),
+        ],
     }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from shardline_runtime.termination_log import write_termination_log
 
@@ -29,14 +29,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     usage_errors = io.StringIO()
     try:
-        with contextlib.redirect_stderr(usage_errors):  # argparse's message, for the termination log too
+        with contextlib.redirect_stderr(
+            usage_errors
+        ):  # argparse's message, for the termination log too
             args = ServerArgs.from_cli(argv[1:])
     except SystemExit as exc:
         sys.stderr.write(usage_errors.getvalue())
         if exc.code not in (0, None):
             lines = usage_errors.getvalue().strip().splitlines()
             # e.g. "shardline-runtime serve: error: argument --pp-size: must be in [1, inf], got 0"
-            write_termination_log(f"invalid arguments: {lines[-1] if lines else 'see the container log'}")
+            write_termination_log(
+                f"invalid arguments: {lines[-1] if lines else 'see the container log'}"
+            )
         raise
     except ServerArgsError as exc:
         print(f"shardline-runtime serve: error: {exc}", file=sys.stderr)

@@ -36,11 +36,15 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from shardline_runtime.configs.pipeline_stage import PipelineLayoutError, layer_partition
-from shardline_runtime.termination_log import write_termination_log
 from shardline_runtime.entrypoints.auth import guard
 from shardline_runtime.lora.lora_config import parse_lora_paths
-from shardline_runtime.managers.scheduler_process import configure_logging, rank_label, run_scheduler_process
+from shardline_runtime.managers.scheduler_process import (
+    configure_logging,
+    rank_label,
+    run_scheduler_process,
+)
 from shardline_runtime.server_args import ServerArgs
+from shardline_runtime.termination_log import write_termination_log
 
 logger = logging.getLogger("shardline_runtime.launch")
 
@@ -69,8 +73,13 @@ def _status_app(state: dict) -> FastAPI:
     def status(ok: bool, what: str):
         if ok:
             return PlainTextResponse("OK")
-        message = state.get("fatal") or f"{what}: scheduler processes are starting (loading weights)"
-        return JSONResponse({"error": {"message": message, "type": "service_unavailable", "code": 503}}, status_code=503)
+        message = (
+            state.get("fatal") or f"{what}: scheduler processes are starting (loading weights)"
+        )
+        return JSONResponse(
+            {"error": {"message": message, "type": "service_unavailable", "code": 503}},
+            status_code=503,
+        )
 
     @app.get("/health")
     async def health():
@@ -110,7 +119,9 @@ class _Server(uvicorn.Server):
             self.should_exit = True
             return
         tm.draining = True
-        loop.call_soon_threadsafe(tm.start_draining)  # requests held by /pause_generation get their 503 now
+        loop.call_soon_threadsafe(
+            tm.start_draining
+        )  # requests held by /pause_generation get their 503 now
         loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
 
     async def _drain(self) -> None:
@@ -138,7 +149,11 @@ def _spawn_schedulers(args: ServerArgs, input_addr: str, output_addr: str):
         reader, writer = ctx.Pipe(duplex=False)
         pp_rank, tp_rank = rank_layout(rank, args.tp_size)
         name = f"shardline-scheduler-tp{tp_rank}" + (f"-pp{pp_rank}" if args.pp_size > 1 else "")
-        proc = ctx.Process(target=run_scheduler_process, args=(args, rank, input_addr, output_addr, writer), name=name)
+        proc = ctx.Process(
+            target=run_scheduler_process,
+            args=(args, rank, input_addr, output_addr, writer),
+            name=name,
+        )
         proc.start()
         writer.close()
         procs.append((rank_label(tp_rank, pp_rank, args.pp_size), proc, reader))
@@ -151,7 +166,10 @@ def _wait_ready(procs) -> tuple[list, str | None]:
     for rank, proc, reader in procs:
         while not reader.poll(0.5):
             if not proc.is_alive():
-                return infos, f"{rank} scheduler process exited with code {proc.exitcode} while starting"
+                return (
+                    infos,
+                    f"{rank} scheduler process exited with code {proc.exitcode} while starting",
+                )
         try:
             msg = reader.recv()
         except EOFError:
@@ -163,13 +181,25 @@ def _wait_ready(procs) -> tuple[list, str | None]:
 
 
 async def _serve(args: ServerArgs, procs, ipc_dir: str, input_addr: str, output_addr: str) -> int:
-    state: dict[str, Any] = {"healthy": True, "ready": False, "draining": False, "fatal": None, "tm": None,
-                             "started": time.time()}
+    state: dict[str, Any] = {
+        "healthy": True,
+        "ready": False,
+        "draining": False,
+        "fatal": None,
+        "tm": None,
+        "started": time.time(),
+    }
     switch = _SwitchApp(_status_app(state))
     # The key check wraps the whole server, so no route (present or future) is served around it.
     app = guard(switch, args.api_key, args.admin_api_key, args.port)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.drain_timeout + 3, access_log=args.log_level == "debug")
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.drain_timeout + 3,
+        access_log=args.log_level == "debug",
+    )
     server = _Server(config, state, args.drain_timeout)
     state["loop"] = asyncio.get_running_loop()
     serve_task = asyncio.create_task(server.serve())
@@ -183,8 +213,16 @@ async def _serve(args: ServerArgs, procs, ipc_dir: str, input_addr: str, output_
     exit_code = 0
     if error is None:
         state["ready"] = True
-        logger.info("ready: serving %s on http://%s:%d (tp_size %d, pp_size %d, node %d/%d)", args.model_name,
-                    args.host, args.port, args.tp_size, args.pp_size, args.node_rank, args.nnodes)
+        logger.info(
+            "ready: serving %s on http://%s:%d (tp_size %d, pp_size %d, node %d/%d)",
+            args.model_name,
+            args.host,
+            args.port,
+            args.tp_size,
+            args.pp_size,
+            args.node_rank,
+            args.nnodes,
+        )
         while not serve_task.done():
             dead = [(rank, p) for rank, p, _ in procs if not p.is_alive()]
             if dead and not state["draining"]:
@@ -210,18 +248,28 @@ def _full_app(args: ServerArgs, info, input_addr: str, output_addr: str, state: 
 
     from shardline_runtime.entrypoints.http_server import build_app
     from shardline_runtime.entrypoints.metrics import ServingMetrics
-    from shardline_runtime.managers.tokenizer_manager import TokenizerManager
-
-    from shardline_runtime.managers.tokenizer_manager import safe_checkpoint_digest
+    from shardline_runtime.managers.tokenizer_manager import (
+        TokenizerManager,
+        safe_checkpoint_digest,
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
     digest = safe_checkpoint_digest(info.model_path)
     metrics = ServingMetrics(args.model_name)
     metrics.set_weights(info.weights_revision, info.model_path, digest)
     metrics.set_weight_version(info.weight_version)
-    tm = TokenizerManager(tokenizer, info, input_addr, output_addr, metrics,
-                          hold_timeout=args.weight_update_hold_timeout, weights_digest=digest)
-    tm.lora_adapters = parse_lora_paths(list(args.lora_paths))  # loaded by every rank before it reported ready
+    tm = TokenizerManager(
+        tokenizer,
+        info,
+        input_addr,
+        output_addr,
+        metrics,
+        hold_timeout=args.weight_update_hold_timeout,
+        weights_digest=digest,
+    )
+    tm.lora_adapters = parse_lora_paths(
+        list(args.lora_paths)
+    )  # loaded by every rank before it reported ready
     tm.start()
     state["tm"] = tm
     return build_app(tm, args, metrics, state)
@@ -235,7 +283,9 @@ def _pipeline_layout_error(args: ServerArgs) -> str | None:
     if args.pp_size == 1 and not args.pp_layer_partition:
         return None
     try:
-        layers = int(json.loads((Path(args.model_path) / "config.json").read_text())["num_hidden_layers"])
+        layers = int(
+            json.loads((Path(args.model_path) / "config.json").read_text())["num_hidden_layers"]
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return None
     try:

@@ -60,7 +60,12 @@ def _corpus(lines: int = 2000, seed: int = 0) -> list[str]:
     return out
 
 
-def train_tokenizer(out_dir: str | Path, vocab_size: int = 512, add_bos: bool = False, chat_template: str = CHAT_TEMPLATE):
+def train_tokenizer(
+    out_dir: str | Path,
+    vocab_size: int = 512,
+    add_bos: bool = False,
+    chat_template: str = CHAT_TEMPLATE,
+):
     """Train a byte-level BPE tokenizer and save it as a HuggingFace fast tokenizer.
 
     Args:
@@ -90,7 +95,8 @@ def train_tokenizer(out_dir: str | Path, vocab_size: int = 512, add_bos: bool = 
     if add_bos:
         bos_id = tok.token_to_id("<|bos|>")
         tok.post_processor = processors.TemplateProcessing(
-            single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", bos_id)])
+            single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", bos_id)]
+        )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|bos|>",
@@ -198,7 +204,9 @@ def make_tiny_checkpoint(
         kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(str(out), **kwargs)
     if tokenizer:
-        train_tokenizer(out, vocab_size=min(512, vocab_size), add_bos=add_bos, chat_template=chat_template)
+        train_tokenizer(
+            out, vocab_size=min(512, vocab_size), add_bos=add_bos, chat_template=chat_template
+        )
     return out
 
 
@@ -216,12 +224,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument(
-        "--max-shard-size", default=None,
+        "--max-shard-size",
+        default=None,
         help="shard the safetensors files at this size, with units, e.g. 20KB or 1MB "
         "(writes model.safetensors.index.json)",
     )
     parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=JSON",
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
         help="config override, e.g. --set num_hidden_layers=4 --set hidden_size=128",
     )
     args = parser.parse_args(argv)
@@ -232,8 +244,12 @@ def main(argv: list[str] | None = None) -> None:
         key, _, value = item.partition("=")
         overrides[key] = _parse_value(value)
     path = make_tiny_checkpoint(
-        args.out_dir, arch=args.arch, seed=args.seed, vocab_size=args.vocab_size,
-        max_shard_size=args.max_shard_size, **overrides,
+        args.out_dir,
+        arch=args.arch,
+        seed=args.seed,
+        vocab_size=args.vocab_size,
+        max_shard_size=args.max_shard_size,
+        **overrides,
     )
     print(path)
 

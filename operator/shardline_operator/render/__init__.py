@@ -5,7 +5,8 @@ One module per kind; :func:`render_children` lists every child of a deployment.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ..runtime_args import ServedModel
 from ..spec import DeploymentSpec
@@ -16,13 +17,21 @@ from .services import build_client_service, build_rank_service
 from .statefulset import build_statefulset
 
 __all__ = [
-    "build_admin_secret", "build_client_service", "build_network_policy", "build_pod_disruption_budget",
-    "build_rank_service", "build_statefulset", "render_children",
+    "build_admin_secret",
+    "build_client_service",
+    "build_network_policy",
+    "build_pod_disruption_budget",
+    "build_rank_service",
+    "build_statefulset",
+    "render_children",
 ]
 
 
-def render_children(spec: DeploymentSpec, served: Mapping[int, ServedModel] | None = None,
-                    operator_namespace: str | None = None) -> list[dict[str, Any]]:
+def render_children(
+    spec: DeploymentSpec,
+    served: Mapping[int, ServedModel] | None = None,
+    operator_namespace: str | None = None,
+) -> list[dict[str, Any]]:
     """Every child object: per group a rank Service, a StatefulSet and (``spec.networkPolicy.enabled``)
     a NetworkPolicy, then the client Service and PDB. The admin-token Secret is not listed: its
     content is drawn at random once (:func:`build_admin_secret`).

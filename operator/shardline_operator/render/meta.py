@@ -20,8 +20,12 @@ def owner_reference(spec: DeploymentSpec) -> dict[str, Any]:
     }
 
 
-def child_metadata(spec: DeploymentSpec, name: str, object_labels: dict[str, str],
-                   annotations: dict[str, str] | None = None) -> dict[str, Any]:
+def child_metadata(
+    spec: DeploymentSpec,
+    name: str,
+    object_labels: dict[str, str],
+    annotations: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """``metadata`` of a namespaced child object owned by the deployment."""
     meta: dict[str, Any] = {
         "name": name,

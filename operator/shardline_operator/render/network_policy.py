@@ -17,7 +17,9 @@ def _namespace_peer(namespace: str) -> dict[str, Any]:
     return {"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: namespace}}}
 
 
-def build_network_policy(spec: DeploymentSpec, group: int, operator_namespace: str | None) -> dict[str, Any]:
+def build_network_policy(
+    spec: DeploymentSpec, group: int, operator_namespace: str | None
+) -> dict[str, Any]:
     """Ingress policy ``<name>-g<group>`` of the group's pods.
 
     - From pods of the same group: every port (the rendezvous port ``29500 + group``, NCCL and
@@ -36,13 +38,20 @@ def build_network_policy(spec: DeploymentSpec, group: int, operator_namespace: s
         if namespace != spec.namespace:
             http_from.append(_namespace_peer(namespace))
     if operator_namespace:
-        http_from.append({**_namespace_peer(operator_namespace),
-                          "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}})
+        http_from.append(
+            {
+                **_namespace_peer(operator_namespace),
+                "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)},
+            }
+        )
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": child_metadata(spec, labels.statefulset_name(spec.name, group),
-                                   {**labels.common_labels(spec.name), labels.LABEL_GROUP: str(group)}),
+        "metadata": child_metadata(
+            spec,
+            labels.statefulset_name(spec.name, group),
+            {**labels.common_labels(spec.name), labels.LABEL_GROUP: str(group)},
+        ),
         "spec": {
             "podSelector": group_selector,
             "policyTypes": ["Ingress"],

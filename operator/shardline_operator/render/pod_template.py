@@ -27,9 +27,13 @@ def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
 
 def _env(spec: DeploymentSpec) -> list[dict[str, Any]]:
     """Downward-API env, the keys from Secrets (never in args, which ``ps`` shows), user env."""
-    keys = [_secret_env(ADMIN_API_KEY_ENV, labels.admin_secret_name(spec.name), labels.ADMIN_TOKEN_KEY)]
+    keys = [
+        _secret_env(ADMIN_API_KEY_ENV, labels.admin_secret_name(spec.name), labels.ADMIN_TOKEN_KEY)
+    ]
     if spec.auth.api_key_secret is not None:
-        keys.append(_secret_env(API_KEY_ENV, spec.auth.api_key_secret.name, spec.auth.api_key_secret.key))
+        keys.append(
+            _secret_env(API_KEY_ENV, spec.auth.api_key_secret.name, spec.auth.api_key_secret.key)
+        )
     return [
         _field_env("POD_IP", "status.podIP"),
         _field_env("POD_NAME", "metadata.name"),
@@ -98,7 +102,9 @@ def build_pod_template(spec: DeploymentSpec, group: int, served: ServedModel) ->
         ],
         "resources": _resources(spec),
         "volumeMounts": mounts,
-        "startupProbe": _probe("/health", math.ceil(spec.runtime.startup_timeout_seconds / PROBE_PERIOD_SECONDS)),
+        "startupProbe": _probe(
+            "/health", math.ceil(spec.runtime.startup_timeout_seconds / PROBE_PERIOD_SECONDS)
+        ),
         "livenessProbe": _probe("/health", 6),
         "readinessProbe": _probe("/ready", 3, period=5),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
@@ -107,8 +113,12 @@ def build_pod_template(spec: DeploymentSpec, group: int, served: ServedModel) ->
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
     pod_spec: dict[str, Any] = {
-        "securityContext": {"runAsNonRoot": True, "runAsUser": labels.RUNTIME_UID, "runAsGroup": labels.RUNTIME_UID,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": labels.RUNTIME_UID,
+            "runAsGroup": labels.RUNTIME_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "containers": [container],
         "volumes": volumes,
         "restartPolicy": "Always",

@@ -18,7 +18,9 @@ def build_admin_secret(spec: DeploymentSpec, token: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": child_metadata(spec, labels.admin_secret_name(spec.name), labels.common_labels(spec.name)),
+        "metadata": child_metadata(
+            spec, labels.admin_secret_name(spec.name), labels.common_labels(spec.name)
+        ),
         "type": "Opaque",
         "immutable": True,
         "data": {labels.ADMIN_TOKEN_KEY: base64.b64encode(token.encode()).decode()},

@@ -18,14 +18,22 @@ def build_rank_service(spec: DeploymentSpec, group: int) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": child_metadata(spec, labels.rank_service_name(spec.name, group),
-                                   {**labels.common_labels(spec.name), labels.LABEL_GROUP: str(group)}),
+        "metadata": child_metadata(
+            spec,
+            labels.rank_service_name(spec.name, group),
+            {**labels.common_labels(spec.name), labels.LABEL_GROUP: str(group)},
+        ),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
             "selector": labels.group_selector_labels(spec.name, group),
             "ports": [
-                {"name": "dist", "port": labels.dist_port(group), "targetPort": "dist", "protocol": "TCP"},
+                {
+                    "name": "dist",
+                    "port": labels.dist_port(group),
+                    "targetPort": "dist",
+                    "protocol": "TCP",
+                },
                 {"name": "http", "port": labels.HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
             ],
         },
@@ -41,6 +49,8 @@ def build_client_service(spec: DeploymentSpec) -> dict[str, Any]:
         "spec": {
             "type": spec.service.type,
             "selector": {**labels.selector_labels(spec.name), labels.LABEL_POD_INDEX: "0"},
-            "ports": [{"name": "http", "port": spec.service.port, "targetPort": "http", "protocol": "TCP"}],
+            "ports": [
+                {"name": "http", "port": spec.service.port, "targetPort": "http", "protocol": "TCP"}
+            ],
         },
     }

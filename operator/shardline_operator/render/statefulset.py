@@ -28,8 +28,12 @@ def build_statefulset(spec: DeploymentSpec, group: int, served: ServedModel) -> 
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": child_metadata(spec, labels.statefulset_name(spec.name, group),
-                                   labels.group_labels(spec.name, group, served.revision), annotations),
+        "metadata": child_metadata(
+            spec,
+            labels.statefulset_name(spec.name, group),
+            labels.group_labels(spec.name, group, served.revision),
+            annotations,
+        ),
         "spec": {
             "replicas": spec.parallelism.pods_per_group,
             "serviceName": labels.rank_service_name(spec.name, group),

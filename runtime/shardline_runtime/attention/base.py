@@ -44,27 +44,37 @@ class AttentionBackend(ABC):
         """Allocate the static buffers captured decode graphs read (once, before any capture)."""
 
     @abstractmethod
-    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                 seq_lens: torch.Tensor) -> None:
+    def init_forward_metadata_capture_cuda_graph(
+        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
+    ) -> None:
         """A decode graph of ``bs`` rows is about to be captured over these static (bs,) tensors."""
 
     @abstractmethod
-    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                seq_lens: torch.Tensor) -> None:
+    def init_forward_metadata_replay_cuda_graph(
+        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
+    ) -> None:
         """A captured decode graph of ``bs`` rows is about to replay: refill its static metadata
         from the (already filled) static ``req_pool_indices`` / ``seq_lens``."""
 
     # ---- per layer --------------------------------------------------------------------------------
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, forward_batch) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, forward_batch
+    ) -> torch.Tensor:
         """q (T, Hq*D), k/v (T, Hkv*D) -> (T, Hq*D); writes k/v into the pool first."""
         kv_pool = forward_batch.token_to_kv_pool or self.token_to_kv_pool
         q = q.view(-1, layer.tp_q_head_num, layer.head_dim)
         k = k.view(-1, layer.tp_k_head_num, layer.head_dim)
         v = v.view(-1, layer.tp_k_head_num, layer.head_dim)
         if q.shape[0]:
-            kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v,
-                                  k_scale=layer.k_scale, v_scale=layer.v_scale)
+            kv_pool.set_kv_buffer(
+                layer.layer_id,
+                forward_batch.out_cache_loc,
+                k,
+                v,
+                k_scale=layer.k_scale,
+                v_scale=layer.v_scale,
+            )
         if forward_batch.forward_mode.is_decode():
             out = self.forward_decode(q, layer, forward_batch, kv_pool)
         else:

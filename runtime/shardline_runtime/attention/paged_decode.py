@@ -24,23 +24,34 @@ class DecodeScratch:
         self._buf: torch.Tensor | None = None
         self.max_bytes = max_bytes
 
-    def kv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Two uninitialised contiguous tensors of ``shape`` (K and V), views of one buffer."""
         n = 1
         for s in shape:
             n *= s
         if 2 * n * torch.empty((), dtype=dtype).element_size() > self.max_bytes:
-            return torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
+            return torch.empty(shape, dtype=dtype, device=device), torch.empty(
+                shape, dtype=dtype, device=device
+            )
         buf = self._buf
         if buf is None or buf.dtype != dtype or buf.device != device or buf.numel() < 2 * n:
-            with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+            with torch.inference_mode(
+                False
+            ):  # a normal tensor: writable in and out of inference mode
                 buf = self._buf = torch.empty(2 * n, dtype=dtype, device=device)
-        return buf[:n].view(shape), buf[n:2 * n].view(shape)
+        return buf[:n].view(shape), buf[n : 2 * n].view(shape)
 
 
 def decode_attention_cpu(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-    bias: torch.Tensor, scale: float, scratch: DecodeScratch,
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    scratch: DecodeScratch,
 ) -> torch.Tensor:
     """Softmax attention of one query per request over the K/V at ``slots``.
 

@@ -31,10 +31,18 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
     if name == "auto":
         return "triton" if torch.device(device).type == "cuda" else "torch_native"
     if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend must be one of auto, {', '.join(ATTENTION_BACKENDS)}; got {name!r}")
-    if name == "triton" and torch.device(device).type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("--attention-backend triton on CPU needs TRITON_INTERPRET=1 (Triton's interpreter); "
-                         "use --attention-backend torch_native")
+        raise ValueError(
+            f"attention backend must be one of auto, {', '.join(ATTENTION_BACKENDS)}; got {name!r}"
+        )
+    if (
+        name == "triton"
+        and torch.device(device).type == "cpu"
+        and os.environ.get("TRITON_INTERPRET") != "1"
+    ):
+        raise ValueError(
+            "--attention-backend triton on CPU needs TRITON_INTERPRET=1 (Triton's interpreter); "
+            "use --attention-backend torch_native"
+        )
     return name
 
 

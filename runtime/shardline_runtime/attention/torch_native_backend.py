@@ -74,20 +74,32 @@ class TorchNativeAttnBackend(AttentionBackend):
         self._decode = None
         if forward_batch.forward_mode.is_decode():
             lens = forward_batch.seq_lens_cpu
-            bound = max(lens) if lens else int(forward_batch.seq_lens.max()) if forward_batch.batch_size else 0
+            bound = (
+                max(lens)
+                if lens
+                else int(forward_batch.seq_lens.max())
+                if forward_batch.batch_size
+                else 0
+            )
             self.forward_metadata = ForwardMetadata(kv_len_bound=bound)
 
-    def init_forward_metadata_capture_cuda_graph(self, bs: int = 0, req_pool_indices=None, seq_lens=None) -> None:
+    def init_forward_metadata_capture_cuda_graph(
+        self, bs: int = 0, req_pool_indices=None, seq_lens=None
+    ) -> None:
         """Graph capture: a fixed bound, the whole ``req_to_token`` row (the slots and masks are
         then computed inside the graph from its static tensors)."""
         self._decode = None
         self.forward_metadata = ForwardMetadata(kv_len_bound=self.max_context_len)
 
-    def init_forward_metadata_replay_cuda_graph(self, bs: int = 0, req_pool_indices=None, seq_lens=None) -> None:
+    def init_forward_metadata_replay_cuda_graph(
+        self, bs: int = 0, req_pool_indices=None, seq_lens=None
+    ) -> None:
         """Graph replay: the same fixed bound as at capture (nothing else is read from Python)."""
         self.init_forward_metadata_capture_cuda_graph(bs, req_pool_indices, seq_lens)
 
-    def _decode_tensors(self, layer, forward_batch, bs: int, bound: int, device: torch.device) -> DecodeTensors:
+    def _decode_tensors(
+        self, layer, forward_batch, bs: int, bound: int, device: torch.device
+    ) -> DecodeTensors:
         """This pass's DECODE tensors: built by its first layer, reused by the later ones; the
         start-of-pass calls reset them."""
         if self._decode is None:
@@ -102,7 +114,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             if window is not None:
                 valid &= pos >= seq_lens - window
             if device.type == "cpu":
-                valid = torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_fill_(~valid, float("-inf"))
+                valid = torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_fill_(
+                    ~valid, float("-inf")
+                )
             self._decode.masks[window] = valid
         return self._decode
 
@@ -116,7 +130,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         req_to_token = self._req_to_token(forward_batch)
         k_buf, v_buf = kv_pool.get_kv_buffer_head_major(layer.layer_id)  # (Hkv, size + 1, D)
         start = 0
-        for i, (prefix, ext) in enumerate(zip(forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu)):
+        for i, (prefix, ext) in enumerate(
+            zip(forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu)
+        ):
             seq_len = prefix + ext
             slots = req_to_token[forward_batch.req_pool_indices[i], :seq_len]
             k_all = _dequant(k_buf.index_select(1, slots), layer.k_scale, q.dtype)  # (Hkv, L, D)
@@ -129,10 +145,15 @@ class TorchNativeAttnBackend(AttentionBackend):
                 if layer.sliding_window is not None:
                     mask &= k_pos > q_pos - layer.sliding_window
             o = F.scaled_dot_product_attention(
-                q[start:start + ext].transpose(0, 1), k_all, v_all,
-                attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=True,
+                q[start : start + ext].transpose(0, 1),
+                k_all,
+                v_all,
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=layer.scaling,
+                enable_gqa=True,
             )  # (Hq, ext, D); enable_gqa shares each KV head with its group of query heads
-            out[start:start + ext] = o.transpose(0, 1)
+            out[start : start + ext] = o.transpose(0, 1)
             start += ext
         return out
 
@@ -147,14 +168,28 @@ class TorchNativeAttnBackend(AttentionBackend):
         k_buf, v_buf = kv_pool.get_kv_buffer_head_major(layer.layer_id)  # (Hkv, size + 1, D)
         hkv, head_dim = layer.tp_k_head_num, layer.head_dim
         if q.device.type == "cpu" and k_buf.dtype == q.dtype:
-            return decode_attention_cpu(q, k_buf, v_buf, meta.slots, mask, layer.scaling, self._scratch)
+            return decode_attention_cpu(
+                q, k_buf, v_buf, meta.slots, mask, layer.scaling, self._scratch
+            )
         # GPU (or an fp8 cache): fresh gathers (allocated from the graph pool while capturing), SDPA
-        k = _dequant(k_buf.index_select(1, meta.slots), layer.k_scale, q.dtype).view(hkv, bs, bound, head_dim).transpose(0, 1)
-        v = _dequant(v_buf.index_select(1, meta.slots), layer.v_scale, q.dtype).view(hkv, bs, bound, head_dim).transpose(0, 1)
+        k = (
+            _dequant(k_buf.index_select(1, meta.slots), layer.k_scale, q.dtype)
+            .view(hkv, bs, bound, head_dim)
+            .transpose(0, 1)
+        )
+        v = (
+            _dequant(v_buf.index_select(1, meta.slots), layer.v_scale, q.dtype)
+            .view(hkv, bs, bound, head_dim)
+            .transpose(0, 1)
+        )
         if mask.dtype != torch.bool:
             mask = mask == 0
         o = F.scaled_dot_product_attention(
-            q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=layer.scaling,
+            q[:, :, None, :],
+            k,
+            v,
+            attn_mask=mask[:, None, None, :],
+            scale=layer.scaling,
             enable_gqa=layer.tp_q_head_num != hkv,
         )  # (bs, Hq, 1, D)
         return o.reshape(bs, layer.tp_q_head_num, head_dim)

@@ -73,13 +73,20 @@ class TritonAttnBackend(AttentionBackend):
         bs = forward_batch.batch_size
         device = forward_batch.seq_lens.device
         if forward_batch.forward_mode.is_decode():
-            total = sum(forward_batch.seq_lens_cpu) if forward_batch.seq_lens_cpu is not None else None
+            total = (
+                sum(forward_batch.seq_lens_cpu) if forward_batch.seq_lens_cpu is not None else None
+            )
             if total is None:
                 total = int(forward_batch.seq_lens.sum()) if bs else 0
             indptr = torch.empty(bs + 1, dtype=torch.int64, device=device)
             indices = torch.empty(max(total, 1), dtype=torch.int64, device=device)
-            self._fill(forward_batch.req_to_token_pool, forward_batch.req_pool_indices, forward_batch.seq_lens,
-                       indptr, indices)
+            self._fill(
+                forward_batch.req_to_token_pool,
+                forward_batch.req_pool_indices,
+                forward_batch.seq_lens,
+                indptr,
+                indices,
+            )
             self.decode_metadata = DecodeMetadata(indptr, indices)
         elif forward_batch.forward_mode.is_extend() and bs:
             ext = forward_batch.extend_seq_lens
@@ -87,7 +94,10 @@ class TritonAttnBackend(AttentionBackend):
             if bs > 1:
                 torch.cumsum(ext[:-1], dim=0, out=q_start[1:])
             self.extend_metadata = ExtendMetadata(
-                forward_batch.extend_prefix_lens, ext, q_start, max(forward_batch.extend_seq_lens_cpu),
+                forward_batch.extend_prefix_lens,
+                ext,
+                q_start,
+                max(forward_batch.extend_seq_lens_cpu),
             )
 
     def _fill(self, pool, req_pool_indices, seq_lens, indptr, indices) -> None:
@@ -98,22 +108,30 @@ class TritonAttnBackend(AttentionBackend):
     def init_cuda_graph_state(self, max_bs: int) -> None:
         """Static ``kv_indptr`` (max_bs + 1,) and ``kv_indices`` (max_bs * max_context_len,) int64."""
         self.cuda_graph_kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int64, device=self.device)
-        self.cuda_graph_kv_indices = torch.zeros(max_bs * self.max_context_len, dtype=torch.int64, device=self.device)
+        self.cuda_graph_kv_indices = torch.zeros(
+            max_bs * self.max_context_len, dtype=torch.int64, device=self.device
+        )
 
-    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                 seq_lens: torch.Tensor) -> None:
+    def init_forward_metadata_capture_cuda_graph(
+        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
+    ) -> None:
         """Point the decode metadata at the static buffers and fill them for the capture batch."""
         if self.cuda_graph_kv_indptr is None:
-            raise RuntimeError("init_cuda_graph_state must be called before capturing decode graphs")
+            raise RuntimeError(
+                "init_cuda_graph_state must be called before capturing decode graphs"
+            )
         self.init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens)
 
-    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                seq_lens: torch.Tensor) -> None:
+    def init_forward_metadata_replay_cuda_graph(
+        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
+    ) -> None:
         """Refill the static buffers from the static ``req_pool_indices[:bs]`` / ``seq_lens[:bs]``
         (two small kernels on the current stream, before the replay)."""
         indptr, indices = self.cuda_graph_kv_indptr, self.cuda_graph_kv_indices
         if indptr is None or indices is None:
-            raise RuntimeError("init_cuda_graph_state(max_bs) must run before a CUDA graph is captured or replayed")
+            raise RuntimeError(
+                "init_cuda_graph_state(max_bs) must run before a CUDA graph is captured or replayed"
+            )
         self.extend_metadata = None
         self._fill(None, req_pool_indices[:bs], seq_lens[:bs], indptr, indices)
         self.decode_metadata = DecodeMetadata(indptr, indices)
@@ -128,9 +146,20 @@ class TritonAttnBackend(AttentionBackend):
             return out
         k_buf, v_buf = kv_pool.get_kv_buffer_head_major(layer.layer_id)
         return extend_attention_fwd(
-            q, k_buf, v_buf, out, self._req_to_token(forward_batch), forward_batch.req_pool_indices,
-            meta.prefix_lens, meta.extend_lens, meta.q_start_loc, meta.max_extend_len, layer.scaling,
-            window=layer.sliding_window, k_scale=layer.k_scale, v_scale=layer.v_scale,
+            q,
+            k_buf,
+            v_buf,
+            out,
+            self._req_to_token(forward_batch),
+            forward_batch.req_pool_indices,
+            meta.prefix_lens,
+            meta.extend_lens,
+            meta.q_start_loc,
+            meta.max_extend_len,
+            layer.scaling,
+            window=layer.sliding_window,
+            k_scale=layer.k_scale,
+            v_scale=layer.v_scale,
         )
 
     def forward_decode(self, q: torch.Tensor, layer, forward_batch, kv_pool) -> torch.Tensor:
@@ -140,10 +169,20 @@ class TritonAttnBackend(AttentionBackend):
             return out
         meta = self.decode_metadata
         if meta is None:
-            raise RuntimeError("decode attention called without init_forward_metadata for this pass")
+            raise RuntimeError(
+                "decode attention called without init_forward_metadata for this pass"
+            )
         k_buf, v_buf = kv_pool.get_kv_buffer_head_major(layer.layer_id)
         return decode_attention_fwd(
-            q, k_buf, v_buf, out, meta.kv_indptr, meta.kv_indices, layer.scaling,
-            window=layer.sliding_window, k_scale=layer.k_scale, v_scale=layer.v_scale,
+            q,
+            k_buf,
+            v_buf,
+            out,
+            meta.kv_indptr,
+            meta.kv_indices,
+            layer.scaling,
+            window=layer.sliding_window,
+            k_scale=layer.k_scale,
+            v_scale=layer.v_scale,
             num_kv_splits=self.num_kv_splits,
         )

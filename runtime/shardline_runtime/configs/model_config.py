@@ -16,9 +16,18 @@ from typing import Any
 
 import torch
 
-from shardline_runtime.configs.moe_config import MOE_ARCHITECTURES, moe_parallel_problem, parse_moe_fields
+from shardline_runtime.configs.moe_config import (
+    MOE_ARCHITECTURES,
+    moe_parallel_problem,
+    parse_moe_fields,
+)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM") + MOE_ARCHITECTURES
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+) + MOE_ARCHITECTURES
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # Keys each RoPE type needs (besides rope_type and rope_theta), as transformers validates them.
 _ROPE_REQUIRED = {
@@ -36,9 +45,23 @@ DTYPE_CHOICES = ("auto",) + tuple(_DTYPES)
 # same shapes mean, or how the model runs. One list for both checks: the header-only validation
 # of a checkpoint (model_loader/validate.py) and the in-place update (weight_update.py).
 MUST_MATCH_FIELDS = (
-    "architecture", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-    "tie_word_embeddings", "rope_parameters", "hidden_act", "attention_bias", "mlp_bias", "sliding_windows",
-    "max_position_embeddings", "context_len", "num_experts", "num_experts_per_tok", "norm_topk_prob", "moe_layers",
+    "architecture",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "rope_parameters",
+    "hidden_act",
+    "attention_bias",
+    "mlp_bias",
+    "sliding_windows",
+    "max_position_embeddings",
+    "context_len",
+    "num_experts",
+    "num_experts_per_tok",
+    "norm_topk_prob",
+    "moe_layers",
 )
 
 
@@ -70,7 +93,9 @@ def parse_rope_parameters(cfg: dict, source: str = "config.json") -> dict[str, A
     """
     raw = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if not isinstance(raw, dict):
-        raise ModelConfigError(f"{source}: rope_parameters/rope_scaling must be an object, got {raw!r}")
+        raise ModelConfigError(
+            f"{source}: rope_parameters/rope_scaling must be an object, got {raw!r}"
+        )
     params = dict(raw)
     rope_type = params.pop("type", None)
     rope_type = params.get("rope_type") or rope_type or "default"
@@ -83,7 +108,9 @@ def parse_rope_parameters(cfg: dict, source: str = "config.json") -> dict[str, A
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
-        raise ModelConfigError(f"{source}: partial_rotary_factor {partial} is not supported (only 1.0)")
+        raise ModelConfigError(
+            f"{source}: partial_rotary_factor {partial} is not supported (only 1.0)"
+        )
     if rope_type in ("llama3", "yarn"):
         params.setdefault(
             "original_max_position_embeddings",
@@ -91,7 +118,9 @@ def parse_rope_parameters(cfg: dict, source: str = "config.json") -> dict[str, A
         )
     missing = [k for k in _ROPE_REQUIRED[rope_type] if params.get(k) is None]
     if missing:
-        raise ModelConfigError(f"{source}: RoPE type {rope_type!r} needs {missing} in rope_parameters/rope_scaling")
+        raise ModelConfigError(
+            f"{source}: RoPE type {rope_type!r} needs {missing} in rope_parameters/rope_scaling"
+        )
     return params
 
 
@@ -156,7 +185,7 @@ class ModelConfig:
         dtype: str = "auto",
         context_length: int | None = None,
         device_type: str = "cpu",
-    ) -> "ModelConfig":
+    ) -> ModelConfig:
         """Read ``<model_path>/config.json``.
 
         Raises:
@@ -165,18 +194,26 @@ class ModelConfig:
         path = Path(model_path)
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
-            raise ModelConfigError(f"{path}: no config.json (is --model-path a HuggingFace checkpoint directory?)")
+            raise ModelConfigError(
+                f"{path}: no config.json (is --model-path a HuggingFace checkpoint directory?)"
+            )
         try:
             cfg = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as e:
             raise ModelConfigError(f"{cfg_file}: not valid JSON: {e}") from None
-        return cls.from_dict(cfg, str(path), dtype=dtype, context_length=context_length, device_type=device_type)
+        return cls.from_dict(
+            cfg, str(path), dtype=dtype, context_length=context_length, device_type=device_type
+        )
 
     @classmethod
     def from_dict(
-        cls, cfg: dict, model_path: str = "", dtype: str = "auto", context_length: int | None = None,
+        cls,
+        cfg: dict,
+        model_path: str = "",
+        dtype: str = "auto",
+        context_length: int | None = None,
         device_type: str = "cpu",
-    ) -> "ModelConfig":
+    ) -> ModelConfig:
         """Same as :meth:`from_pretrained` from an already parsed ``config.json`` dict."""
         path = Path(model_path)
         archs = cfg.get("architectures") or []
@@ -189,7 +226,9 @@ class ModelConfig:
         heads = int(_require(cfg, "num_attention_heads", path))
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         if heads % kv_heads != 0:
-            raise ModelConfigError(f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+            raise ModelConfigError(
+                f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+            )
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         layers = int(_require(cfg, "num_hidden_layers", path))
         max_pos = int(cfg.get("max_position_embeddings") or 2048)
@@ -243,7 +282,9 @@ class ModelConfig:
         if kv < tp_size and tp_size % kv:
             return f"tp_size {tp_size} is not a multiple of num_key_value_heads {kv} (KV heads cannot be replicated evenly)"
         if self.intermediate_size % tp_size:
-            return f"intermediate_size {self.intermediate_size} is not divisible by tp_size {tp_size}"
+            return (
+                f"intermediate_size {self.intermediate_size} is not divisible by tp_size {tp_size}"
+            )
         if self.shared_expert_intermediate_size % tp_size:
             return f"shared_expert_intermediate_size {self.shared_expert_intermediate_size} is not divisible by tp_size {tp_size}"
         return None
@@ -257,12 +298,18 @@ class ModelConfig:
         """
         if not self.num_experts:
             if ep_size != 1 or num_redundant_experts:
-                raise ModelConfigError(f"{self.model_path}: ep_size {ep_size} and ep_num_redundant_experts "
-                                       f"{num_redundant_experts} need a mixture-of-experts model; {self.architecture} has no experts")
+                raise ModelConfigError(
+                    f"{self.model_path}: ep_size {ep_size} and ep_num_redundant_experts "
+                    f"{num_redundant_experts} need a mixture-of-experts model; {self.architecture} has no experts"
+                )
             return
-        problem = moe_parallel_problem(self.num_experts, self.moe_intermediate_size, tp_size, ep_size, num_redundant_experts)
+        problem = moe_parallel_problem(
+            self.num_experts, self.moe_intermediate_size, tp_size, ep_size, num_redundant_experts
+        )
         if problem:
-            raise ModelConfigError(f"{self.model_path}: cannot run at tp_size {tp_size}, ep_size {ep_size}: {problem}")
+            raise ModelConfigError(
+                f"{self.model_path}: cannot run at tp_size {tp_size}, ep_size {ep_size}: {problem}"
+            )
 
     def check_tp_size(self, tp_size: int) -> None:
         """Refuse a TP size the heads cannot be split over.
@@ -282,7 +329,12 @@ class ModelConfig:
 
 def _sliding_windows(arch: str, cfg: dict, layers: int) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+    if arch in (
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
+    ):
         if not cfg.get("use_sliding_window", False):
             return (None,) * layers
         types = cfg.get("layer_types") or [

@@ -34,26 +34,43 @@ def parse_moe_fields(arch: str, cfg: dict, layers: int, path: Path) -> dict[str,
         inter = cfg.get("intermediate_size")
         norm, shared, moe_layers = True, 0, (True,) * layers
     else:
-        experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 writes the latter
+        experts = cfg.get("num_experts") or cfg.get(
+            "num_local_experts"
+        )  # transformers 5 writes the latter
         inter = cfg.get("moe_intermediate_size")
         norm = bool(cfg.get("norm_topk_prob", False))
-        shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+        shared = (
+            int(cfg.get("shared_expert_intermediate_size") or 0)
+            if arch == "Qwen2MoeForCausalLM"
+            else 0
+        )
         step = int(cfg.get("decoder_sparse_step") or 1)
         only_dense = set(cfg.get("mlp_only_layers") or [])
         moe_layers = tuple(i not in only_dense and (i + 1) % step == 0 for i in range(layers))
     if not experts or int(experts) < 1 or not inter:
-        raise ValueError(f"{path}: a {arch} config needs a positive expert count and expert intermediate size")
+        raise ValueError(
+            f"{path}: a {arch} config needs a positive expert count and expert intermediate size"
+        )
     top_k = int(cfg.get("num_experts_per_tok") or 0)
     if not 1 <= top_k <= int(experts):
         raise ValueError(f"{path}: num_experts_per_tok must be in [1, {experts}], got {top_k}")
     return dict(
-        num_experts=int(experts), num_experts_per_tok=top_k, moe_intermediate_size=int(inter),
-        norm_topk_prob=norm, shared_expert_intermediate_size=shared, moe_layers=moe_layers,
+        num_experts=int(experts),
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(inter),
+        norm_topk_prob=norm,
+        shared_expert_intermediate_size=shared,
+        moe_layers=moe_layers,
     )
 
 
-def moe_parallel_problem(num_experts: int, moe_intermediate_size: int, tp_size: int, ep_size: int,
-                         num_redundant_experts: int = 0) -> str | None:
+def moe_parallel_problem(
+    num_experts: int,
+    moe_intermediate_size: int,
+    tp_size: int,
+    ep_size: int,
+    num_redundant_experts: int = 0,
+) -> str | None:
     """Why ``(tp_size, ep_size)`` cannot split these experts, or None.
 
     Experts are split over ``ep_size`` ranks; each expert's intermediate dimension over the
@@ -65,8 +82,10 @@ def moe_parallel_problem(num_experts: int, moe_intermediate_size: int, tp_size: 
         return f"ep_num_redundant_experts must be >= 0, got {num_redundant_experts}"
     physical = num_experts + num_redundant_experts
     if physical % ep_size:
-        return (f"num_experts {num_experts} + ep_num_redundant_experts {num_redundant_experts} = {physical} "
-                f"is not divisible by ep_size {ep_size}")
+        return (
+            f"num_experts {num_experts} + ep_num_redundant_experts {num_redundant_experts} = {physical} "
+            f"is not divisible by ep_size {ep_size}"
+        )
     moe_tp = tp_size // ep_size
     if moe_intermediate_size % moe_tp:
         return f"expert intermediate size {moe_intermediate_size} is not divisible by tp_size / ep_size = {moe_tp}"

@@ -50,8 +50,13 @@ def init_expert_parallel(ep_size: int, num_redundant_experts: int = 0) -> Expert
     if num_redundant_experts < 0:
         raise ValueError(f"num_redundant_experts must be >= 0, got {num_redundant_experts}")
     moe_tp = tp.size // ep_size
-    _EP = ExpertParallelLayout(ep_size=ep_size, ep_rank=tp.rank // moe_tp, moe_tp_size=moe_tp,
-                               moe_tp_rank=tp.rank % moe_tp, num_redundant_experts=num_redundant_experts)
+    _EP = ExpertParallelLayout(
+        ep_size=ep_size,
+        ep_rank=tp.rank // moe_tp,
+        moe_tp_size=moe_tp,
+        moe_tp_rank=tp.rank % moe_tp,
+        num_redundant_experts=num_redundant_experts,
+    )
     return _EP
 
 

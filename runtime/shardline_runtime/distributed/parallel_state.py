@@ -160,7 +160,9 @@ def wait_for_host(host: str, timeout_s: float, interval_s: float = 1.0) -> None:
             return
         except socket.gaierror as e:
             if time.monotonic() >= deadline:
-                raise DistributedInitError(f"rendezvous host {host!r} did not resolve within {timeout_s}s: {e}") from None
+                raise DistributedInitError(
+                    f"rendezvous host {host!r} did not resolve within {timeout_s}s: {e}"
+                ) from None
             logger.info("waiting for rendezvous host %s to resolve (%s)", host, e)
             time.sleep(interval_s)
 
@@ -208,7 +210,9 @@ def init_distributed_environment(
             )
     else:
         if not dist_init_addr:
-            raise DistributedInitError(f"a world of {world_size} ranks needs dist_init_addr HOST:PORT of rank 0")
+            raise DistributedInitError(
+                f"a world of {world_size} ranks needs dist_init_addr HOST:PORT of rank 0"
+            )
         host, port = split_host_port(dist_init_addr)
         wait_for_host(host, timeout_s)
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -223,7 +227,9 @@ def init_distributed_environment(
                 device_id=device if backend == "nccl" else None,
             )
         except Exception as e:  # the store raises several types; report one with context
-            raise DistributedInitError(f"{where} failed to join the group at {dist_init_addr} ({backend}): {e}") from e
+            raise DistributedInitError(
+                f"{where} failed to join the group at {dist_init_addr} ({backend}): {e}"
+            ) from e
     backend = dist.get_backend()
     timeout = timedelta(seconds=timeout_s)
 
@@ -232,15 +238,22 @@ def init_distributed_environment(
         A group of one rank has none (its collectives are no-ops)."""
         if len(ranks) == 1:
             return None, None
+        device_group: Any
         if len(ranks) == world_size:
             device_group = dist.group.WORLD
         else:
             device_group = dist.new_group(ranks, backend=backend, timeout=timeout)
-        cpu_group = device_group if backend == "gloo" else dist.new_group(ranks, backend="gloo", timeout=timeout)
+        cpu_group = (
+            device_group
+            if backend == "gloo"
+            else dist.new_group(ranks, backend="gloo", timeout=timeout)
+        )
         return device_group, cpu_group
 
     world_groups = make(list(range(world_size)))
-    _WORLD = GroupCoordinator(world_rank, world_size, tuple(range(world_size)), device, *world_groups)
+    _WORLD = GroupCoordinator(
+        world_rank, world_size, tuple(range(world_size)), device, *world_groups
+    )
     for stage in range(pp_size):
         ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
         groups = make(ranks)
@@ -251,7 +264,9 @@ def init_distributed_environment(
         groups = make(ranks)
         if column == tp_rank:
             _PP = GroupCoordinator(pp_rank, pp_size, tuple(ranks), device, *groups)
-    logger.info("[%s] joined a world of %d (%s): tp %d, pp %d", where, world_size, backend, tp_size, pp_size)
+    logger.info(
+        "[%s] joined a world of %d (%s): tp %d, pp %d", where, world_size, backend, tp_size, pp_size
+    )
     return _TP
 
 

@@ -51,8 +51,14 @@ class WeightSyncGroup:
 
 
 def init_weights_update_group(
-    master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-    backend: str = "gloo", timeout_s: float = 60.0, device: torch.device | None = None,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str = "gloo",
+    timeout_s: float = 60.0,
+    device: torch.device | None = None,
 ) -> WeightSyncGroup:
     """Join (``rank > 0``) or host (``rank == 0``) a weight-sync group.
 
@@ -72,7 +78,9 @@ def init_weights_update_group(
         raise WeightSyncGroupError(f"backend must be one of {BACKENDS}, got {backend!r}")
     timeout = timedelta(seconds=timeout_s)
     try:
-        store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+        store = dist.TCPStore(
+            master_address, master_port, world_size, is_master=rank == 0, timeout=timeout
+        )
         prefixed = dist.PrefixStore(f"{group_name}/", store)
         pg: Any  # ProcessGroupGloo or ProcessGroupNCCL (no common typed base with allreduce)
         if backend == "gloo":
@@ -89,7 +97,9 @@ def init_weights_update_group(
             f"rank {rank}/{world_size} could not join weight-sync group {group_name!r} at "
             f"{master_address}:{master_port} ({backend}) within {timeout_s}s: {exc}"
         ) from exc
-    logger.info("joined weight-sync group %r as rank %d/%d (%s)", group_name, rank, world_size, backend)
+    logger.info(
+        "joined weight-sync group %r as rank %d/%d (%s)", group_name, rank, world_size, backend
+    )
     return WeightSyncGroup(group_name, rank, world_size, backend, timeout_s, pg, store)
 
 

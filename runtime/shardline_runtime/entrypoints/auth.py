@@ -41,13 +41,16 @@ import hashlib
 import hmac
 import json
 import logging
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 ACCESS_CLASSES = ("open", "serving", "info", "admin")
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
-SERVING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate", "/health_generate"})
+SERVING_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/generate", "/health_generate"}
+)
 INFO_PATHS = frozenset({"/v1/models", "/get_model_info", "/get_server_info"})
 INFO_PREFIXES = ("/v1/models/",)  # GET /v1/models/{model}: OpenAI's model retrieve
 UNAUTHORIZED_MESSAGE = "missing or invalid API key: send the key as 'Authorization: Bearer <key>'"
@@ -75,7 +78,9 @@ def split_keys(setting: str | None) -> tuple[str, ...]:
     return tuple(key.strip() for key in (setting or "").split(",") if key.strip())
 
 
-def accepted_keys(access: str, api_key: str | None, admin_key: str | None) -> tuple[str, ...] | None:
+def accepted_keys(
+    access: str, api_key: str | None, admin_key: str | None
+) -> tuple[str, ...] | None:
     """The keys that open ``access``, or None when it is open (see the module table)."""
     api, admin = split_keys(api_key), split_keys(admin_key)
     if access == "open":
@@ -124,32 +129,59 @@ class APIKeyMiddleware:
         self._digests: dict[str, tuple[bytes, ...] | None] = {}
         for access in ACCESS_CLASSES:
             keys = accepted_keys(access, api_key, admin_key)
-            self._digests[access] = None if keys is None else tuple(_digest(k.encode()) for k in keys)
+            self._digests[access] = (
+                None if keys is None else tuple(_digest(k.encode()) for k in keys)
+            )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             digests = self._digests[access_class(scope.get("path", ""))]
-            if digests is not None and not key_matches(bearer_token(scope.get("headers") or []), digests):
+            if digests is not None and not key_matches(
+                bearer_token(scope.get("headers") or []), digests
+            ):
                 await _unauthorized(send)
                 return
         await self.app(scope, receive, send)
 
 
 async def _unauthorized(send: Send) -> None:
-    body = json.dumps({"error": {"message": UNAUTHORIZED_MESSAGE, "type": "invalid_request_error",
-                                 "param": None, "code": "invalid_api_key"}, "object": "error"}).encode()
-    await send({"type": "http.response.start", "status": 401, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        (b"www-authenticate", b"Bearer")]})
+    body = json.dumps(
+        {
+            "error": {
+                "message": UNAUTHORIZED_MESSAGE,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "invalid_api_key",
+            },
+            "object": "error",
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 401,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"www-authenticate", b"Bearer"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
 def guard(app: ASGIApp, api_key: str | None, admin_key: str | None, port: int) -> ASGIApp:
     """``app`` behind :class:`APIKeyMiddleware`; logs a warning for each key not configured."""
     if not api_key:
-        logger.warning("no --api-key (or SHARDLINE_API_KEY): the serving endpoints on port %d are open to "
-                       "anyone who can reach it", port)
+        logger.warning(
+            "no --api-key (or SHARDLINE_API_KEY): the serving endpoints on port %d are open to "
+            "anyone who can reach it",
+            port,
+        )
     if not admin_key and not api_key:
-        logger.warning("no --admin-api-key (or SHARDLINE_ADMIN_API_KEY): the control endpoints on port %d "
-                       "(weight updates, cache flush, aborts, ...) are open to anyone who can reach it", port)
+        logger.warning(
+            "no --admin-api-key (or SHARDLINE_ADMIN_API_KEY): the control endpoints on port %d "
+            "(weight updates, cache flush, aborts, ...) are open to anyone who can reach it",
+            port,
+        )
     return APIKeyMiddleware(app, api_key, admin_key)

@@ -10,13 +10,18 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, cast
+from typing import Any, cast
 
 from fastapi.responses import JSONResponse
 
 from shardline_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
-from shardline_runtime.managers.tokenizer_manager import GenerateChunk, RequestValidationError, TokenizerManager
+from shardline_runtime.managers.tokenizer_manager import (
+    GenerateChunk,
+    RequestValidationError,
+    TokenizerManager,
+)
 from shardline_runtime.sampling.sampling_params import SamplingParams, SamplingParamsError
 
 _SEED_MAX = 2**63 - 1
@@ -72,7 +77,10 @@ def _check_common(req, tm: TokenizerManager) -> None:
     if req.stop_token_ids:
         bad = [t for t in req.stop_token_ids if not 0 <= t < tm.info.vocab_size]
         if bad:
-            raise RequestValidationError(f"stop_token_ids must be in [0, {tm.info.vocab_size}), got {bad[0]}", "stop_token_ids")
+            raise RequestValidationError(
+                f"stop_token_ids must be in [0, {tm.info.vocab_size}), got {bad[0]}",
+                "stop_token_ids",
+            )
 
 
 def _max_tokens(value: int | None, name: str, echo: bool = False) -> int | None:
@@ -90,7 +98,9 @@ def completion_choices(req: CompletionRequest, tm: TokenizerManager) -> list[Cho
     if req.suffix:
         raise RequestValidationError("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
-        raise RequestValidationError(f"best_of must equal n ({req.n}) when set, got {req.best_of}", "best_of")
+        raise RequestValidationError(
+            f"best_of must equal n ({req.n}) when set, got {req.best_of}", "best_of"
+        )
     prompt = req.prompt
     prompts: list[str | list[int]]
     if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
@@ -111,8 +121,17 @@ def completion_choices(req: CompletionRequest, tm: TokenizerManager) -> list[Cho
         budget = tm.check_lengths(ids, max_tokens)
         echo = (p if isinstance(p, str) else tm.tokenizer.decode(ids)) if req.echo else ""
         for j in range(req.n):
-            specs.append(ChoiceSpec(len(specs), ids, build_params(req, budget, j), k, echo,
-                                    0 if prompt_logprobs else -1, added))
+            specs.append(
+                ChoiceSpec(
+                    len(specs),
+                    ids,
+                    build_params(req, budget, j),
+                    k,
+                    echo,
+                    0 if prompt_logprobs else -1,
+                    added,
+                )
+            )
     return specs
 
 
@@ -135,19 +154,37 @@ def chat_prompt_ids(req: ChatCompletionRequest, tm: TokenizerManager) -> list[in
             parts = []
             for part in content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise RequestValidationError(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+                    raise RequestValidationError(
+                        f"messages[{i}].content: only text parts are supported",
+                        f"messages[{i}].content",
+                    )
                 parts.append(part["text"])
             content = "".join(parts)
         message: dict[str, Any] = {"role": m.role, "content": content or ""}
-        message.update({k: v for k, v in (("name", m.name), ("tool_call_id", m.tool_call_id),
-                                           ("tool_calls", m.tool_calls)) if v is not None})
+        message.update(
+            {
+                k: v
+                for k, v in (
+                    ("name", m.name),
+                    ("tool_call_id", m.tool_call_id),
+                    ("tool_calls", m.tool_calls),
+                )
+                if v is not None
+            }
+        )
         messages.append(message)
     if getattr(tm.tokenizer, "chat_template", None) is None:
-        raise RequestValidationError("this model's tokenizer has no chat template; use /v1/completions", "messages")
+        raise RequestValidationError(
+            "this model's tokenizer has no chat template; use /v1/completions", "messages"
+        )
     try:
-        text = tm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt)
+        text = tm.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=req.add_generation_prompt
+        )
     except Exception as exc:  # whatever a template raises on these messages is a bad request
-        raise RequestValidationError(f"messages: the chat template rejected them: {exc}", "messages") from None
+        raise RequestValidationError(
+            f"messages: the chat template rejected them: {exc}", "messages"
+        ) from None
     if not isinstance(text, str):
         raise RequestValidationError("messages: the chat template did not produce text", "messages")
     tm.check_text_length(text, "messages")
@@ -160,21 +197,30 @@ def chat_prompt_ids(req: ChatCompletionRequest, tm: TokenizerManager) -> list[in
 def chat_choices(req: ChatCompletionRequest, tm: TokenizerManager) -> list[ChoiceSpec]:
     _check_common(req, tm)
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise RequestValidationError("response_format: only {\"type\": \"text\"} is supported (no JSON mode)", "response_format")
+        raise RequestValidationError(
+            'response_format: only {"type": "text"} is supported (no JSON mode)', "response_format"
+        )
     if req.tools:
         raise RequestValidationError("tools: tool calling is not supported", "tools")
     if req.tool_choice not in (None, "none"):
         raise RequestValidationError("tool_choice: tool calling is not supported", "tool_choice")
     if req.top_logprobs and not req.logprobs:
         raise RequestValidationError("top_logprobs needs logprobs: true", "top_logprobs")
-    max_tokens = _max_tokens(req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens, "max_tokens")
+    max_tokens = _max_tokens(
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+        "max_tokens",
+    )
     ids = chat_prompt_ids(req, tm)
     budget = tm.check_lengths(ids, max_tokens)
     return [ChoiceSpec(j, ids, build_params(req, budget, j)) for j in range(req.n)]
 
 
 async def run_choices(
-    tm: TokenizerManager, specs: list[ChoiceSpec], return_logprob: bool, top_logprobs: int, include_stop: bool,
+    tm: TokenizerManager,
+    specs: list[ChoiceSpec],
+    return_logprob: bool,
+    top_logprobs: int,
+    include_stop: bool,
     lora_name: str | None = None,
 ) -> AsyncIterator[tuple[int, GenerateChunk]]:
     """Run every choice (with LoRA adapter ``lora_name``, None: the base model); yield
@@ -185,10 +231,16 @@ async def run_choices(
 
     async def pump(spec: ChoiceSpec) -> None:
         try:
-            async for chunk in tm.generate(spec.input_ids, spec.params, return_logprob=return_logprob,
-                                           top_logprobs_num=top_logprobs, logprob_start_len=spec.logprob_start_len,
-                                           include_stop_str_in_output=include_stop, lora_name=lora_name,
-                                           admitted=True):
+            async for chunk in tm.generate(
+                spec.input_ids,
+                spec.params,
+                return_logprob=return_logprob,
+                top_logprobs_num=top_logprobs,
+                logprob_start_len=spec.logprob_start_len,
+                include_stop_str_in_output=include_stop,
+                lora_name=lora_name,
+                admitted=True,
+            ):
                 queue.put_nowait((spec.index, chunk))
         except Exception as exc:  # surfaced to the consumer below
             queue.put_nowait((spec.index, exc))

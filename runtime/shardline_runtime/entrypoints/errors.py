@@ -22,14 +22,23 @@ logger = logging.getLogger(__name__)
 _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}
 
 
-def error_body(status: int, message: str, param: str | None = None, err_type: str | None = None) -> dict:
+def error_body(
+    status: int, message: str, param: str | None = None, err_type: str | None = None
+) -> dict:
     """The error object for HTTP ``status`` (int); ``err_type`` defaults by status class."""
     if err_type is None:
-        err_type = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": err_type, "param": param, "code": status}, "object": "error"}
+        err_type = _ERROR_TYPES.get(
+            status, "invalid_request_error" if status < 500 else "server_error"
+        )
+    return {
+        "error": {"message": message, "type": err_type, "param": param, "code": status},
+        "object": "error",
+    }
 
 
-def error_response(status: int, message: str, param: str | None = None, err_type: str | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, err_type: str | None = None
+) -> JSONResponse:
     """An OpenAI-style error response with HTTP ``status``."""
     return JSONResponse(error_body(status, message, param, err_type), status_code=status)
 

@@ -44,7 +44,10 @@ def add_expert_routes(app: FastAPI, tm, default_mode: str = "stat") -> None:
 
     async def recorder(action: str, mode: str | None = None, to_file: bool = False) -> JSONResponse:
         out: ExpertDistributionReqOutput = await tm.control(
-            ExpertDistributionReqInput(action, mode, to_file), ExpertDistributionReqOutput, timeout=CONTROL_TIMEOUT_S)
+            ExpertDistributionReqInput(action, mode, to_file),
+            ExpertDistributionReqOutput,
+            timeout=CONTROL_TIMEOUT_S,
+        )
         if not out.success:
             return JSONResponse({"success": False, "message": out.message}, status_code=400)
         if out.record is not None:
@@ -66,7 +69,15 @@ def add_expert_routes(app: FastAPI, tm, default_mode: str = "stat") -> None:
     @app.post("/rebalance_experts")
     async def rebalance_experts():
         out: RebalanceExpertsReqOutput = await tm.control(
-            RebalanceExpertsReqInput(), RebalanceExpertsReqOutput, timeout=CONTROL_TIMEOUT_S)
-        return JSONResponse({"success": out.success, "message": out.message, "imbalance_before": out.imbalance_before,
-                             "imbalance_after_expected": out.imbalance_after_expected,
-                             "moved_experts": out.moved_experts}, status_code=200 if out.success else 400)
+            RebalanceExpertsReqInput(), RebalanceExpertsReqOutput, timeout=CONTROL_TIMEOUT_S
+        )
+        return JSONResponse(
+            {
+                "success": out.success,
+                "message": out.message,
+                "imbalance_before": out.imbalance_before,
+                "imbalance_after_expected": out.imbalance_after_expected,
+                "moved_experts": out.moved_experts,
+            },
+            status_code=200 if out.success else 400,
+        )

@@ -10,7 +10,8 @@ then ``data: [DONE]``. ``max_new_tokens: 0`` runs the prompt only (for prompt lo
 from __future__ import annotations
 
 import math
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -28,17 +29,23 @@ def _params(req: GenerateRequest, input_ids: list[int], tm: TokenizerManager) ->
     requested = values.get("max_new_tokens", 128)
     if requested is not None and (isinstance(requested, bool) or not isinstance(requested, int)):
         raise RequestValidationError(
-            f"sampling_params.max_new_tokens must be an integer, got {requested!r}", "sampling_params.max_new_tokens"
+            f"sampling_params.max_new_tokens must be an integer, got {requested!r}",
+            "sampling_params.max_new_tokens",
         )
     if requested is not None and requested < 0:
-        raise RequestValidationError(f"sampling_params.max_new_tokens must be >= 0, got {requested}", "sampling_params.max_new_tokens")
+        raise RequestValidationError(
+            f"sampling_params.max_new_tokens must be >= 0, got {requested}",
+            "sampling_params.max_new_tokens",
+        )
     values["max_new_tokens"] = tm.check_lengths(input_ids, requested)
     try:
         params = SamplingParams.from_dict(values)
         params.verify_vocab(tm.info.vocab_size)
         return params
     except SamplingParamsError as exc:
-        raise RequestValidationError(f"sampling_params.{exc}", f"sampling_params.{exc.field}") from None
+        raise RequestValidationError(
+            f"sampling_params.{exc}", f"sampling_params.{exc.field}"
+        ) from None
     except TypeError as exc:
         raise RequestValidationError(f"sampling_params: {exc}", "sampling_params") from None
 
@@ -46,12 +53,16 @@ def _params(req: GenerateRequest, input_ids: list[int], tm: TokenizerManager) ->
 def _check_vectors(vectors: list[list[float]], hidden_size: int, field: str) -> None:
     for i, v in enumerate(vectors):
         if len(v) != hidden_size:
-            raise RequestValidationError(f"{field}[{i}] has {len(v)} values; the model's hidden_size is {hidden_size}", field)
+            raise RequestValidationError(
+                f"{field}[{i}] has {len(v)} values; the model's hidden_size is {hidden_size}", field
+            )
         if not all(math.isfinite(x) for x in v):
             raise RequestValidationError(f"{field}[{i}] has a non-finite value", field)
 
 
-def input_embeds_override(req: GenerateRequest, prompt_len: int, hidden_size: int) -> tuple[list[int] | None, list | None]:
+def input_embeds_override(
+    req: GenerateRequest, prompt_len: int, hidden_size: int
+) -> tuple[list[int] | None, list | None]:
     """``(positions, vectors)`` the request replaces the token embeddings with, or ``(None, None)``.
 
     ``input_embeds`` gives every prompt position; ``replace_embeds`` with ``replace_positions``
@@ -63,23 +74,34 @@ def input_embeds_override(req: GenerateRequest, prompt_len: int, hidden_size: in
     """
     if req.input_embeds is not None:
         if req.replace_embeds is not None or req.replace_positions is not None:
-            raise RequestValidationError("replace_embeds / replace_positions go with text or input_ids, not input_embeds",
-                                         "replace_embeds")
+            raise RequestValidationError(
+                "replace_embeds / replace_positions go with text or input_ids, not input_embeds",
+                "replace_embeds",
+            )
         if not req.input_embeds:
-            raise RequestValidationError("input_embeds must hold at least one vector", "input_embeds")
+            raise RequestValidationError(
+                "input_embeds must hold at least one vector", "input_embeds"
+            )
         _check_vectors(req.input_embeds, hidden_size, "input_embeds")
         return list(range(prompt_len)), req.input_embeds
     if (req.replace_embeds is None) != (req.replace_positions is None):
-        raise RequestValidationError("replace_embeds and replace_positions go together", "replace_positions")
+        raise RequestValidationError(
+            "replace_embeds and replace_positions go together", "replace_positions"
+        )
     if req.replace_embeds is None or req.replace_positions is None:
         return None, None
     if len(req.replace_embeds) != len(req.replace_positions) or not req.replace_positions:
         raise RequestValidationError(
             f"replace_positions has {len(req.replace_positions)} entries, replace_embeds {len(req.replace_embeds)}: "
-            "give one position per vector (at least one)", "replace_positions")
+            "give one position per vector (at least one)",
+            "replace_positions",
+        )
     bad = [p for p in req.replace_positions if not 0 <= p < prompt_len]
     if bad:
-        raise RequestValidationError(f"replace_positions {bad} are outside the prompt's [0, {prompt_len - 1}]", "replace_positions")
+        raise RequestValidationError(
+            f"replace_positions {bad} are outside the prompt's [0, {prompt_len - 1}]",
+            "replace_positions",
+        )
     if len(set(req.replace_positions)) != len(req.replace_positions):
         raise RequestValidationError("replace_positions repeats a position", "replace_positions")
     _check_vectors(req.replace_embeds, hidden_size, "replace_embeds")
@@ -88,30 +110,44 @@ def input_embeds_override(req: GenerateRequest, prompt_len: int, hidden_size: in
 
 async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Request):
     """Handle ``POST /generate``; raises RequestValidationError (400) / ServerNotReadyError (503)."""
-    given = [name for name in ("text", "input_ids", "input_embeds") if getattr(req, name) is not None]
+    given = [
+        name for name in ("text", "input_ids", "input_embeds") if getattr(req, name) is not None
+    ]
     if len(given) != 1:
-        raise RequestValidationError(f"give exactly one of text, input_ids or input_embeds (got {given or 'none'})", "text")
+        raise RequestValidationError(
+            f"give exactly one of text, input_ids or input_embeds (got {given or 'none'})", "text"
+        )
     if req.input_embeds is not None:
         input_ids = [0] * len(req.input_embeds)  # placeholders: the KV comes from the given vectors
     elif req.text is not None:
         input_ids = tm.tokenize(req.text, "text", add_special_tokens=req.add_special_tokens)
     else:
-        input_ids = tm.tokenize(req.input_ids or [], "input_ids")  # exactly one was given: input_ids
+        input_ids = tm.tokenize(
+            req.input_ids or [], "input_ids"
+        )  # exactly one was given: input_ids
     embeds = input_embeds_override(req, len(input_ids), tm.info.hidden_size)
     params = _params(req, input_ids, tm)
     if req.logprob_start_len >= len(input_ids):
         raise RequestValidationError(
-            f"logprob_start_len must be in [-1, {len(input_ids) - 1}], got {req.logprob_start_len}", "logprob_start_len"
+            f"logprob_start_len must be in [-1, {len(input_ids) - 1}], got {req.logprob_start_len}",
+            "logprob_start_len",
         )
     if req.lora_path is not None and req.lora_path not in tm.lora_adapters:
         raise RequestValidationError(
-            f"lora_path {req.lora_path!r} is not a loaded LoRA adapter; loaded: {sorted(tm.lora_adapters)}", "lora_path")
+            f"lora_path {req.lora_path!r} is not a loaded LoRA adapter; loaded: {sorted(tm.lora_adapters)}",
+            "lora_path",
+        )
     if req.rid is not None and req.rid in tm.states:
         raise RequestValidationError(f"request id {req.rid!r} is already in use", "rid")
-    await tm.admit()  # held during a weight update or a pause, 503 now: before a stream's headers go out
+    await (
+        tm.admit()
+    )  # held during a weight update or a pause, 503 now: before a stream's headers go out
     rid = req.rid or tm.new_rid()
-    out: dict[str, Any] = {"text": "", "output_ids": [], "meta_info": {"id": rid, "finish_reason": None,
-                                                                       "weight_version": tm.weight_version}}
+    out: dict[str, Any] = {
+        "text": "",
+        "output_ids": [],
+        "meta_info": {"id": rid, "finish_reason": None, "weight_version": tm.weight_version},
+    }
     meta = out["meta_info"]
     if req.return_logprob:
         meta["output_token_logprobs"] = []
@@ -119,21 +155,39 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
 
     async def events() -> AsyncIterator[dict]:
         logprob_start = req.logprob_start_len if req.return_logprob else -1
-        async for chunk in tm.generate(input_ids, params, rid, req.return_logprob, req.top_logprobs_num, logprob_start,
-                                       lora_name=req.lora_path, input_embeds_positions=embeds[0], input_embeds_values=embeds[1],
-                                       admitted=True):
+        async for chunk in tm.generate(
+            input_ids,
+            params,
+            rid,
+            req.return_logprob,
+            req.top_logprobs_num,
+            logprob_start,
+            lora_name=req.lora_path,
+            input_embeds_positions=embeds[0],
+            input_embeds_values=embeds[1],
+            admitted=True,
+        ):
             out["text"] += chunk.text
             out["output_ids"] += chunk.token_ids
-            meta.update(finish_reason=chunk.finish_reason, prompt_tokens=chunk.prompt_tokens,
-                        completion_tokens=chunk.completion_tokens, cached_tokens=chunk.cached_tokens,
-                        weight_version=chunk.weight_version or meta["weight_version"])
+            meta.update(
+                finish_reason=chunk.finish_reason,
+                prompt_tokens=chunk.prompt_tokens,
+                completion_tokens=chunk.completion_tokens,
+                cached_tokens=chunk.cached_tokens,
+                weight_version=chunk.weight_version or meta["weight_version"],
+            )
             if req.return_logprob:
-                meta["output_token_logprobs"] += [[lp, t, [list(x) for x in top]] for lp, t, top in chunk.logprobs]
+                meta["output_token_logprobs"] += [
+                    [lp, t, [list(x) for x in top]] for lp, t, top in chunk.logprobs
+                ]
                 if chunk.prompt_logprobs is not None:
-                    meta["input_token_logprobs"] = [[lp, t, [list(x) for x in top]] for lp, t, top in chunk.prompt_logprobs]
+                    meta["input_token_logprobs"] = [
+                        [lp, t, [list(x) for x in top]] for lp, t, top in chunk.prompt_logprobs
+                    ]
             yield out
 
     if req.stream:
+
         async def stream() -> AsyncIterator[str]:
             async for item in events():
                 yield sse(item)

@@ -23,8 +23,11 @@ from shardline_runtime.entrypoints.errors import error_response
 from shardline_runtime.entrypoints.expert_routes import add_expert_routes
 from shardline_runtime.entrypoints.generate import serve_generate
 from shardline_runtime.entrypoints.lora_routes import add_lora_routes
-from shardline_runtime.entrypoints.openai_serving import ClientDisconnected, serve_chat, serve_completion
-from shardline_runtime.entrypoints.weight_sync_routes import add_weight_sync_routes
+from shardline_runtime.entrypoints.openai_serving import (
+    ClientDisconnected,
+    serve_chat,
+    serve_completion,
+)
 from shardline_runtime.entrypoints.protocol import (
     AbortRequest,
     ChatCompletionRequest,
@@ -32,8 +35,13 @@ from shardline_runtime.entrypoints.protocol import (
     GenerateRequest,
     UpdateWeightsRequest,
 )
+from shardline_runtime.entrypoints.weight_sync_routes import add_weight_sync_routes
 from shardline_runtime.managers.io_struct import UpdateWeightsFromDiskReqInput
-from shardline_runtime.managers.tokenizer_manager import RequestValidationError, ServerNotReadyError, TokenizerManager
+from shardline_runtime.managers.tokenizer_manager import (
+    RequestValidationError,
+    ServerNotReadyError,
+    TokenizerManager,
+)
 from shardline_runtime.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -49,7 +57,9 @@ def _body_fields(request: Request) -> list[str]:
     return []
 
 
-def _pydantic_message(exc: FastAPIValidationError, request: Request | None = None) -> tuple[str, str | None]:
+def _pydantic_message(
+    exc: FastAPIValidationError, request: Request | None = None
+) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request body", None
@@ -95,9 +105,15 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
         return error_response(499, "client disconnected", err_type="client_closed_request")
 
     def check_model(model: str | None) -> None:
-        if model is not None and model not in (model_name, server_args.model_path) and model not in tm.lora_adapters:
+        if (
+            model is not None
+            and model not in (model_name, server_args.model_path)
+            and model not in tm.lora_adapters
+        ):
             available = [model_name, *sorted(tm.lora_adapters)]
-            raise RequestValidationError(f"model {model!r} is not served here; available: {available}", "model")
+            raise RequestValidationError(
+                f"model {model!r} is not served here; available: {available}", "model"
+            )
 
     @app.get("/health")
     async def health():
@@ -109,8 +125,14 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
     async def ready():
         # 503 during a weight update, so balancers send new traffic elsewhere (requests that
         # still come are held, not refused); /health stays 200.
-        if not state.get("healthy", True) or tm.draining or tm.weights_phase in ("loading", "recapturing"):
-            return error_response(503, f"not ready (weights_phase {tm.weights_phase}, draining {tm.draining})")
+        if (
+            not state.get("healthy", True)
+            or tm.draining
+            or tm.weights_phase in ("loading", "recapturing")
+        ):
+            return error_response(
+                503, f"not ready (weights_phase {tm.weights_phase}, draining {tm.draining})"
+            )
         if tm.blocked:
             return error_response(503, f"not ready: {tm.blocked}")
         return PlainTextResponse("OK")
@@ -119,21 +141,31 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
     async def health_generate():
         await tm.admit()
         params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-        async for chunk in tm.generate([tm.info.eos_token_ids[0] if tm.info.eos_token_ids else 1], params, admitted=True):
+        async for chunk in tm.generate(
+            [tm.info.eos_token_ids[0] if tm.info.eos_token_ids else 1], params, admitted=True
+        ):
             if chunk.finish_reason is not None and chunk.finish_reason.get("type") == "abort":
-                return error_response(503, f"generation failed: {chunk.finish_reason.get('message')}")
+                return error_response(
+                    503, f"generation failed: {chunk.finish_reason.get('message')}"
+                )
         return PlainTextResponse("OK")
 
     def model_card() -> dict[str, Any]:
         return {
-            "id": model_name, "object": "model", "created": int(state.get("started", time.time())),
-            "owned_by": "shardline", "root": tm.model_path, "max_model_len": tm.info.context_len,
+            "id": model_name,
+            "object": "model",
+            "created": int(state.get("started", time.time())),
+            "owned_by": "shardline",
+            "root": tm.model_path,
+            "max_model_len": tm.info.context_len,
         }
 
     def adapter_cards() -> list[dict[str, Any]]:
         """One card per loaded LoRA adapter: ``id`` its name, ``root`` its path, ``parent`` the base."""
-        return [{**model_card(), "id": name, "root": path, "parent": model_name}
-                for name, path in sorted(tm.lora_adapters.items())]
+        return [
+            {**model_card(), "id": name, "root": path, "parent": model_name}
+            for name, path in sorted(tm.lora_adapters.items())
+        ]
 
     @app.get("/v1/models")
     async def models():
@@ -145,32 +177,51 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
             return next(c for c in adapter_cards() if c["id"] == model_id)
         if model_id not in (model_name, server_args.model_path):
             available = [model_name, *sorted(tm.lora_adapters)]
-            return error_response(404, f"The model {model_id!r} does not exist; available: {available}", "model")
+            return error_response(
+                404, f"The model {model_id!r} does not exist; available: {available}", "model"
+            )
         return model_card()
 
     @app.get("/get_model_info")
     async def model_info():
-        return {"model_path": tm.model_path, "tokenizer_path": server_args.tokenizer_path or server_args.model_path,
-                "served_model_name": model_name, "is_generation": True, "vocab_size": tm.info.vocab_size,
-                "context_length": tm.info.context_len}
+        return {
+            "model_path": tm.model_path,
+            "tokenizer_path": server_args.tokenizer_path or server_args.model_path,
+            "served_model_name": model_name,
+            "is_generation": True,
+            "vocab_size": tm.info.vocab_size,
+            "context_length": tm.info.context_len,
+        }
 
     @app.get("/get_server_info")
     async def server_info():
         s = tm.stats
         return {
-            "weights_phase": tm.weights_phase, "weights_revision": tm.weights_revision, "model_path": tm.model_path,
-            "weights_digest": tm.weights_digest, "num_held_reqs": tm.held,
+            "weights_phase": tm.weights_phase,
+            "weights_revision": tm.weights_revision,
+            "model_path": tm.model_path,
+            "weights_digest": tm.weights_digest,
+            "num_held_reqs": tm.held,
             "last_weight_update": tm.last_weight_update,
-            "served_model_name": model_name, "tp_size": server_args.tp_size, "pp_size": server_args.pp_size,
+            "served_model_name": model_name,
+            "tp_size": server_args.tp_size,
+            "pp_size": server_args.pp_size,
             "nnodes": server_args.nnodes,
-            "max_total_num_tokens": tm.info.max_total_num_tokens, "max_req_input_len": tm.info.max_req_input_len,
-            "max_req_len": tm.info.max_req_len, "context_length": tm.info.context_len,
+            "max_total_num_tokens": tm.info.max_total_num_tokens,
+            "max_req_input_len": tm.info.max_req_input_len,
+            "max_req_len": tm.info.max_req_len,
+            "context_length": tm.info.context_len,
             "max_running_requests": tm.info.max_running_requests,
             "chunked_prefill_size": server_args.chunked_prefill_size,
-            "num_running_reqs": s.num_running_reqs, "num_queued_reqs": s.num_queued_reqs,
-            "kv_used_tokens": s.kv_used_tokens, "kv_evictable_tokens": s.kv_evictable_tokens,
-            "draining": tm.draining, "version": "0.1.0", "weight_version": tm.weight_version,
-            "generation_paused": tm.paused, "memory_blocked": tm.blocked,
+            "num_running_reqs": s.num_running_reqs,
+            "num_queued_reqs": s.num_queued_reqs,
+            "kv_used_tokens": s.kv_used_tokens,
+            "kv_evictable_tokens": s.kv_evictable_tokens,
+            "draining": tm.draining,
+            "version": "0.1.0",
+            "weight_version": tm.weight_version,
+            "generation_paused": tm.paused,
+            "memory_blocked": tm.blocked,
         }
 
     @app.post("/v1/completions")
@@ -196,22 +247,41 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
     @app.post("/update_weights_from_disk")
     async def update_weights(body: UpdateWeightsRequest):
         if tm.weights_phase in ("loading", "recapturing"):
-            return error_response(503, f"a weight update is already running (phase {tm.weights_phase})")
-        req = UpdateWeightsFromDiskReqInput(body.model_path, body.load_format, body.revision,
-                                            body.recapture_cuda_graph, body.abort_all_requests,
-                                            body.cuda_graph_max_bs, body.disable_cuda_graph, body.weight_version,
-                                            body.flush_cache)
+            return error_response(
+                503, f"a weight update is already running (phase {tm.weights_phase})"
+            )
+        req = UpdateWeightsFromDiskReqInput(
+            body.model_path,
+            body.load_format,
+            body.revision,
+            body.recapture_cuda_graph,
+            body.abort_all_requests,
+            body.cuda_graph_max_bs,
+            body.disable_cuda_graph,
+            body.weight_version,
+            body.flush_cache,
+        )
         out = await tm.update_weights_from_disk(req)
         if metrics is not None and out.success:
             metrics.set_weights(tm.weights_revision, tm.model_path, tm.weights_digest)
             metrics.set_weight_version(tm.weight_version)
-        return JSONResponse({"success": out.success, "message": out.message, "revision": tm.weights_revision,
-                             "model_path": tm.model_path, "weight_version": tm.weight_version,
-                             "weights_digest": tm.weights_digest, "load_seconds": out.load_seconds,
-                             "recapture_seconds": out.recapture_seconds},
-                            status_code=200 if out.success else 400)
+        return JSONResponse(
+            {
+                "success": out.success,
+                "message": out.message,
+                "revision": tm.weights_revision,
+                "model_path": tm.model_path,
+                "weight_version": tm.weight_version,
+                "weights_digest": tm.weights_digest,
+                "load_seconds": out.load_seconds,
+                "recapture_seconds": out.recapture_seconds,
+            },
+            status_code=200 if out.success else 400,
+        )
 
-    add_weight_sync_routes(app, tm, metrics, error_response, server_args.tp_size, server_args.pp_size)
+    add_weight_sync_routes(
+        app, tm, metrics, error_response, server_args.tp_size, server_args.pp_size
+    )
 
     @app.post("/abort_request")
     async def abort_request(body: AbortRequest):

@@ -34,12 +34,19 @@ def _top_dict(tm: TokenizerManager, top: list[tuple[float, int]]) -> dict[str, f
     return best
 
 
-def completion_logprobs(tm: TokenizerManager, entries: list[Entry], offsets: list[int], base: int) -> dict[str, list]:
+def completion_logprobs(
+    tm: TokenizerManager, entries: list[Entry], offsets: list[int], base: int
+) -> dict[str, list]:
     """Legacy completions ``logprobs`` of ``entries``; ``offsets[k] + base`` is token k's text offset.
 
     A ``None`` logprob (the first prompt token) gets ``None`` top logprobs.
     """
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out: dict[str, list] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
     for (lp, tid, top), offset in zip(entries, offsets):
         out["tokens"].append(token_text(tm, tid))
         out["token_logprobs"].append(lp)
@@ -48,7 +55,9 @@ def completion_logprobs(tm: TokenizerManager, entries: list[Entry], offsets: lis
     return out
 
 
-def prompt_text_offsets(tm: TokenizerManager, input_ids: list[int], added_prefix: int, echo_text: str) -> list[int]:
+def prompt_text_offsets(
+    tm: TokenizerManager, input_ids: list[int], added_prefix: int, echo_text: str
+) -> list[int]:
     """Character offset of each prompt token in ``echo_text``.
 
     ``added_prefix`` tokens the tokenizer put in front of a text prompt (BOS) are not part of the
@@ -73,7 +82,11 @@ def _token_bytes(tm: TokenizerManager, token_id: int, text: str) -> list[int]:
 def _gpt2_byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's ``bytes_to_unicode``: the printable character each byte-level BPE
     vocabulary uses for a byte -> that byte (Radford et al. 2019, used by every ByteLevel tokenizer)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars, extra = list(printable), 0
     for b in range(256):
         if b not in printable:
@@ -93,7 +106,12 @@ def chat_logprobs(tm: TokenizerManager, entries: list[Entry]) -> dict[str, list]
         text = token_text(tm, tid)
         return {"token": text, "logprob": lp, "bytes": _token_bytes(tm, tid, text)}
 
-    return {"content": [dict(entry(lp, tid), top_logprobs=[entry(v, t) for v, t in top]) for lp, tid, top in entries]}
+    return {
+        "content": [
+            dict(entry(lp, tid), top_logprobs=[entry(v, t) for v, t in top])
+            for lp, tid, top in entries
+        ]
+    }
 
 
 def merge_logprobs(acc: dict | None, new: dict) -> dict:

@@ -36,16 +36,30 @@ class UnloadLoRAAdapterRequest(BaseModel):
 def _reply(out) -> JSONResponse:
     body = {"success": out.success, "message": out.message, "loaded_adapters": out.loaded}
     if not out.success:
-        body["error"] = {"message": out.message, "type": "invalid_request_error" if out.status_code == 400 else "service_unavailable",
-                         "param": out.param, "code": out.status_code}
+        body["error"] = {
+            "message": out.message,
+            "type": "invalid_request_error" if out.status_code == 400 else "service_unavailable",
+            "param": out.param,
+            "code": out.status_code,
+        }
     return JSONResponse(body, status_code=out.status_code if not out.success else 200)
 
 
 def _disabled() -> JSONResponse:
     message = "LoRA is not enabled on this server: start it with --enable-lora"
-    return JSONResponse({"success": False, "message": message,
-                         "error": {"message": message, "type": "invalid_request_error", "param": "lora_name", "code": 400}},
-                        status_code=400)
+    return JSONResponse(
+        {
+            "success": False,
+            "message": message,
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": "lora_name",
+                "code": 400,
+            },
+        },
+        status_code=400,
+    )
 
 
 def add_lora_routes(app: FastAPI, tm, enabled: bool) -> None:

@@ -9,7 +9,26 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class ServingMetrics:
@@ -21,50 +40,114 @@ class ServingMetrics:
         self._labels = labels
         r = self.registry
         self.requests = Counter(
-            "shardline:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"], registry=r
+            "shardline:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
         )
-        self.prompt_tokens = Counter("shardline:prompt_tokens", "Prompt tokens of finished requests.", ["model_name"], registry=r)
-        self.generation_tokens = Counter("shardline:generation_tokens", "Generated tokens.", ["model_name"], registry=r)
-        self.cached_tokens = Counter("shardline:cached_tokens", "Prompt tokens served from the prefix cache.", ["model_name"], registry=r)
+        self.prompt_tokens = Counter(
+            "shardline:prompt_tokens",
+            "Prompt tokens of finished requests.",
+            ["model_name"],
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "shardline:generation_tokens", "Generated tokens.", ["model_name"], registry=r
+        )
+        self.cached_tokens = Counter(
+            "shardline:cached_tokens",
+            "Prompt tokens served from the prefix cache.",
+            ["model_name"],
+            registry=r,
+        )
         self.ttft = Histogram(
-            "shardline:time_to_first_token_seconds", "Time to first token.", ["model_name"], buckets=_LATENCY_BUCKETS, registry=r
+            "shardline:time_to_first_token_seconds",
+            "Time to first token.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.itl = Histogram(
-            "shardline:inter_token_latency_seconds", "Time between consecutive output tokens.", ["model_name"],
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "shardline:inter_token_latency_seconds",
+            "Time between consecutive output tokens.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
-            "shardline:e2e_request_latency_seconds", "Request latency, arrival to last token.", ["model_name"],
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "shardline:e2e_request_latency_seconds",
+            "Request latency, arrival to last token.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
-        self.running = Gauge("shardline:num_requests_running", "Requests in the running batch.", ["model_name"], registry=r)
-        self.waiting = Gauge("shardline:num_requests_waiting", "Requests waiting for admission.", ["model_name"], registry=r)
+        self.running = Gauge(
+            "shardline:num_requests_running",
+            "Requests in the running batch.",
+            ["model_name"],
+            registry=r,
+        )
+        self.waiting = Gauge(
+            "shardline:num_requests_waiting",
+            "Requests waiting for admission.",
+            ["model_name"],
+            registry=r,
+        )
         self.kv_usage = Gauge(
-            "shardline:kv_cache_usage_perc", "Fraction of KV slots held by requests (0..1).", ["model_name"], registry=r
+            "shardline:kv_cache_usage_perc",
+            "Fraction of KV slots held by requests (0..1).",
+            ["model_name"],
+            registry=r,
         )
-        self.kv_used = Gauge("shardline:kv_cache_used_tokens", "KV slots held by requests.", ["model_name"], registry=r)
+        self.kv_used = Gauge(
+            "shardline:kv_cache_used_tokens",
+            "KV slots held by requests.",
+            ["model_name"],
+            registry=r,
+        )
         self.weights = Gauge(
-            "shardline:weights_info", "1 for the weights being served (revision, path, checkpoint digest).",
-            ["model_name", "revision", "model_path", "digest"], registry=r,
+            "shardline:weights_info",
+            "1 for the weights being served (revision, path, checkpoint digest).",
+            ["model_name", "revision", "model_path", "digest"],
+            registry=r,
         )
         self.held = Counter(
-            "shardline:weight_update_held_requests", "Requests that arrived during a weight update and were held.",
-            ["model_name"], registry=r,
+            "shardline:weight_update_held_requests",
+            "Requests that arrived during a weight update and were held.",
+            ["model_name"],
+            registry=r,
         )
         self.hold_time = Histogram(
-            "shardline:weight_update_hold_seconds", "Seconds a request was held by a weight update.", ["model_name"],
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "shardline:weight_update_hold_seconds",
+            "Seconds a request was held by a weight update.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.weight_version = Gauge(
-            "shardline:weight_version_info", "1 for the weight_version being served (set by every weight update).",
-            ["model_name", "weight_version"], registry=r,
+            "shardline:weight_version_info",
+            "1 for the weight_version being served (set by every weight update).",
+            ["model_name", "weight_version"],
+            registry=r,
         )
-        for metric in (self.held, self.hold_time, self.prompt_tokens, self.generation_tokens, self.cached_tokens, self.running, self.waiting, self.kv_usage, self.kv_used):
+        for metric in (
+            self.held,
+            self.hold_time,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.cached_tokens,
+            self.running,
+            self.waiting,
+            self.kv_usage,
+            self.kv_used,
+        ):
             metric.labels(**labels)
 
     def set_weights(self, revision: str | None, model_path: str, digest: str | None = None) -> None:
         self.weights.clear()
-        self.weights.labels(revision=revision or "", model_path=model_path, digest=digest or "", **self._labels).set(1)
+        self.weights.labels(
+            revision=revision or "", model_path=model_path, digest=digest or "", **self._labels
+        ).set(1)
 
     def observe_hold(self, seconds: float) -> None:
         """A request was held ``seconds`` by a weight update (then admitted or refused)."""

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from shardline_runtime.entrypoints.choices import (
-    SafeJSONResponse,
     ChoiceResult,
+    SafeJSONResponse,
     chat_choices,
     completion_choices,
     finish_reason_name,
@@ -27,7 +28,12 @@ from shardline_runtime.entrypoints.choices import (
     usage_dict,
 )
 from shardline_runtime.entrypoints.errors import guard_stream
-from shardline_runtime.entrypoints.logprobs import chat_logprobs, completion_logprobs, merge_logprobs, prompt_text_offsets
+from shardline_runtime.entrypoints.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    merge_logprobs,
+    prompt_text_offsets,
+)
 from shardline_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from shardline_runtime.managers.tokenizer_manager import GenerateChunk, TokenizerManager
 
@@ -56,22 +62,34 @@ async def until_disconnect(raw: Request, work: Callable[[], Any]) -> Any:
 
 
 def _streaming(gen: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(guard_stream(gen), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(
+        guard_stream(gen), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
 
 
 async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: str, raw: Request):
     """Handle ``POST /v1/completions`` (validated body); raises RequestValidationError for 400s."""
     specs = completion_choices(req, tm)
-    await tm.admit()  # held during a weight update or a pause, 503 now: before a stream's headers go out
+    await (
+        tm.admit()
+    )  # held during a weight update or a pause, 503 now: before a stream's headers go out
     rid, created = f"cmpl-{uuid.uuid4().hex}", now_seconds()
     results = [ChoiceResult(prompt_index=s.prompt_index) for s in specs]
     started: set[int] = set()
     want_lp = req.logprobs is not None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    metadata = {"weight_version": tm.weight_version}  # SGLang's response metadata: the weights that ran
+    metadata = {
+        "weight_version": tm.weight_version
+    }  # SGLang's response metadata: the weights that ran
 
     def body(choices: list[dict], usage: dict | None = None) -> dict:
-        out = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+        out = {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+        }
         if usage is not None:
             out["usage"] = usage
         out["metadata"] = metadata
@@ -83,7 +101,11 @@ async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: 
         metadata["weight_version"] = chunk.weight_version or metadata["weight_version"]
         r, spec = results[index], specs[index]
         text = chunk.text
-        lp = completion_logprobs(tm, chunk.logprobs, chunk.text_offsets, len(spec.echo_text)) if want_lp else None
+        lp = (
+            completion_logprobs(tm, chunk.logprobs, chunk.text_offsets, len(spec.echo_text))
+            if want_lp
+            else None
+        )
         if index not in started:
             started.add(index)
             text = spec.echo_text + text
@@ -95,14 +117,31 @@ async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: 
         r.logprobs = merge_logprobs(r.logprobs or None, lp) if lp else r.logprobs
         r.finish_reason, r.prompt_tokens = chunk.finish_reason, chunk.prompt_tokens
         r.completion_tokens, r.cached_tokens = chunk.completion_tokens, chunk.cached_tokens
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason_name(chunk.finish_reason)}
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": lp,
+            "finish_reason": finish_reason_name(chunk.finish_reason),
+        }
 
-    events = run_choices(tm, specs, want_lp, req.logprobs or 0, req.include_stop_str_in_output, tm.lora_for_model(req.model))
+    events = run_choices(
+        tm,
+        specs,
+        want_lp,
+        req.logprobs or 0,
+        req.include_stop_str_in_output,
+        tm.lora_for_model(req.model),
+    )
     if req.stream:
+
         async def stream() -> AsyncIterator[str]:
             async for index, chunk in events:
                 choice = absorb(index, chunk)
-                if choice["text"] or choice["finish_reason"] or (choice["logprobs"] and choice["logprobs"]["tokens"]):
+                if (
+                    choice["text"]
+                    or choice["finish_reason"]
+                    or (choice["logprobs"] and choice["logprobs"]["tokens"])
+                ):
                     yield sse(body([choice]))
             if include_usage:
                 yield sse(body([], usage_dict(results)))
@@ -116,7 +155,12 @@ async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: 
 
     await until_disconnect(raw, collect)
     choices = [
-        {"index": i, "text": r.text, "logprobs": r.logprobs or None, "finish_reason": finish_reason_name(r.finish_reason)}
+        {
+            "index": i,
+            "text": r.text,
+            "logprobs": r.logprobs or None,
+            "finish_reason": finish_reason_name(r.finish_reason),
+        }
         for i, r in enumerate(results)
     ]
     return SafeJSONResponse(body(choices, usage_dict(results)))
@@ -125,13 +169,19 @@ async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: 
 async def serve_chat(req: ChatCompletionRequest, tm: TokenizerManager, model: str, raw: Request):
     """Handle ``POST /v1/chat/completions`` (validated body); raises RequestValidationError for 400s."""
     specs = chat_choices(req, tm)
-    await tm.admit()  # held during a weight update or a pause, 503 now: before a stream's headers go out
+    await (
+        tm.admit()
+    )  # held during a weight update or a pause, 503 now: before a stream's headers go out
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", now_seconds()
     results = [ChoiceResult() for _ in specs]
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    metadata = {"weight_version": tm.weight_version}  # SGLang's response metadata: the weights that ran
+    metadata = {
+        "weight_version": tm.weight_version
+    }  # SGLang's response metadata: the weights that ran
 
-    def body(choices: list[dict], usage: dict | None = None, obj: str = "chat.completion.chunk") -> dict:
+    def body(
+        choices: list[dict], usage: dict | None = None, obj: str = "chat.completion.chunk"
+    ) -> dict:
         out = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
         if usage is not None:
             out["usage"] = usage
@@ -148,19 +198,59 @@ async def serve_chat(req: ChatCompletionRequest, tm: TokenizerManager, model: st
         r.completion_tokens, r.cached_tokens = chunk.completion_tokens, chunk.cached_tokens
         return lp
 
-    events = run_choices(tm, specs, bool(req.logprobs), req.top_logprobs or 0, req.include_stop_str_in_output,
-                         tm.lora_for_model(req.model))
+    events = run_choices(
+        tm,
+        specs,
+        bool(req.logprobs),
+        req.top_logprobs or 0,
+        req.include_stop_str_in_output,
+        tm.lora_for_model(req.model),
+    )
     if req.stream:
+
         async def stream() -> AsyncIterator[str]:
             for s in specs:
-                yield sse(body([{"index": s.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
+                yield sse(
+                    body(
+                        [
+                            {
+                                "index": s.index,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ]
+                    )
+                )
             async for index, chunk in events:
                 lp = absorb(index, chunk)
                 reason = finish_reason_name(chunk.finish_reason)
                 if chunk.text or lp:
-                    yield sse(body([{"index": index, "delta": {"content": chunk.text}, "logprobs": lp, "finish_reason": None}]))
+                    yield sse(
+                        body(
+                            [
+                                {
+                                    "index": index,
+                                    "delta": {"content": chunk.text},
+                                    "logprobs": lp,
+                                    "finish_reason": None,
+                                }
+                            ]
+                        )
+                    )
                 if reason is not None:
-                    yield sse(body([{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}]))
+                    yield sse(
+                        body(
+                            [
+                                {
+                                    "index": index,
+                                    "delta": {},
+                                    "logprobs": None,
+                                    "finish_reason": reason,
+                                }
+                            ]
+                        )
+                    )
             if include_usage:
                 yield sse(body([], usage_dict(results)))
             yield "data: [DONE]\n\n"

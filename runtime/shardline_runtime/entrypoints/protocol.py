@@ -15,7 +15,7 @@ silently dropped.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
@@ -34,7 +34,7 @@ class _SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Union[str, list[str]] | None = None
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     temperature: float | None = None
@@ -52,8 +52,16 @@ class _SamplingFields(BaseModel):
     def sampling_dict(self, max_new_tokens: int | None) -> dict[str, Any]:
         """Keyword arguments for ``SamplingParams`` (only the fields the client set)."""
         out: dict[str, Any] = {"max_new_tokens": max_new_tokens}
-        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "seed"):
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "seed",
+        ):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
@@ -69,7 +77,7 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``."""
 
-    prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]  # true is not token id 1
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # true is not token id 1
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
@@ -83,7 +91,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Union[str, list[dict[str, Any]]] | None = None
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -123,7 +131,9 @@ class GenerateRequest(BaseModel):
     input_embeds: list[list[float]] | None = None  # (T, hidden_size) instead of text / input_ids
     replace_embeds: list[list[float]] | None = None  # (P, hidden_size) at replace_positions
     replace_positions: list[StrictInt] | None = None
-    add_special_tokens: bool = True  # text only: the tokenizer's own special tokens (SGLang encodes so)
+    add_special_tokens: bool = (
+        True  # text only: the tokenizer's own special tokens (SGLang encodes so)
+    )
 
 
 class ControlRequest(BaseModel):

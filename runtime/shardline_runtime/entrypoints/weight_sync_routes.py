@@ -43,8 +43,9 @@ from shardline_runtime.managers.io_struct import (
 from shardline_runtime.managers.tokenizer_manager import RequestValidationError, TokenizerManager
 
 
-def add_weight_sync_routes(app: FastAPI, tm: TokenizerManager, metrics: Any, error_response, tp_size: int,
-                           pp_size: int = 1) -> None:
+def add_weight_sync_routes(
+    app: FastAPI, tm: TokenizerManager, metrics: Any, error_response, tp_size: int, pp_size: int = 1
+) -> None:
     """Register the routes on ``app`` (``error_response(status, message)`` builds 503s;
     ``tp_size x pp_size`` engine ranks join a weight-sync group)."""
 
@@ -52,25 +53,44 @@ def add_weight_sync_routes(app: FastAPI, tm: TokenizerManager, metrics: Any, err
         out = await tm.control_request(req)
         if metrics is not None:
             metrics.set_weight_version(tm.weight_version)
-        body = {"success": out.success, "message": out.message, "weight_version": tm.weight_version, **extra}
+        body = {
+            "success": out.success,
+            "message": out.message,
+            "weight_version": tm.weight_version,
+            **extra,
+        }
         if out.data is not None:
             body["parameter"] = out.data
         return JSONResponse(body, status_code=200 if out.success else 400)
 
     def busy() -> JSONResponse | None:
         if tm.weights_phase in ("loading", "recapturing"):
-            return error_response(503, f"a weight update is already running (phase {tm.weights_phase})")
+            return error_response(
+                503, f"a weight update is already running (phase {tm.weights_phase})"
+            )
         return None
 
     @app.post("/init_weights_update_group", include_in_schema=False)
     async def init_weights_update_group(body: InitWeightsUpdateGroupRequest):
-        if body.rank_offset + tp_size * pp_size > body.world_size:  # every rank of every stage joins
+        if (
+            body.rank_offset + tp_size * pp_size > body.world_size
+        ):  # every rank of every stage joins
             raise RequestValidationError(
                 f"world_size {body.world_size} is too small for rank_offset {body.rank_offset} + tp_size x pp_size "
-                f"({tp_size} x {pp_size}) engine ranks", "world_size")
-        return await call(InitWeightsUpdateGroupReqInput(
-            body.master_address, body.master_port, body.rank_offset, body.world_size, body.group_name,
-            body.backend, body.timeout_s))
+                f"({tp_size} x {pp_size}) engine ranks",
+                "world_size",
+            )
+        return await call(
+            InitWeightsUpdateGroupReqInput(
+                body.master_address,
+                body.master_port,
+                body.rank_offset,
+                body.world_size,
+                body.group_name,
+                body.backend,
+                body.timeout_s,
+            )
+        )
 
     @app.post("/destroy_weights_update_group", include_in_schema=False)
     async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupRequest):
@@ -81,10 +101,20 @@ def add_weight_sync_routes(app: FastAPI, tm: TokenizerManager, metrics: Any, err
         if not len(body.names) == len(body.dtypes) == len(body.shapes):
             raise RequestValidationError(
                 f"names, dtypes and shapes must have the same length, got {len(body.names)}, "
-                f"{len(body.dtypes)}, {len(body.shapes)}", "names")
-        return busy() or await call(UpdateWeightsFromDistributedReqInput(
-            body.names, body.dtypes, body.shapes, body.group_name, body.flush_cache, body.abort_all_requests,
-            body.weight_version))
+                f"{len(body.dtypes)}, {len(body.shapes)}",
+                "names",
+            )
+        return busy() or await call(
+            UpdateWeightsFromDistributedReqInput(
+                body.names,
+                body.dtypes,
+                body.shapes,
+                body.group_name,
+                body.flush_cache,
+                body.abort_all_requests,
+                body.weight_version,
+            )
+        )
 
     @app.post("/update_weights_from_tensor", include_in_schema=False)
     async def update_weights_from_tensor(raw: Request):
@@ -94,11 +124,14 @@ def add_weight_sync_routes(app: FastAPI, tm: TokenizerManager, metrics: Any, err
             data = await raw.body()
             try:
                 body = UpdateWeightsFromTensorRequest.model_validate(
-                    {**dict(raw.query_params), "serialized_named_tensors": "-"})
+                    {**dict(raw.query_params), "serialized_named_tensors": "-"}
+                )
             except ValidationError as exc:
                 raise FastAPIValidationError(exc.errors()) from None
             if not data:
-                raise RequestValidationError("the body must be the bytes of a safetensors file", "body")
+                raise RequestValidationError(
+                    "the body must be the bytes of a safetensors file", "body"
+                )
         else:
             try:
                 body = UpdateWeightsFromTensorRequest.model_validate_json(await raw.body())
@@ -107,10 +140,15 @@ def add_weight_sync_routes(app: FastAPI, tm: TokenizerManager, metrics: Any, err
             try:
                 data = base64.b64decode(body.serialized_named_tensors, validate=True)
             except (binascii.Error, ValueError):
-                raise RequestValidationError("serialized_named_tensors must be base64 of a safetensors file",
-                                             "serialized_named_tensors") from None
-        return busy() or await call(UpdateWeightsFromTensorReqInput(
-            data, body.flush_cache, body.abort_all_requests, body.weight_version))
+                raise RequestValidationError(
+                    "serialized_named_tensors must be base64 of a safetensors file",
+                    "serialized_named_tensors",
+                ) from None
+        return busy() or await call(
+            UpdateWeightsFromTensorReqInput(
+                data, body.flush_cache, body.abort_all_requests, body.weight_version
+            )
+        )
 
     @app.post("/get_weights_by_name", include_in_schema=False)
     async def get_weights_by_name(body: GetWeightsByNameRequest):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
 from shardline_runtime.layers.parameter import set_weight_attrs
 
 

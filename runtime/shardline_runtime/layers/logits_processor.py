@@ -55,10 +55,18 @@ class LogitsProcessor(nn.Module):
         self.vocab_size = vocab_size
 
     def _logits(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding) -> torch.Tensor:
-        shard = linear(hidden, lm_head.weight)  # (N, padded_vocab / tp), model dtype as transformers
+        shard = linear(
+            hidden, lm_head.weight
+        )  # (N, padded_vocab / tp), model dtype as transformers
         return tensor_model_parallel_all_gather(shard, dim=-1)[:, : self.vocab_size].float()
 
-    def forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor, lm_head: VocabParallelEmbedding, forward_batch) -> LogitsProcessorOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+        lm_head: VocabParallelEmbedding,
+        forward_batch,
+    ) -> LogitsProcessorOutput:
         """input_ids (T,), hidden_states (T, hidden) -> logits of each request's last token."""
         mode = forward_batch.forward_mode
         if mode.is_extend() and forward_batch.extend_seq_lens is not None:
@@ -71,7 +79,9 @@ class LogitsProcessor(nn.Module):
             self._prompt_logprobs(out, input_ids, hidden_states, lm_head, forward_batch)
         return out
 
-    def _prompt_logprobs(self, out: LogitsProcessorOutput, input_ids, hidden_states, lm_head, forward_batch) -> None:
+    def _prompt_logprobs(
+        self, out: LogitsProcessorOutput, input_ids, hidden_states, lm_head, forward_batch
+    ) -> None:
         lens = forward_batch.extend_seq_lens_cpu
         starts = forward_batch.extend_logprob_start_lens_cpu or [0] * len(lens)
         tops = forward_batch.top_logprobs_nums or [0] * len(lens)
@@ -81,19 +91,32 @@ class LogitsProcessor(nn.Module):
             s = min(max(s, 0), e)
             n = max(e - 1 - s, 0)
             rows.append(torch.arange(offset + s, offset + s + n, device=input_ids.device))
-            targets.append(input_ids[offset + s + 1: offset + s + 1 + n])
+            targets.append(input_ids[offset + s + 1 : offset + s + 1 + n])
             counts.append(n)
             offset += e
         rows_t, targets_t = torch.cat(rows), torch.cat(targets)
-        logprobs = torch.log_softmax(self._logits(hidden_states[rows_t], lm_head), dim=-1)  # (N, vocab)
-        token_lp = logprobs.gather(1, targets_t.unsqueeze(1)).squeeze(1) if rows_t.numel() else logprobs.new_zeros(0)
+        logprobs = torch.log_softmax(
+            self._logits(hidden_states[rows_t], lm_head), dim=-1
+        )  # (N, vocab)
+        token_lp = (
+            logprobs.gather(1, targets_t.unsqueeze(1)).squeeze(1)
+            if rows_t.numel()
+            else logprobs.new_zeros(0)
+        )
         out.input_token_logprobs = list(torch.split(token_lp, counts))
         if any(k > 0 for k in tops):
             per_req = torch.split(logprobs, counts)
             vals, idxs = [], []
             for lp, k in zip(per_req, tops):
                 k = min(max(k, 0), self.vocab_size)
-                v, i = lp.topk(k, dim=-1) if k else (lp.new_zeros(lp.shape[0], 0), torch.zeros(lp.shape[0], 0, dtype=torch.int64, device=lp.device))
+                v, i = (
+                    lp.topk(k, dim=-1)
+                    if k
+                    else (
+                        lp.new_zeros(lp.shape[0], 0),
+                        torch.zeros(lp.shape[0], 0, dtype=torch.int64, device=lp.device),
+                    )
+                )
                 vals.append(v)
                 idxs.append(i)
             out.input_top_logprobs_val, out.input_top_logprobs_idx = vals, idxs

@@ -15,8 +15,11 @@ ShardId: TypeAlias = Any  # None | int | str | tuple[int, str]
 WeightLoader: TypeAlias = Callable[..., None]
 
 
-def set_weight_attrs(param: nn.Parameter, weight_loader: WeightLoader,
-                     checkpoint_shapes: dict[ShardId, tuple[int, ...]]) -> nn.Parameter:
+def set_weight_attrs(
+    param: nn.Parameter,
+    weight_loader: WeightLoader,
+    checkpoint_shapes: dict[ShardId, tuple[int, ...]],
+) -> nn.Parameter:
     """Attach the loader and the checkpoint shapes to ``param``; returns ``param``."""
     param.weight_loader = weight_loader  # type: ignore[attr-defined]  # torch allows attributes on tensors
     param.checkpoint_shapes = checkpoint_shapes  # type: ignore[attr-defined]

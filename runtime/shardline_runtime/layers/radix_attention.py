@@ -24,8 +24,15 @@ class RadixAttention(nn.Module):
             (``model_executor/kv_cache_dtype.py``).
     """
 
-    def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int,
-                 sliding_window: int | None = None):
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scaling: float,
+        num_kv_heads: int,
+        layer_id: int,
+        sliding_window: int | None = None,
+    ):
         super().__init__()
         self.tp_q_head_num = num_heads
         self.tp_k_head_num = num_kv_heads
@@ -36,6 +43,8 @@ class RadixAttention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch
+    ) -> torch.Tensor:
         """q (T, num_heads * head_dim), k/v (T, num_kv_heads * head_dim) -> (T, num_heads * head_dim)."""
         return forward_batch.attn_backend.forward(q, k, v, self, forward_batch)

@@ -54,7 +54,9 @@ def _yarn_inv_freq(p: dict[str, Any], dim: int) -> tuple[torch.Tensor, float]:
     mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
     if attention_factor is None:
         if mscale and mscale_all_dim:
-            attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+            attention_factor = float(
+                get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+            )
         else:
             attention_factor = get_mscale(factor)
     beta_fast = p.get("beta_fast") or 32
@@ -72,7 +74,9 @@ def _yarn_inv_freq(p: dict[str, Any], dim: int) -> tuple[torch.Tensor, float]:
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
     pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
     extrapolation_factor = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_factor) + (1.0 / pos_freqs) * extrapolation_factor
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_factor) + (
+        1.0 / pos_freqs
+    ) * extrapolation_factor
     return inv_freq, float(attention_factor)
 
 
@@ -88,12 +92,16 @@ def compute_inv_freq(rope_parameters: dict[str, Any], head_dim: int) -> tuple[to
     if rope_type in ("default", "dynamic"):
         return _base_inv_freq(rope_parameters["rope_theta"], head_dim), 1.0
     if rope_type == "linear":
-        return _base_inv_freq(rope_parameters["rope_theta"], head_dim) / rope_parameters["factor"], 1.0
+        return _base_inv_freq(rope_parameters["rope_theta"], head_dim) / rope_parameters[
+            "factor"
+        ], 1.0
     if rope_type == "llama3":
         return _llama3_inv_freq(rope_parameters, head_dim), 1.0
     if rope_type == "yarn":
         return _yarn_inv_freq(rope_parameters, head_dim)
-    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, dynamic, llama3, yarn")
+    raise ValueError(
+        f"unsupported rope_type {rope_type!r}; supported: default, linear, dynamic, llama3, yarn"
+    )
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -115,7 +123,13 @@ class RotaryEmbedding(nn.Module):
     cos_cached: torch.Tensor
     sin_cached: torch.Tensor
 
-    def __init__(self, head_dim: int, rope_parameters: dict[str, Any], max_position_embeddings: int, max_positions: int):
+    def __init__(
+        self,
+        head_dim: int,
+        rope_parameters: dict[str, Any],
+        max_position_embeddings: int,
+        max_positions: int,
+    ):
         super().__init__()
         self.head_dim = head_dim
         self.rope_parameters = dict(rope_parameters)
@@ -124,10 +138,14 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = compute_inv_freq(rope_parameters, head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         cos, sin = self._cos_sin(torch.arange(max_positions), inv_freq)
-        self.register_buffer("cos_cached", cos, persistent=False)  # (max_positions, head_dim) float32
+        self.register_buffer(
+            "cos_cached", cos, persistent=False
+        )  # (max_positions, head_dim) float32
         self.register_buffer("sin_cached", sin, persistent=False)
 
-    def _cos_sin(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cos_sin(
+        self, positions: torch.Tensor, inv_freq: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * inv_freq.to(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
@@ -137,13 +155,25 @@ class RotaryEmbedding(nn.Module):
         if int(seq_len) <= self.max_position_embeddings:
             return self.inv_freq
         p, dim = self.rope_parameters, self.head_dim
-        seq_len = torch.maximum(seq_len, torch.tensor(self.max_position_embeddings, dtype=seq_len.dtype, device=seq_len.device))
+        seq_len = torch.maximum(
+            seq_len,
+            torch.tensor(self.max_position_embeddings, dtype=seq_len.dtype, device=seq_len.device),
+        )
         factor = p["factor"]
-        base = p["rope_theta"] * ((factor * seq_len / self.max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
-        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=positions.device).to(dtype=torch.float) / dim
-        return 1.0 / (base ** exponents)
+        base = p["rope_theta"] * (
+            (factor * seq_len / self.max_position_embeddings) - (factor - 1)
+        ) ** (dim / (dim - 2))
+        exponents = (
+            torch.arange(0, dim, 2, dtype=torch.int64, device=positions.device).to(
+                dtype=torch.float
+            )
+            / dim
+        )
+        return 1.0 / (base**exponents)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (T,) int64; q (T, H, head_dim), k (T, H_kv, head_dim) -> rotated q, k."""
         if self.rope_type == "dynamic" and positions.numel():
             cos, sin = self._cos_sin(positions, self._dynamic_inv_freq(positions))
@@ -154,11 +184,12 @@ class RotaryEmbedding(nn.Module):
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-_ROPE_CACHE: "weakref.WeakValueDictionary[tuple, RotaryEmbedding]" = weakref.WeakValueDictionary()
+_ROPE_CACHE: weakref.WeakValueDictionary[tuple, RotaryEmbedding] = weakref.WeakValueDictionary()
 
 
-def get_rope(head_dim: int, rope_parameters: dict[str, Any], max_position_embeddings: int,
-             max_positions: int) -> RotaryEmbedding:
+def get_rope(
+    head_dim: int, rope_parameters: dict[str, Any], max_position_embeddings: int, max_positions: int
+) -> RotaryEmbedding:
     """The shared :class:`RotaryEmbedding` for these arguments on the current default device.
 
     Layers of one model (and models alive at the same time with the same RoPE on the same device)
@@ -166,8 +197,13 @@ def get_rope(head_dim: int, rope_parameters: dict[str, Any], max_position_embedd
     ``torch.device`` context like any other module. Kept only while some model holds it.
     """
     device = str(torch.get_default_device())
-    key = (head_dim, json.dumps(rope_parameters, sort_keys=True, default=str), max_position_embeddings,
-           max_positions, device)
+    key = (
+        head_dim,
+        json.dumps(rope_parameters, sort_keys=True, default=str),
+        max_position_embeddings,
+        max_positions,
+        device,
+    )
     rope = _ROPE_CACHE.get(key)
     if rope is None:
         rope = RotaryEmbedding(head_dim, rope_parameters, max_position_embeddings, max_positions)

@@ -46,8 +46,13 @@ class SamplerOutput:
 
 
 def top_k_top_p_min_p_renorm(
-    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
-    need_top_k: bool = True, need_top_p: bool = True, need_min_p: bool = True,
+    probs: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    need_top_k: bool = True,
+    need_top_p: bool = True,
+    need_min_p: bool = True,
 ) -> torch.Tensor:
     """Zero the probabilities outside top-k / top-p / min-p; rows are not renormalised (the
     exponential race does not need it).
@@ -110,11 +115,17 @@ class Sampler(nn.Module):
         """
         bs = logits.shape[0]
         if bs != sampling_info.batch_size:
-            raise ValueError(f"logits have {bs} rows but the batch has {sampling_info.batch_size} requests")
+            raise ValueError(
+                f"logits have {bs} rows but the batch has {sampling_info.batch_size} requests"
+            )
         if logits.shape[-1] < sampling_info.vocab_size:
-            raise ValueError(f"logits have {logits.shape[-1]} columns < vocab_size {sampling_info.vocab_size}")
+            raise ValueError(
+                f"logits have {logits.shape[-1]} columns < vocab_size {sampling_info.vocab_size}"
+            )
         logits = logits[:, : sampling_info.vocab_size].float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if return_logprob or top_logprobs_nums else None
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1) if return_logprob or top_logprobs_nums else None
+        )
         if sampling_info.penalties is not None:
             logits = sampling_info.penalties.apply(logits)
 
@@ -129,7 +140,9 @@ class Sampler(nn.Module):
         if raw_logprobs is not None:
             out.next_token_logprobs = raw_logprobs.gather(-1, next_ids[:, None]).squeeze(-1)
             if top_logprobs_nums and max(top_logprobs_nums) > 0:
-                out.top_logprobs_val, out.top_logprobs_idx = top_logprobs(raw_logprobs, top_logprobs_nums)
+                out.top_logprobs_val, out.top_logprobs_idx = top_logprobs(
+                    raw_logprobs, top_logprobs_nums
+                )
         return out
 
     @staticmethod
@@ -138,7 +151,13 @@ class Sampler(nn.Module):
         probs = torch.softmax(finite_logits(logits / info.temperatures), dim=-1)
         if info.need_top_k or info.need_top_p or info.need_min_p:
             probs = top_k_top_p_min_p_renorm(
-                probs, info.top_ks, info.top_ps, info.min_ps, info.need_top_k, info.need_top_p, info.need_min_p
+                probs,
+                info.top_ks,
+                info.top_ps,
+                info.min_ps,
+                info.need_top_k,
+                info.need_top_p,
+                info.need_min_p,
             )
         race = torch.empty_like(probs)
         seeded = [i for i, g in enumerate(info.generators) if g is not None]

@@ -37,7 +37,13 @@ class VocabParallelEmbedding(nn.Module):
             ``[vocab_start_index, vocab_end_index)``.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int | None = None, tp_size: int | None = None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ):
         super().__init__()
         self.tp_rank = get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
         self.tp_size = get_tensor_model_parallel_world_size() if tp_size is None else tp_size
@@ -47,7 +53,9 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings_per_partition = self.num_embeddings_padded // self.tp_size
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
-        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False
+        )
         set_weight_attrs(self.weight, self.weight_loader, {None: (num_embeddings, embedding_dim)})
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -57,14 +65,16 @@ class VocabParallelEmbedding(nn.Module):
         n = max(end - self.vocab_start_index, 0)
         param.data.zero_()
         if n:
-            param.data[:n].copy_(loaded[self.vocab_start_index:end])
+            param.data[:n].copy_(loaded[self.vocab_start_index : end])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(T,) int64 -> (T, embedding_dim); all-reduces the per-rank partial lookups."""
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         mine = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
-        local_ids = torch.where(mine, input_ids - self.vocab_start_index, torch.zeros_like(input_ids))
+        local_ids = torch.where(
+            mine, input_ids - self.vocab_start_index, torch.zeros_like(input_ids)
+        )
         out = F.embedding(local_ids, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
         return tensor_model_parallel_all_reduce(out)
 

@@ -23,7 +23,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardline_runtime.distributed import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
+from shardline_runtime.distributed import (
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
 from shardline_runtime.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -71,12 +74,20 @@ def column_submodules(layer: ColumnParallelLinear, own_name: str) -> list[SubMod
         return [
             SubModule("q_proj", layer.total_num_heads * hd, 0, layer.q_size, r),
             SubModule("k_proj", layer.total_num_kv_heads * hd, layer.q_size, layer.kv_size, kv_src),
-            SubModule("v_proj", layer.total_num_kv_heads * hd, layer.q_size + layer.kv_size, layer.kv_size, kv_src),
+            SubModule(
+                "v_proj",
+                layer.total_num_kv_heads * hd,
+                layer.q_size + layer.kv_size,
+                layer.kv_size,
+                kv_src,
+            ),
         ]
     if isinstance(layer, MergedColumnParallelLinear) and own_name == "gate_up_proj":
         g, u = (s // layer.tp_size for s in layer.output_sizes)
-        return [SubModule("gate_proj", layer.output_sizes[0], 0, g, layer.tp_rank),
-                SubModule("up_proj", layer.output_sizes[1], g, u, layer.tp_rank)]
+        return [
+            SubModule("gate_proj", layer.output_sizes[0], 0, g, layer.tp_rank),
+            SubModule("up_proj", layer.output_sizes[1], g, u, layer.tp_rank),
+        ]
     n = layer.output_size_per_partition
     return [SubModule(own_name, layer.output_size, 0, n, layer.tp_rank)]
 
@@ -85,8 +96,16 @@ class _LoRAWrapper(nn.Module):
     lora_a: torch.Tensor
     lora_b: torch.Tensor
 
-    def __init__(self, base: ColumnParallelLinear | RowParallelLinear, subs: list[SubModule], in_per_rank: int, out_per_rank: int,
-                 num_slots: int, max_rank: int, batch_info: LoRABatchInfo):
+    def __init__(
+        self,
+        base: ColumnParallelLinear | RowParallelLinear,
+        subs: list[SubModule],
+        in_per_rank: int,
+        out_per_rank: int,
+        num_slots: int,
+        max_rank: int,
+        batch_info: LoRABatchInfo,
+    ):
         super().__init__()
         # The base layer is held outside ``_modules`` and its parameters registered under their
         # own names, so parameter names (checkpoint loading, weight updates) do not change.
@@ -99,8 +118,16 @@ class _LoRAWrapper(nn.Module):
         self.batch_info = batch_info
         dtype, device = base.weight.dtype, base.weight.device
         n_a = len(subs) * max_rank if isinstance(base, ColumnParallelLinear) else max_rank
-        self.register_buffer("lora_a", torch.zeros(num_slots, n_a, in_per_rank, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(num_slots, out_per_rank, max_rank, dtype=dtype, device=device), persistent=False)
+        self.register_buffer(
+            "lora_a",
+            torch.zeros(num_slots, n_a, in_per_rank, dtype=dtype, device=device),
+            persistent=False,
+        )
+        self.register_buffer(
+            "lora_b",
+            torch.zeros(num_slots, out_per_rank, max_rank, dtype=dtype, device=device),
+            persistent=False,
+        )
 
     def __getattr__(self, name: str):
         try:
@@ -122,7 +149,16 @@ class _LoRAWrapper(nn.Module):
 
             column = isinstance(self.base, ColumnParallelLinear)
             ranges = [(s.offset, s.size) for s in self.subs] if column else [(0, y.shape[1])]
-            segment_lora_delta(x, y, self.lora_a, self.lora_b, ranges, self.max_rank, info.seg_tensors, max(info.seg_lens))
+            segment_lora_delta(
+                x,
+                y,
+                self.lora_a,
+                self.lora_b,
+                ranges,
+                self.max_rank,
+                info.seg_tensors,
+                max(info.seg_lens),
+            )
             return
         R = self.max_rank
         for slot, idx in self.batch_info.groups:
@@ -132,20 +168,42 @@ class _LoRAWrapper(nn.Module):
                 delta = linear(xa, self.lora_b[slot])
             else:
                 for i, sub in enumerate(self.subs):
-                    b = self.lora_b[slot, sub.offset:sub.offset + sub.size]  # (n_i, R)
-                    delta[:, sub.offset:sub.offset + sub.size] = linear(xa[:, i * R:(i + 1) * R], b)
+                    b = self.lora_b[slot, sub.offset : sub.offset + sub.size]  # (n_i, R)
+                    delta[:, sub.offset : sub.offset + sub.size] = linear(
+                        xa[:, i * R : (i + 1) * R], b
+                    )
             y.index_add_(0, idx, delta)
 
 
 class ColumnParallelLinearWithLoRA(_LoRAWrapper):
     """A column-parallel layer plus LoRA; forward (T, in) -> (T, out_per_rank) (or gathered)."""
 
-    def __init__(self, base: ColumnParallelLinear, own_name: str, num_slots: int, max_rank: int, batch_info: LoRABatchInfo):
-        super().__init__(base, column_submodules(base, own_name), base.input_size, base.output_size_per_partition,
-                         num_slots, max_rank, batch_info)
+    def __init__(
+        self,
+        base: ColumnParallelLinear,
+        own_name: str,
+        num_slots: int,
+        max_rank: int,
+        batch_info: LoRABatchInfo,
+    ):
+        super().__init__(
+            base,
+            column_submodules(base, own_name),
+            base.input_size,
+            base.output_size_per_partition,
+            num_slots,
+            max_rank,
+            batch_info,
+        )
 
-    def load_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float, where: str,
-                  check_only: bool = False) -> None:
+    def load_slot(
+        self,
+        slot: int,
+        weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        scaling: float,
+        where: str,
+        check_only: bool = False,
+    ) -> None:
         """Copy this rank's part of ``{sub_name: (A (r, in), B (full_out, r))}`` into ``slot``.
 
         ``check_only``: validate, copy nothing.
@@ -164,12 +222,13 @@ class ColumnParallelLinearWithLoRA(_LoRAWrapper):
             if a.shape != (r, self.base.input_size) or b.shape != (sub.full_out, r):
                 raise LoRAAdapterError(
                     f"wrong base architecture: {where}.{sub.name} has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, "
-                    f"the base layer needs ({r}, {self.base.input_size}) / ({sub.full_out}, {r})")
+                    f"the base layer needs ({r}, {self.base.input_size}) / ({sub.full_out}, {r})"
+                )
             if check_only:
                 continue
-            self.lora_a[slot, i * R:i * R + r] = a.to(self.lora_a.dtype)
+            self.lora_a[slot, i * R : i * R + r] = a.to(self.lora_a.dtype)
             shard = b.narrow(0, sub.src_block * sub.size, sub.size) * scaling
-            self.lora_b[slot, sub.offset:sub.offset + sub.size, :r] = shard.to(self.lora_b.dtype)
+            self.lora_b[slot, sub.offset : sub.offset + sub.size, :r] = shard.to(self.lora_b.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.base.weight, self.base.bias)  # (T, out / tp)
@@ -181,12 +240,33 @@ class ColumnParallelLinearWithLoRA(_LoRAWrapper):
 class RowParallelLinearWithLoRA(_LoRAWrapper):
     """A row-parallel layer plus LoRA; the delta joins the partial sum before the all-reduce."""
 
-    def __init__(self, base: RowParallelLinear, own_name: str, num_slots: int, max_rank: int, batch_info: LoRABatchInfo):
+    def __init__(
+        self,
+        base: RowParallelLinear,
+        own_name: str,
+        num_slots: int,
+        max_rank: int,
+        batch_info: LoRABatchInfo,
+    ):
         sub = SubModule(own_name, base.output_size, 0, base.output_size, 0)
-        super().__init__(base, [sub], base.input_size_per_partition, base.output_size, num_slots, max_rank, batch_info)
+        super().__init__(
+            base,
+            [sub],
+            base.input_size_per_partition,
+            base.output_size,
+            num_slots,
+            max_rank,
+            batch_info,
+        )
 
-    def load_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float, where: str,
-                  check_only: bool = False) -> None:
+    def load_slot(
+        self,
+        slot: int,
+        weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        scaling: float,
+        where: str,
+        check_only: bool = False,
+    ) -> None:
         """Copy ``{name: (A (r, in), B (out, r))}``: A's input columns of this rank, all of B.
 
         ``check_only``: validate, copy nothing.
@@ -205,7 +285,8 @@ class RowParallelLinearWithLoRA(_LoRAWrapper):
         if a.shape != (r, base.input_size) or b.shape != (base.output_size, r):
             raise LoRAAdapterError(
                 f"wrong base architecture: {where}.{name} has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, "
-                f"the base layer needs ({r}, {base.input_size}) / ({base.output_size}, {r})")
+                f"the base layer needs ({r}, {base.input_size}) / ({base.output_size}, {r})"
+            )
         if check_only:
             return
         n = base.input_size_per_partition

@@ -18,7 +18,15 @@ if TYPE_CHECKING:
     import torch
 
 # HF module names a LoRA may target in the dense decoder blocks Shardline serves.
-SUPPORTED_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SUPPORTED_TARGET_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<ab>lora_A|lora_B)(?:\.[^.]+)?\.weight$")
 
 
@@ -52,7 +60,7 @@ class LoRAConfig:
     target_modules: tuple[str, ...]
 
     @classmethod
-    def from_path(cls, path: str) -> "LoRAConfig":
+    def from_path(cls, path: str) -> LoRAConfig:
         """Read ``path/adapter_config.json``.
 
         Raises:
@@ -66,18 +74,31 @@ class LoRAConfig:
             with open(cfg_file, encoding="utf-8") as f:
                 cfg = json.load(f)
         except (OSError, ValueError) as e:
-            raise LoRAAdapterError(f"lora_path {path!r}: adapter_config.json is not valid JSON ({e})") from None
+            raise LoRAAdapterError(
+                f"lora_path {path!r}: adapter_config.json is not valid JSON ({e})"
+            ) from None
         if cfg.get("peft_type", "LORA") != "LORA":
-            raise LoRAAdapterError(f"lora_path {path!r}: peft_type is {cfg.get('peft_type')!r}; only 'LORA' is served")
-        for field, bad in (("bias", lambda v: v not in (None, "none")), ("use_dora", bool), ("modules_to_save", bool),
-                           ("rank_pattern", bool), ("alpha_pattern", bool)):
+            raise LoRAAdapterError(
+                f"lora_path {path!r}: peft_type is {cfg.get('peft_type')!r}; only 'LORA' is served"
+            )
+        for field, bad in (
+            ("bias", lambda v: v not in (None, "none")),
+            ("use_dora", bool),
+            ("modules_to_save", bool),
+            ("rank_pattern", bool),
+            ("alpha_pattern", bool),
+        ):
             if bad(cfg.get(field)):
-                raise LoRAAdapterError(f"lora_path {path!r}: adapter_config.json field {field}={cfg.get(field)!r} is not supported")
+                raise LoRAAdapterError(
+                    f"lora_path {path!r}: adapter_config.json field {field}={cfg.get(field)!r} is not supported"
+                )
         r = cfg.get("r")
         if not isinstance(r, int) or r < 1:
-            raise LoRAAdapterError(f"lora_path {path!r}: adapter_config.json field r must be a positive integer, got {r!r}")
+            raise LoRAAdapterError(
+                f"lora_path {path!r}: adapter_config.json field r must be a positive integer, got {r!r}"
+            )
         alpha = float(cfg.get("lora_alpha", r))
-        scaling = alpha / (r ** 0.5) if cfg.get("use_rslora") else alpha / r
+        scaling = alpha / (r**0.5) if cfg.get("use_rslora") else alpha / r
         targets = cfg.get("target_modules") or []
         if isinstance(targets, str):  # PEFT allows a regex; resolved from the weights below
             targets = []
@@ -100,12 +121,16 @@ def load_lora_tensors(config: LoRAConfig) -> dict[str, tuple[torch.Tensor, torch
     try:
         raw = load_file(file)
     except Exception as e:  # safetensors raises several types for a corrupt file
-        raise LoRAAdapterError(f"lora_path {config.path!r}: cannot read adapter_model.safetensors ({e})") from None
+        raise LoRAAdapterError(
+            f"lora_path {config.path!r}: cannot read adapter_model.safetensors ({e})"
+        ) from None
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in raw.items():
         m = _KEY.match(key)
         if m is None:
-            raise LoRAAdapterError(f"lora_path {config.path!r}: unexpected tensor {key!r} (only lora_A/lora_B weights are served)")
+            raise LoRAAdapterError(
+                f"lora_path {config.path!r}: unexpected tensor {key!r} (only lora_A/lora_B weights are served)"
+            )
         module = m.group("module")
         if module.rsplit(".", 1)[-1] not in SUPPORTED_TARGET_MODULES:
             raise LoRAAdapterError(
@@ -115,7 +140,9 @@ def load_lora_tensors(config: LoRAConfig) -> dict[str, tuple[torch.Tensor, torch
     out = {}
     for module, ab in pairs.items():
         if set(ab) != {"lora_A", "lora_B"}:
-            raise LoRAAdapterError(f"lora_path {config.path!r}: module {module!r} has {sorted(ab)}, needs lora_A and lora_B")
+            raise LoRAAdapterError(
+                f"lora_path {config.path!r}: module {module!r} has {sorted(ab)}, needs lora_A and lora_B"
+            )
         out[module] = (ab["lora_A"], ab["lora_B"])
     return out
 
@@ -149,5 +176,7 @@ def resolve_target_modules(requested: list[str] | None) -> tuple[str, ...]:
         return SUPPORTED_TARGET_MODULES
     bad = [m for m in requested if m not in SUPPORTED_TARGET_MODULES]
     if bad:
-        raise ValueError(f"--lora-target-modules {bad} unknown; allowed: {list(SUPPORTED_TARGET_MODULES)} or 'all'")
+        raise ValueError(
+            f"--lora-target-modules {bad} unknown; allowed: {list(SUPPORTED_TARGET_MODULES)} or 'all'"
+        )
     return tuple(requested)

@@ -18,8 +18,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardline_runtime.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from shardline_runtime.lora.layers import ColumnParallelLinearWithLoRA, LoRABatchInfo, RowParallelLinearWithLoRA, column_submodules
+from shardline_runtime.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from shardline_runtime.lora.layers import (
+    ColumnParallelLinearWithLoRA,
+    LoRABatchInfo,
+    RowParallelLinearWithLoRA,
+    column_submodules,
+)
 from shardline_runtime.lora.lora_config import (
     LoRAAdapterError,
     LoRAConfig,
@@ -58,13 +68,23 @@ class LoRAManager:
         target_modules: HF module names LoRA may touch.
     """
 
-    def __init__(self, model: nn.Module, max_loras_per_batch: int, max_lora_rank: int, target_modules: tuple[str, ...]):
+    def __init__(
+        self,
+        model: nn.Module,
+        max_loras_per_batch: int,
+        max_lora_rank: int,
+        target_modules: tuple[str, ...],
+    ):
         self.max_loras_per_batch = max_loras_per_batch
         self.max_lora_rank = max_lora_rank
         self.target_modules = tuple(target_modules)
         self.batch_info = LoRABatchInfo()
-        self.layers: dict[str, ColumnParallelLinearWithLoRA | RowParallelLinearWithLoRA] = {}  # module path -> wrapper
-        self.hf_names: dict[str, tuple[str, str]] = {}  # HF module path -> (model module path, sub name)
+        self.layers: dict[
+            str, ColumnParallelLinearWithLoRA | RowParallelLinearWithLoRA
+        ] = {}  # module path -> wrapper
+        self.hf_names: dict[
+            str, tuple[str, str]
+        ] = {}  # HF module path -> (model module path, sub name)
         self.slots: list[str | None] = [None] * max_loras_per_batch
         self.adapters: dict[str, LoadedAdapter] = {}
         self._clock = itertools.count(1)
@@ -79,7 +99,10 @@ class LoRAManager:
             own = path.rsplit(".", 1)[-1]
             if isinstance(module, RowParallelLinear):
                 subs = [own]
-            elif isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear)) or type(module) is ColumnParallelLinear:
+            elif (
+                isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear))
+                or type(module) is ColumnParallelLinear
+            ):
                 subs = [s.name for s in column_submodules(module, own)]
             else:
                 continue
@@ -100,11 +123,15 @@ class LoRAManager:
                 if s in self.target_modules:
                     self.hf_names[f"{parent_path}.{s}" if parent_path else s] = (path, s)
         if not self.layers:
-            raise ValueError(f"--lora-target-modules {list(self.target_modules)} match no layer of this model")
+            raise ValueError(
+                f"--lora-target-modules {list(self.target_modules)} match no layer of this model"
+            )
 
     # ---- adapters -----------------------------------------------------------------------------
 
-    def load_adapter(self, name: str, path: str, in_use: AbstractSet[str] = frozenset()) -> LoadedAdapter:
+    def load_adapter(
+        self, name: str, path: str, in_use: AbstractSet[str] = frozenset()
+    ) -> LoadedAdapter:
         """Validate ``path`` fully, then copy it into a free (or evicted) slot.
 
         Raises:
@@ -113,10 +140,15 @@ class LoRAManager:
             LoRAPoolFullError: every slot holds an adapter named in ``in_use``.
         """
         if name in self.adapters:
-            raise LoRAAdapterError(f"lora_name {name!r} is already loaded (from {self.adapters[name].path!r})", "lora_name")
+            raise LoRAAdapterError(
+                f"lora_name {name!r} is already loaded (from {self.adapters[name].path!r})",
+                "lora_name",
+            )
         config = LoRAConfig.from_path(path)
         if config.r > self.max_lora_rank:
-            raise LoRAAdapterError(f"lora_path {path!r}: rank r={config.r} exceeds --max-lora-rank {self.max_lora_rank}")
+            raise LoRAAdapterError(
+                f"lora_path {path!r}: rank r={config.r} exceeds --max-lora-rank {self.max_lora_rank}"
+            )
         tensors = load_lora_tensors(config)
         per_layer: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         for hf_name, ab in tensors.items():
@@ -125,19 +157,26 @@ class LoRAManager:
                 if leaf not in self.target_modules:
                     raise LoRAAdapterError(
                         f"lora_path {path!r}: the adapter targets {leaf!r}, which this server does not wrap "
-                        f"(--lora-target-modules {list(self.target_modules)})")
-                raise LoRAAdapterError(f"lora_path {path!r}: wrong base architecture: the model has no module {hf_name!r}")
+                        f"(--lora-target-modules {list(self.target_modules)})"
+                    )
+                raise LoRAAdapterError(
+                    f"lora_path {path!r}: wrong base architecture: the model has no module {hf_name!r}"
+                )
             layer_path, sub = self.hf_names[hf_name]
             per_layer.setdefault(layer_path, {})[sub] = ab
         for layer_path, wrapper in self.layers.items():  # every check before any slot changes
-            wrapper.load_slot(0, per_layer.get(layer_path, {}), config.scaling, layer_path, check_only=True)
+            wrapper.load_slot(
+                0, per_layer.get(layer_path, {}), config.scaling, layer_path, check_only=True
+            )
         slot = self._free_slot(in_use)
         for layer_path, wrapper in self.layers.items():
             wrapper.load_slot(slot, per_layer.get(layer_path, {}), config.scaling, layer_path)
         self.slots[slot] = name
         adapter = LoadedAdapter(name, path, config.r, slot, next(self._clock))
         self.adapters[name] = adapter
-        logger.info("LoRA adapter %r (r=%d) loaded from %s into slot %d", name, config.r, path, slot)
+        logger.info(
+            "LoRA adapter %r (r=%d) loaded from %s into slot %d", name, config.r, path, slot
+        )
         return adapter
 
     def _free_slot(self, in_use: AbstractSet[str]) -> int:
@@ -146,9 +185,12 @@ class LoRAManager:
         idle = [a for a in self.adapters.values() if a.name not in in_use]
         if not idle:
             raise LoRAPoolFullError(
-                f"all {self.max_loras_per_batch} LoRA slots (--max-loras-per-batch) hold adapters in use; retry later")
+                f"all {self.max_loras_per_batch} LoRA slots (--max-loras-per-batch) hold adapters in use; retry later"
+            )
         victim = min(idle, key=lambda a: a.last_used)
-        logger.info("LoRA pool full: evicting unused adapter %r (in use: %s)", victim.name, sorted(in_use))
+        logger.info(
+            "LoRA pool full: evicting unused adapter %r (in use: %s)", victim.name, sorted(in_use)
+        )
         self.unload_adapter(victim.name)
         return victim.slot
 
@@ -156,14 +198,18 @@ class LoRAManager:
         """Free ``name``'s slot. Raises LoRAAdapterError (``lora_name``) when it is not loaded."""
         adapter = self.adapters.pop(name, None)
         if adapter is None:
-            raise LoRAAdapterError(f"lora_name {name!r} is not loaded; loaded: {sorted(self.adapters)}", "lora_name")
+            raise LoRAAdapterError(
+                f"lora_name {name!r} is not loaded; loaded: {sorted(self.adapters)}", "lora_name"
+            )
         for wrapper in self.layers.values():
             wrapper.clear_slot(adapter.slot)
         self.slots[adapter.slot] = None
 
     # ---- one step -----------------------------------------------------------------------------
 
-    def prepare_lora_batch(self, lora_names: list[str | None] | None, tokens_per_req: list[int]) -> None:
+    def prepare_lora_batch(
+        self, lora_names: list[str | None] | None, tokens_per_req: list[int]
+    ) -> None:
         """Set the shared ``batch_info`` for a step whose request ``i`` runs ``tokens_per_req[i]``
         packed tokens with adapter ``lora_names[i]`` (None: the base model).
 
@@ -171,7 +217,13 @@ class LoRAManager:
             LoRAAdapterError: a name is not loaded (the scheduler admits only loaded ones).
         """
         info = self.batch_info
-        info.groups, info.seg_slots, info.seg_starts, info.seg_lens, info.seg_tensors = [], [], [], [], None
+        info.groups, info.seg_slots, info.seg_starts, info.seg_lens, info.seg_tensors = (
+            [],
+            [],
+            [],
+            [],
+            None,
+        )
         if not lora_names or all(n is None for n in lora_names):
             return
         per_slot: dict[int, list[torch.Tensor]] = {}
@@ -189,10 +241,15 @@ class LoRAManager:
             start += n
         info.groups = [(slot, torch.cat(idx).to(self.device)) for slot, idx in per_slot.items()]
         if self.segment_kernel:
-            starts, lens, slots = (torch.tensor(v, dtype=torch.int32, device=self.device)
-                                   for v in (info.seg_starts, info.seg_lens, info.seg_slots))
+            starts, lens, slots = (
+                torch.tensor(v, dtype=torch.int32, device=self.device)
+                for v in (info.seg_starts, info.seg_lens, info.seg_slots)
+            )
             info.seg_tensors = (starts, lens, slots)
 
     def loaded(self) -> list[dict]:
         """``[{"name", "path", "rank", "slot"}]`` of the loaded adapters."""
-        return [{"name": a.name, "path": a.path, "rank": a.rank, "slot": a.slot} for a in self.adapters.values()]
+        return [
+            {"name": a.name, "path": a.path, "rank": a.rank, "slot": a.slot}
+            for a in self.adapters.values()
+        ]

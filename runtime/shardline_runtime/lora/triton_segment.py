@@ -22,9 +22,26 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
 
 @triton.jit
 def _segment_gemm_kernel(
-    x_ptr, w_ptr, out_ptr, seg_starts, seg_lens, seg_slots,
-    N, K, stride_xm, stride_xk, stride_ws, stride_wn, stride_wk, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACCUMULATE: tl.constexpr, IEEE: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    seg_starts,
+    seg_lens,
+    seg_slots,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_ws,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     seg = tl.program_id(0)
     pid = tl.program_id(1)
@@ -45,10 +62,16 @@ def _segment_gemm_kernel(
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
             mask_k = kk < K
-            a = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :] * stride_xk,
-                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            b = tl.load(w_ptr + slot * stride_ws + offs_n[None, :] * stride_wn + kk[:, None] * stride_wk,
-                        mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+            a = tl.load(
+                x_ptr + rows[:, None] * stride_xm + kk[None, :] * stride_xk,
+                mask=mask_m[:, None] & mask_k[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                w_ptr + slot * stride_ws + offs_n[None, :] * stride_wn + kk[:, None] * stride_wk,
+                mask=mask_n[None, :] & mask_k[:, None],
+                other=0.0,
+            )
             # float32 models get IEEE products (Triton's default for float32 is TF32, about 1e-3
             # off); half precision runs on the tensor cores, accumulating in float32.
             if IEEE:
@@ -62,8 +85,16 @@ def _segment_gemm_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def segment_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, seg_starts: torch.Tensor, seg_lens: torch.Tensor,
-                 seg_slots: torch.Tensor, max_seg_len: int, accumulate: bool) -> None:
+def segment_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_lens: torch.Tensor,
+    seg_slots: torch.Tensor,
+    max_seg_len: int,
+    accumulate: bool,
+) -> None:
     """``out[rows_s] (+)= x[rows_s] @ w[slot_s]^T`` for every segment, in place.
 
     Args:
@@ -78,16 +109,39 @@ def segment_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, seg_starts
     N, K = w.shape[1], w.shape[2]
     grid = (num_segments, triton.cdiv(max_seg_len, BLOCK_M) * triton.cdiv(N, BLOCK_N))
     _segment_gemm_kernel[grid](
-        x, w, out, seg_starts, seg_lens, seg_slots, N, K,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, ACCUMULATE=accumulate,
+        x,
+        w,
+        out,
+        seg_starts,
+        seg_lens,
+        seg_slots,
+        N,
+        K,
+        x.stride(0),
+        x.stride(1),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        ACCUMULATE=accumulate,
         IEEE=x.dtype == torch.float32 and w.dtype == torch.float32,
     )
 
 
-def segment_lora_delta(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                       sub_ranges: list[tuple[int, int]], max_rank: int, seg: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                       max_seg_len: int) -> None:
+def segment_lora_delta(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    sub_ranges: list[tuple[int, int]],
+    max_rank: int,
+    seg: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    max_seg_len: int,
+) -> None:
     """``y[rows_s] += B_s (A_s x[rows_s])`` per segment, in place (the GPU path of the wrappers).
 
     Args:
@@ -100,5 +154,13 @@ def segment_lora_delta(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, l
     xa = torch.zeros(x.shape[0], lora_a.shape[1], dtype=x.dtype, device=x.device)
     segment_gemm(x, lora_a, xa, starts, lens, slots, max_seg_len, accumulate=False)
     for i, (offset, size) in enumerate(sub_ranges):
-        segment_gemm(xa[:, i * max_rank:(i + 1) * max_rank], lora_b[:, offset:offset + size, :], y[:, offset:offset + size],
-                     starts, lens, slots, max_seg_len, accumulate=True)
+        segment_gemm(
+            xa[:, i * max_rank : (i + 1) * max_rank],
+            lora_b[:, offset : offset + size, :],
+            y[:, offset : offset + size],
+            starts,
+            lens,
+            slots,
+            max_seg_len,
+            accumulate=True,
+        )

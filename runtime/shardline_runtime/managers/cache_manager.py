@@ -89,7 +89,11 @@ class CacheManager:
             tokens = (req.origin_input_ids + req.output_ids)[:kv_len]
             slots = self.req_to_token_pool.req_to_token[row, :kv_len].clone().cpu()
             # KV of caller-given embeddings is not keyed by its (placeholder) token ids
-            existing = self.tree_cache.insert(tokens, slots) if req.input_embeds_positions is None else kv_len
+            existing = (
+                self.tree_cache.insert(tokens, slots)
+                if req.input_embeds_positions is None
+                else kv_len
+            )
             if existing > req.tree_prefix_len:
                 self.allocator.free(slots[req.tree_prefix_len : existing])
             self.req_to_token_pool.free(row)

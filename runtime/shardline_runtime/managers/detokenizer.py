@@ -15,7 +15,8 @@ the scheduler emits step by step. It returns text deltas such that:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 # Prompt tokens decoded as left context so the first output tokens get the right spacing
 # (SentencePiece-style tokenizers drop a leading space when decoding a lone token); vLLM uses 5.
@@ -68,7 +69,9 @@ class IncrementalDetokenizer:
         prefix = self._tokenizer.decode(
             self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip
         )
-        full = self._tokenizer.decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip)
+        full = self._tokenizer.decode(
+            self._ids[self._prefix_offset :], skip_special_tokens=self._skip
+        )
         if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
@@ -93,7 +96,9 @@ class IncrementalDetokenizer:
         prefix = self._tokenizer.decode(
             self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip
         )
-        full = self._tokenizer.decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip)
+        full = self._tokenizer.decode(
+            self._ids[self._prefix_offset :], skip_special_tokens=self._skip
+        )
         return full[len(prefix) :] if len(full) > len(prefix) else ""
 
     def _check_stop(self, old_len: int) -> None:
@@ -139,7 +144,9 @@ class IncrementalDetokenizer:
             old_len = len(self.text)
             held = self._pending_bytes_text() if len(self._ids) > self._read_offset else None
             delta = self._decode_new(int(token_id))
-            self.token_offsets.append(old_len + (self._offset(int(token_id), delta, held) if held is not None else 0))
+            self.token_offsets.append(
+                old_len + (self._offset(int(token_id), delta, held) if held is not None else 0)
+            )
             self.text += delta
             self._check_stop(old_len)
         if self.stopped:  # tokens inside a cut stop string start at the end of the text

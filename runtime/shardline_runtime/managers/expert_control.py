@@ -18,10 +18,14 @@ from shardline_runtime.managers.io_struct import (
 )
 
 ACTIONS = ("start", "stop", "dump")
-NOT_MOE = "the served model has no experts (expert distribution and EPLB need a mixture-of-experts model)"
+NOT_MOE = (
+    "the served model has no experts (expert distribution and EPLB need a mixture-of-experts model)"
+)
 
 
-def handle_expert_control(model_runner: Any, msg: ExpertDistributionReqInput | RebalanceExpertsReqInput):
+def handle_expert_control(
+    model_runner: Any, msg: ExpertDistributionReqInput | RebalanceExpertsReqInput
+):
     """Run one recorder or rebalance request on this rank; returns the reply message."""
     manager = model_runner.eplb_manager
     if isinstance(msg, RebalanceExpertsReqInput):
@@ -29,14 +33,21 @@ def handle_expert_control(model_runner: Any, msg: ExpertDistributionReqInput | R
             return RebalanceExpertsReqOutput(False, NOT_MOE)
         saver = getattr(model_runner, "memory_saver", None)
         if saver is not None and "weights" in saver.released:  # no expert weights to move
-            return RebalanceExpertsReqOutput(False, "weights are released; POST /resume_memory_occupation with tag "
-                                                    "'weights' before /rebalance_experts")
+            return RebalanceExpertsReqOutput(
+                False,
+                "weights are released; POST /resume_memory_occupation with tag "
+                "'weights' before /rebalance_experts",
+            )
         r = manager.rebalance()
-        return RebalanceExpertsReqOutput(r.success, r.message, r.imbalance_before, r.imbalance_after_expected, r.moved_experts)
+        return RebalanceExpertsReqOutput(
+            r.success, r.message, r.imbalance_before, r.imbalance_after_expected, r.moved_experts
+        )
     if manager is None:
         return ExpertDistributionReqOutput(False, NOT_MOE)
     if msg.action not in ACTIONS:
-        return ExpertDistributionReqOutput(False, f"action must be one of {ACTIONS}, got {msg.action!r}")
+        return ExpertDistributionReqOutput(
+            False, f"action must be one of {ACTIONS}, got {msg.action!r}"
+        )
     try:
         if msg.action == "start":
             manager.recorder.start(msg.mode)
@@ -44,7 +55,9 @@ def handle_expert_control(model_runner: Any, msg: ExpertDistributionReqInput | R
         if msg.action == "stop":
             manager.recorder.stop()
             return ExpertDistributionReqOutput(True, "stopped")
-        if model_runner.tp_rank != 0:  # every rank holds the same record; rank 0 answers (and writes the file)
+        if (
+            model_runner.tp_rank != 0
+        ):  # every rank holds the same record; rank 0 answers (and writes the file)
             return ExpertDistributionReqOutput(True, "dumped by tp rank 0")
         return ExpertDistributionReqOutput(True, "", manager.dump(to_file=msg.to_file))
     except (RecorderError, OSError) as e:

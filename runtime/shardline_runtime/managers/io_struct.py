@@ -58,7 +58,9 @@ class AbortReq:
     """
 
     rid: str | None
-    finish_reason: dict[str, Any] = field(default_factory=lambda: {"type": "abort", "message": "aborted"})
+    finish_reason: dict[str, Any] = field(
+        default_factory=lambda: {"type": "abort", "message": "aborted"}
+    )
 
 
 @dataclass

@@ -67,7 +67,9 @@ class LoRAControl:
 
     def is_loaded(self, name: str) -> bool:
         """``name`` holds a slot and no unload of it is pending."""
-        return name in self.manager.adapters and all(m.lora_name != name for m in self.pending_unloads)
+        return name in self.manager.adapters and all(
+            m.lora_name != name for m in self.pending_unloads
+        )
 
     def loaded(self) -> dict[str, str]:
         return {a["name"]: a["path"] for a in self.manager.loaded()}
@@ -86,8 +88,11 @@ class LoRAControl:
             return LoRAAdapterReqOutput(False, str(e), 400, e.param, self.loaded())
         except LoRAPoolFullError as e:
             return LoRAAdapterReqOutput(False, str(e), 503, None, self.loaded())
-        return LoRAAdapterReqOutput(True, f"loaded {adapter.name!r} (r={adapter.rank}) into slot {adapter.slot}",
-                                    loaded=self.loaded())
+        return LoRAAdapterReqOutput(
+            True,
+            f"loaded {adapter.name!r} (r={adapter.rank}) into slot {adapter.slot}",
+            loaded=self.loaded(),
+        )
 
     def poll(self) -> None:
         """Run the unloads whose adapter no request uses any more (each loop iteration)."""
@@ -101,7 +106,9 @@ class LoRAControl:
                 continue
             try:
                 self.manager.unload_adapter(msg.lora_name)
-                out = LoRAAdapterReqOutput(True, f"unloaded {msg.lora_name!r}", loaded=self.loaded())
+                out = LoRAAdapterReqOutput(
+                    True, f"unloaded {msg.lora_name!r}", loaded=self.loaded()
+                )
             except LoRAAdapterError as e:
                 out = LoRAAdapterReqOutput(False, str(e), 400, e.param, self.loaded())
             self.scheduler.send(out)

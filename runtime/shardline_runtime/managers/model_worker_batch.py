@@ -65,7 +65,9 @@ class ModelWorkerBatch:
     def batch_size(self) -> int:
         return len(self.req_pool_indices)
 
-    def to_forward_batch(self, model_runner: Any = None, device: torch.device | str | None = None) -> ForwardBatch:
+    def to_forward_batch(
+        self, model_runner: Any = None, device: torch.device | str | None = None
+    ) -> ForwardBatch:
         """The ``ForwardBatch`` of this step, on ``model_runner``'s device with its pools and
         attention backend (``ForwardBatch.init_new`` checks the lengths)."""
         forward_batch = ForwardBatch.init_new(

@@ -85,7 +85,9 @@ class InFlightStep:
         return any(r is req for r in self.rows.reqs)
 
 
-def launch_step(worker: Any, batch: ModelWorkerBatch, future_map: FutureMap | None) -> GenerationBatchResult:
+def launch_step(
+    worker: Any, batch: ModelWorkerBatch, future_map: FutureMap | None
+) -> GenerationBatchResult:
     """Run ``batch`` on the worker without waiting for it: resolve placeholders, forward, sample,
     store the sampled tokens for the next step and start the copy of the result to the host.
 
@@ -99,10 +101,14 @@ def launch_step(worker: Any, batch: ModelWorkerBatch, future_map: FutureMap | No
         context = torch.cuda.stream(stream)
     with context:
         if future_map is not None:
-            batch.input_ids = future_map.resolve(batch.input_ids.to(future_map.device, non_blocking=True))
+            batch.input_ids = future_map.resolve(
+                batch.input_ids.to(future_map.device, non_blocking=True)
+            )
         result = worker.forward_batch_generation(batch)
         if future_map is not None:
-            rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64).to(future_map.device, non_blocking=True)
+            rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64).to(
+                future_map.device, non_blocking=True
+            )
             future_map.store(rows, result.next_token_ids)
         result.copy_to_cpu()
     return result

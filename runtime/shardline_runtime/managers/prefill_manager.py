@@ -13,7 +13,12 @@ from collections.abc import Callable, Sequence
 from shardline_runtime.managers.cache_manager import CacheManager
 from shardline_runtime.managers.req import FinishReason, Req
 from shardline_runtime.managers.schedule_batch import ScheduleBatch
-from shardline_runtime.managers.schedule_policy import AddReqResult, BatchLimits, NewTokenRatio, PrefillAdder
+from shardline_runtime.managers.schedule_policy import (
+    AddReqResult,
+    BatchLimits,
+    NewTokenRatio,
+    PrefillAdder,
+)
 
 
 class PrefillManager:
@@ -54,8 +59,12 @@ class PrefillManager:
     def has_work(self) -> bool:
         return bool(self.waiting_queue) or self.chunked_req is not None
 
-    def schedule(self, running_reqs: Sequence[Req], started_only: bool = False,
-                 num_running: int | None = None) -> ScheduleBatch | None:
+    def schedule(
+        self,
+        running_reqs: Sequence[Req],
+        started_only: bool = False,
+        num_running: int | None = None,
+    ) -> ScheduleBatch | None:
         """Form and prepare an EXTEND batch: the chunked request's next chunk first, then waiting
         requests in order while the :class:`PrefillAdder` admits them. ``started_only`` admits
         only requests that already have output tokens (retracted ones). None when nothing can run

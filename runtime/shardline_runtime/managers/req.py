@@ -76,7 +76,9 @@ class Req:
         self.top_logprobs_num = top_logprobs_num
         self.logprob_start_len = logprob_start_len
         self.lora_name = lora_name
-        self.input_embeds_positions = None if input_embeds_positions is None else list(input_embeds_positions)
+        self.input_embeds_positions = (
+            None if input_embeds_positions is None else list(input_embeds_positions)
+        )
         self.input_embeds_values = input_embeds_values
         self.output_ids: list[int] = []
         self.fill_ids: list[int] = list(self.origin_input_ids)
@@ -133,7 +135,9 @@ class Req:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
-    def init_next_round_input(self, prefix_indices: torch.Tensor | None = None, max_extend_len: int | None = None) -> None:
+    def init_next_round_input(
+        self, prefix_indices: torch.Tensor | None = None, max_extend_len: int | None = None
+    ) -> None:
         """Set ``fill_ids`` / ``prefix_indices`` for the next EXTEND.
 
         Args:
@@ -149,7 +153,11 @@ class Req:
             self.prefix_indices = prefix_indices[: len(full) - 1].to(torch.int64).cpu()
         else:
             self.prefix_indices = torch.zeros(0, dtype=torch.int64)
-        end = len(full) if max_extend_len is None else min(len(full), self.cached_len + max_extend_len)
+        end = (
+            len(full)
+            if max_extend_len is None
+            else min(len(full), self.cached_len + max_extend_len)
+        )
         self.fill_ids = full[:end]
 
     def sampling_generator(self, device: torch.device | str) -> torch.Generator | None:
@@ -162,7 +170,9 @@ class Req:
             self._generator.manual_seed(seed)
         return self._generator
 
-    def append_output(self, token_id: int, logprob: float | None = None, top: tuple | None = None) -> None:
+    def append_output(
+        self, token_id: int, logprob: float | None = None, top: tuple | None = None
+    ) -> None:
         """Record a sampled token (and its logprob / top logprobs when asked)."""
         self.output_ids.append(int(token_id))
         if logprob is not None:

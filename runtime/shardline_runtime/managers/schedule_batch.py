@@ -85,10 +85,15 @@ class ScheduleBatch:
         self.chunked_req: Req | None = None
 
     @classmethod
-    def init_new(cls, reqs: list[Req], worker) -> "ScheduleBatch":
+    def init_new(cls, reqs: list[Req], worker) -> ScheduleBatch:
         """A batch of ``reqs`` over ``worker``'s pools, vocabulary size and device."""
-        return cls(reqs, worker.req_to_token_pool, worker.token_to_kv_pool_allocator,
-                   worker.model_config.vocab_size, worker.device)
+        return cls(
+            reqs,
+            worker.req_to_token_pool,
+            worker.token_to_kv_pool_allocator,
+            worker.model_config.vocab_size,
+            worker.device,
+        )
 
     @property
     def batch_size(self) -> int:
@@ -133,7 +138,9 @@ class ScheduleBatch:
         extend_lens = [len(r.fill_ids) - p for r, p in zip(self.reqs, prefix_lens)]
         for req, n in zip(self.reqs, extend_lens):
             if n <= 0:
-                raise ValueError(f"request {req.rid}: nothing to extend (fill {len(req.fill_ids)}, cached {req.cached_len})")
+                raise ValueError(
+                    f"request {req.rid}: nothing to extend (fill {len(req.fill_ids)}, cached {req.cached_len})"
+                )
         if sum(extend_lens) > self.token_to_kv_pool_allocator.available_size():
             raise KVCacheFullError(
                 f"need {sum(extend_lens)} KV slots, {self.token_to_kv_pool_allocator.available_size()} free"
@@ -142,7 +149,9 @@ class ScheduleBatch:
         out_cache_loc = self._alloc_slots(sum(extend_lens))
         offset = 0
         for req, prefix, n in zip(self.reqs, prefix_lens, extend_lens):
-            self.req_to_token_pool.write((req.req_pool_idx, slice(prefix, prefix + n)), out_cache_loc[offset : offset + n])
+            self.req_to_token_pool.write(
+                (req.req_pool_idx, slice(prefix, prefix + n)), out_cache_loc[offset : offset + n]
+            )
             req.kv_len = prefix + n
             offset += n
         self.input_ids = [t for r, p in zip(self.reqs, prefix_lens) for t in r.fill_ids[p:]]
@@ -189,7 +198,7 @@ class ScheduleBatch:
         self.prefix_lens = []
         self.extend_lens = []
 
-    def mix_with_running(self, running: "ScheduleBatch") -> None:
+    def mix_with_running(self, running: ScheduleBatch) -> None:
         """Append the running (decoding) requests to this prepared EXTEND batch, each as an
         extend of one token after its cached sequence. ``running``'s sampling state moves here.
 
@@ -211,13 +220,22 @@ class ScheduleBatch:
             raise ValueError("mix_with_running needs both batches prepared (sampling_info set)")
         self.sampling_info.merge_batch(running.sampling_info)
 
-    def copy(self) -> "ScheduleBatch":
+    def copy(self) -> ScheduleBatch:
         """A snapshot of the rows as they are now (requests, mode, lengths, the chunked request;
         no sampling state, which stays with this batch), for processing a step's result after
         this batch has moved on (overlap scheduling)."""
-        other = ScheduleBatch(list(self.reqs), self.req_to_token_pool, self.token_to_kv_pool_allocator,
-                              self.vocab_size, self.device)
-        other.forward_mode, other.future_tokens, other.chunked_req = self.forward_mode, self.future_tokens, self.chunked_req
+        other = ScheduleBatch(
+            list(self.reqs),
+            self.req_to_token_pool,
+            self.token_to_kv_pool_allocator,
+            self.vocab_size,
+            self.device,
+        )
+        other.forward_mode, other.future_tokens, other.chunked_req = (
+            self.forward_mode,
+            self.future_tokens,
+            self.chunked_req,
+        )
         other.req_pool_indices, other.seq_lens = list(self.req_pool_indices), list(self.seq_lens)
         other.prefix_lens, other.extend_lens = list(self.prefix_lens), list(self.extend_lens)
         return other
@@ -238,7 +256,7 @@ class ScheduleBatch:
         if self.sampling_info is not None:
             self.sampling_info.filter_batch(keep_indices)
 
-    def merge_batch(self, other: "ScheduleBatch") -> None:
+    def merge_batch(self, other: ScheduleBatch) -> None:
         """Append ``other``'s requests (e.g. a finished prefill joining the running batch)."""
         if other.is_empty():
             return
@@ -276,7 +294,9 @@ class ScheduleBatch:
         logprob_starts = None
         if extend and logprob:
             logprob_starts = [
-                min(max(r.logprob_start_len - p, 0), n) if r.return_logprob and r.logprob_start_len >= 0 else n
+                min(max(r.logprob_start_len - p, 0), n)
+                if r.return_logprob and r.logprob_start_len >= 0
+                else n
                 for r, p, n in zip(reqs, self.prefix_lens, self.extend_lens)
             ]
         batch = ModelWorkerBatch(

@@ -103,8 +103,14 @@ class PrefillAdder:
         new_chunked_req: the admitted request whose prompt continues next step, or None.
     """
 
-    def __init__(self, limits: BatchLimits, ratio: NewTokenRatio, cache: CacheManager, running_reqs: Sequence[Req],
-                 num_running: int | None = None):
+    def __init__(
+        self,
+        limits: BatchLimits,
+        ratio: NewTokenRatio,
+        cache: CacheManager,
+        running_reqs: Sequence[Req],
+        num_running: int | None = None,
+    ):
         self.limits = limits
         self.ratio = ratio
         self.cache = cache
@@ -112,7 +118,9 @@ class PrefillAdder:
         self.reserved_tokens = ratio.reserved(running_reqs, limits.max_req_len)
         self.rem_input_tokens = limits.max_prefill_tokens
         self.rem_kv_tokens = cache.available_size() - self.reserved_tokens
-        self.chunk_size = min(limits.chunked_prefill_size or self.rem_input_tokens, self.rem_input_tokens)
+        self.chunk_size = min(
+            limits.chunked_prefill_size or self.rem_input_tokens, self.rem_input_tokens
+        )
         self.can_run_list: list[Req] = []
         self.new_chunked_req: Req | None = None
 
@@ -141,7 +149,9 @@ class PrefillAdder:
             return AddReqResult.NO_KV
         # The first request may eat into the running requests' reserve (else a long prompt
         # would starve behind them); not even its prompt fitting means wait for them to finish.
-        if req.extend_input_len > self.rem_kv_tokens + (0 if self.can_run_list else self.reserved_tokens):
+        if req.extend_input_len > self.rem_kv_tokens + (
+            0 if self.can_run_list else self.reserved_tokens
+        ):
             return AddReqResult.NO_KV
         self.rem_kv_tokens -= need + self.cache.lock(req, node)
         if not req.output_ids:  # first admission (a retracted request keeps its count)

@@ -36,6 +36,8 @@ import torch
 import zmq
 
 from shardline_runtime.distributed import broadcast_pyobj
+from shardline_runtime.managers.cache_manager import CacheManager
+from shardline_runtime.managers.decode_manager import DecodeManager
 from shardline_runtime.managers.expert_control import handle_expert_control
 from shardline_runtime.managers.io_struct import (
     AbortReq,
@@ -47,17 +49,22 @@ from shardline_runtime.managers.io_struct import (
     TokenizedGenerateReqInput,
     WeightsPhaseOut,
 )
-from shardline_runtime.managers.lora_control import LoadLoRAAdapterReqInput, LoRAControl, UnloadLoRAAdapterReqInput
-from shardline_runtime.managers.cache_manager import CacheManager
-from shardline_runtime.managers.decode_manager import DecodeManager
-from shardline_runtime.managers.prefill_manager import PrefillManager
+from shardline_runtime.managers.lora_control import (
+    LoadLoRAAdapterReqInput,
+    LoRAControl,
+    UnloadLoRAAdapterReqInput,
+)
 from shardline_runtime.managers.overlap import FutureMap, InFlightStep, launch_step
+from shardline_runtime.managers.prefill_manager import PrefillManager
 from shardline_runtime.managers.req import FinishReason, Req
 from shardline_runtime.managers.schedule_batch import ScheduleBatch
 from shardline_runtime.managers.schedule_policy import BatchLimits, NewTokenRatio
 from shardline_runtime.managers.scheduler_output import SchedulerOutputMixin
 from shardline_runtime.managers.scheduler_pp import SchedulerPPMixin
-from shardline_runtime.managers.scheduler_weight_sync import UPDATE_REQUESTS, SchedulerWeightSyncMixin
+from shardline_runtime.managers.scheduler_weight_sync import (
+    UPDATE_REQUESTS,
+    SchedulerWeightSyncMixin,
+)
 from shardline_runtime.mem_cache.radix_cache import RadixCache
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
 from shardline_runtime.termination_log import write_termination_log
@@ -94,24 +101,37 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin
             ``input_addr`` (bound here), outputs PUSHed to ``output_addr``.
     """
 
-    def __init__(self, server_args: Any, tp_rank: int, worker: Any, input_addr: str | None = None, output_addr: str | None = None):
+    def __init__(
+        self,
+        server_args: Any,
+        tp_rank: int,
+        worker: Any,
+        input_addr: str | None = None,
+        output_addr: str | None = None,
+    ):
         self.server_args = server_args
         self.tp_rank = tp_rank
         self.worker = worker
         self.tp_size = server_args.tp_size
         self.pp_size = getattr(worker, "pp_size", 1)
-        self.running_mbs: list | None = None  # micro-batch slots (pipeline parallelism only)
+        self.running_mbs = None  # micro-batch slots (pipeline parallelism only)
         self.max_req_len = worker.max_req_len
         self.max_req_input_len = worker.max_req_input_len
         self.max_total_num_tokens = worker.max_total_num_tokens
-        self.max_running_requests = min(server_args.max_running_requests, worker.max_running_requests)
+        self.max_running_requests = min(
+            server_args.max_running_requests, worker.max_running_requests
+        )
         chunk = server_args.chunked_prefill_size
         self.allocator = worker.token_to_kv_pool_allocator
         self.req_to_token_pool = worker.req_to_token_pool
         # KV computed under one LoRA adapter must not serve another: no shared prefixes with LoRA.
         lora = getattr(server_args, "enable_lora", False)
-        self.tree_cache = RadixCache(self.allocator.free, disable=server_args.disable_radix_cache or lora)
-        self.cache = CacheManager(self.allocator, self.req_to_token_pool, self.tree_cache, self.max_total_num_tokens)
+        self.tree_cache = RadixCache(
+            self.allocator.free, disable=server_args.disable_radix_cache or lora
+        )
+        self.cache = CacheManager(
+            self.allocator, self.req_to_token_pool, self.tree_cache, self.max_total_num_tokens
+        )
         self.new_token_ratio = NewTokenRatio()
         limits = BatchLimits(
             max_running_requests=self.max_running_requests,
@@ -119,18 +139,26 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin
             chunked_prefill_size=chunk if chunk and chunk > 0 else None,
             max_req_len=self.max_req_len,
         )
-        self.prefill_manager = PrefillManager(self.cache, self.new_token_ratio, limits, self.new_batch)
+        self.prefill_manager = PrefillManager(
+            self.cache, self.new_token_ratio, limits, self.new_batch
+        )
         self.decode_manager = DecodeManager(self.cache, self.new_token_ratio, self.max_req_len)
         self.lora_control = LoRAControl(self) if lora else None
         self.eos_token_ids = eos_token_ids(worker.model_config)
-        self.pending_update: Any = None  # one of UPDATE_REQUESTS, waiting for running requests to finish
+        self.pending_update: Any = (
+            None  # one of UPDATE_REQUESTS, waiting for running requests to finish
+        )
         self.last_weights_phase_sent = "serving"  # what the HTTP process believes
         self.last_stats = None
         self.step_started = None
         # Overlap scheduling (default; --disable-overlap-schedule). Off with LoRA (adapter slots
         # are loaded and evicted between steps, which must see no step in flight) and with
         # pipeline parallelism (its micro-batch loop keeps the stages busy instead).
-        overlap = not getattr(server_args, "disable_overlap_schedule", False) and not lora and self.pp_size == 1
+        overlap = (
+            not getattr(server_args, "disable_overlap_schedule", False)
+            and not lora
+            and self.pp_size == 1
+        )
         self.future_map = FutureMap(self.req_to_token_pool.size, worker.device) if overlap else None
         self.in_flight: InFlightStep | None = None
         stream = getattr(worker.model_runner, "forward_stream", None)
@@ -164,20 +192,22 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin
     def running_batch(self) -> ScheduleBatch | None:
         return self.decode_manager.running_batch
 
-    @running_batch.setter
-    def running_batch(self, batch: ScheduleBatch | None) -> None:
-        """The pipeline loop swaps each micro-batch slot's running batch in and out."""
-        self.decode_manager.running_batch = batch
-
     # ------------------------------------------------------------------ info
 
     def scheduler_info(self) -> SchedulerInfo:
         info = self.worker.get_worker_info()
         return SchedulerInfo(
-            tp_rank=self.tp_rank, max_total_num_tokens=self.max_total_num_tokens, max_req_len=self.max_req_len,
-            max_req_input_len=self.max_req_input_len, context_len=info["context_len"], vocab_size=info["vocab_size"],
-            max_running_requests=self.max_running_requests, weights_revision=info["weights_revision"],
-            model_path=info["model_path"], eos_token_ids=self.eos_token_ids, weight_version=info["weight_version"],
+            tp_rank=self.tp_rank,
+            max_total_num_tokens=self.max_total_num_tokens,
+            max_req_len=self.max_req_len,
+            max_req_input_len=self.max_req_input_len,
+            context_len=info["context_len"],
+            vocab_size=info["vocab_size"],
+            max_running_requests=self.max_running_requests,
+            weights_revision=info["weights_revision"],
+            model_path=info["model_path"],
+            eos_token_ids=self.eos_token_ids,
+            weight_version=info["weight_version"],
             hidden_size=getattr(self.worker.model_config, "hidden_size", 0),
         )
 
@@ -190,7 +220,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin
             return
         self.start_watchdog()
         while not should_stop():
-            self.step_started = time.monotonic()  # the watchdog covers the broadcast and the forward
+            self.step_started = (
+                time.monotonic()
+            )  # the watchdog covers the broadcast and the forward
             self.run_step(self.recv_requests())
             self.send_stats()
             self.step_started = None
@@ -205,7 +237,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin
         abort or a waiting weight update first drains the step in flight (they act on settled
         state); so does a retraction (``DecodeManager.schedule(settle=...)``).
         """
-        if self.pending_update is not None or any(not isinstance(m, TokenizedGenerateReqInput) for m in messages):
+        if self.pending_update is not None or any(
+            not isinstance(m, TokenizedGenerateReqInput) for m in messages
+        ):
             self.drain_in_flight()
         self.process_input_requests(messages)
         self.join_in_flight_extend()
@@ -257,10 +291,15 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin
         in_slot = 0 if self.running_batch is None else self.running_batch.batch_size
         cap = self.max_running_requests
         per_slot = max(cap // len(self.running_mbs or [None]), 1)
-        batch = self.prefill_manager.schedule(running, started_only=self.pending_update is not None,
-                                              num_running=max(total, in_slot + cap - per_slot))
+        batch = self.prefill_manager.schedule(
+            running,
+            started_only=self.pending_update is not None,
+            num_running=max(total, in_slot + cap - per_slot),
+        )
         if batch is not None:
-            mixed = self.decode_manager.take_for_mix() if self.server_args.enable_mixed_chunk else None
+            mixed = (
+                self.decode_manager.take_for_mix() if self.server_args.enable_mixed_chunk else None
+            )
             if mixed is not None:
                 batch.mix_with_running(mixed)  # the mixed batch becomes the running batch after it
             return batch
@@ -268,7 +307,12 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin
         step = self.decode_manager.schedule(settle=self.drain_in_flight)
         for req in step.retracted:
             self.prefill_manager.requeue(req)
-            logger.info("[tp %d] retracted request %s (%d output tokens kept)", self.tp_rank, req.rid, len(req.output_ids))
+            logger.info(
+                "[tp %d] retracted request %s (%d output tokens kept)",
+                self.tp_rank,
+                req.rid,
+                len(req.output_ids),
+            )
         if step.finished:
             self.stream_output(step.finished)
         return step.batch
@@ -277,7 +321,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin
         """Every non-empty batch holding running requests: the running batch, the micro-batch
         slots' and the batches still in flight through the pipeline stages."""
         candidates = [self.running_batch, *(self.running_mbs or [])]
-        candidates += [item[0] for item in (getattr(self, "pp_inflight", None) or []) if item is not None]
+        candidates += [
+            item[0] for item in (getattr(self, "pp_inflight", None) or []) if item is not None
+        ]
         seen: set[int] = set()
         out = []
         for batch in candidates:
@@ -315,12 +361,17 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin
                 self.send(self.flush_cache())
             elif isinstance(msg, UPDATE_REQUESTS):
                 self.start_weight_update(msg)
-            elif isinstance(msg, (LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput)) and self.lora_control is not None:
+            elif (
+                isinstance(msg, (LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput))
+                and self.lora_control is not None
+            ):
                 self.lora_control.handle(msg)
             elif isinstance(msg, (ExpertDistributionReqInput, RebalanceExpertsReqInput)):
                 self.send(handle_expert_control(self.worker.model_runner, msg))
             elif not self.handle_control(msg):
-                logger.warning("[tp %d] ignoring unknown message %s", self.tp_rank, type(msg).__name__)
+                logger.warning(
+                    "[tp %d] ignoring unknown message %s", self.tp_rank, type(msg).__name__
+                )
         if self.pending_update is not None:
             self.maybe_run_weight_update()
         if self.lora_control is not None:
@@ -330,9 +381,15 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin
         n = len(msg.input_ids)
         params = msg.sampling_params
         if n == 0 or n > self.max_req_input_len:
-            self.finish_unscheduled(msg, n, f"the prompt has {n} tokens; this server accepts 1 to {self.max_req_input_len}")
+            self.finish_unscheduled(
+                msg,
+                n,
+                f"the prompt has {n} tokens; this server accepts 1 to {self.max_req_input_len}",
+            )
             return
-        if msg.lora_name is not None and (self.lora_control is None or not self.lora_control.is_loaded(msg.lora_name)):
+        if msg.lora_name is not None and (
+            self.lora_control is None or not self.lora_control.is_loaded(msg.lora_name)
+        ):
             # unloaded (or evicted) between the HTTP check and now: never let it reach a forward
             self.finish_unscheduled(msg, n, f"LoRA adapter {msg.lora_name!r} is not loaded")
             return
@@ -343,14 +400,25 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin
         embeds = None
         if msg.input_embeds_positions is not None:
             embeds = torch.tensor(msg.input_embeds_values, dtype=torch.float32)
-        req = Req(msg.rid, msg.input_ids, params, self.eos_token_ids, msg.return_logprob, msg.top_logprobs_num,
-                  msg.logprob_start_len, lora_name=msg.lora_name, input_embeds_positions=msg.input_embeds_positions,
-                  input_embeds_values=embeds)
+        req = Req(
+            msg.rid,
+            msg.input_ids,
+            params,
+            self.eos_token_ids,
+            msg.return_logprob,
+            msg.top_logprobs_num,
+            msg.logprob_start_len,
+            lora_name=msg.lora_name,
+            input_embeds_positions=msg.input_embeds_positions,
+            input_embeds_values=embeds,
+        )
         self.prefill_manager.add(req)
 
     def abort_request(self, rid: str | None, reason: dict) -> None:
         """Abort ``rid`` (None: all) wherever it is; its KV is freed now, before the next step."""
-        finish = FinishReason(reason.get("type", "abort"), reason.get("matched"), reason.get("message"))
+        finish = FinishReason(
+            reason.get("type", "abort"), reason.get("matched"), reason.get("message")
+        )
         hit = self.prefill_manager.abort(rid, finish)
         inflight = self.inflight_batch_ids()
         for batch in self.running_batches():
@@ -358,7 +426,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin
             for req in mine:
                 req.finished_reason = finish
                 self.cache.release(req)
-            if mine and id(batch) not in inflight:  # an in-flight micro-batch keeps its rows until its result
+            if (
+                mine and id(batch) not in inflight
+            ):  # an in-flight micro-batch keeps its rows until its result
                 batch.filter_batch()
             hit += mine
         if hit:
@@ -368,7 +438,11 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin
 
     def flush_cache(self) -> FlushCacheReqOutput:
         # Requests waiting while generation is paused hold no KV (SGLang: flushable after a retract).
-        if self.holds_kv() or self.pending_update is not None or (self.waiting_queue and self.paused_mode is None):
+        if (
+            self.holds_kv()
+            or self.pending_update is not None
+            or (self.waiting_queue and self.paused_mode is None)
+        ):
             return FlushCacheReqOutput(False, "requests are running or queued; flush when idle")
         self.tree_cache.reset()
         return FlushCacheReqOutput(True, "prefix cache flushed")

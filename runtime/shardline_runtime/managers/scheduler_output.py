@@ -15,14 +15,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardline_runtime.managers.io_struct import BatchTokenIDOut, SchedulerStats, TokenizedGenerateReqInput
+from shardline_runtime.managers.io_struct import (
+    BatchTokenIDOut,
+    SchedulerStats,
+    TokenizedGenerateReqInput,
+)
 
 if TYPE_CHECKING:
     from shardline_runtime.managers.cache_manager import CacheManager
     from shardline_runtime.managers.decode_manager import DecodeManager
+    from shardline_runtime.managers.overlap import InFlightStep
     from shardline_runtime.managers.prefill_manager import PrefillManager
     from shardline_runtime.managers.schedule_batch import ScheduleBatch
-    from shardline_runtime.managers.overlap import InFlightStep
     from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
     from shardline_runtime.mem_cache.radix_cache import RadixCache
 
@@ -85,7 +89,9 @@ class SchedulerOutputMixin:
                 continue  # an intermediate chunk samples nothing
             if req.wants_token and next_ids[i] >= 0:
                 top = result.next_token_top_logprobs[i] if req.top_logprobs_num else None
-                req.append_output(next_ids[i], result.next_token_logprobs[i] if req.return_logprob else None, top)
+                req.append_output(
+                    next_ids[i], result.next_token_logprobs[i] if req.return_logprob else None, top
+                )
             req.check_finished(self.max_req_len)
         finished = [r for r in batch.reqs if r.finished() and id(r) not in done_before]
         for req in finished:
@@ -95,7 +101,11 @@ class SchedulerOutputMixin:
             if self.decode_manager.running_batch is not None:
                 self.decode_manager.running_batch.filter_batch()
         elif batch.forward_mode.is_extend():
-            keep = [i for i, r in enumerate(batch.reqs) if not r.finished() and r is not batch.chunked_req]
+            keep = [
+                i
+                for i, r in enumerate(batch.reqs)
+                if not r.finished() and r is not batch.chunked_req
+            ]
             batch.filter_batch(keep)
             batch.chunked_req = None  # it now decodes; the chunked request stayed out of it
             self.decode_manager.add(batch)
@@ -110,7 +120,11 @@ class SchedulerOutputMixin:
         step = getattr(self, "in_flight", None)
         if step is not None and req.req_pool_idx is not None and step.holds(req):
             req.kv_len -= 1
-            step.deferred_free.append(self.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_len : req.kv_len + 1].clone())
+            step.deferred_free.append(
+                self.req_to_token_pool.req_to_token[
+                    req.req_pool_idx, req.kv_len : req.kv_len + 1
+                ].clone()
+            )
         self.cache.release(req)
 
     def drain_in_flight(self) -> bool:
@@ -142,8 +156,15 @@ class SchedulerOutputMixin:
         if step.joined_running or not batch.forward_mode.is_extend():
             return
         step.joined_running = True
-        batch.filter_batch([i for i, r in enumerate(batch.reqs) if r is not batch.chunked_req
-                            and r.sampling_params.max_new_tokens != 0 and not r.finished()])
+        batch.filter_batch(
+            [
+                i
+                for i, r in enumerate(batch.reqs)
+                if r is not batch.chunked_req
+                and r.sampling_params.max_new_tokens != 0
+                and not r.finished()
+            ]
+        )
         batch.chunked_req = None
         self.decode_manager.add(batch)
 
@@ -162,8 +183,17 @@ class SchedulerOutputMixin:
             if out.input_token_logprobs is not None:
                 values = out.input_token_logprobs[i].tolist()
                 tops = None
-                if out.input_top_logprobs_val is not None and out.input_top_logprobs_idx is not None and req.top_logprobs_num:
-                    tops = list(zip(out.input_top_logprobs_val[i].tolist(), out.input_top_logprobs_idx[i].tolist()))
+                if (
+                    out.input_top_logprobs_val is not None
+                    and out.input_top_logprobs_idx is not None
+                    and req.top_logprobs_num
+                ):
+                    tops = list(
+                        zip(
+                            out.input_top_logprobs_val[i].tolist(),
+                            out.input_top_logprobs_idx[i].tolist(),
+                        )
+                    )
                 for j, value in enumerate(values):
                     pos = prefix + s + 1 + j
                     top = list(zip(*tops[j])) if tops else []
@@ -196,20 +226,35 @@ class SchedulerOutputMixin:
                 lps = req.output_token_logprobs[req.sent_len :]
                 out.output_token_logprobs.append(list(zip(lps, new)))
                 tops = req.output_top_logprobs[req.sent_len :] if req.top_logprobs_num else None
-                out.output_top_logprobs.append([list(zip(v, ids)) for v, ids in tops] if tops else None)
+                out.output_top_logprobs.append(
+                    [list(zip(v, ids)) for v, ids in tops] if tops else None
+                )
             else:
                 out.output_token_logprobs.append(None)
                 out.output_top_logprobs.append(None)
             prompt = None
-            if req.return_logprob and req.logprob_start_len >= 0 and not req.input_logprobs_sent and (new or req.finished()):
+            if (
+                req.return_logprob
+                and req.logprob_start_len >= 0
+                and not req.input_logprobs_sent
+                and (new or req.finished())
+            ):
                 scored = {pos: (value, top) for pos, value, top in req.prompt_logprobs}
                 prompt = [
-                    (scored.get(pos, (None, []))[0], req.origin_input_ids[pos], scored.get(pos, (None, []))[1])
+                    (
+                        scored.get(pos, (None, []))[0],
+                        req.origin_input_ids[pos],
+                        scored.get(pos, (None, []))[1],
+                    )
                     for pos in range(req.logprob_start_len, len(req.origin_input_ids))
                 ]
                 req.input_logprobs_sent = True
-            out.input_token_logprobs.append([(lp, t) for lp, t, _ in prompt] if prompt is not None else None)
-            out.input_top_logprobs.append([top for _, _, top in prompt] if prompt is not None else None)
+            out.input_token_logprobs.append(
+                [(lp, t) for lp, t, _ in prompt] if prompt is not None else None
+            )
+            out.input_top_logprobs.append(
+                [top for _, _, top in prompt] if prompt is not None else None
+            )
             req.sent_len = len(req.output_ids)
         if out.rids:
             self.send(out)
@@ -217,8 +262,20 @@ class SchedulerOutputMixin:
     def finish_unscheduled(self, msg: TokenizedGenerateReqInput, n: int, message: str) -> None:
         """Answer a request that can never run (the HTTP process validates first; defensive)."""
         logger.warning("[tp %d] rejecting %s: %s", self.tp_rank, msg.rid, message)
-        self.send(BatchTokenIDOut([msg.rid], [[]], [{"type": "abort", "message": message}], [n], [0], [0],
-                                  [None], [None], [None], [None]))
+        self.send(
+            BatchTokenIDOut(
+                [msg.rid],
+                [[]],
+                [{"type": "abort", "message": message}],
+                [n],
+                [0],
+                [0],
+                [None],
+                [None],
+                [None],
+                [None],
+            )
+        )
 
     def kv_used_tokens(self) -> int:
         """KV slots held by requests: everything not free and not reclaimable from the cache."""
@@ -229,7 +286,9 @@ class SchedulerOutputMixin:
         if self.send_socket is None:
             return
         running = sum(sum(not r.finished() for r in batch.reqs) for batch in self.running_batches())
-        queued = len(self.prefill_manager.waiting_queue) + (1 if self.prefill_manager.chunked_req is not None else 0)
+        queued = len(self.prefill_manager.waiting_queue) + (
+            1 if self.prefill_manager.chunked_req is not None else 0
+        )
         stats = (running, queued, self.kv_used_tokens(), self.tree_cache.evictable_size())
         if stats != self.last_stats:
             self.last_stats = stats

@@ -24,14 +24,37 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from shardline_runtime.distributed import recv_pyobj, send_pyobj
+
+if TYPE_CHECKING:
+    from shardline_runtime.managers.decode_manager import DecodeManager
+    from shardline_runtime.managers.prefill_manager import PrefillManager
+    from shardline_runtime.managers.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
 
 
 class SchedulerPPMixin:
     """Pipeline-parallel loop for :class:`~shardline_runtime.managers.scheduler.Scheduler`."""
+
+    # Set by Scheduler.__init__ / init_pp_loop (declared here for the type checker).
+    pp_size: int
+    worker: Any
+    prefill_manager: PrefillManager
+    decode_manager: DecodeManager
+    running_mbs: list[ScheduleBatch | None] | None
+    pp_inflight: list[tuple[ScheduleBatch, Any] | None]
+    step_started: float | None
+    paused_mode: str | None
+    start_watchdog: Callable[[], None]
+    send_stats: Callable[[], None]
+    recv_requests: Callable[[], list]
+    process_input_requests: Callable[[list], None]
+    get_next_batch_to_run: Callable[[], ScheduleBatch | None]
+    process_batch_result: Callable[..., None]
 
     def init_pp_loop(self, loop_size: int | None = None) -> None:
         """Micro-batch slots: ``loop_size`` of them (default ``pp_size``)."""
@@ -59,9 +82,11 @@ class SchedulerPPMixin:
         if not self.worker.is_last_stage:
             send_pyobj(messages, self.worker.pp_rank + 1, self.worker.pending_sends)
         self.process_input_requests(messages)
-        self.running_batch = self.running_mbs[slot]
+        mbs = self.running_mbs
+        assert mbs is not None, "init_pp_loop() first"
+        self.decode_manager.running_batch = mbs[slot]  # this slot's running batch, for the policy
         batch = self.get_next_batch_to_run()
-        self.running_mbs[slot], self.running_batch = self.running_batch, None
+        mbs[slot], self.decode_manager.running_batch = self.decode_manager.running_batch, None
         if batch is not None:
             self.pp_inflight[slot] = (
                 batch,
@@ -78,9 +103,11 @@ class SchedulerPPMixin:
         self.pp_inflight[slot] = None
         batch, result = item
         self.worker.resolve_stage_outputs(result)
-        self.running_batch = self.running_mbs[slot]
+        mbs = self.running_mbs
+        assert mbs is not None, "init_pp_loop() first"
+        self.decode_manager.running_batch = mbs[slot]
         self.process_batch_result(batch, result)
-        self.running_mbs[slot], self.running_batch = self.running_batch, None
+        mbs[slot], self.decode_manager.running_batch = self.decode_manager.running_batch, None
         if self.paused_mode == "retract":  # paused while this batch was in flight
             self.retract_idle_slots()
 
@@ -89,7 +116,7 @@ class SchedulerPPMixin:
         mode ``retract``); the in-flight ones follow as their results arrive."""
         inflight = self.inflight_batch_ids()
         current = self.decode_manager.running_batch
-        for batch in self.running_mbs:
+        for batch in self.running_mbs or []:
             if batch is None or id(batch) in inflight:
                 continue
             self.decode_manager.running_batch = batch  # the decode manager retracts from its batch

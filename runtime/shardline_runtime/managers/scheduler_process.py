@@ -29,7 +29,9 @@ def rank_label(tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return f"[tp {tp_rank} pp {pp_rank}]" if pp_size > 1 else f"[tp {tp_rank}]"
 
 
-def run_scheduler_process(server_args: Any, world_rank: int, input_addr: str | None, output_addr: str | None, pipe) -> None:
+def run_scheduler_process(
+    server_args: Any, world_rank: int, input_addr: str | None, output_addr: str | None, pipe
+) -> None:
     """Run one rank's scheduler; never returns normally (exits the process)."""
     from shardline_runtime.distributed.parallel_state import rank_layout
 
@@ -43,7 +45,9 @@ def run_scheduler_process(server_args: Any, world_rank: int, input_addr: str | N
     try:
         import torch
 
-        if (server_args.device == "cpu" or not torch.cuda.is_available()) and "OMP_NUM_THREADS" not in os.environ:
+        if (
+            server_args.device == "cpu" or not torch.cuda.is_available()
+        ) and "OMP_NUM_THREADS" not in os.environ:
             # share the cores between this node's ranks (OMP_NUM_THREADS, when set, wins)
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // server_args.tp_size_per_node))
         from shardline_runtime.managers.scheduler import Scheduler
@@ -51,7 +55,13 @@ def run_scheduler_process(server_args: Any, world_rank: int, input_addr: str | N
 
         worker = TpModelWorker(server_args, tp_rank, pp_rank=pp_rank)
         first = world_rank == 0
-        scheduler = Scheduler(server_args, tp_rank, worker, input_addr if first else None, output_addr if first else None)
+        scheduler = Scheduler(
+            server_args,
+            tp_rank,
+            worker,
+            input_addr if first else None,
+            output_addr if first else None,
+        )
         pipe.send({"status": "ready", "info": scheduler.scheduler_info()})
         with torch.inference_mode():
             scheduler.event_loop(should_stop=lambda: os.getppid() != parent)

@@ -48,7 +48,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-UPDATE_REQUESTS = (UpdateWeightsFromDiskReqInput, UpdateWeightsFromTensorReqInput, UpdateWeightsFromDistributedReqInput)
+UPDATE_REQUESTS = (
+    UpdateWeightsFromDiskReqInput,
+    UpdateWeightsFromTensorReqInput,
+    UpdateWeightsFromDistributedReqInput,
+)
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
@@ -94,10 +98,19 @@ class SchedulerWeightSyncMixin:
 
     def update_reply(self, msg: Any, ok: bool, message: str) -> Any:
         if isinstance(msg, UpdateWeightsFromDiskReqInput):
-            timings, self.update_timings = self.update_timings or {}, None  # a refused update ran nothing
-            return UpdateWeightsFromDiskReqOutput(ok, message, self.worker.weights_revision, self.worker.model_path,
-                                                  self.worker.weight_version, timings.get("load_seconds"),
-                                                  timings.get("recapture_seconds"))
+            timings, self.update_timings = (
+                self.update_timings or {},
+                None,
+            )  # a refused update ran nothing
+            return UpdateWeightsFromDiskReqOutput(
+                ok,
+                message,
+                self.worker.weights_revision,
+                self.worker.model_path,
+                self.worker.weight_version,
+                timings.get("load_seconds"),
+                timings.get("recapture_seconds"),
+            )
         return ControlReqOutput(ok, message, self.worker.weight_version)
 
     # ------------------------------------------------------------------ dispatch
@@ -106,7 +119,9 @@ class SchedulerWeightSyncMixin:
         """Run a non-update control message now; False when ``msg`` is not one."""
         handlers: dict[type, Callable[[Any], tuple]] = {
             InitWeightsUpdateGroupReqInput: lambda m: self.worker.init_weights_update_group(m),
-            DestroyWeightsUpdateGroupReqInput: lambda m: self.worker.destroy_weights_update_group(m.group_name),
+            DestroyWeightsUpdateGroupReqInput: lambda m: self.worker.destroy_weights_update_group(
+                m.group_name
+            ),
             GetWeightsByNameReqInput: self.get_weights_by_name,
             PauseGenerationReqInput: self.pause_generation,
             ContinueGenerationReqInput: self.continue_generation,
@@ -126,7 +141,11 @@ class SchedulerWeightSyncMixin:
 
     def start_weight_update(self, msg: Any) -> None:
         """Queue an update of any kind (``UPDATE_REQUESTS``); it runs once no request holds KV."""
-        refused = "a weight update is already in progress" if self.pending_update is not None else self.refuse_update(msg)
+        refused = (
+            "a weight update is already in progress"
+            if self.pending_update is not None
+            else self.refuse_update(msg)
+        )
         if refused:
             self.send(self.update_reply(msg, False, self.drain_refused_update(msg, refused)))
             return
@@ -136,7 +155,9 @@ class SchedulerWeightSyncMixin:
 
     def maybe_run_weight_update(self) -> None:
         """Once no request runs (admission is paused meanwhile), load, flush the prefix cache, reply."""
-        started = not self.generation_blocked() and any(r.output_ids for r in self.prefill_manager.waiting_queue)
+        started = not self.generation_blocked() and any(
+            r.output_ids for r in self.prefill_manager.waiting_queue
+        )
         if self.running_batches() or self.prefill_manager.chunked_req is not None or started:
             # Retracted requests that began on the old weights finish on them too; paused with
             # ``retract`` (an RL loop's pause -> update -> continue) they resume on the new ones.
@@ -145,13 +166,23 @@ class SchedulerWeightSyncMixin:
         self.step_started = None  # loading a checkpoint may take longer than one step's watchdog
         self.send_weights_phase("loading")
         ok, message = self.run_weight_update(msg)
-        if ok and (getattr(msg, "cuda_graph_max_bs", None) is not None or getattr(msg, "disable_cuda_graph", None) is not None):
+        if ok and (
+            getattr(msg, "cuda_graph_max_bs", None) is not None
+            or getattr(msg, "disable_cuda_graph", None) is not None
+        ):
             started_graphs = time.monotonic()
-            self.worker.update_cuda_graph_settings(msg.cuda_graph_max_bs, bool(msg.disable_cuda_graph),
-                                                   on_phase=lambda phase: self.send_weights_phase(phase.value))
-            if self.update_timings is not None:  # capturing with the new settings is recapture time too
+            self.worker.update_cuda_graph_settings(
+                msg.cuda_graph_max_bs,
+                bool(msg.disable_cuda_graph),
+                on_phase=lambda phase: self.send_weights_phase(phase.value),
+            )
+            if (
+                self.update_timings is not None
+            ):  # capturing with the new settings is recapture time too
                 spent = time.monotonic() - started_graphs
-                self.update_timings["recapture_seconds"] = self.update_timings.get("recapture_seconds", 0.0) + spent
+                self.update_timings["recapture_seconds"] = (
+                    self.update_timings.get("recapture_seconds", 0.0) + spent
+                )
         # Old KV must never serve new weights; after a failed update the cache is still valid,
         # but flushing it costs only recomputation, so do it in every case (a trainer sending
         # buckets passes flush_cache false on all but the last).
@@ -165,8 +196,10 @@ class SchedulerWeightSyncMixin:
     def refuse_update(self, msg: Any) -> str | None:
         """Why an update cannot be queued now, or None."""
         if self.paused_mode == "in_place" and self.holds_kv():
-            return ("generation is paused in_place with requests holding KV computed by the old weights; "
-                    "pause with mode 'retract' or 'abort' before updating weights")
+            return (
+                "generation is paused in_place with requests holding KV computed by the old weights; "
+                "pause with mode 'retract' or 'abort' before updating weights"
+            )
         if self.memory_saver.released.intersection({"weights"}):
             return "weights are released; POST /resume_memory_occupation with tag 'weights' first"
         return None
@@ -175,7 +208,10 @@ class SchedulerWeightSyncMixin:
         """The reply message for a refused update. A refused trainer update still receives (and
         discards) the broadcast the trainer sends anyway, so the trainer is not left blocked
         until its timeout (except while another update owns the group's broadcasts)."""
-        if not isinstance(msg, UpdateWeightsFromDistributedReqInput) or self.pending_update is not None:
+        if (
+            not isinstance(msg, UpdateWeightsFromDistributedReqInput)
+            or self.pending_update is not None
+        ):
             return refused
         self.step_started = None  # receiving may outlast one step's watchdog
         return self.worker.update_weights_from_distributed(msg, refused=refused)[1]
@@ -187,7 +223,11 @@ class SchedulerWeightSyncMixin:
         if isinstance(msg, UpdateWeightsFromDiskReqInput):
             clock = PhaseClock(lambda phase: self.send_weights_phase(phase.value))
             ok, message = worker.update_weights_from_disk(
-                msg.model_path, msg.load_format or "auto", msg.revision, msg.recapture_cuda_graph, on_phase=clock,
+                msg.model_path,
+                msg.load_format or "auto",
+                msg.revision,
+                msg.recapture_cuda_graph,
+                on_phase=clock,
             )
             self.update_timings = clock.seconds()  # reported in the reply (update_reply)
             names = None
@@ -201,8 +241,14 @@ class SchedulerWeightSyncMixin:
             self.memory_saver.note_loaded(names)
             if msg.weight_version is not None:
                 worker.weight_version = msg.weight_version
-        logger.info("[tp %d] %s: %s %s (weight_version %s)", self.tp_rank, type(msg).__name__, ok, message,
-                    worker.weight_version)
+        logger.info(
+            "[tp %d] %s: %s %s (weight_version %s)",
+            self.tp_rank,
+            type(msg).__name__,
+            ok,
+            message,
+            worker.weight_version,
+        )
         return ok, message
 
     # ------------------------------------------------------------------ controls
@@ -213,7 +259,11 @@ class SchedulerWeightSyncMixin:
         from shardline_runtime.model_executor.weight_update import WeightUpdateError
 
         try:
-            return True, f"first {msg.truncate_size} rows of {msg.name}", self.worker.get_weights_by_name(msg.name, msg.truncate_size)
+            return (
+                True,
+                f"first {msg.truncate_size} rows of {msg.name}",
+                self.worker.get_weights_by_name(msg.name, msg.truncate_size),
+            )
         except WeightUpdateError as exc:
             return False, str(exc)
 
@@ -237,8 +287,10 @@ class SchedulerWeightSyncMixin:
 
     def release_memory_occupation(self, msg: ReleaseMemoryOccupationReqInput) -> tuple[bool, str]:
         if self.holds_kv() or self.pending_update is not None:
-            return False, ("requests are running; POST /pause_generation (mode 'abort' or 'retract') or let them "
-                           "finish before releasing memory")
+            return False, (
+                "requests are running; POST /pause_generation (mode 'abort' or 'retract') or let them "
+                "finish before releasing memory"
+            )
         try:
             self.tree_cache.reset()  # its KV is about to be freed
             return True, self.memory_saver.release(msg.tags)

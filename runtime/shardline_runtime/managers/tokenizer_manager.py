@@ -22,8 +22,9 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
@@ -137,8 +138,16 @@ class TokenizerManager:
         weights_digest: :func:`checkpoint_digest` of the served checkpoint (or None).
     """
 
-    def __init__(self, tokenizer: Any, info: SchedulerInfo, scheduler_input_addr: str, output_addr: str, metrics=None,
-                 hold_timeout: float = 60.0, weights_digest: str | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        info: SchedulerInfo,
+        scheduler_input_addr: str,
+        output_addr: str,
+        metrics=None,
+        hold_timeout: float = 60.0,
+        weights_digest: str | None = None,
+    ):
         self.tokenizer = tokenizer
         self.info = info
         self.metrics = metrics
@@ -154,11 +163,15 @@ class TokenizerManager:
         self.weights_revision = info.weights_revision
         self.model_path = info.model_path
         self.weights_digest = weights_digest
-        self.last_weight_update: dict[str, Any] | None = None  # phase times of the last disk update run
+        self.last_weight_update: dict[str, Any] | None = (
+            None  # phase times of the last disk update run
+        )
         self.hold_timeout = hold_timeout
         self._serving = asyncio.Event()  # set unless a weight update is running
         self._serving.set()
-        self._updating = asyncio.Event()  # the inverse of _serving (update_hold.first_chunk waits on both)
+        self._updating = (
+            asyncio.Event()
+        )  # the inverse of _serving (update_hold.first_chunk waits on both)
         self.draining = False  # SIGTERM received: /ready is 503, requests are still served
         self.closing = False  # the drain ended: new requests are refused
         self.held = 0  # requests waiting for a weight update to end
@@ -171,7 +184,9 @@ class TokenizerManager:
         self._control_waiters: dict[type, asyncio.Future] = {}
         self._recv_task: asyncio.Task | None = None
         self._counter = itertools.count()
-        self.lora_adapters: dict[str, str] = {}  # loaded LoRA adapters, name -> path (set by the launcher)
+        self.lora_adapters: dict[
+            str, str
+        ] = {}  # loaded LoRA adapters, name -> path (set by the launcher)
 
     def start(self) -> None:
         """Start the receive loop (call from inside the running event loop)."""
@@ -190,14 +205,18 @@ class TokenizerManager:
         if not add_special_tokens:
             return ids, 0
         full = self.tokenizer.encode(text, add_special_tokens=True)
-        added = next((k for k in range(len(full) - len(ids) + 1) if full[k : k + len(ids)] == ids), 0)
+        added = next(
+            (k for k in range(len(full) - len(ids) + 1) if full[k : k + len(ids)] == ids), 0
+        )
         bos = getattr(self.tokenizer, "bos_token_id", None)
         if added and bos is not None and ids and ids[0] == bos and full[added - 1] == bos:
             full = full[: added - 1] + full[added:]
             added -= 1
         return full, added
 
-    def tokenize(self, prompt: str | list[int], param: str = "prompt", add_special_tokens: bool = False) -> list[int]:
+    def tokenize(
+        self, prompt: str | list[int], param: str = "prompt", add_special_tokens: bool = False
+    ) -> list[int]:
         """Token ids of ``prompt`` (a string, or ids checked against the vocabulary).
 
         ``add_special_tokens`` applies to a string only (see :meth:`encode_text`); token ids are
@@ -211,10 +230,17 @@ class TokenizerManager:
             ids, _ = self.encode_text(prompt, add_special_tokens)
         else:
             ids = list(prompt)
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.info.vocab_size]
+            bad = [
+                t
+                for t in ids
+                if not isinstance(t, int)
+                or isinstance(t, bool)
+                or not 0 <= t < self.info.vocab_size
+            ]
             if bad:
                 raise RequestValidationError(
-                    f"{param} token ids must be integers in [0, {self.info.vocab_size}), got {bad[0]!r}", param
+                    f"{param} token ids must be integers in [0, {self.info.vocab_size}), got {bad[0]!r}",
+                    param,
                 )
         if not ids:
             raise RequestValidationError(f"{param} must contain at least one token", param)
@@ -233,7 +259,9 @@ class TokenizerManager:
         if len(text) > self._max_token_chars * self.info.max_req_input_len:
             raise RequestValidationError(
                 f"{param} has {len(text)} characters: more than the {self.info.max_req_input_len} tokens "
-                "this server accepts", param)
+                "this server accepts",
+                param,
+            )
 
     def check_lengths(self, input_ids: list[int], max_new_tokens: int | None) -> int:
         """Validate prompt length and ``max_tokens`` against the context; return max_new_tokens.
@@ -330,7 +358,8 @@ class TokenizerManager:
         return WeightUpdateHoldTimeout(
             f"the server is updating its weights (phase {self.weights_phase}) and the request waited "
             f"{self.hold_timeout:g}s (--weight-update-hold-timeout); retry shortly",
-            retry_after_seconds=max(1, min(30, round(self.hold_timeout / 4))))
+            retry_after_seconds=max(1, min(30, round(self.hold_timeout / 4))),
+        )
 
     async def _hold_while_paused(self) -> None:
         """Hold while generation is paused (SGLang: held, not refused, until
@@ -379,26 +408,46 @@ class TokenizerManager:
             await self.admit()
         if lora_name is not None and lora_name not in self.lora_adapters:
             raise RequestValidationError(
-                f"LoRA adapter {lora_name!r} is not loaded; loaded: {sorted(self.lora_adapters)}", "lora_path")
+                f"LoRA adapter {lora_name!r} is not loaded; loaded: {sorted(self.lora_adapters)}",
+                "lora_path",
+            )
         rid = rid or self.new_rid()
         if rid in self.states:
             raise RequestValidationError(f"request id {rid!r} is already in use", "rid")
         detok = IncrementalDetokenizer(
-            self.tokenizer, input_ids, params.stop, params.skip_special_tokens, include_stop_str_in_output
+            self.tokenizer,
+            input_ids,
+            params.stop,
+            params.skip_special_tokens,
+            include_stop_str_in_output,
         )
         state = _ReqState(detok)
         self.states[rid] = state
-        msg = TokenizedGenerateReqInput(rid, input_ids, params, return_logprob, top_logprobs_num, logprob_start_len,
-                                        lora_name=lora_name, input_embeds_positions=input_embeds_positions,
-                                        input_embeds_values=input_embeds_values)
+        msg = TokenizedGenerateReqInput(
+            rid,
+            input_ids,
+            params,
+            return_logprob,
+            top_logprobs_num,
+            logprob_start_len,
+            lora_name=lora_name,
+            input_embeds_positions=input_embeds_positions,
+            input_embeds_values=input_embeds_values,
+        )
         await self.send_socket.send_pyobj(msg)
         try:
             try:
-                chunk = await first_chunk(state.queue, self._updating, self._serving,
-                                          self.hold_timeout - HELD_SECONDS.get())
+                chunk = await first_chunk(
+                    state.queue,
+                    self._updating,
+                    self._serving,
+                    self.hold_timeout - HELD_SECONDS.get(),
+                )
             except asyncio.TimeoutError:
                 state.finished = True
-                await self._send_abort(rid, {"type": "abort", "message": "held past --weight-update-hold-timeout"})
+                await self._send_abort(
+                    rid, {"type": "abort", "message": "held past --weight-update-hold-timeout"}
+                )
                 raise self.hold_timeout_error() from None
             while True:
                 yield chunk
@@ -430,7 +479,9 @@ class TokenizerManager:
         for state in list(self.states.values()):
             if not state.finished:
                 state.finished = True
-                state.queue.put_nowait(GenerateChunk("", [], [], {"type": "abort", "message": message}, 0, 0, 0))
+                state.queue.put_nowait(
+                    GenerateChunk("", [], [], {"type": "abort", "message": message}, 0, 0, 0)
+                )
 
     # ---------------------------------------------------------------- control
 
@@ -447,7 +498,9 @@ class TokenizerManager:
             try:
                 return await asyncio.wait_for(fut, timeout)
             except asyncio.TimeoutError:
-                raise ServerNotReadyError(f"the scheduler did not answer {type(request).__name__} within {timeout}s") from None
+                raise ServerNotReadyError(
+                    f"the scheduler did not answer {type(request).__name__} within {timeout}s"
+                ) from None
             finally:
                 self._control_waiters.pop(reply_type, None)
 
@@ -472,7 +525,9 @@ class TokenizerManager:
         else:
             self._unpaused.clear()
 
-    async def update_weights_from_disk(self, req: UpdateWeightsFromDiskReqInput) -> UpdateWeightsFromDiskReqOutput:
+    async def update_weights_from_disk(
+        self, req: UpdateWeightsFromDiskReqInput
+    ) -> UpdateWeightsFromDiskReqOutput:
         """Run a weight update; requests arriving from now until it ends are held (:meth:`admit`).
 
         On success the new checkpoint's digest is computed (headers only, off the event loop).
@@ -486,8 +541,12 @@ class TokenizerManager:
             if self.weights_phase in UPDATING_PHASES:  # the schedulers' last phase message was lost
                 self.set_weights_phase("serving")
         if out.load_seconds is not None:  # None: refused before it ran
-            self.last_weight_update = {"success": out.success, "model_path": req.model_path,
-                                       "load_seconds": out.load_seconds, "recapture_seconds": out.recapture_seconds}
+            self.last_weight_update = {
+                "success": out.success,
+                "model_path": req.model_path,
+                "load_seconds": out.load_seconds,
+                "recapture_seconds": out.recapture_seconds,
+            }
         if out.success:
             self.weights_revision = out.revision
             self.model_path = out.model_path or self.model_path
@@ -498,20 +557,30 @@ class TokenizerManager:
         """The LoRA adapter an OpenAI ``model`` names (None: the base model)."""
         return model if model is not None and model in self.lora_adapters else None
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> "LoRAAdapterReqOutput":
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> LoRAAdapterReqOutput:
         """Load on every rank; the adapter serves as soon as this returns successfully."""
-        from shardline_runtime.managers.lora_control import LoadLoRAAdapterReqInput, LoRAAdapterReqOutput
+        from shardline_runtime.managers.lora_control import (
+            LoadLoRAAdapterReqInput,
+            LoRAAdapterReqOutput,
+        )
 
-        out = await self.control(LoadLoRAAdapterReqInput(lora_name, lora_path), LoRAAdapterReqOutput, timeout=600)
+        out = await self.control(
+            LoadLoRAAdapterReqInput(lora_name, lora_path), LoRAAdapterReqOutput, timeout=600
+        )
         self.lora_adapters = dict(out.loaded)  # an eviction may have removed another adapter
         return out
 
-    async def unload_lora_adapter(self, lora_name: str) -> "LoRAAdapterReqOutput":
+    async def unload_lora_adapter(self, lora_name: str) -> LoRAAdapterReqOutput:
         """Stop admitting requests for ``lora_name`` now; unload once its requests finished."""
-        from shardline_runtime.managers.lora_control import LoRAAdapterReqOutput, UnloadLoRAAdapterReqInput
+        from shardline_runtime.managers.lora_control import (
+            LoRAAdapterReqOutput,
+            UnloadLoRAAdapterReqInput,
+        )
 
         path = self.lora_adapters.pop(lora_name, None)
-        out = await self.control(UnloadLoRAAdapterReqInput(lora_name), LoRAAdapterReqOutput, timeout=600)
+        out = await self.control(
+            UnloadLoRAAdapterReqInput(lora_name), LoRAAdapterReqOutput, timeout=600
+        )
         if not out.success and path is not None and lora_name in out.loaded:
             self.lora_adapters[lora_name] = path
         return out
@@ -556,7 +625,9 @@ class TokenizerManager:
             new_ids = out.output_ids[i]
             detok = state.detok
             before = detok.num_tokens
-            exclude_last = bool(reason and reason.get("type") == "stop" and isinstance(reason.get("matched"), int))
+            exclude_last = bool(
+                reason and reason.get("type") == "stop" and isinstance(reason.get("matched"), int)
+            )
             text = detok.add_tokens(new_ids, exclude_last=exclude_last)
             consumed = detok.num_tokens - before
             if detok.stopped and reason is None:
@@ -577,8 +648,15 @@ class TokenizerManager:
                 tops = out.input_top_logprobs[i] or [[] for _ in input_lps]
                 prompt_logprobs = [(lp, tid, top) for (lp, tid), top in zip(input_lps, tops)]
             chunk = GenerateChunk(
-                text, list(new_ids[:consumed]), logprobs, reason, out.prompt_tokens[i],
-                detok.num_tokens, out.cached_tokens[i], prompt_logprobs, self.weight_version,
+                text,
+                list(new_ids[:consumed]),
+                logprobs,
+                reason,
+                out.prompt_tokens[i],
+                detok.num_tokens,
+                out.cached_tokens[i],
+                prompt_logprobs,
+                self.weight_version,
                 detok.token_offsets[before : before + consumed],
             )
             if self.metrics and consumed:
@@ -586,4 +664,3 @@ class TokenizerManager:
             if self.metrics and reason is not None:
                 self.metrics.observe_finish(state, now, chunk)
             state.queue.put_nowait(chunk)
-

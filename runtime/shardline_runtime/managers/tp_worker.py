@@ -73,7 +73,9 @@ class BaseTpWorker(ABC):
     """What every TP worker offers the scheduler (SGLang's ``BaseTpWorker``)."""
 
     @abstractmethod
-    def forward_batch_generation(self, model_worker_batch: ModelWorkerBatch) -> GenerationBatchResult:
+    def forward_batch_generation(
+        self, model_worker_batch: ModelWorkerBatch
+    ) -> GenerationBatchResult:
         """Run one prepared step and sample; see :meth:`TpModelWorker.forward_batch_generation`."""
 
     @property
@@ -111,7 +113,13 @@ class TpModelWorker(BaseTpWorker):
         whatever ``ModelRunner`` raises (bad checkpoint, no memory).
     """
 
-    def __init__(self, server_args: Any, tp_rank: int = 0, model_runner: ModelRunner | None = None, pp_rank: int = 0):
+    def __init__(
+        self,
+        server_args: Any,
+        tp_rank: int = 0,
+        model_runner: ModelRunner | None = None,
+        pp_rank: int = 0,
+    ):
         self.server_args = server_args
         self.tp_rank = tp_rank
         self.pp_rank = pp_rank
@@ -134,14 +142,18 @@ class TpModelWorker(BaseTpWorker):
             return
         config = ModelRunnerConfig.from_server_args(self.server_args, self.tp_rank, self.pp_rank)
         self.model_config = ModelConfig.from_pretrained(
-            config.model_path, dtype=config.dtype, context_length=config.context_length,
+            config.model_path,
+            dtype=config.dtype,
+            context_length=config.context_length,
             device_type=resolve_device(config.device, config.local_rank).type,
         )
 
     def _init_model_runner(self, model_runner: ModelRunner | None) -> None:
         if model_runner is None:
-            model_runner = ModelRunner(ModelRunnerConfig.from_server_args(self.server_args, self.tp_rank, self.pp_rank),
-                                       model_config=self.model_config)
+            model_runner = ModelRunner(
+                ModelRunnerConfig.from_server_args(self.server_args, self.tp_rank, self.pp_rank),
+                model_config=self.model_config,
+            )
         self._model_runner = model_runner
         self.model_config = model_runner.model_config  # the loaded model's (same values)
         self.tp_size = model_runner.tp_size
@@ -160,7 +172,9 @@ class TpModelWorker(BaseTpWorker):
                 "leave no room for a prompt; raise --max-total-tokens or --context-length"
             )
         rows_free = runner.req_to_token_pool.available_size()
-        self.max_running_requests = min(int(getattr(self.server_args, "max_running_requests", rows_free)), rows_free)
+        self.max_running_requests = min(
+            int(getattr(self.server_args, "max_running_requests", rows_free)), rows_free
+        )
 
     @property
     def model_runner(self) -> ModelRunner:
@@ -184,7 +198,9 @@ class TpModelWorker(BaseTpWorker):
             "weight_version": self.weight_version,
         }
 
-    def forward_batch_generation(self, model_worker_batch: ModelWorkerBatch) -> GenerationBatchResult:
+    def forward_batch_generation(
+        self, model_worker_batch: ModelWorkerBatch
+    ) -> GenerationBatchResult:
         """Run one prepared step and sample one token per request that wants one.
 
         Returns:
@@ -226,7 +242,13 @@ class TpModelWorker(BaseTpWorker):
         logits = result.logits_output if batch.return_logprob else None
         if logits is not None:  # tensors travel pickled: move them off the device first
             logits = type(logits)(**{k: _to_cpu(v) for k, v in vars(logits).items()})
-        payload = (result.next_token_ids.tolist(), result.next_token_logprobs, result.next_token_top_logprobs, logits)
+        assert result.next_token_ids is not None  # the last stage sampled
+        payload = (
+            result.next_token_ids.tolist(),
+            result.next_token_logprobs,
+            result.next_token_top_logprobs,
+            logits,
+        )
         for stage in range(self.pp_size - 1):
             send_pyobj(payload, stage, self.pending_sends)
 
@@ -242,7 +264,10 @@ class TpModelWorker(BaseTpWorker):
         return result
 
     def update_weights_from_disk(
-        self, model_path: str, load_format: str = "auto", revision: str | None = None,
+        self,
+        model_path: str,
+        load_format: str = "auto",
+        revision: str | None = None,
         recapture_cuda_graph: bool = True,
         on_phase: Callable[[WeightsPhase], None] | None = None,
     ) -> tuple[bool, str]:
@@ -265,16 +290,25 @@ class TpModelWorker(BaseTpWorker):
                 on_phase(phase)
 
         ok, message = self.model_runner.update_weights_from_disk(
-            model_path, load_format, recapture_cuda_graph=recapture_cuda_graph, on_phase=set_phase,
+            model_path,
+            load_format,
+            recapture_cuda_graph=recapture_cuda_graph,
+            on_phase=set_phase,
         )
         if ok:
             self.model_path = model_path
             self.weights_revision = revision
-        logger.info("[tp %d] update_weights_from_disk(%s): %s %s", self.tp_rank, model_path, ok, message)
+        logger.info(
+            "[tp %d] update_weights_from_disk(%s): %s %s", self.tp_rank, model_path, ok, message
+        )
         return ok, message
 
-    def update_cuda_graph_settings(self, cuda_graph_max_bs: int | None, disable: bool,
-                                   on_phase: Callable[[WeightsPhase], None] | None = None) -> None:
+    def update_cuda_graph_settings(
+        self,
+        cuda_graph_max_bs: int | None,
+        disable: bool,
+        on_phase: Callable[[WeightsPhase], None] | None = None,
+    ) -> None:
         """New decode-graph settings from an update request; the runner rebuilds its graphs."""
         self.model_runner.update_cuda_graph_settings(cuda_graph_max_bs, disable, on_phase)
 
@@ -302,21 +336,34 @@ class TpModelWorker(BaseTpWorker):
         else:
             try:
                 group = init_weights_update_group(
-                    msg.master_address, msg.master_port, msg.rank_offset + self.pp_rank * self.tp_size + self.tp_rank,
+                    msg.master_address,
+                    msg.master_port,
+                    msg.rank_offset + self.pp_rank * self.tp_size + self.tp_rank,
                     msg.world_size,
-                    msg.group_name, msg.backend, msg.timeout_s, self.device,
+                    msg.group_name,
+                    msg.backend,
+                    msg.timeout_s,
+                    self.device,
                 )
             except WeightSyncGroupError as exc:
                 reason = str(exc)
         if all_reduce_min_int(0 if reason else 1) != 1:
             if group is not None:
                 destroy_weights_update_group(group)
-            return False, f"init_weights_update_group failed on some rank; no group was formed. {reason}".strip()
+            return (
+                False,
+                f"init_weights_update_group failed on some rank; no group was formed. {reason}".strip(),
+            )
         assert group is not None  # every rank formed it (the agreement above)
         self.weight_sync_groups[msg.group_name] = group
-        return True, f"joined weight-sync group {msg.group_name!r} as rank {group.rank} of {group.world_size}"
+        return (
+            True,
+            f"joined weight-sync group {msg.group_name!r} as rank {group.rank} of {group.world_size}",
+        )
 
-    def update_weights_from_distributed(self, msg: Any, refused: str = "") -> tuple[bool, str, list[str]]:
+    def update_weights_from_distributed(
+        self, msg: Any, refused: str = ""
+    ) -> tuple[bool, str, list[str]]:
         """Receive and load ``msg.names`` from the trainer; a broken broadcast drops the group.
         With ``refused`` (why the update cannot run) the tensors are received and discarded."""
         from shardline_runtime.distributed.weight_sync_group import destroy_weights_update_group
@@ -325,7 +372,11 @@ class TpModelWorker(BaseTpWorker):
         group = self.weight_sync_groups.get(msg.group_name)
         if group is None:
             known = sorted(self.weight_sync_groups)
-            return False, f"group_name {msg.group_name!r} is not initialised (initialised: {known}); call /init_weights_update_group", []
+            return (
+                False,
+                f"group_name {msg.group_name!r} is not initialised (initialised: {known}); call /init_weights_update_group",
+                [],
+            )
         ok, message, names, broken = update_weights_from_distributed(
             self.model_runner, group, msg.names, msg.dtypes, msg.shapes, refused
         )
@@ -339,7 +390,10 @@ class TpModelWorker(BaseTpWorker):
 
         group = self.weight_sync_groups.pop(group_name, None)
         if group is None:
-            return False, f"group_name {group_name!r} is not initialised (initialised: {sorted(self.weight_sync_groups)})"
+            return (
+                False,
+                f"group_name {group_name!r} is not initialised (initialised: {sorted(self.weight_sync_groups)})",
+            )
         destroy_weights_update_group(group)
         return True, f"destroyed weight-sync group {group_name!r}"
 

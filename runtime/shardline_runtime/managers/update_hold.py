@@ -18,7 +18,9 @@ import time
 from typing import Any
 
 # Seconds the current request was held by ``admit`` (0.0 when it was not held).
-HELD_SECONDS: contextvars.ContextVar[float] = contextvars.ContextVar("shardline_held_seconds", default=0.0)
+HELD_SECONDS: contextvars.ContextVar[float] = contextvars.ContextVar(
+    "shardline_held_seconds", default=0.0
+)
 
 
 async def _race(*aws: Any, timeout: float | None = None) -> set[asyncio.Task]:
@@ -34,7 +36,9 @@ async def _race(*aws: Any, timeout: float | None = None) -> set[asyncio.Task]:
     return done
 
 
-async def first_chunk(queue: asyncio.Queue, updating: asyncio.Event, serving: asyncio.Event, budget: float) -> Any:
+async def first_chunk(
+    queue: asyncio.Queue, updating: asyncio.Event, serving: asyncio.Event, budget: float
+) -> Any:
     """The first item of ``queue``; the time it waits while ``updating`` is set may not exceed
     ``budget`` seconds in all (``serving`` is set when the update ends).
 

@@ -30,11 +30,15 @@ class ReqToTokenPool:
 
     def __init__(self, size: int, max_context_len: int, device: torch.device | str = "cpu"):
         if size < 1 or max_context_len < 1:
-            raise ValueError(f"ReqToTokenPool needs size >= 1 and max_context_len >= 1, got {size}, {max_context_len}")
+            raise ValueError(
+                f"ReqToTokenPool needs size >= 1 and max_context_len >= 1, got {size}, {max_context_len}"
+            )
         self.size = size
         self.max_context_len = max_context_len
         self.device = torch.device(device)
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=self.device)
+        self.req_to_token = torch.zeros(
+            (size, max_context_len), dtype=torch.int64, device=self.device
+        )
         self.free_slots: list[int] = list(range(size))
 
     def available_size(self) -> int:
@@ -60,7 +64,9 @@ class ReqToTokenPool:
         free = set(self.free_slots)
         for row in rows:
             if not 0 <= row < self.size or row in free:
-                raise ValueError(f"cannot free request row {row}: out of [0, {self.size}) or already free")
+                raise ValueError(
+                    f"cannot free request row {row}: out of [0, {self.size}) or already free"
+                )
             free.add(row)
         self.free_slots.extend(rows)
 
@@ -118,13 +124,19 @@ class TokenToKVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_kv_heads_per_rank, size + 1, head_dim)
-        self.k_buffer_head_major = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_buffer_head_major = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k_buffer_head_major = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
+        self.v_buffer_head_major = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
         self.k_buffer = [b.transpose(0, 1) for b in self.k_buffer_head_major]
         self.v_buffer = [b.transpose(0, 1) for b in self.v_buffer_head_major]
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads_per_rank: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_token(
+        num_layers: int, num_kv_heads_per_rank: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
         """Bytes of K + V cache one token takes across all layers on one rank."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * num_kv_heads_per_rank * head_dim * itemsize
@@ -149,8 +161,15 @@ class TokenToKVPool:
         i = layer_id - self.start_layer
         return self.k_buffer_head_major[i], self.v_buffer_head_major[i]
 
-    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    def set_kv_buffer(
+        self,
+        layer_id: int,
+        loc: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
         """Write K/V of new tokens.
 
         Args:
@@ -221,7 +240,9 @@ class TokenToKVPoolAllocator:
             return
         indices = indices.to(self.device, torch.int64).flatten()
         if int(indices.min()) < 1 or int(indices.max()) > self.size:
-            raise ValueError(f"KV slots to free must be in [1, {self.size}], got min {int(indices.min())} max {int(indices.max())}")
+            raise ValueError(
+                f"KV slots to free must be in [1, {self.size}], got min {int(indices.min())} max {int(indices.max())}"
+            )
         if bool(self.is_free[indices].any()) or indices.unique().numel() != indices.numel():
             raise ValueError("double free of KV slots: some are already free or repeated")
         self.is_free[indices] = True

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -27,7 +27,7 @@ class TreeNode:
 
     __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
 
-    def __init__(self, parent: "TreeNode | None" = None):
+    def __init__(self, parent: TreeNode | None = None):
         self.children: dict[int, TreeNode] = {}
         self.parent = parent
         self.key: list[int] = []
@@ -35,7 +35,7 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = next(_clock)
 
-    def __lt__(self, other: "TreeNode") -> bool:
+    def __lt__(self, other: TreeNode) -> bool:
         return self.last_access < other.last_access
 
 
@@ -72,7 +72,9 @@ class RadixCache:
     def reset(self) -> None:
         """Free every slot the tree holds and empty it (requires no locked node but the root)."""
         if self._protected_size:
-            raise RuntimeError(f"cannot flush the prefix cache: {self._protected_size} tokens are in use by running requests")
+            raise RuntimeError(
+                f"cannot flush the prefix cache: {self._protected_size} tokens are in use by running requests"
+            )
         for node in self._all_nodes():
             if node is not self.root and len(node.value):
                 self._free_slots(node.value)
@@ -189,7 +191,11 @@ class RadixCache:
         Returns:
             The number of slots freed.
         """
-        heap = [n for n in self._all_nodes() if not n.children and n.lock_ref == 0 and n is not self.root]
+        heap = [
+            n
+            for n in self._all_nodes()
+            if not n.children and n.lock_ref == 0 and n is not self.root
+        ]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:

@@ -34,7 +34,9 @@ from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, Fo
 logger = logging.getLogger(__name__)
 
 
-def get_batch_sizes_to_capture(cuda_graph_max_bs: int, max_running_requests: int | None = None) -> list[int]:
+def get_batch_sizes_to_capture(
+    cuda_graph_max_bs: int, max_running_requests: int | None = None
+) -> list[int]:
     """Batch sizes to capture: 1, 2, 4, 8, then every 8 up to the limit, plus the limit itself.
 
     Args:
@@ -46,7 +48,11 @@ def get_batch_sizes_to_capture(cuda_graph_max_bs: int, max_running_requests: int
     """
     if cuda_graph_max_bs < 1:
         raise ValueError(f"cuda_graph_max_bs must be >= 1, got {cuda_graph_max_bs}")
-    limit = cuda_graph_max_bs if max_running_requests is None else min(cuda_graph_max_bs, max_running_requests)
+    limit = (
+        cuda_graph_max_bs
+        if max_running_requests is None
+        else min(cuda_graph_max_bs, max_running_requests)
+    )
     sizes = {bs for bs in (1, 2, 4, 8) if bs <= limit} | set(range(16, limit + 1, 8)) | {limit}
     return sorted(sizes)
 
@@ -69,18 +75,24 @@ class CudaGraphRunner:
         RuntimeError: no free ``req_to_token`` row for the padding row.
     """
 
-    def __init__(self, model_runner: Any, capture: bool | None = None, batch_sizes: list[int] | None = None):
+    def __init__(
+        self, model_runner: Any, capture: bool | None = None, batch_sizes: list[int] | None = None
+    ):
         self.model_runner = model_runner
         self.device = torch.device(model_runner.device)
         self.use_graphs = self.device.type == "cuda" if capture is None else capture
         config = model_runner.config
-        self.capture_bs = sorted(batch_sizes) if batch_sizes else get_batch_sizes_to_capture(
-            config.cuda_graph_max_bs, config.max_running_requests
+        self.capture_bs = (
+            sorted(batch_sizes)
+            if batch_sizes
+            else get_batch_sizes_to_capture(config.cuda_graph_max_bs, config.max_running_requests)
         )
         self.max_bs = self.capture_bs[-1]
         rows = model_runner.req_to_token_pool.alloc(1)
         if rows is None:
-            raise RuntimeError("CudaGraphRunner needs one free req_to_token row for padded graph rows")
+            raise RuntimeError(
+                "CudaGraphRunner needs one free req_to_token row for padded graph rows"
+            )
         self.dummy_req_row = rows[0]
         model_runner.req_to_token_pool.req_to_token[self.dummy_req_row] = DUMMY_SLOT
 
@@ -124,7 +136,9 @@ class CudaGraphRunner:
         )
 
     def _run_model(self, forward_batch: ForwardBatch):
-        return self.model_runner.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        return self.model_runner.model.forward(
+            forward_batch.input_ids, forward_batch.positions, forward_batch
+        )
 
     # ---- capture / replay ---------------------------------------------------------------------
 
@@ -148,10 +162,16 @@ class CudaGraphRunner:
                 batch = self._static_batch(bs)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
-                    for _ in range(2):  # warm up: lazy inits and allocator state happen outside the graph
-                        backend.init_forward_metadata_capture_cuda_graph(bs, self.req_pool_indices, self.seq_lens)
+                    for _ in range(
+                        2
+                    ):  # warm up: lazy inits and allocator state happen outside the graph
+                        backend.init_forward_metadata_capture_cuda_graph(
+                            bs, self.req_pool_indices, self.seq_lens
+                        )
                         self._run_model(batch)
-                    backend.init_forward_metadata_capture_cuda_graph(bs, self.req_pool_indices, self.seq_lens)
+                    backend.init_forward_metadata_capture_cuda_graph(
+                        bs, self.req_pool_indices, self.seq_lens
+                    )
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 try:
@@ -171,7 +191,9 @@ class CudaGraphRunner:
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         """True for a DECODE batch of at most ``max_bs`` requests."""
-        return forward_batch.forward_mode.is_decode() and 0 < forward_batch.batch_size <= self.max_bs
+        return (
+            forward_batch.forward_mode.is_decode() and 0 < forward_batch.batch_size <= self.max_bs
+        )
 
     def padded_batch_size(self, bs: int) -> int:
         """Smallest captured size >= ``bs``.
@@ -200,7 +222,9 @@ class CudaGraphRunner:
         self._fill_padding(bs, padded)
         # The start of this pass: the backend refills its static metadata from the static
         # buffers (the triton backend: kv_indptr / kv_indices of the real lengths).
-        self.model_runner.attn_backend.init_forward_metadata_replay_cuda_graph(padded, self.req_pool_indices, self.seq_lens)
+        self.model_runner.attn_backend.init_forward_metadata_replay_cuda_graph(
+            padded, self.req_pool_indices, self.seq_lens
+        )
         if self.use_graphs:
             self.graphs[padded].replay()
             output = self.outputs[padded]

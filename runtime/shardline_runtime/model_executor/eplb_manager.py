@@ -16,7 +16,11 @@ from typing import Any
 import torch
 
 from shardline_runtime.distributed import broadcast_pyobj, get_expert_parallel_layout
-from shardline_runtime.layers.moe.eplb_algorithm import expected_physical_counts, rank_imbalance, rebalance_experts
+from shardline_runtime.layers.moe.eplb_algorithm import (
+    expected_physical_counts,
+    rank_imbalance,
+    rebalance_experts,
+)
 from shardline_runtime.layers.moe.expert_location import moe_layers
 from shardline_runtime.layers.moe.expert_rebalance import RebalanceError, rebalance_in_place
 from shardline_runtime.layers.moe.recorder import ExpertDistributionRecorder
@@ -48,14 +52,22 @@ class EPLBManager:
         recorder_dir: ``--expert-distribution-recorder-dir``.
     """
 
-    def __init__(self, model: torch.nn.Module, num_layers: int, device: torch.device,
-                 rebalance_num_iterations: int = 0, recorder_dir: str | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_layers: int,
+        device: torch.device,
+        rebalance_num_iterations: int = 0,
+        recorder_dir: str | None = None,
+    ):
         self.model = model
         self.layers = moe_layers(model)
         first = self.layers[0]
         self.num_experts, self.num_physical = first.num_experts, first.num_physical_experts
         self.layer_ids = [layer.layer_id for layer in self.layers]
-        self.recorder = ExpertDistributionRecorder(num_layers, self.num_physical, device, dump_dir=recorder_dir)
+        self.recorder = ExpertDistributionRecorder(
+            num_layers, self.num_physical, device, dump_dir=recorder_dir
+        )
         for layer in self.layers:
             layer.recorder = self.recorder
         self.rebalance_num_iterations = rebalance_num_iterations
@@ -65,7 +77,9 @@ class EPLBManager:
             self.recorder.enable_window()
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, num_layers: int, device: torch.device, **kwargs) -> "EPLBManager | None":
+    def for_model(
+        cls, model: torch.nn.Module, num_layers: int, device: torch.device, **kwargs
+    ) -> EPLBManager | None:
         """An ``EPLBManager`` when ``model`` has MoE layers, else None (dense models)."""
         return cls(model, num_layers, device, **kwargs) if moe_layers(model) else None
 
@@ -101,8 +115,13 @@ class EPLBManager:
         self.passes_since_rebalance = 0
         ep_size = get_expert_parallel_layout().ep_size
         if ep_size == 1 and self.num_physical == self.num_experts:
-            self.last_result = RebalanceResult(True, "nothing to rebalance: one expert-parallel rank and no redundant "
-                                                     "slots (--ep-num-redundant-experts 0)", 1.0, 1.0)
+            self.last_result = RebalanceResult(
+                True,
+                "nothing to rebalance: one expert-parallel rank and no redundant "
+                "slots (--ep-num-redundant-experts 0)",
+                1.0,
+                1.0,
+            )
             return self.last_result
         if physical_counts is None:
             physical_counts = self.recorder.physical_counts()
@@ -110,12 +129,19 @@ class EPLBManager:
                 physical_counts = self.recorder.take_window()
         counts = physical_counts.cpu()[self.layer_ids]  # (L_moe, P)
         if int(counts.sum()) == 0:
-            result = RebalanceResult(False, "no expert load recorded: POST /start_expert_distribution_record, send "
-                                            "traffic, then rebalance (or set --eplb-rebalance-num-iterations)")
+            result = RebalanceResult(
+                False,
+                "no expert load recorded: POST /start_expert_distribution_record, send "
+                "traffic, then rebalance (or set --eplb-rebalance-num-iterations)",
+            )
             self.last_result = result
             return result
-        old = torch.stack([layer.physical_to_logical_map.cpu() for layer in self.layers])  # (L_moe, P)
-        logical = torch.zeros(len(self.layers), self.num_experts, dtype=torch.int64).scatter_add_(1, old, counts)
+        old = torch.stack(
+            [layer.physical_to_logical_map.cpu() for layer in self.layers]
+        )  # (L_moe, P)
+        logical = torch.zeros(len(self.layers), self.num_experts, dtype=torch.int64).scatter_add_(
+            1, old, counts
+        )
         placement = broadcast_pyobj(rebalance_experts(logical, self.num_physical, ep_size))
         before = rank_imbalance(counts, ep_size)
         after = rank_imbalance(expected_physical_counts(logical, placement), ep_size)
@@ -124,7 +150,13 @@ class EPLBManager:
         except RebalanceError as e:
             result = RebalanceResult(False, f"rebalance failed; old placement kept. {e}", before)
         else:
-            result = RebalanceResult(True, f"experts re-placed ({moved} slots changed on this rank)", before, after, moved)
+            result = RebalanceResult(
+                True,
+                f"experts re-placed ({moved} slots changed on this rank)",
+                before,
+                after,
+                moved,
+            )
             if not torch.equal(old, placement.to(old.dtype)):
                 # The record's physical slots now hold other experts: counts taken under the old
                 # placement would be misread (logical_count, the next rebalance); start afresh.

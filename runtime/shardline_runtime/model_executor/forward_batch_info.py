@@ -11,9 +11,10 @@ contributing ``extend_seq_lens[i]`` tokens in EXTEND mode and exactly one token 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum, auto
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -70,7 +71,9 @@ class PPProxyTensors:
 def _as_int64(name: str, value: Any, device: torch.device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         if value.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"ForwardBatch.{name} must be an integer tensor, got dtype {value.dtype}")
+            raise TypeError(
+                f"ForwardBatch.{name} must be an integer tensor, got dtype {value.dtype}"
+            )
         return value.to(device=device, dtype=torch.int64)
     return torch.as_tensor(list(value), dtype=torch.int64, device=device)
 
@@ -110,8 +113,8 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int] | None = None
     extend_prefix_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
-    req_to_token_pool: "ReqToTokenPool | None" = None
-    token_to_kv_pool: "TokenToKVPool | None" = None
+    req_to_token_pool: ReqToTokenPool | None = None
+    token_to_kv_pool: TokenToKVPool | None = None
     attn_backend: Any = None
     return_logprob: bool = False
     top_logprobs_nums: list[int] | None = None
@@ -156,7 +159,7 @@ class ForwardBatch:
         split_forward_start_layer: int | None = None,
         split_forward_end_layer: int | None = None,
         device: torch.device | str | None = None,
-    ) -> "ForwardBatch":
+    ) -> ForwardBatch:
         """Build a ForwardBatch from plain tensors or lists and fill the derived fields.
 
         Derived: ``batch_size``; ``extend_seq_lens = seq_lens - extend_prefix_lens`` (EXTEND,
@@ -173,18 +176,25 @@ class ForwardBatch:
             device = getattr(model_runner, "device", "cpu")
         device = torch.device(device)
         # host copies from the host inputs (reading them back from the device would wait for it)
-        seq_lens_cpu = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else [int(n) for n in seq_lens]
+        seq_lens_cpu = (
+            seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else [int(n) for n in seq_lens]
+        )
         prefix_cpu = None
         if extend_prefix_lens is not None:
-            prefix_cpu = (extend_prefix_lens.tolist() if isinstance(extend_prefix_lens, torch.Tensor)
-                          else [int(n) for n in extend_prefix_lens])
+            prefix_cpu = (
+                extend_prefix_lens.tolist()
+                if isinstance(extend_prefix_lens, torch.Tensor)
+                else [int(n) for n in extend_prefix_lens]
+            )
         input_ids = _as_int64("input_ids", input_ids, device)
         req_pool_indices = _as_int64("req_pool_indices", req_pool_indices, device)
         seq_lens = _as_int64("seq_lens", seq_lens, device)
         out_cache_loc = _as_int64("out_cache_loc", out_cache_loc, device)
         bs = int(req_pool_indices.shape[0])
         if seq_lens.shape[0] != bs:
-            raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries but req_pool_indices has {bs}")
+            raise ValueError(
+                f"seq_lens has {seq_lens.shape[0]} entries but req_pool_indices has {bs}"
+            )
         if out_cache_loc.shape[0] != input_ids.shape[0]:
             raise ValueError(
                 f"out_cache_loc has {out_cache_loc.shape[0]} slots but input_ids has {input_ids.shape[0]} tokens"
@@ -192,29 +202,45 @@ class ForwardBatch:
         extend_seq_lens = extend_seq_lens_cpu = extend_prefix_lens_cpu = None
         if forward_mode.is_extend():
             if extend_prefix_lens is None:
-                extend_prefix_lens, prefix_cpu = torch.zeros(bs, dtype=torch.int64, device=device), [0] * bs
+                extend_prefix_lens, prefix_cpu = (
+                    torch.zeros(bs, dtype=torch.int64, device=device),
+                    [0] * bs,
+                )
             extend_prefix_lens = _as_int64("extend_prefix_lens", extend_prefix_lens, device)
             if extend_prefix_lens.shape[0] != bs:
-                raise ValueError(f"extend_prefix_lens has {extend_prefix_lens.shape[0]} entries, batch size is {bs}")
+                raise ValueError(
+                    f"extend_prefix_lens has {extend_prefix_lens.shape[0]} entries, batch size is {bs}"
+                )
             extend_seq_lens = seq_lens - extend_prefix_lens
             assert prefix_cpu is not None  # from the given lengths, or the zeros above
             extend_prefix_lens_cpu = prefix_cpu
             extend_seq_lens_cpu = [s - p for s, p in zip(seq_lens_cpu, prefix_cpu)]
             if any(n <= 0 for n in extend_seq_lens_cpu):
-                raise ValueError(f"every request must extend by >= 1 token; extend_seq_lens = {extend_seq_lens_cpu}")
+                raise ValueError(
+                    f"every request must extend by >= 1 token; extend_seq_lens = {extend_seq_lens_cpu}"
+                )
             if sum(extend_seq_lens_cpu) != input_ids.shape[0]:
                 raise ValueError(
                     f"sum(seq_lens - extend_prefix_lens) = {sum(extend_seq_lens_cpu)} but input_ids has "
                     f"{input_ids.shape[0]} tokens"
                 )
             if positions is None:
-                positions = torch.cat(
-                    [torch.arange(p, s, dtype=torch.int64) for p, s in zip(extend_prefix_lens_cpu, seq_lens_cpu)]
-                ) if bs else torch.zeros(0, dtype=torch.int64)
+                positions = (
+                    torch.cat(
+                        [
+                            torch.arange(p, s, dtype=torch.int64)
+                            for p, s in zip(extend_prefix_lens_cpu, seq_lens_cpu)
+                        ]
+                    )
+                    if bs
+                    else torch.zeros(0, dtype=torch.int64)
+                )
         elif forward_mode.is_decode():
             extend_prefix_lens = None
             if input_ids.shape[0] != bs:
-                raise ValueError(f"DECODE runs one token per request: input_ids has {input_ids.shape[0]}, batch size {bs}")
+                raise ValueError(
+                    f"DECODE runs one token per request: input_ids has {input_ids.shape[0]}, batch size {bs}"
+                )
             if positions is None:
                 positions = seq_lens - 1
         else:
@@ -223,9 +249,15 @@ class ForwardBatch:
                 positions = torch.zeros(0, dtype=torch.int64)
         positions = _as_int64("positions", positions, device)
         if positions.shape[0] != input_ids.shape[0]:
-            raise ValueError(f"positions has {positions.shape[0]} entries but input_ids has {input_ids.shape[0]}")
-        if forward_mode.is_split_prefill() and (split_forward_start_layer is None or split_forward_end_layer is None):
-            raise ValueError("SPLIT_PREFILL needs split_forward_start_layer and split_forward_end_layer")
+            raise ValueError(
+                f"positions has {positions.shape[0]} entries but input_ids has {input_ids.shape[0]}"
+            )
+        if forward_mode.is_split_prefill() and (
+            split_forward_start_layer is None or split_forward_end_layer is None
+        ):
+            raise ValueError(
+                "SPLIT_PREFILL needs split_forward_start_layer and split_forward_end_layer"
+            )
         return cls(
             forward_mode=forward_mode,
             batch_size=bs,

@@ -46,7 +46,9 @@ class GenerationBatchResult:
     forward_batch: ForwardBatch
     next_token_ids: torch.Tensor | None = None
     next_token_logprobs: list[float | None] = field(default_factory=list)
-    next_token_top_logprobs: list[tuple[list[float], list[int]] | None] = field(default_factory=list)
+    next_token_top_logprobs: list[tuple[list[float], list[int]] | None] = field(
+        default_factory=list
+    )
     sampled_rows: list[int] = field(default_factory=list)
     logprob_rows: list[bool] = field(default_factory=list)
     top_logprobs_nums: list[int] = field(default_factory=list)
@@ -56,7 +58,7 @@ class GenerationBatchResult:
     copy_done: Any = None
     pp_hidden_states_proxy_tensors: Any = None
 
-    def copy_to_cpu(self) -> "GenerationBatchResult":
+    def copy_to_cpu(self) -> GenerationBatchResult:
         """Start copying the sampled ids and logprobs to the host (non-blocking on CUDA)."""
         cuda = self.next_token_ids is not None and self.next_token_ids.device.type == "cuda"
         for name in ("next_token_ids", "sampled_logprobs"):
@@ -68,7 +70,7 @@ class GenerationBatchResult:
             self.copy_done.record()
         return self
 
-    def wait(self) -> "GenerationBatchResult":
+    def wait(self) -> GenerationBatchResult:
         """Block until the copies are done; fill ``next_token_logprobs`` / ``_top_logprobs``."""
         if self.copy_done is not None:
             self.copy_done.synchronize()
@@ -80,6 +82,10 @@ class GenerationBatchResult:
         for j, row in enumerate(self.sampled_rows):
             if logprobs is not None and self.logprob_rows[j]:
                 self.next_token_logprobs[row] = logprobs[j]
-            if self.top_values is not None and self.top_indices is not None and self.top_logprobs_nums[j]:
+            if (
+                self.top_values is not None
+                and self.top_indices is not None
+                and self.top_logprobs_nums[j]
+            ):
                 self.next_token_top_logprobs[row] = (self.top_values[j], self.top_indices[j])
         return self

@@ -16,7 +16,11 @@ import re
 
 import torch
 
-from shardline_runtime.model_loader.checkpoint_files import TensorInfo, discover_checkpoint, iterate_weights
+from shardline_runtime.model_loader.checkpoint_files import (
+    TensorInfo,
+    discover_checkpoint,
+    iterate_weights,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +43,9 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     if name == "auto":
         return model_dtype
     if name not in KV_CACHE_TORCH_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_TORCH_DTYPES)}; got {name!r}")
+        raise ValueError(
+            f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_TORCH_DTYPES)}; got {name!r}"
+        )
     return KV_CACHE_TORCH_DTYPES[name]
 
 
@@ -56,7 +62,9 @@ def read_kv_scales(tensors: dict[str, TensorInfo]) -> dict[int, dict[str, float]
         match = _SCALE_NAME.search(name)
         assert match is not None  # the name was selected by this pattern
         if tensor.numel() != 1:
-            raise ValueError(f"{name}: a per-layer KV scale must hold one value, got shape {tuple(tensor.shape)}")
+            raise ValueError(
+                f"{name}: a per-layer KV scale must hold one value, got shape {tuple(tensor.shape)}"
+            )
         value = float(tensor.float().item())
         if not value > 0 or value == float("inf"):
             raise ValueError(f"{name}: a KV scale must be a positive finite number, got {value}")
@@ -64,7 +72,9 @@ def read_kv_scales(tensors: dict[str, TensorInfo]) -> dict[int, dict[str, float]
     return scales
 
 
-def configure_kv_cache_dtype(model, model_path: str | None, name: str, model_dtype: torch.dtype) -> torch.dtype:
+def configure_kv_cache_dtype(
+    model, model_path: str | None, name: str, model_dtype: torch.dtype
+) -> torch.dtype:
     """Resolve the cache dtype and, for fp8, set every attention layer's ``k_scale`` / ``v_scale``
     (1.0, or the checkpoint's). Returns the storage dtype."""
     dtype = resolve_kv_cache_dtype(name, model_dtype)
@@ -75,5 +85,10 @@ def configure_kv_cache_dtype(model, model_path: str | None, name: str, model_dty
         layer.k_scale = found.get("k", 1.0) if is_fp8(dtype) else 1.0
         layer.v_scale = found.get("v", 1.0) if is_fp8(dtype) else 1.0
     if is_fp8(dtype):
-        logger.info("KV cache %s; scales from the checkpoint for %d of %d layers", dtype, len(scales), len(layers))
+        logger.info(
+            "KV cache %s; scales from the checkpoint for %d of %d layers",
+            dtype,
+            len(scales),
+            len(layers),
+        )
     return dtype

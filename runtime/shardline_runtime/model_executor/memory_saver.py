@@ -79,7 +79,9 @@ class MemorySaver:
             with a warning when the package is missing).
     """
 
-    def __init__(self, model_runner: Any, cpu_backup: bool = False, use_torch_memory_saver: bool = False):
+    def __init__(
+        self, model_runner: Any, cpu_backup: bool = False, use_torch_memory_saver: bool = False
+    ):
         self.runner = model_runner
         self.cpu_backup = cpu_backup
         self.released: set[str] = set()
@@ -91,7 +93,9 @@ class MemorySaver:
         if use_torch_memory_saver and torch.device(model_runner.device).type == "cuda":
             self.tms = _torch_memory_saver()
             if self.tms is None:
-                logger.warning("--enable-memory-saver: torch-memory-saver is not installed; release frees and reallocates")
+                logger.warning(
+                    "--enable-memory-saver: torch-memory-saver is not installed; release frees and reallocates"
+                )
             else:
                 self.tms.hook_mode = "torch"
 
@@ -106,11 +110,15 @@ class MemorySaver:
     def blocked_reason(self) -> str | None:
         """Why the runner cannot serve now, or None."""
         if self.released:
-            return (f"memory is released (tags {sorted(self.released)}); "
-                    "POST /resume_memory_occupation before generating")
+            return (
+                f"memory is released (tags {sorted(self.released)}); "
+                "POST /resume_memory_occupation before generating"
+            )
         if self.missing:
-            return (f"weights were released without a CPU backup: {len(self.missing)} tensors still need a weight "
-                    "update (update_weights_from_disk, _from_tensor or _from_distributed)")
+            return (
+                f"weights were released without a CPU backup: {len(self.missing)} tensors still need a weight "
+                "update (update_weights_from_disk, _from_tensor or _from_distributed)"
+            )
         return None
 
     def note_loaded(self, names: Iterable[str] | None) -> None:
@@ -132,7 +140,9 @@ class MemorySaver:
         runner = self.runner
         on_gpu = torch.device(runner.device).type == "cuda"
         # Graphs read fixed addresses: drop them whenever their inputs may move.
-        if runner.cuda_graph_runner is not None and ("cuda_graph" in tags or (self.tms is None and tags)):
+        if runner.cuda_graph_runner is not None and (
+            "cuda_graph" in tags or (self.tms is None and tags)
+        ):
             self._graph_runner, runner.cuda_graph_runner = runner.cuda_graph_runner, None
             self._graph_runner.graphs.clear()
             self._graph_runner.outputs.clear()
@@ -162,16 +172,24 @@ class MemorySaver:
             self._resume_kv()
         self.released.difference_update(tags)
         graphs = self._graph_runner
-        if graphs is not None and not self.released.intersection({"weights", "kv_cache", "cuda_graph"}):
+        if graphs is not None and not self.released.intersection(
+            {"weights", "kv_cache", "cuda_graph"}
+        ):
             self._graph_runner = None
             graphs.capture()
             self.runner.cuda_graph_runner = graphs
         piecewise = getattr(self, "_piecewise_runner", None)
-        if piecewise is not None and not self.released.intersection({"weights", "kv_cache", "cuda_graph"}):
+        if piecewise is not None and not self.released.intersection(
+            {"weights", "kv_cache", "cuda_graph"}
+        ):
             self._piecewise_runner = None
             piecewise.capture()
             self.runner.piecewise_cuda_graph_runner = piecewise
-        note = f"; {len(self.missing)} tensors need a weight update before serving" if self.missing else ""
+        note = (
+            f"; {len(self.missing)} tensors need a weight update before serving"
+            if self.missing
+            else ""
+        )
         return (f"resumed {sorted(tags)}" if tags else "nothing to resume") + note
 
     def _release_weights(self) -> None:
@@ -218,7 +236,11 @@ class MemorySaver:
         if self.tms is not None:
             self.tms.resume("kv_cache")
             return
-        pool.k_buffer_head_major = [torch.zeros(s, dtype=pool.dtype, device=pool.device) for s in self._kv_shapes]
-        pool.v_buffer_head_major = [torch.zeros(s, dtype=pool.dtype, device=pool.device) for s in self._kv_shapes]
+        pool.k_buffer_head_major = [
+            torch.zeros(s, dtype=pool.dtype, device=pool.device) for s in self._kv_shapes
+        ]
+        pool.v_buffer_head_major = [
+            torch.zeros(s, dtype=pool.dtype, device=pool.device) for s in self._kv_shapes
+        ]
         pool.k_buffer = [b.transpose(0, 1) for b in pool.k_buffer_head_major]
         pool.v_buffer = [b.transpose(0, 1) for b in pool.v_buffer_head_major]

@@ -31,17 +31,30 @@ from shardline_runtime.configs.model_config import ModelConfig
 from shardline_runtime.configs.pipeline_stage import PipelineStage
 from shardline_runtime.layers.logits_processor import LogitsProcessorOutput
 from shardline_runtime.layers.sampler import Sampler
-from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode, PPProxyTensors
+from shardline_runtime.model_executor.forward_batch_info import (
+    ForwardBatch,
+    ForwardMode,
+    PPProxyTensors,
+)
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
 from shardline_runtime.model_executor.memory_saver import MemorySaver
-from shardline_runtime.model_executor.model_runner_config import DEVICES, ModelRunnerConfig, resolve_device
+from shardline_runtime.model_executor.model_runner_config import (
+    DEVICES,
+    ModelRunnerConfig,
+    resolve_device,
+)
 from shardline_runtime.model_executor.model_runner_graphs import ModelRunnerGraphsMixin
-from shardline_runtime.model_executor.model_runner_kv_cache import KVCacheMemoryError, ModelRunnerKVCacheMixin
+from shardline_runtime.model_executor.model_runner_kv_cache import (
+    KVCacheMemoryError,
+    ModelRunnerKVCacheMixin,
+)
 from shardline_runtime.model_executor.weight_update import WeightsPhase, update_weights_from_disk
 
 if TYPE_CHECKING:
     from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner
-    from shardline_runtime.model_executor.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
+    from shardline_runtime.model_executor.piecewise_cuda_graph_runner import (
+        PiecewiseCudaGraphRunner,
+    )
     from shardline_runtime.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -80,15 +93,22 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
         self.device = resolve_device(config.device, config.local_rank)
         if model_config is None:
             model_config = ModelConfig.from_pretrained(
-                config.model_path, dtype=config.dtype, context_length=config.context_length,
+                config.model_path,
+                dtype=config.dtype,
+                context_length=config.context_length,
                 device_type=self.device.type,
             )
         self.model_config = model_config
         self.model_config.check_tp_size(self.tp_size)
-        self.model_config.check_ep_size(self.tp_size, config.ep_size, config.ep_num_redundant_experts)
+        self.model_config.check_ep_size(
+            self.tp_size, config.ep_size, config.ep_num_redundant_experts
+        )
         # raises PipelineLayoutError (fewer layers than stages, a bad partition) before the rendezvous
         self.pipeline_stage = PipelineStage.for_rank(
-            self.model_config.num_hidden_layers, self.pp_rank, self.pp_size, config.pp_layer_partition
+            self.model_config.num_hidden_layers,
+            self.pp_rank,
+            self.pp_size,
+            config.pp_layer_partition,
         )
         self.dtype = self.model_config.dtype
         # Every architecture of models/registry.py is a causal LM that samples tokens (SGLang's
@@ -98,7 +118,9 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
         pre_model_load_memory = self.init_torch_distributed()
         self.forward_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         torch.manual_seed(config.random_seed)
-        self.memory_saver = MemorySaver(self, config.enable_weights_cpu_backup, config.enable_memory_saver)
+        self.memory_saver = MemorySaver(
+            self, config.enable_weights_cpu_backup, config.enable_memory_saver
+        )
         self.initialize(pre_model_load_memory)
 
     def init_torch_distributed(self) -> int:
@@ -107,9 +129,13 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         distributed.init_distributed_environment(
-            tp_rank=self.tp_rank, tp_size=self.tp_size, device=self.device,
-            dist_init_addr=self.config.dist_init_addr, timeout_s=self.config.dist_timeout,
-            pp_rank=self.pp_rank, pp_size=self.pp_size,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            device=self.device,
+            dist_init_addr=self.config.dist_init_addr,
+            timeout_s=self.config.dist_timeout,
+            pp_rank=self.pp_rank,
+            pp_size=self.pp_size,
         )
         distributed.init_expert_parallel(self.config.ep_size, self.config.ep_num_redundant_experts)
         return self._memory_available()
@@ -152,27 +178,31 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
         from shardline_runtime.model_loader.loader import load_model
 
         before = self._memory_available()
-        self.model = load_model(self.model_config, self.model_config.model_path, self.device, stage=self.pipeline_stage)
+        self.model = load_model(
+            self.model_config, self.model_config.model_path, self.device, stage=self.pipeline_stage
+        )
         self.model_config = self.model.config
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         stage = self.pipeline_stage
         logger.info(
             "[tp %d, pp %d] loaded %s layers [%d, %d): %.1f MiB of weights on this rank (available %.1f MiB before)",
-            self.tp_rank, self.pp_rank, self.model_config.architecture, stage.start_layer,
-            stage.start_layer + self.num_stage_layers, self.weight_bytes / 2**20, before / 2**20,
+            self.tp_rank,
+            self.pp_rank,
+            self.model_config.architecture,
+            stage.start_layer,
+            stage.start_layer + self.num_stage_layers,
+            self.weight_bytes / 2**20,
+            before / 2**20,
         )
-
-    @property
-    def num_stage_layers(self) -> int:
-        """Decoder layers this rank runs (all of them without pipeline parallelism)."""
-        return self.pipeline_stage.end(self.model_config.num_hidden_layers) - self.pipeline_stage.start_layer
 
     def init_eplb_manager(self) -> None:
         """``eplb_manager`` (expert-distribution recorder and EPLB) for MoE models, else None."""
         from shardline_runtime.model_executor.eplb_manager import EPLBManager
 
         self.eplb_manager = EPLBManager.for_model(
-            self.model, self.model_config.num_hidden_layers, self.device,
+            self.model,
+            self.model_config.num_hidden_layers,
+            self.device,
             rebalance_num_iterations=self.config.eplb_rebalance_num_iterations,
             recorder_dir=self.config.expert_distribution_recorder_dir,
         )
@@ -183,27 +213,43 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
         self.lora_manager = None
         if not self.config.enable_lora:
             return
-        from shardline_runtime.lora.lora_config import LoRAConfig, parse_lora_paths, resolve_target_modules
+        from shardline_runtime.lora.lora_config import (
+            LoRAConfig,
+            parse_lora_paths,
+            resolve_target_modules,
+        )
         from shardline_runtime.lora.lora_manager import LoRAManager
 
         paths = parse_lora_paths(list(self.config.lora_paths))
-        max_rank = self.config.max_lora_rank or max([LoRAConfig.from_path(p).r for p in paths.values()] or [16])
-        self.lora_manager = LoRAManager(self.model, self.config.max_loras_per_batch, max_rank,
-                                        resolve_target_modules(list(self.config.lora_target_modules)))
+        max_rank = self.config.max_lora_rank or max(
+            [LoRAConfig.from_path(p).r for p in paths.values()] or [16]
+        )
+        self.lora_manager = LoRAManager(
+            self.model,
+            self.config.max_loras_per_batch,
+            max_rank,
+            resolve_target_modules(list(self.config.lora_target_modules)),
+        )
         for name, path in paths.items():
             self.lora_manager.load_adapter(name, path)
 
     def init_attention_backend(self) -> None:
         """Create the backend ``--attention-backend`` names (auto: triton on CUDA, torch_native on CPU)."""
-        from shardline_runtime.attention.registry import create_attention_backend, resolve_attention_backend
+        from shardline_runtime.attention.registry import (
+            create_attention_backend,
+            resolve_attention_backend,
+        )
 
-        self.attention_backend_name = resolve_attention_backend(self.config.attention_backend, self.device)
+        self.attention_backend_name = resolve_attention_backend(
+            self.config.attention_backend, self.device
+        )
         self.attn_backend = create_attention_backend(self.attention_backend_name, self)
 
     # ---- one step -----------------------------------------------------------------------------
 
-    def forward_and_sample(self, forward_batch: ForwardBatch,
-                           pp_proxy_tensors: PPProxyTensors | None = None) -> GenerationBatchResult:
+    def forward_and_sample(
+        self, forward_batch: ForwardBatch, pp_proxy_tensors: PPProxyTensors | None = None
+    ) -> GenerationBatchResult:
         """Run one step and sample; the one path the worker calls.
 
         ``pp_proxy_tensors``: the previous pipeline stage's output (every stage but the first).
@@ -218,13 +264,16 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
         """
         output = self.forward(forward_batch, pp_proxy_tensors)
         if output is None:
-            raise ValueError("forward_and_sample needs a step that reaches the last layer (not a partial SPLIT_PREFILL)")
+            raise ValueError(
+                "forward_and_sample needs a step that reaches the last layer (not a partial SPLIT_PREFILL)"
+            )
         if isinstance(output, PPProxyTensors):
             return GenerationBatchResult(None, forward_batch, pp_hidden_states_proxy_tensors=output)
         return self.sample(output, forward_batch)
 
-    def forward(self, forward_batch: ForwardBatch,
-                pp_proxy_tensors: PPProxyTensors | None = None) -> LogitsProcessorOutput | PPProxyTensors | None:
+    def forward(
+        self, forward_batch: ForwardBatch, pp_proxy_tensors: PPProxyTensors | None = None
+    ) -> LogitsProcessorOutput | PPProxyTensors | None:
         """Run one step; dispatches on ``forward_batch.forward_mode`` (increments ``forward_pass_id``).
 
         A decode batch that fits a captured graph replays it, an EXTEND that fits a piecewise
@@ -239,33 +288,62 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
         """
         mode = forward_batch.forward_mode
         if not isinstance(mode, ForwardMode):
-            raise ValueError(f"unknown forward_mode {mode!r}; allowed: {[m.name for m in ForwardMode]}")
+            raise ValueError(
+                f"unknown forward_mode {mode!r}; allowed: {[m.name for m in ForwardMode]}"
+            )
         self.forward_pass_id += 1
         if self.pp_size > 1:
             return self._forward_eager(forward_batch, pp_proxy_tensors)
-        recording = self.eplb_manager is not None and self.eplb_manager.recorder.recording  # graphs do not record
+        recording = (
+            self.eplb_manager is not None and self.eplb_manager.recorder.recording
+        )  # graphs do not record
         graphs = self.cuda_graph_runner
-        if mode.is_decode() and graphs is not None and not recording and graphs.can_run(forward_batch):
+        if (
+            mode.is_decode()
+            and graphs is not None
+            and not recording
+            and graphs.can_run(forward_batch)
+        ):
             return graphs.replay(forward_batch)
         pieces = self.piecewise_cuda_graph_runner
         # a graph embeds the token ids itself: caller-given embeddings run eagerly
-        if (mode == ForwardMode.EXTEND and pieces is not None and not recording
-                and forward_batch.input_embeds_indices is None and pieces.can_run(forward_batch)):
+        if (
+            mode == ForwardMode.EXTEND
+            and pieces is not None
+            and not recording
+            and forward_batch.input_embeds_indices is None
+            and pieces.can_run(forward_batch)
+        ):
             return pieces.replay(forward_batch)
         return self._forward_eager(forward_batch)
 
-    def _forward_eager(self, forward_batch: ForwardBatch, pp_proxy_tensors: PPProxyTensors | None = None):
+    def _forward_eager(
+        self, forward_batch: ForwardBatch, pp_proxy_tensors: PPProxyTensors | None = None
+    ):
         if self.lora_manager is not None:
-            per_req = forward_batch.extend_seq_lens_cpu if forward_batch.forward_mode.is_extend() else None
+            per_req = (
+                forward_batch.extend_seq_lens_cpu
+                if forward_batch.forward_mode.is_extend()
+                else None
+            )
             per_req = per_req or [1] * forward_batch.batch_size
             self.lora_manager.prepare_lora_batch(forward_batch.lora_names, per_req)
         self.attn_backend.init_forward_metadata(forward_batch)
         with torch.inference_mode():
             embeds = self.input_embeds(forward_batch)
             # the layer-range path of SPLIT_PREFILL is the model's own method, beside its plain forward
-            run = self.model.forward_split_prefill if forward_batch.forward_mode.is_split_prefill() else self.model.forward
-            out = run(forward_batch.input_ids, forward_batch.positions, forward_batch, input_embeds=embeds,
-                      pp_proxy_tensors=pp_proxy_tensors)
+            run = (
+                self.model.forward_split_prefill
+                if forward_batch.forward_mode.is_split_prefill()
+                else self.model.forward
+            )
+            out = run(
+                forward_batch.input_ids,
+                forward_batch.positions,
+                forward_batch,
+                input_embeds=embeds,
+                pp_proxy_tensors=pp_proxy_tensors,
+            )
         if self.eplb_manager is not None:
             self.eplb_manager.on_forward_pass_end()
         return out
@@ -273,15 +351,20 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
     def input_embeds(self, forward_batch: ForwardBatch) -> torch.Tensor | None:
         """(T, hidden_size): the token embeddings with rows ``input_embeds_indices`` replaced by
         ``input_embeds_values`` (the placeholder mechanism of multimodal models), or None."""
-        if (forward_batch.input_embeds_indices is None or forward_batch.input_embeds_values is None
-                or not self.pipeline_stage.is_first):
+        if (
+            forward_batch.input_embeds_indices is None
+            or forward_batch.input_embeds_values is None
+            or not self.pipeline_stage.is_first
+        ):
             return None
         embeds = self.model.get_input_embeddings()(forward_batch.input_ids)  # (T, hidden)
         rows = forward_batch.input_embeds_indices.to(self.device)
         embeds[rows] = forward_batch.input_embeds_values.to(device=self.device, dtype=embeds.dtype)
         return embeds
 
-    def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> GenerationBatchResult:
+    def sample(
+        self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch
+    ) -> GenerationBatchResult:
         """Draw one token for each row that wants one; the only sampling path.
 
         Rows with ``forward_batch.wants_token[i] == False`` (intermediate chunks,
@@ -296,7 +379,9 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
         bs = forward_batch.batch_size
         wants = forward_batch.wants_token
         rows = list(range(bs)) if wants is None else [i for i, w in enumerate(wants) if w]
-        result = GenerationBatchResult(logits_output=logits_output, forward_batch=forward_batch, sampled_rows=rows)
+        result = GenerationBatchResult(
+            logits_output=logits_output, forward_batch=forward_batch, sampled_rows=rows
+        )
         result.next_token_ids = torch.full((bs,), -1, dtype=torch.int64, device=self.device)
         if not rows:
             return result
@@ -316,7 +401,9 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
         if out.next_token_logprobs is not None and self.tp_size > 1:
             distributed.broadcast_tensor(out.next_token_logprobs, src=0)
         if forward_batch.sampling_info.penalties is not None:
-            forward_batch.sampling_info.penalties.cumulate_output_tokens(out.next_token_ids, row_index)
+            forward_batch.sampling_info.penalties.cumulate_output_tokens(
+                out.next_token_ids, row_index
+            )
         result.next_token_ids[row_index] = out.next_token_ids
         result.sampled_logprobs = out.next_token_logprobs
         result.top_values, result.top_indices = out.top_logprobs_val, out.top_logprobs_idx
@@ -325,7 +412,10 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
     # ---- weights ------------------------------------------------------------------------------
 
     def update_weights_from_disk(
-        self, model_path: str, load_format: str = "auto", recapture_cuda_graph: bool = True,
+        self,
+        model_path: str,
+        load_format: str = "auto",
+        recapture_cuda_graph: bool = True,
         on_phase: Callable[[WeightsPhase], None] | None = None,
     ) -> tuple[bool, str]:
         """Load new weights in place on every rank (all or nothing); see ``weight_update.py``.
@@ -339,5 +429,9 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
             ``(success, message)``; on failure the old weights keep serving.
         """
         return update_weights_from_disk(
-            self, model_path, load_format=load_format, recapture_cuda_graph=recapture_cuda_graph, on_phase=on_phase
+            self,
+            model_path,
+            load_format=load_format,
+            recapture_cuda_graph=recapture_cuda_graph,
+            on_phase=on_phase,
         )

@@ -69,10 +69,14 @@ class ModelRunnerConfig:
         if not 0 <= self.pp_rank < self.pp_size:
             raise ValueError(f"pp_rank must be in [0, {self.pp_size}), got {self.pp_rank}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
-            raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+            raise ValueError(
+                f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}"
+            )
 
     @classmethod
-    def from_server_args(cls, server_args: Any, tp_rank: int, pp_rank: int = 0) -> "ModelRunnerConfig":
+    def from_server_args(
+        cls, server_args: Any, tp_rank: int, pp_rank: int = 0
+    ) -> ModelRunnerConfig:
         """Take the same-named fields of a ``ServerArgs`` (or any object with them)."""
         names = cls.__dataclass_fields__.keys() - {"tp_rank", "pp_rank"}
         values = {n: getattr(server_args, n) for n in names if hasattr(server_args, n)}

@@ -15,7 +15,12 @@ import torch
 
 from shardline_runtime import distributed
 from shardline_runtime.configs.model_config import ModelConfig
-from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
+from shardline_runtime.configs.pipeline_stage import PipelineStage
+from shardline_runtime.mem_cache.memory_pool import (
+    ReqToTokenPool,
+    TokenToKVPool,
+    TokenToKVPoolAllocator,
+)
 
 if TYPE_CHECKING:
     from shardline_runtime.model_executor.model_runner_config import ModelRunnerConfig
@@ -41,7 +46,17 @@ class ModelRunnerKVCacheMixin:
     model_config: ModelConfig
     tp_rank: int
     tp_size: int
+    pp_rank: int
+    pipeline_stage: PipelineStage
     weight_bytes: int
+
+    @property
+    def num_stage_layers(self) -> int:
+        """Decoder layers this rank runs (all of them without pipeline parallelism)."""
+        return (
+            self.pipeline_stage.end(self.model_config.num_hidden_layers)
+            - self.pipeline_stage.start_layer
+        )
 
     def _memory_available(self) -> int:
         if self.device.type == "cuda":
@@ -68,7 +83,10 @@ class ModelRunnerKVCacheMixin:
         """
         mc = self.model_config
         per_token = TokenToKVPool.bytes_per_token(
-            self.num_stage_layers, mc.get_num_kv_heads(self.tp_size), mc.head_dim, self.kv_cache_dtype
+            self.num_stage_layers,
+            mc.get_num_kv_heads(self.tp_size),
+            mc.head_dim,
+            self.kv_cache_dtype,
         )
         if self.device.type == "cuda":
             free = torch.cuda.mem_get_info(self.device)[0]
@@ -100,14 +118,24 @@ class ModelRunnerKVCacheMixin:
             )
         self.max_total_num_tokens = tokens
         self.req_to_token_pool = ReqToTokenPool(
-            size=self.config.max_running_requests + 1, max_context_len=mc.context_len + 4, device=self.device
+            size=self.config.max_running_requests + 1,
+            max_context_len=mc.context_len + 4,
+            device=self.device,
         )
         self.token_to_kv_pool = TokenToKVPool(
-            tokens, self.num_stage_layers, mc.get_num_kv_heads(self.tp_size), mc.head_dim, self.kv_cache_dtype,
-            self.device, start_layer=self.pipeline_stage.start_layer,
+            tokens,
+            self.num_stage_layers,
+            mc.get_num_kv_heads(self.tp_size),
+            mc.head_dim,
+            self.kv_cache_dtype,
+            self.device,
+            start_layer=self.pipeline_stage.start_layer,
         )
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(tokens, device=self.device)
         logger.info(
-            "[tp %d] KV cache: %d tokens, %s, %.1f MiB", self.tp_rank, tokens, self.kv_cache_dtype,
+            "[tp %d] KV cache: %d tokens, %s, %.1f MiB",
+            self.tp_rank,
+            tokens,
+            self.kv_cache_dtype,
             self.token_to_kv_pool.mem_usage_bytes() / 2**20,
         )

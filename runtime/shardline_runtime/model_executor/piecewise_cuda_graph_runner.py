@@ -56,7 +56,7 @@ class _AttentionSplit:
     records the call, starts the next. ``eager``: real attention on the first ``n`` rows.
     """
 
-    def __init__(self, runner: "PiecewiseCudaGraphRunner"):
+    def __init__(self, runner: PiecewiseCudaGraphRunner):
         self.runner = runner
         self.mode = "warmup"
         self.real_batch: ForwardBatch | None = None
@@ -86,17 +86,24 @@ class PiecewiseCudaGraphRunner:
         ValueError: the model lacks the Llama-family layout.
     """
 
-    def __init__(self, model_runner: Any, capture: bool | None = None, token_buckets: list[int] | None = None):
+    def __init__(
+        self, model_runner: Any, capture: bool | None = None, token_buckets: list[int] | None = None
+    ):
         self.model_runner = model_runner
         self.device = torch.device(model_runner.device)
         self.use_graphs = self.device.type == "cuda" if capture is None else capture
-        self.buckets = sorted(token_buckets) if token_buckets else get_token_buckets(
-            model_runner.config.piecewise_cuda_graph_max_tokens)
+        self.buckets = (
+            sorted(token_buckets)
+            if token_buckets
+            else get_token_buckets(model_runner.config.piecewise_cuda_graph_max_tokens)
+        )
         self.max_tokens = self.buckets[-1]
         model = model_runner.model
         for name in ("model", "lm_head", "logits_processor"):
             if not hasattr(model, name):
-                raise ValueError(f"piecewise CUDA graphs need a Llama-family model; {type(model).__name__} has no {name!r}")
+                raise ValueError(
+                    f"piecewise CUDA graphs need a Llama-family model; {type(model).__name__} has no {name!r}"
+                )
         self.input_ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device)
         self.positions = torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device)
         self.split = _AttentionSplit(self)
@@ -115,9 +122,16 @@ class PiecewiseCudaGraphRunner:
 
     def _static_batch(self, n: int) -> ForwardBatch:
         empty = torch.zeros(0, dtype=torch.int64, device=self.device)
-        return ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=0, input_ids=self.input_ids[:n],
-                            positions=self.positions[:n], req_pool_indices=empty, seq_lens=empty,
-                            out_cache_loc=empty, attn_backend=self.split)
+        return ForwardBatch(
+            forward_mode=ForwardMode.EXTEND,
+            batch_size=0,
+            input_ids=self.input_ids[:n],
+            positions=self.positions[:n],
+            req_pool_indices=empty,
+            seq_lens=empty,
+            out_cache_loc=empty,
+            attn_backend=self.split,
+        )
 
     def _run_layers(self, n: int) -> torch.Tensor:
         """Embedding, every layer, final norm over the first ``n`` static rows -> (n, hidden)."""
@@ -179,8 +193,11 @@ class PiecewiseCudaGraphRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self._pieces, self._calls = [], []
-        logger.info("captured piecewise EXTEND graphs for %s tokens (%d pieces each)",
-                    self.buckets, len(next(iter(self.graphs.values()))) if self.graphs else 0)
+        logger.info(
+            "captured piecewise EXTEND graphs for %s tokens (%d pieces each)",
+            self.buckets,
+            len(next(iter(self.graphs.values()))) if self.graphs else 0,
+        )
 
     def release_graphs(self) -> None:
         """Drop every captured piece and the tensors it holds (``capture`` builds them again)."""
@@ -193,7 +210,10 @@ class PiecewiseCudaGraphRunner:
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         """True for an EXTEND step of 1..max_tokens tokens."""
-        return forward_batch.forward_mode == ForwardMode.EXTEND and 0 < forward_batch.num_tokens <= self.max_tokens
+        return (
+            forward_batch.forward_mode == ForwardMode.EXTEND
+            and 0 < forward_batch.num_tokens <= self.max_tokens
+        )
 
     def bucket(self, num_tokens: int) -> int:
         """Smallest bucket >= ``num_tokens``.
@@ -202,7 +222,9 @@ class PiecewiseCudaGraphRunner:
             ValueError: ``num_tokens`` not in [1, max_tokens].
         """
         if not 1 <= num_tokens <= self.max_tokens:
-            raise ValueError(f"token count must be in [1, {self.max_tokens}] for piecewise graphs, got {num_tokens}")
+            raise ValueError(
+                f"token count must be in [1, {self.max_tokens}] for piecewise graphs, got {num_tokens}"
+            )
         return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
 
     def replay(self, forward_batch: ForwardBatch):
@@ -221,13 +243,21 @@ class PiecewiseCudaGraphRunner:
                     piece.replay()
                     if i < len(calls):
                         layer, q, k, v, out = calls[i]
-                        out[:n].copy_(self.backend.forward(q[:n], k[:n], v[:n], layer, forward_batch))
+                        out[:n].copy_(
+                            self.backend.forward(q[:n], k[:n], v[:n], layer, forward_batch)
+                        )
                 hidden = self.outputs[padded][:n]
             else:
-                self.split.mode, self.split.real_batch, self.split.num_tokens = "eager", forward_batch, n
+                self.split.mode, self.split.real_batch, self.split.num_tokens = (
+                    "eager",
+                    forward_batch,
+                    n,
+                )
                 try:
                     hidden = self._run_layers(padded)[:n]
                 finally:
                     self.split.mode, self.split.real_batch = "warmup", None
             model = self.model_runner.model
-            return model.logits_processor(forward_batch.input_ids, hidden, model.lm_head, forward_batch)
+            return model.logits_processor(
+                forward_batch.input_ids, hidden, model.lm_head, forward_batch
+            )

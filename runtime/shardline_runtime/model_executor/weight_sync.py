@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from shardline_runtime.distributed import all_gather_pyobj_world, all_reduce_min_int
-from shardline_runtime.model_executor.weight_update import WeightUpdateError
 from shardline_runtime.layers.parameter import weight_loader_of
+from shardline_runtime.model_executor.weight_update import WeightUpdateError
 from shardline_runtime.models.llama import LlamaForCausalLM
 from shardline_runtime.models.weight_loading import full_checkpoint_shapes
 
@@ -50,7 +50,9 @@ def parse_dtype(name: str) -> torch.dtype:
     """
     dtype = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise WeightUpdateError(f"dtype {name!r} is not a floating-point torch dtype (e.g. 'bfloat16', 'float32')")
+        raise WeightUpdateError(
+            f"dtype {name!r} is not a floating-point torch dtype (e.g. 'bfloat16', 'float32')"
+        )
     return dtype
 
 
@@ -76,7 +78,11 @@ def _resolve(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter], nam
     return params[target], args
 
 
-def check_specs(model: LlamaForCausalLM, dtype: torch.dtype, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+def check_specs(
+    model: LlamaForCausalLM,
+    dtype: torch.dtype,
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+) -> None:
     """Check declared ``(name, dtype, full shape)`` triples against the running model.
 
     Raises:
@@ -93,13 +99,19 @@ def check_specs(model: LlamaForCausalLM, dtype: torch.dtype, specs: list[tuple[s
         if want is None and not any(name.endswith(i) for i in ignored):
             raise WeightUpdateError(f"parameter {name}: no such parameter in the serving model")
         if want is not None and tuple(shape) != tuple(want):
-            raise WeightUpdateError(f"parameter {name}: shape {tuple(shape)} given, the serving model has {tuple(want)}")
+            raise WeightUpdateError(
+                f"parameter {name}: shape {tuple(shape)} given, the serving model has {tuple(want)}"
+            )
         if got_dtype != dtype:
-            raise WeightUpdateError(f"parameter {name}: dtype {got_dtype} given, the serving model uses {dtype}")
+            raise WeightUpdateError(
+                f"parameter {name}: dtype {got_dtype} given, the serving model uses {dtype}"
+            )
 
 
 @torch.no_grad()
-def load_named_tensors(model: LlamaForCausalLM, named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+def load_named_tensors(
+    model: LlamaForCausalLM, named: Iterable[tuple[str, torch.Tensor]]
+) -> list[str]:
     """Load full tensors into their parameters through ``weight_loader`` (each rank its shard).
 
     Unlike a checkpoint load, a subset of the parameters is fine. Returns the names loaded.
@@ -122,7 +134,10 @@ def _agree(reason: str, what: str) -> tuple[bool, str]:
     ok = all_reduce_min_int(0 if reason else 1) == 1
     if ok:
         return True, ""
-    return False, f"{what} failed; old weights kept. {reason or 'rejected on another tensor-parallel rank or pipeline stage (see its log)'}"
+    return (
+        False,
+        f"{what} failed; old weights kept. {reason or 'rejected on another tensor-parallel rank or pipeline stage (see its log)'}",
+    )
 
 
 def update_weights_from_safetensors(model_runner: Any, data: bytes) -> tuple[bool, str, list[str]]:
@@ -141,10 +156,14 @@ def update_weights_from_safetensors(model_runner: Any, data: bytes) -> tuple[boo
         try:
             named = list(load(data).items())
         except (SafetensorError, ValueError, OSError) as exc:
-            raise WeightUpdateError(f"serialized_named_tensors is not a valid safetensors file: {exc}") from None
+            raise WeightUpdateError(
+                f"serialized_named_tensors is not a valid safetensors file: {exc}"
+            ) from None
         if not named:
             raise WeightUpdateError("serialized_named_tensors holds no tensor")
-        check_specs(model_runner.model, model_runner.dtype, [(n, t.dtype, tuple(t.shape)) for n, t in named])
+        check_specs(
+            model_runner.model, model_runner.dtype, [(n, t.dtype, tuple(t.shape)) for n, t in named]
+        )
     except WeightUpdateError as exc:
         reason = str(exc)
     ok, message = _agree(reason, "update_weights_from_tensor")
@@ -154,7 +173,9 @@ def update_weights_from_safetensors(model_runner: Any, data: bytes) -> tuple[boo
     return True, f"loaded {len(loaded)} tensors on tp rank {model_runner.tp_rank}", loaded
 
 
-def _drainable(model: LlamaForCausalLM, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> bool:
+def _drainable(
+    model: LlamaForCausalLM, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]
+) -> bool:
     """Whether every declared shape can be received: no negative dimension, and no more
     elements than the largest checkpoint tensor (so draining a rejected update is bounded)."""
     largest = max((math.prod(s) for s in full_checkpoint_shapes(model).values()), default=0)
@@ -162,7 +183,12 @@ def _drainable(model: LlamaForCausalLM, specs: list[tuple[str, torch.dtype, tupl
 
 
 def update_weights_from_distributed(
-    model_runner: Any, group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]], refused: str = "",
+    model_runner: Any,
+    group: Any,
+    names: list[str],
+    dtypes: list[str],
+    shapes: list[list[int]],
+    refused: str = "",
 ) -> tuple[bool, str, list[str], bool]:
     """Receive ``names`` from the trainer (rank 0 of ``group``), one broadcast each, then load.
 
@@ -180,8 +206,12 @@ def update_weights_from_distributed(
     specs = None
     try:
         if not len(names) == len(dtypes) == len(shapes):
-            raise WeightUpdateError(f"names, dtypes and shapes must have the same length, got {len(names)}, {len(dtypes)}, {len(shapes)}")
-        specs = [(n, parse_dtype(d), tuple(int(x) for x in s)) for n, d, s in zip(names, dtypes, shapes)]
+            raise WeightUpdateError(
+                f"names, dtypes and shapes must have the same length, got {len(names)}, {len(dtypes)}, {len(shapes)}"
+            )
+        specs = [
+            (n, parse_dtype(d), tuple(int(x) for x in s)) for n, d, s in zip(names, dtypes, shapes)
+        ]
         check_specs(model_runner.model, model_runner.dtype, specs)
     except WeightUpdateError as exc:
         reason = reason or str(exc)
@@ -206,7 +236,12 @@ def update_weights_from_distributed(
     if not ok:
         return False, message, [], broken
     loaded = load_named_tensors(model_runner.model, staged)
-    return True, f"received and loaded {len(loaded)} tensors on tp rank {model_runner.tp_rank}", loaded, False
+    return (
+        True,
+        f"received and loaded {len(loaded)} tensors on tp rank {model_runner.tp_rank}",
+        loaded,
+        False,
+    )
 
 
 @torch.no_grad()
@@ -224,7 +259,9 @@ def get_weights_by_name(model_runner: Any, name: str, truncate_size: int = 100) 
             2**20 values asked for.
     """
     if not 1 <= truncate_size <= MAX_TRUNCATE_SIZE:
-        raise WeightUpdateError(f"truncate_size must be in [1, {MAX_TRUNCATE_SIZE}], got {truncate_size}")
+        raise WeightUpdateError(
+            f"truncate_size must be in [1, {MAX_TRUNCATE_SIZE}], got {truncate_size}"
+        )
     model = model_runner.model
     shapes = full_checkpoint_shapes(model)
     if name == "lm_head.weight" and model.config.tie_word_embeddings:
@@ -240,7 +277,8 @@ def get_weights_by_name(model_runner: Any, name: str, truncate_size: int = 100) 
     if limit > MAX_RETURNED_ELEMENTS:
         raise WeightUpdateError(
             f"truncate_size {truncate_size} of {name} (rows of {row} values) would return {limit} values; "
-            f"ask for at most {max(1, MAX_RETURNED_ELEMENTS // row)} rows")
+            f"ask for at most {max(1, MAX_RETURNED_ELEMENTS // row)} rows"
+        )
     positions, values = [], []
     resolved = _resolve(model, dict(model.named_parameters()), held[0]) if held else None
     if resolved is not None:

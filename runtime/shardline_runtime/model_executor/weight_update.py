@@ -56,8 +56,11 @@ class PhaseClock:
     still running counts up to now.
     """
 
-    def __init__(self, forward: Callable[[WeightsPhase], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        forward: Callable[[WeightsPhase], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._forward, self._clock = forward, clock
         self._marks: list[tuple[WeightsPhase, float]] = []
 
@@ -73,7 +76,10 @@ class PhaseClock:
         for (phase, began), ended in zip(self._marks, ends):
             if phase in spent:
                 spent[phase] += ended - began
-        return {"load_seconds": spent[WeightsPhase.LOADING], "recapture_seconds": spent[WeightsPhase.RECAPTURING]}
+        return {
+            "load_seconds": spent[WeightsPhase.LOADING],
+            "recapture_seconds": spent[WeightsPhase.RECAPTURING],
+        }
 
 
 class WeightUpdateError(ValueError):
@@ -103,7 +109,9 @@ def load_candidate(model_runner: Any, model_path: str, load_format: str = "auto"
     live = model_runner.model_config
     validate_checkpoint(model_path, live)
     new_config = ModelConfig.from_pretrained(
-        model_path, dtype=_dtype_name(live.dtype), context_length=model_runner.config.context_length,
+        model_path,
+        dtype=_dtype_name(live.dtype),
+        context_length=model_runner.config.context_length,
         device_type=torch.device(model_runner.device).type,
     )
     if new_config.architecture != live.architecture:
@@ -116,11 +124,18 @@ def load_candidate(model_runner: Any, model_path: str, load_format: str = "auto"
     def same_expert_placement(candidate: torch.nn.Module) -> None:
         copy_expert_placement(model_runner.model, candidate)
 
-    return new_config, load_model(new_config, model_path, torch.device("cpu"), prepare=same_expert_placement,
-                                  stage=getattr(model_runner, "pipeline_stage", None))
+    return new_config, load_model(
+        new_config,
+        model_path,
+        torch.device("cpu"),
+        prepare=same_expert_placement,
+        stage=getattr(model_runner, "pipeline_stage", None),
+    )
 
 
-def compare_models(live_config: Any, live_model: torch.nn.Module, new_config: Any, new_model: torch.nn.Module) -> None:
+def compare_models(
+    live_config: Any, live_model: torch.nn.Module, new_config: Any, new_model: torch.nn.Module
+) -> None:
     """Check that ``new_model`` can be copied into ``live_model`` parameter by parameter.
 
     Raises:
@@ -132,13 +147,17 @@ def compare_models(live_config: Any, live_model: torch.nn.Module, new_config: An
     for name, old in live_params.items():
         new = new_params.get(name)
         if new is None:
-            raise WeightUpdateError(f"parameter {name} (old shape {tuple(old.shape)}) is missing from the new checkpoint")
+            raise WeightUpdateError(
+                f"parameter {name} (old shape {tuple(old.shape)}) is missing from the new checkpoint"
+            )
         if new.shape != old.shape:
             raise WeightUpdateError(
                 f"parameter {name}: old shape {tuple(old.shape)}, new shape {tuple(new.shape)}"
             )
         if new.dtype != old.dtype:
-            raise WeightUpdateError(f"parameter {name}: old dtype {old.dtype}, new dtype {new.dtype}")
+            raise WeightUpdateError(
+                f"parameter {name}: old dtype {old.dtype}, new dtype {new.dtype}"
+            )
     for name, new in new_params.items():
         if name not in live_params:
             raise WeightUpdateError(
@@ -204,7 +223,9 @@ def update_weights_from_disk(
         compare_models(model_runner.model_config, model_runner.model, new_config, new_model)
     except Exception as exc:  # any failure here must leave the live weights alone
         reason = f"{type(exc).__name__}: {exc}"
-        logger.warning("[tp %d] new checkpoint %s rejected: %s", model_runner.tp_rank, model_path, reason)
+        logger.warning(
+            "[tp %d] new checkpoint %s rejected: %s", model_runner.tp_rank, model_path, reason
+        )
     all_ok = all_reduce_min_int(0 if reason else 1) == 1
     if not all_ok:
         phase(WeightsPhase.FAILED)
@@ -215,11 +236,20 @@ def update_weights_from_disk(
     copied = copy_weights_in_place(model_runner.model, new_model)
     del new_model
     model_runner.model_config = new_config  # same shapes and behaviour; reports the new path
-    runners = [r for r in (getattr(model_runner, "cuda_graph_runner", None),
-                           getattr(model_runner, "piecewise_cuda_graph_runner", None)) if r is not None]
+    runners = [
+        r
+        for r in (
+            getattr(model_runner, "cuda_graph_runner", None),
+            getattr(model_runner, "piecewise_cuda_graph_runner", None),
+        )
+        if r is not None
+    ]
     if recapture_cuda_graph and runners:
         phase(WeightsPhase.RECAPTURING)
         for runner in runners:  # decode graphs, then the EXTEND pieces
             runner.capture()
     phase(WeightsPhase.SERVING)
-    return True, f"loaded {model_path} in place ({copied / 2**20:.1f} MiB on tp rank {model_runner.tp_rank})"
+    return (
+        True,
+        f"loaded {model_path} in place ({copied / 2**20:.1f} MiB on tp rank {model_runner.tp_rank})",
+    )

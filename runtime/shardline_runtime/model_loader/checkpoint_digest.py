@@ -55,8 +55,13 @@ def checkpoint_digest(model_path: str | Path) -> str:
             digest.update(f"safetensors {path.name} {size}\n".encode())
             digest.update(prefix + header)
             start, data = 8 + length, size - 8 - length
-            for offset in sorted({start, start + max(0, data // 2 - SAMPLE_BYTES // 2),
-                                  start + max(0, data - SAMPLE_BYTES)}):
+            for offset in sorted(
+                {
+                    start,
+                    start + max(0, data // 2 - SAMPLE_BYTES // 2),
+                    start + max(0, data - SAMPLE_BYTES),
+                }
+            ):
                 f.seek(offset)
                 digest.update(f.read(SAMPLE_BYTES))
     return f"sha256:{digest.hexdigest()}"

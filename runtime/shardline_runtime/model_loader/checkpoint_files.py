@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -48,10 +48,14 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         with path.open("rb") as f:
             raw_len = f.read(8)
             if len(raw_len) < 8:
-                raise CheckpointError(f"checkpoint shard {path} is truncated ({size} bytes, no header)")
+                raise CheckpointError(
+                    f"checkpoint shard {path} is truncated ({size} bytes, no header)"
+                )
             (header_len,) = struct.unpack("<Q", raw_len)
             if 8 + header_len > size:
-                raise CheckpointError(f"checkpoint shard {path} is truncated: header of {header_len} bytes, file {size} bytes")
+                raise CheckpointError(
+                    f"checkpoint shard {path} is truncated: header of {header_len} bytes, file {size} bytes"
+                )
             header = json.loads(f.read(header_len))
     except (OSError, ValueError) as e:
         if isinstance(e, CheckpointError):
@@ -63,7 +67,9 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise CheckpointError(
             f"checkpoint shard {path} is truncated: tensors need {8 + header_len + end} bytes, file has {size}"
         )
-    return {name: TensorInfo(path, info["dtype"], tuple(info["shape"])) for name, info in header.items()}
+    return {
+        name: TensorInfo(path, info["dtype"], tuple(info["shape"])) for name, info in header.items()
+    }
 
 
 def discover_checkpoint(model_path: str | Path) -> dict[str, TensorInfo]:
@@ -82,7 +88,9 @@ def discover_checkpoint(model_path: str | Path) -> dict[str, TensorInfo]:
         try:
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
         except (ValueError, KeyError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index (needs 'weight_map'): {e}") from None
+            raise CheckpointError(
+                f"{index} is not a valid safetensors index (needs 'weight_map'): {e}"
+            ) from None
         listed = sorted(set(weight_map.values()))
         for stray in sorted({p.name for p in present} - set(listed)):
             logger.warning("ignoring %s: not listed in %s", root / stray, INDEX_FILE)
@@ -90,7 +98,9 @@ def discover_checkpoint(model_path: str | Path) -> dict[str, TensorInfo]:
         tensors: dict[str, TensorInfo] = {}
         for name, f in weight_map.items():
             if name not in headers[f]:
-                raise CheckpointError(f"{INDEX_FILE} puts {name!r} in {root / f}, which does not contain it")
+                raise CheckpointError(
+                    f"{INDEX_FILE} puts {name!r} in {root / f}, which does not contain it"
+                )
             tensors[name] = headers[f][name]
         return tensors
     if not present:
@@ -99,7 +109,9 @@ def discover_checkpoint(model_path: str | Path) -> dict[str, TensorInfo]:
     for path in present:
         for name, info in read_header(path).items():
             if name in tensors:
-                raise CheckpointError(f"tensor {name!r} is stored in both {tensors[name].file} and {path}")
+                raise CheckpointError(
+                    f"tensor {name!r} is stored in both {tensors[name].file} and {path}"
+                )
             tensors[name] = info
     return tensors
 

@@ -5,17 +5,25 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from shardline_runtime.configs.model_config import ModelConfig
 from shardline_runtime.configs.pipeline_stage import PipelineStage
-from shardline_runtime.model_loader.checkpoint_files import TensorInfo, discover_checkpoint, iterate_weights
+from shardline_runtime.model_loader.checkpoint_files import (
+    TensorInfo,
+    discover_checkpoint,
+    iterate_weights,
+)
 from shardline_runtime.models.llama import LlamaForCausalLM
 from shardline_runtime.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
+_NO_TENSOR: Any = (
+    None  # stage_weights() only reads the names when asked which tensors a stage holds
+)
 
 
 def resolve_tying(model_config: ModelConfig, tensors: dict[str, TensorInfo]) -> ModelConfig:
@@ -23,15 +31,23 @@ def resolve_tying(model_config: ModelConfig, tensors: dict[str, TensorInfo]) -> 
     embedding, as transformers 5 does (it warns and keeps both); otherwise ``model_config``."""
     if not model_config.tie_word_embeddings or "lm_head.weight" not in tensors:
         return model_config
-    pair = {name: tensor for name, tensor in iterate_weights(
-        {n: tensors[n] for n in ("lm_head.weight", "model.embed_tokens.weight") if n in tensors})}
+    pair = {
+        name: tensor
+        for name, tensor in iterate_weights(
+            {n: tensors[n] for n in ("lm_head.weight", "model.embed_tokens.weight") if n in tensors}
+        )
+    }
     if len(pair) == 2 and torch.equal(pair["lm_head.weight"], pair["model.embed_tokens.weight"]):
         return model_config
-    logger.warning("tie_word_embeddings is true but lm_head.weight differs from the embedding: loading both (untied)")
+    logger.warning(
+        "tie_word_embeddings is true but lm_head.weight differs from the embedding: loading both (untied)"
+    )
     return dataclasses.replace(model_config, tie_word_embeddings=False)
 
 
-def build_model(model_config: ModelConfig, device: torch.device, stage: PipelineStage | None = None) -> LlamaForCausalLM:
+def build_model(
+    model_config: ModelConfig, device: torch.device, stage: PipelineStage | None = None
+) -> LlamaForCausalLM:
     """Instantiate the architecture's model (uninitialised weights) on ``device`` in its dtype;
     with a pipeline ``stage``, only the parts that stage owns."""
     cls = get_model_class(model_config.architecture)
@@ -45,8 +61,13 @@ def build_model(model_config: ModelConfig, device: torch.device, stage: Pipeline
     return model.eval()
 
 
-def load_model(model_config: ModelConfig, model_path: str, device: torch.device,
-               prepare: Callable[[nn.Module], None] | None = None, stage: PipelineStage | None = None) -> LlamaForCausalLM:
+def load_model(
+    model_config: ModelConfig,
+    model_path: str,
+    device: torch.device,
+    prepare: Callable[[nn.Module], None] | None = None,
+    stage: PipelineStage | None = None,
+) -> LlamaForCausalLM:
     """Check the files (fails fast on a missing/short shard), build the model, load weights
     (only the pipeline ``stage``'s, when given: its layers, embedding / norm / LM head).
 
@@ -62,7 +83,11 @@ def load_model(model_config: ModelConfig, model_path: str, device: torch.device,
     if prepare is not None:
         prepare(model)
     if stage is not None and stage.pp_size > 1:  # read only the tensors this stage holds
-        tensors = {n: info for n, info in tensors.items() if any(True for _ in model.stage_weights([(n, None)]))}
+        tensors = {
+            n: info
+            for n, info in tensors.items()
+            if any(True for _ in model.stage_weights([(n, _NO_TENSOR)]))
+        }
     with torch.no_grad():
         model.load_weights(iterate_weights(tensors))
     return model

@@ -13,7 +13,11 @@ from pathlib import Path
 import torch
 
 from shardline_runtime.configs.model_config import ModelConfig, ModelConfigError, first_mismatch
-from shardline_runtime.model_loader.checkpoint_files import FLOAT_DTYPES, TensorInfo, discover_checkpoint
+from shardline_runtime.model_loader.checkpoint_files import (
+    FLOAT_DTYPES,
+    TensorInfo,
+    discover_checkpoint,
+)
 from shardline_runtime.model_loader.errors import CheckpointError
 from shardline_runtime.model_loader.loader import build_model
 from shardline_runtime.models.weight_loading import checkpoint_shapes
@@ -23,7 +27,9 @@ def _fmt(shape: tuple[int, ...] | None) -> str:
     return "absent" if shape is None else str(tuple(shape))
 
 
-def validate_checkpoint(model_path: str | Path, model_config: ModelConfig, model=None) -> dict[str, TensorInfo]:
+def validate_checkpoint(
+    model_path: str | Path, model_config: ModelConfig, model=None
+) -> dict[str, TensorInfo]:
     """Check that the checkpoint at ``model_path`` can replace the running model's weights.
 
     Checks, in order: ``config.json`` parses and names the same architecture; every tensor
@@ -43,7 +49,9 @@ def validate_checkpoint(model_path: str | Path, model_config: ModelConfig, model
         CheckpointError: the first problem found, naming the parameter or config field.
     """
     try:
-        new = ModelConfig.from_pretrained(model_path, dtype="float32", context_length=model_config.context_len)
+        new = ModelConfig.from_pretrained(
+            model_path, dtype="float32", context_length=model_config.context_len
+        )
     except ModelConfigError as e:
         raise CheckpointError(str(e)) from None
     if new.architecture != model_config.architecture:
@@ -62,12 +70,18 @@ def validate_checkpoint(model_path: str | Path, model_config: ModelConfig, model
                 f"parameter {name}: shape {_fmt(shape)} in the running model, {_fmt(got)} in {model_path}"
             )
         if info.dtype not in FLOAT_DTYPES:
-            raise CheckpointError(f"parameter {name}: dtype {info.dtype} in {info.file}; expected one of {FLOAT_DTYPES}")
+            raise CheckpointError(
+                f"parameter {name}: dtype {info.dtype} in {info.file}; expected one of {FLOAT_DTYPES}"
+            )
     for name in tensors:
         if name not in want and not name.endswith(ignored):
-            raise CheckpointError(f"unexpected parameter {name} in {tensors[name].file} (the running model has no such parameter)")
+            raise CheckpointError(
+                f"unexpected parameter {name} in {tensors[name].file} (the running model has no such parameter)"
+            )
     mismatch = first_mismatch(model_config, new)
     if mismatch is not None:
         field, old_value, new_value = mismatch
-        raise CheckpointError(f"config field {field}: running {old_value!r}, new checkpoint {new_value!r}")
+        raise CheckpointError(
+            f"config field {field}: running {old_value!r}, new checkpoint {new_value!r}"
+        )
     return tensors

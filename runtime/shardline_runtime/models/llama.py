@@ -30,7 +30,11 @@ from shardline_runtime.configs.model_config import ModelConfig
 from shardline_runtime.configs.pipeline_stage import PipelineStage
 from shardline_runtime.layers.activation import SiluAndMul
 from shardline_runtime.layers.layernorm import RMSNorm
-from shardline_runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from shardline_runtime.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from shardline_runtime.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from shardline_runtime.layers.radix_attention import RadixAttention
 from shardline_runtime.layers.rotary_embedding import get_rope
@@ -44,15 +48,23 @@ class LlamaMLP(nn.Module):
     returns this rank's partial sum (a MoE shared expert adds it to the experts' before one
     all-reduce)."""
 
-    def __init__(self, config: ModelConfig, intermediate_size: int | None = None, reduce_results: bool = True):
+    def __init__(
+        self, config: ModelConfig, intermediate_size: int | None = None, reduce_results: bool = True
+    ):
         super().__init__()
         inter = intermediate_size or config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=config.mlp_bias)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=config.mlp_bias, reduce_results=reduce_results)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [inter, inter], bias=config.mlp_bias
+        )
+        self.down_proj = RowParallelLinear(
+            inter, config.hidden_size, bias=config.mlp_bias, reduce_results=reduce_results
+        )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # (T, hidden), all-reduced unless asked
+        return self.down_proj(
+            self.act_fn(self.gate_up_proj(x))
+        )  # (T, hidden), all-reduced unless asked
 
 
 class LlamaAttention(nn.Module):
@@ -78,28 +90,42 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads,
+            config.hidden_size,
+            config.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
             bias=self.qkv_bias(config),
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * config.head_dim, config.hidden_size, bias=self.o_proj_bias(config)
+            config.num_attention_heads * config.head_dim,
+            config.hidden_size,
+            bias=self.o_proj_bias(config),
         )
         self.q_norm = self.k_norm = None
         if self.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.rotary_emb = get_rope(  # one table shared by every layer
-            config.head_dim, config.rope_parameters, config.max_position_embeddings,
+            config.head_dim,
+            config.rope_parameters,
+            config.max_position_embeddings,
             max_positions=max(config.context_len, config.max_position_embeddings) + 8,
         )
         window = config.sliding_windows[layer_id] if config.sliding_windows else None
         self.attn = RadixAttention(
-            self.num_heads, config.head_dim, config.head_dim ** -0.5, self.num_kv_heads, layer_id, sliding_window=window
+            self.num_heads,
+            config.head_dim,
+            config.head_dim**-0.5,
+            self.num_kv_heads,
+            layer_id,
+            sliding_window=window,
         )
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)  # (T, q_size + 2 * kv_size)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)  # (T, H, D)
@@ -107,7 +133,9 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # per head
         q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v.contiguous(), forward_batch)
+        out = self.attn(
+            q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v.contiguous(), forward_batch
+        )
         return self.o_proj(out)  # (T, hidden), all-reduced
 
 
@@ -149,48 +177,86 @@ class LlamaModel(nn.Module):
 
     layer_cls = LlamaDecoderLayer
 
-    def __init__(self, config: ModelConfig, layer_cls: type[LlamaDecoderLayer] | None = None,
-                 stage: PipelineStage | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_cls: type[LlamaDecoderLayer] | None = None,
+        stage: PipelineStage | None = None,
+    ):
         super().__init__()
         layer_cls = layer_cls or self.layer_cls
         stage = stage or PipelineStage()
         n = config.num_hidden_layers
         self.start_layer, self.end_layer = stage.start_layer, stage.end(n)
         self.is_first, self.is_last = stage.is_first, stage.is_last
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if stage.is_first else PPMissingLayer()
-        self.layers = nn.ModuleList([
-            layer_cls(config, i) if self.start_layer <= i < self.end_layer else PPMissingLayer() for i in range(n)
-        ])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else PPMissingLayer()
+        self.embed_tokens: nn.Module = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+            if stage.is_first
+            else PPMissingLayer()
+        )
+        self.layers = nn.ModuleList(
+            [
+                layer_cls(config, i) if self.start_layer <= i < self.end_layer else PPMissingLayer()
+                for i in range(n)
+            ]
+        )
+        self.norm = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else PPMissingLayer()
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch,
-                input_embeds: torch.Tensor | None = None,
-                pp_proxy_tensors: PPProxyTensors | None = None) -> torch.Tensor | PPProxyTensors:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch,
+        input_embeds: torch.Tensor | None = None,
+        pp_proxy_tensors: PPProxyTensors | None = None,
+    ) -> torch.Tensor | PPProxyTensors:
         """This stage's layers (all of them without pipeline parallelism). The first stage
         embeds ``input_ids`` (or takes ``input_embeds`` (T, hidden_size)); the others start from
         the previous stage's ``pp_proxy_tensors``. Returns the normed (T, hidden_size) states on
         the last stage, else :class:`PPProxyTensors` (``hidden_states`` and ``residual``)."""
         if self.is_first:
-            hidden_states = self.embed_tokens(input_ids) if input_embeds is None else input_embeds  # (T, hidden)
+            hidden_states = (
+                self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+            )  # (T, hidden)
             residual = None
         else:
-            assert pp_proxy_tensors is not None, "a pipeline stage after the first needs the previous stage's tensors"
-            hidden_states, residual = pp_proxy_tensors["hidden_states"], pp_proxy_tensors["residual"]
-        hidden_states, residual = self.forward_layers(self.start_layer, self.end_layer, positions, hidden_states,
-                                                      residual, forward_batch)
+            assert pp_proxy_tensors is not None, (
+                "a pipeline stage after the first needs the previous stage's tensors"
+            )
+            hidden_states, residual = (
+                pp_proxy_tensors["hidden_states"],
+                pp_proxy_tensors["residual"],
+            )
+        hidden_states, residual = self.forward_layers(
+            self.start_layer, self.end_layer, positions, hidden_states, residual, forward_batch
+        )
         if not self.is_last:
-            return PPProxyTensors({"hidden_states": hidden_states, "residual": residual})  # (T, hidden) each
+            assert residual is not None  # a stage runs at least one layer
+            return PPProxyTensors(
+                {"hidden_states": hidden_states, "residual": residual}
+            )  # (T, hidden) each
         return self.final_norm(hidden_states, residual)
 
-    def forward_layers(self, start: int, end: int, positions: torch.Tensor, hidden_states: torch.Tensor,
-                       residual: torch.Tensor | None, forward_batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_layers(
+        self,
+        start: int,
+        end: int,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        forward_batch,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layers ``[start, end)`` on (T, hidden) states and the residual carried between them
         (None before the first layer)."""
         for layer in self.layers[start:end]:
             hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
         return hidden_states, residual
 
-    def final_norm(self, hidden_states: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    def final_norm(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> torch.Tensor:
         if residual is None:
             return self.norm(hidden_states)
         return self.norm(hidden_states, residual)[0]
@@ -211,6 +277,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.stage = stage or PipelineStage()
         self.model = LlamaModel(config, self.layer_cls, self.stage)
+        self.lm_head: nn.Module
         if not self.stage.is_last:
             self.lm_head = PPMissingLayer()
         elif config.tie_word_embeddings and self.stage.is_first:
@@ -223,9 +290,14 @@ class LlamaForCausalLM(nn.Module):
         """The token embedding: (T,) int64 ids -> (T, hidden_size)."""
         return self.model.embed_tokens
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch,
-                input_embeds: torch.Tensor | None = None,
-                pp_proxy_tensors: PPProxyTensors | None = None) -> LogitsProcessorOutput | PPProxyTensors:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch,
+        input_embeds: torch.Tensor | None = None,
+        pp_proxy_tensors: PPProxyTensors | None = None,
+    ) -> LogitsProcessorOutput | PPProxyTensors:
         """This stage's layers, then the logits on the last stage (:class:`PPProxyTensors` on the
         others). ``input_embeds`` (T, hidden_size), when given, replaces the token embedding
         (first stage); ``pp_proxy_tensors`` are the previous stage's output (every other stage)."""
@@ -234,31 +306,59 @@ class LlamaForCausalLM(nn.Module):
             return out
         return self.logits_processor(input_ids, out, self.lm_head, forward_batch)
 
-    def forward_split_prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch,
-                              input_embeds: torch.Tensor | None = None,
-                              pp_proxy_tensors: PPProxyTensors | None = None,
-                              ) -> LogitsProcessorOutput | PPProxyTensors | None:
+    def forward_split_prefill(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch,
+        input_embeds: torch.Tensor | None = None,
+        pp_proxy_tensors: PPProxyTensors | None = None,
+    ) -> LogitsProcessorOutput | PPProxyTensors | None:
         """Layers ``[split_forward_start_layer, split_forward_end_layer)`` of a SPLIT_PREFILL
         step (SGLang's ``forward_split_prefill``), within this stage's range: hidden states and
         residual are carried in ``forward_batch.split_hidden_states`` / ``split_residual`` between
         calls; the call that reaches the stage's last layer returns the logits (last stage) or
         :class:`PPProxyTensors`, earlier calls None."""
         first, last = self.model.start_layer, self.model.end_layer
-        start = forward_batch.split_forward_start_layer if forward_batch.split_forward_start_layer is not None else first
-        end = forward_batch.split_forward_end_layer if forward_batch.split_forward_end_layer is not None else last
+        start = (
+            forward_batch.split_forward_start_layer
+            if forward_batch.split_forward_start_layer is not None
+            else first
+        )
+        end = (
+            forward_batch.split_forward_end_layer
+            if forward_batch.split_forward_end_layer is not None
+            else last
+        )
         if start == 0:
-            hidden_states = self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds  # (T, hidden)
+            hidden_states = (
+                self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds
+            )  # (T, hidden)
             residual = None
         elif start == first and pp_proxy_tensors is not None:
-            hidden_states, residual = pp_proxy_tensors["hidden_states"], pp_proxy_tensors["residual"]
+            hidden_states, residual = (
+                pp_proxy_tensors["hidden_states"],
+                pp_proxy_tensors["residual"],
+            )
         else:
-            hidden_states, residual = forward_batch.split_hidden_states, forward_batch.split_residual
-        hidden_states, residual = self.model.forward_layers(start, end, positions, hidden_states, residual, forward_batch)
+            hidden_states, residual = (
+                forward_batch.split_hidden_states,
+                forward_batch.split_residual,
+            )
+        hidden_states, residual = self.model.forward_layers(
+            start, end, positions, hidden_states, residual, forward_batch
+        )
         if end < last:
-            forward_batch.split_hidden_states, forward_batch.split_residual = hidden_states, residual
+            forward_batch.split_hidden_states, forward_batch.split_residual = (
+                hidden_states,
+                residual,
+            )
             return None
         if not self.stage.is_last:
-            return PPProxyTensors({"hidden_states": hidden_states, "residual": residual})  # (T, hidden) each
+            assert residual is not None  # a stage runs at least one layer
+            return PPProxyTensors(
+                {"hidden_states": hidden_states, "residual": residual}
+            )  # (T, hidden) each
         hidden_states = self.model.final_norm(hidden_states, residual)
         return self.logits_processor(input_ids, hidden_states, self.lm_head, forward_batch)
 
@@ -281,11 +381,17 @@ class LlamaForCausalLM(nn.Module):
 
     def ignored_checkpoint_names(self) -> tuple[str, ...]:
         """Checkpoint names that are not parameters (skipped silently)."""
-        names = ("rotary_emb.inv_freq", ".k_scale", ".v_scale")  # KV scales: model_executor/kv_cache_dtype.py
+        names = (
+            "rotary_emb.inv_freq",
+            ".k_scale",
+            ".v_scale",
+        )  # KV scales: model_executor/kv_cache_dtype.py
         head_is_embedding = self.config.tie_word_embeddings and self.stage.is_first
         return names + (("lm_head.weight",) if head_is_embedding else ())
 
-    def stage_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    def stage_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
         """The checkpoint tensors this pipeline stage holds: its layers, the embedding on the
         first stage, the norm and LM head on the last (a tied last stage that is not the first
         takes the embedding as ``lm_head.weight``). Everything passes without a pipeline."""
@@ -311,4 +417,9 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             CheckpointError: unexpected, duplicate or missing parameter, or wrong shape (named).
         """
-        load_named_weights(self, self.stage_weights(weights), self.stacked_params_mapping, self.ignored_checkpoint_names())
+        load_named_weights(
+            self,
+            self.stage_weights(weights),
+            self.stacked_params_mapping,
+            self.ignored_checkpoint_names(),
+        )

@@ -24,21 +24,37 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
-        self.gate = TopKRouter(config.hidden_size, config.num_experts, config.num_experts_per_tok, config.norm_topk_prob)
-        self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size, layer_id,
-                                reduce_results=False)
+        self.gate = TopKRouter(
+            config.hidden_size,
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.norm_topk_prob,
+        )
+        self.experts = FusedMoE(
+            config.num_experts,
+            config.hidden_size,
+            config.moe_intermediate_size,
+            layer_id,
+            reduce_results=False,
+        )
         self.shared_expert: LlamaMLP | None = None
         self.shared_expert_gate: ReplicatedLinear | None = None
         if config.shared_expert_intermediate_size:
-            self.shared_expert = LlamaMLP(config, config.shared_expert_intermediate_size, reduce_results=False)
+            self.shared_expert = LlamaMLP(
+                config, config.shared_expert_intermediate_size, reduce_results=False
+            )
             self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         _, topk_weights, topk_ids = self.gate(hidden_states)  # (T, k), (T, k)
         out = self.experts(hidden_states, topk_weights, topk_ids)  # (T, hidden) partial
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            gate = torch.sigmoid(self.shared_expert_gate(hidden_states))  # (T, 1), same on every rank
-            out = out + gate * self.shared_expert(hidden_states)  # gate is per token, so it commutes with the sum
+            gate = torch.sigmoid(
+                self.shared_expert_gate(hidden_states)
+            )  # (T, 1), same on every rank
+            out = out + gate * self.shared_expert(
+                hidden_states
+            )  # gate is per token, so it commutes with the sum
         return expert_parallel_combine(out)
 
 
@@ -69,7 +85,11 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def to_checkpoint_name(self, name: str) -> str:
         """The checkpoint spells the block ``moe_block_name`` (Mixtral: every layer is sparse)."""
-        return name.replace(".mlp.", f".{self.moe_block_name}.") if self.moe_block_name != "mlp" else name
+        return (
+            name.replace(".mlp.", f".{self.moe_block_name}.")
+            if self.moe_block_name != "mlp"
+            else name
+        )
 
     def load_weights(self, weights) -> None:
         """Load full checkpoint tensors; experts go through ``FusedMoE.weight_loader``.
@@ -81,5 +101,10 @@ class MoeForCausalLM(LlamaForCausalLM):
         weights = self.stage_weights(weights)
         if block != ".mlp.":
             weights = ((name.replace(block, ".mlp."), t) for name, t in weights)
-        load_named_weights(self, weights, self.stacked_params_mapping, self.ignored_checkpoint_names(),
-                           self.expert_params_mapping())
+        load_named_weights(
+            self,
+            weights,
+            self.stacked_params_mapping,
+            self.ignored_checkpoint_names(),
+            self.expert_params_mapping(),
+        )

@@ -6,6 +6,7 @@ Stacked parameters (``qkv_proj``, ``gate_up_proj``) count as written when each o
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -64,11 +65,17 @@ def load_named_weights(
                     target, shard_id = ckpt_name.replace(fragment, stacked), stacked_id
                     break
         if target not in params:
-            raise CheckpointError(f"unexpected parameter {ckpt_name!r} in the checkpoint (no such parameter in {type(model).__name__})")
+            raise CheckpointError(
+                f"unexpected parameter {ckpt_name!r} in the checkpoint (no such parameter in {type(model).__name__})"
+            )
         if shard_id in written[target]:
-            raise CheckpointError(f"parameter {ckpt_name!r} is written twice (it appears in more than one shard)")
+            raise CheckpointError(
+                f"parameter {ckpt_name!r} is written twice (it appears in more than one shard)"
+            )
         if not tensor.dtype.is_floating_point:
-            raise CheckpointError(f"parameter {ckpt_name!r} has dtype {tensor.dtype}; a floating-point dtype is expected")
+            raise CheckpointError(
+                f"parameter {ckpt_name!r} has dtype {tensor.dtype}; a floating-point dtype is expected"
+            )
         param = params[target]
         try:
             loader = weight_loader_of(param)
@@ -106,12 +113,24 @@ def checkpoint_shapes(model: LlamaForCausalLM) -> dict[str, tuple[int, ...]]:
             if shard_id is None:
                 ckpt = name
             elif isinstance(shard_id, tuple):
-                ckpt = next(name.replace(fused, fragment) for fragment, fused, e, s in experts
-                            if fused in name and (e, s) == shard_id)
+                ckpt = next(
+                    name.replace(fused, fragment)
+                    for fragment, fused, e, s in experts
+                    if fused in name and (e, s) == shard_id
+                )
             else:
-                ckpt = next(name.replace(st, fragment) for fragment, st, s in stacked if st in name and s == shard_id)
+                ckpt = next(
+                    name.replace(st, fragment)
+                    for fragment, st, s in stacked
+                    if st in name and s == shard_id
+                )
             shapes[model.to_checkpoint_name(ckpt)] = tuple(shape)
     return shapes
+
+
+_FULL_SHAPES: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[int, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def full_checkpoint_shapes(model: LlamaForCausalLM) -> dict[str, tuple[int, ...]]:
@@ -125,10 +144,9 @@ def full_checkpoint_shapes(model: LlamaForCausalLM) -> dict[str, tuple[int, ...]
     stage = getattr(model, "stage", None)
     if stage is None or (stage.is_first and stage.is_last):
         return checkpoint_shapes(model)
-    cached: dict[str, tuple[int, ...]] | None = getattr(model, "_full_checkpoint_shapes", None)
+    cached = _FULL_SHAPES.get(model)
     if cached is None:
         with torch.device("meta"):
             whole = type(model)(model.config)
-        cached = checkpoint_shapes(whole)
-        model._full_checkpoint_shapes = cached  # type: ignore[attr-defined]
+        cached = _FULL_SHAPES[model] = checkpoint_shapes(whole)
     return cached

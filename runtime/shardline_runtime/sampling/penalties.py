@@ -51,7 +51,7 @@ class BatchedPenalties:
         output_ids: Sequence[Sequence[int]],
         vocab_size: int,
         device: torch.device | str,
-    ) -> "BatchedPenalties":
+    ) -> BatchedPenalties:
         """Build the state for ``len(params)`` rows.
 
         Args:
@@ -72,11 +72,16 @@ class BatchedPenalties:
                 seen[row, out] = True
 
         def column(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=device)
+            return torch.tensor(
+                [getattr(p, name) for p in params], dtype=torch.float32, device=device
+            )
 
         return cls(
-            column("frequency_penalty"), column("presence_penalty"), column("repetition_penalty"),
-            counts.to(device), seen.to(device),
+            column("frequency_penalty"),
+            column("presence_penalty"),
+            column("repetition_penalty"),
+            counts.to(device),
+            seen.to(device),
         )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -88,7 +93,9 @@ class BatchedPenalties:
         logits = logits - self.frequency[:, None] * counts - self.presence[:, None] * (counts > 0)
         return finite_logits(logits)
 
-    def cumulate_output_tokens(self, next_token_ids: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    def cumulate_output_tokens(
+        self, next_token_ids: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> None:
         """Count freshly sampled tokens.
 
         Args:
@@ -98,7 +105,11 @@ class BatchedPenalties:
         """
         if rows is None:
             rows = torch.arange(len(next_token_ids), device=next_token_ids.device)
-        self.output_counts.index_put_((rows, next_token_ids), torch.ones_like(next_token_ids, dtype=torch.float32), accumulate=True)
+        self.output_counts.index_put_(
+            (rows, next_token_ids),
+            torch.ones_like(next_token_ids, dtype=torch.float32),
+            accumulate=True,
+        )
         self.seen_mask[rows, next_token_ids] = True
 
     def filter(self, keep: torch.Tensor) -> None:
@@ -107,14 +118,17 @@ class BatchedPenalties:
             setattr(self, name, getattr(self, name)[keep])
 
     @classmethod
-    def neutral(cls, bs: int, vocab_size: int, device) -> "BatchedPenalties":
+    def neutral(cls, bs: int, vocab_size: int, device) -> BatchedPenalties:
         """State for ``bs`` rows with no penalties (used when merging with a penalised batch)."""
         return cls(
-            torch.zeros(bs, device=device), torch.zeros(bs, device=device), torch.ones(bs, device=device),
-            torch.zeros(bs, vocab_size, device=device), torch.zeros(bs, vocab_size, dtype=torch.bool, device=device),
+            torch.zeros(bs, device=device),
+            torch.zeros(bs, device=device),
+            torch.ones(bs, device=device),
+            torch.zeros(bs, vocab_size, device=device),
+            torch.zeros(bs, vocab_size, dtype=torch.bool, device=device),
         )
 
-    def merge(self, other: "BatchedPenalties") -> None:
+    def merge(self, other: BatchedPenalties) -> None:
         """Append ``other``'s rows after this batch's rows."""
         for name in ("frequency", "presence", "repetition", "output_counts", "seen_mask"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))

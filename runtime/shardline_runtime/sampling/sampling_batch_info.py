@@ -42,22 +42,32 @@ class SamplingBatchInfo:
     need_min_p: bool
 
     @classmethod
-    def from_reqs(cls, reqs: Sequence, vocab_size: int, device: torch.device | str) -> "SamplingBatchInfo":
+    def from_reqs(
+        cls, reqs: Sequence, vocab_size: int, device: torch.device | str
+    ) -> SamplingBatchInfo:
         """Build from requests that have ``sampling_params``, ``origin_input_ids``,
         ``output_ids`` and a ``sampling_generator(device)`` method (see ``managers.schedule_batch.Req``).
         """
         params: list[SamplingParams] = [r.sampling_params for r in reqs]
         greedy = [p.is_greedy for p in params]
         temperatures = torch.tensor(
-            [[1.0 if g else p.temperature] for p, g in zip(params, greedy)], dtype=torch.float32, device=device
+            [[1.0 if g else p.temperature] for p, g in zip(params, greedy)],
+            dtype=torch.float32,
+            device=device,
         )
-        top_ks = torch.tensor([p.effective_top_k(vocab_size) for p in params], dtype=torch.int64, device=device)
+        top_ks = torch.tensor(
+            [p.effective_top_k(vocab_size) for p in params], dtype=torch.int64, device=device
+        )
         top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
         min_ps = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
         penalties = None
         if any(p.has_penalties for p in params):
             penalties = BatchedPenalties.build(
-                params, [r.origin_input_ids for r in reqs], [r.output_ids for r in reqs], vocab_size, device
+                params,
+                [r.origin_input_ids for r in reqs],
+                [r.output_ids for r in reqs],
+                vocab_size,
+                device,
             )
         return cls(
             temperatures=temperatures,
@@ -69,7 +79,9 @@ class SamplingBatchInfo:
             penalties=penalties,
             vocab_size=vocab_size,
             all_greedy=all(greedy),
-            need_top_k=any(not g and p.effective_top_k(vocab_size) < vocab_size for p, g in zip(params, greedy)),
+            need_top_k=any(
+                not g and p.effective_top_k(vocab_size) < vocab_size for p, g in zip(params, greedy)
+            ),
             need_top_p=any(not g and p.top_p < 1.0 for p, g in zip(params, greedy)),
             need_min_p=any(not g and p.min_p > 0.0 for p, g in zip(params, greedy)),
         )
@@ -95,7 +107,7 @@ class SamplingBatchInfo:
             self.penalties.filter(keep)
         self._refresh_flags()
 
-    def merge_batch(self, other: "SamplingBatchInfo") -> None:
+    def merge_batch(self, other: SamplingBatchInfo) -> None:
         """Append ``other``'s rows (same vocabulary) after this batch's rows."""
         if other.vocab_size != self.vocab_size:
             raise ValueError(f"cannot merge vocab_size {other.vocab_size} into {self.vocab_size}")
@@ -103,14 +115,18 @@ class SamplingBatchInfo:
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         device = self.temperatures.device
         if self.penalties is not None or other.penalties is not None:
-            mine = self.penalties or BatchedPenalties.neutral(self.batch_size, self.vocab_size, device)
-            theirs = other.penalties or BatchedPenalties.neutral(other.batch_size, self.vocab_size, device)
+            mine = self.penalties or BatchedPenalties.neutral(
+                self.batch_size, self.vocab_size, device
+            )
+            theirs = other.penalties or BatchedPenalties.neutral(
+                other.batch_size, self.vocab_size, device
+            )
             mine.merge(theirs)
             self.penalties = mine
         self.generators = self.generators + other.generators
         self._refresh_flags()
 
-    def copy_rows(self, rows: Sequence[int]) -> "SamplingBatchInfo":
+    def copy_rows(self, rows: Sequence[int]) -> SamplingBatchInfo:
         """A new info holding only ``rows`` (this one is unchanged; penalty tensors are copied,
         generators shared). Used when only some rows of a step sample (chunked prefill)."""
         keep = torch.tensor(list(rows), dtype=torch.int64, device=self.temperatures.device)
@@ -118,13 +134,25 @@ class SamplingBatchInfo:
         if self.penalties is not None:
             p = self.penalties
             penalties = BatchedPenalties(
-                p.frequency[keep], p.presence[keep], p.repetition[keep], p.output_counts[keep], p.seen_mask[keep]
+                p.frequency[keep],
+                p.presence[keep],
+                p.repetition[keep],
+                p.output_counts[keep],
+                p.seen_mask[keep],
             )
         out = SamplingBatchInfo(
-            temperatures=self.temperatures[keep], top_ps=self.top_ps[keep], top_ks=self.top_ks[keep],
-            min_ps=self.min_ps[keep], is_greedy=self.is_greedy[keep],
-            generators=[self.generators[i] for i in rows], penalties=penalties, vocab_size=self.vocab_size,
-            all_greedy=True, need_top_k=False, need_top_p=False, need_min_p=False,
+            temperatures=self.temperatures[keep],
+            top_ps=self.top_ps[keep],
+            top_ks=self.top_ks[keep],
+            min_ps=self.min_ps[keep],
+            is_greedy=self.is_greedy[keep],
+            generators=[self.generators[i] for i in rows],
+            penalties=penalties,
+            vocab_size=self.vocab_size,
+            all_greedy=True,
+            need_top_k=False,
+            need_top_p=False,
+            need_min_p=False,
         )
         out._refresh_flags()
         return out

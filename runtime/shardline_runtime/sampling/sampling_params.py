@@ -93,7 +93,9 @@ class SamplingParams:
         if not 0.0 <= _number("top_p", self.top_p) <= 1.0:
             raise SamplingParamsError("top_p", f"must be in [0, 1], got {self.top_p}")
         if _integer("top_k", self.top_k) < -1:
-            raise SamplingParamsError("top_k", f"must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
+            raise SamplingParamsError(
+                "top_k", f"must be -1 or 0 (disabled) or >= 1, got {self.top_k}"
+            )
         if not 0.0 <= _number("min_p", self.min_p) <= 1.0:
             raise SamplingParamsError("min_p", f"must be in [0, 1], got {self.min_p}")
         if _number("repetition_penalty", self.repetition_penalty) <= 0:
@@ -112,21 +114,27 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise SamplingParamsError("stop", f"must be a list of non-empty strings, got {self.stop!r}")
+            raise SamplingParamsError(
+                "stop", f"must be a list of non-empty strings, got {self.stop!r}"
+            )
         object.__setattr__(self, "stop", tuple(stop))
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise SamplingParamsError(name, f"must be true or false, got {getattr(self, name)!r}")
+                raise SamplingParamsError(
+                    name, f"must be true or false, got {getattr(self, name)!r}"
+                )
         if self.seed is not None and not 0 <= _integer("seed", self.seed) <= _MAX_SEED:
             raise SamplingParamsError("seed", f"must be in [0, 2**63 - 1], got {self.seed}")
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
+    def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
         """Build from a JSON-like dict; unknown keys raise ``SamplingParamsError`` naming them."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise SamplingParamsError(unknown[0], f"unknown sampling parameter; allowed: {sorted(known)}")
+            raise SamplingParamsError(
+                unknown[0], f"unknown sampling parameter; allowed: {sorted(known)}"
+            )
         return cls(**values)
 
     def verify_vocab(self, vocab_size: int) -> None:

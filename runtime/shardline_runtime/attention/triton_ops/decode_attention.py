@@ -23,19 +23,44 @@ _NEG: tl.constexpr = tl.constexpr(-1.0e30)  # a finite "minus infinity": no inf 
 
 @triton.jit
 def _decode_stage1(
-    Q, K, V, kv_indptr, kv_indices, Out, Lse,
-    sm_scale, k_scale, v_scale, window,
-    stride_qb, stride_qh, stride_kh, stride_kt, stride_vh, stride_vt,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    Q,
+    K,
+    V,
+    kv_indptr,
+    kv_indices,
+    Out,
+    Lse,
+    sm_scale,
+    k_scale,
+    v_scale,
+    window,
+    stride_qb,
+    stride_qh,
+    stride_kh,
+    stride_kt,
+    stride_vh,
+    stride_vt,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     start = tl.load(kv_indptr + b)
     seq_len = tl.load(kv_indptr + b + 1) - start
-    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # sliding window: the last keys only
+    lo = tl.where(
+        window > 0, tl.maximum(seq_len - window, 0), 0
+    )  # sliding window: the last keys only
     per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
     s_lo = lo + split * per_split
     s_hi = tl.minimum(s_lo + per_split, seq_len)
@@ -45,8 +70,11 @@ def _decode_stage1(
     mask_h = offs_g < GROUP
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    q = tl.load(Q + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(
+        Q + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     m_i = tl.full([BLOCK_H], _NEG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -54,8 +82,11 @@ def _decode_stage1(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < s_hi
         slots = tl.load(kv_indices + start + offs_n, mask=mask_n, other=0)
-        k = tl.load(K + kvh * stride_kh + slots[None, :] * stride_kt + offs_d[:, None],
-                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        k = tl.load(
+            K + kvh * stride_kh + slots[None, :] * stride_kt + offs_d[:, None],
+            mask=mask_n[None, :] & mask_d[:, None],
+            other=0.0,
+        )
         k = (k.to(tl.float32) * k_scale).to(q.dtype)  # (BLOCK_D, BLOCK_N)
         if IEEE:
             qk = tl.dot(q, k, input_precision="ieee")
@@ -65,8 +96,11 @@ def _decode_stage1(
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp(qk - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
-        v = tl.load(V + kvh * stride_vh + slots[:, None] * stride_vt + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        v = tl.load(
+            V + kvh * stride_vh + slots[:, None] * stride_vt + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )
         v = (v.to(tl.float32) * v_scale).to(q.dtype)  # (BLOCK_N, BLOCK_D)
         if IEEE:
             pv = tl.dot(p.to(q.dtype), v, input_precision="ieee")
@@ -78,15 +112,29 @@ def _decode_stage1(
     has = s_hi > s_lo
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     lse = tl.where(has, m_i + tl.log(l_safe), _NEG)
-    tl.store(Out + b * stride_ob + offs_h[:, None] * stride_oh + split * stride_os + offs_d[None, :],
-             acc / l_safe[:, None], mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(
+        Out + b * stride_ob + offs_h[:, None] * stride_oh + split * stride_os + offs_d[None, :],
+        acc / l_safe[:, None],
+        mask=mask_h[:, None] & mask_d[None, :],
+    )
     tl.store(Lse + b * stride_lb + offs_h * stride_lh + split, lse, mask=mask_h)
 
 
 @triton.jit
 def _decode_stage2(
-    Mid, Lse, O, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    Mid,
+    Lse,
+    O,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -96,16 +144,29 @@ def _decode_stage2(
     lse = tl.load(Lse + b * stride_lb + h * stride_lh + offs_s)
     m = tl.max(lse, 0)
     w = tl.where(lse > -1.0e29, tl.exp(lse - m), 0.0)
-    o = tl.load(Mid + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
-                mask=mask_d[None, :], other=0.0)
+    o = tl.load(
+        Mid + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
+        mask=mask_d[None, :],
+        other=0.0,
+    )
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
     tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
 
 
 def decode_attention_fwd(
-    q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor,
-    kv_indptr: torch.Tensor, kv_indices: torch.Tensor, sm_scale: float, *, window: int | None = None,
-    k_scale: float = 1.0, v_scale: float = 1.0, num_kv_splits: int = 16, block_n: int = 64,
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float,
+    *,
+    window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    num_kv_splits: int = 16,
+    block_n: int = 64,
 ) -> torch.Tensor:
     """One query per request over its paged keys; grouped-query attention.
 
@@ -129,15 +190,49 @@ def decode_attention_fwd(
     mid = torch.empty((bs, hq, num_kv_splits, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((bs, hq, num_kv_splits), dtype=torch.float32, device=q.device)
     _decode_stage1[(bs, hkv, num_kv_splits)](
-        q, k_buffer, v_buffer, kv_indptr, kv_indices, mid, lse,
-        sm_scale, k_scale, v_scale, window or 0,
-        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0), lse.stride(1),
-        GROUP=group, HEAD_DIM=d, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=block_n, NUM_SPLITS=num_kv_splits, IEEE=q.dtype == torch.float32,
+        q,
+        k_buffer,
+        v_buffer,
+        kv_indptr,
+        kv_indices,
+        mid,
+        lse,
+        sm_scale,
+        k_scale,
+        v_scale,
+        window or 0,
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        mid.stride(0),
+        mid.stride(1),
+        mid.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        GROUP=group,
+        HEAD_DIM=d,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_kv_splits,
+        IEEE=q.dtype == torch.float32,
     )
     _decode_stage2[(bs, hq)](
-        mid, lse, out, mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_kv_splits,
+        mid,
+        lse,
+        out,
+        mid.stride(0),
+        mid.stride(1),
+        mid.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+        NUM_SPLITS=num_kv_splits,
     )
     return out

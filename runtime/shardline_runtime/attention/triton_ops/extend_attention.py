@@ -20,11 +20,34 @@ _NEG: tl.constexpr = tl.constexpr(-1.0e30)  # a finite "minus infinity": no inf 
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, O, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_start_loc,
-    sm_scale, k_scale, v_scale, window,
-    stride_qt, stride_qh, stride_kh, stride_kt, stride_vh, stride_vt, stride_ot, stride_oh, stride_row,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    req_to_token,
+    req_pool_indices,
+    prefix_lens,
+    extend_lens,
+    q_start_loc,
+    sm_scale,
+    k_scale,
+    v_scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_kh,
+    stride_kt,
+    stride_vh,
+    stride_vt,
+    stride_ot,
+    stride_oh,
+    stride_row,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -39,8 +62,11 @@ def _extend_kernel(
         mask_m = offs_m < ext
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < HEAD_DIM
-        q = tl.load(Q + (q0 + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :],
-                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        q = tl.load(
+            Q + (q0 + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :],
+            mask=mask_m[:, None] & mask_d[None, :],
+            other=0.0,
+        )
         q_pos = prefix + offs_m  # absolute positions of these queries
         hi = tl.minimum(prefix + (mblk + 1) * BLOCK_M, prefix + ext)  # causal: keys < hi
         lo = tl.where(window > 0, tl.maximum(prefix + mblk * BLOCK_M - window + 1, 0), 0)
@@ -52,8 +78,11 @@ def _extend_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < hi
             slots = tl.load(req_to_token + row * stride_row + offs_n, mask=mask_n, other=0)
-            k = tl.load(K + kvh * stride_kh + slots[None, :] * stride_kt + offs_d[:, None],
-                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+            k = tl.load(
+                K + kvh * stride_kh + slots[None, :] * stride_kt + offs_d[:, None],
+                mask=mask_n[None, :] & mask_d[:, None],
+                other=0.0,
+            )
             k = (k.to(tl.float32) * k_scale).to(q.dtype)
             if IEEE:
                 qk = tl.dot(q, k, input_precision="ieee")
@@ -66,8 +95,11 @@ def _extend_kernel(
             p = tl.exp(qk - m_new[:, None])
             p = tl.where(allowed, p, 0.0)
             alpha = tl.exp(m_i - m_new)
-            v = tl.load(V + kvh * stride_vh + slots[:, None] * stride_vt + offs_d[None, :],
-                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+            v = tl.load(
+                V + kvh * stride_vh + slots[:, None] * stride_vt + offs_d[None, :],
+                mask=mask_n[:, None] & mask_d[None, :],
+                other=0.0,
+            )
             v = (v.to(tl.float32) * v_scale).to(q.dtype)
             if IEEE:
                 pv = tl.dot(p.to(q.dtype), v, input_precision="ieee")
@@ -78,15 +110,29 @@ def _extend_kernel(
             m_i = m_new
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_safe[:, None]
-        tl.store(O + (q0 + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :],
-                 out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+        tl.store(
+            O + (q0 + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :],
+            out.to(O.dtype.element_ty),
+            mask=mask_m[:, None] & mask_d[None, :],
+        )
 
 
 def extend_attention_fwd(
-    q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor,
-    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
-    extend_lens: torch.Tensor, q_start_loc: torch.Tensor, max_extend_len: int, sm_scale: float, *,
-    window: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    q_start_loc: torch.Tensor,
+    max_extend_len: int,
+    sm_scale: float,
+    *,
+    window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole sequence in the pool.
 
@@ -110,11 +156,34 @@ def extend_attention_fwd(
     block_n = 32 if q.dtype == torch.float32 else 64
     grid = (bs, hq, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
-        q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_start_loc,
-        sm_scale, k_scale, v_scale, window or 0,
-        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        out.stride(0), out.stride(1), req_to_token.stride(0),
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d),
-        IEEE=q.dtype == torch.float32, num_warps=4,
+        q,
+        k_buffer,
+        v_buffer,
+        out,
+        req_to_token,
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        q_start_loc,
+        sm_scale,
+        k_scale,
+        v_scale,
+        window or 0,
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        out.stride(0),
+        out.stride(1),
+        req_to_token.stride(0),
+        GROUP=hq // hkv,
+        HEAD_DIM=d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(d),
+        IEEE=q.dtype == torch.float32,
+        num_warps=4,
     )
     return out

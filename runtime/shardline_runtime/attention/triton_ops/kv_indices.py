@@ -12,8 +12,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _create_kv_indices_kernel(req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices,
-                              stride_row, BLOCK: tl.constexpr):
+def _create_kv_indices_kernel(
+    req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices, stride_row, BLOCK: tl.constexpr
+):
     pid = tl.program_id(0)
     row = tl.load(req_pool_indices + pid)
     length = tl.load(seq_lens + pid)
@@ -33,11 +34,16 @@ def fill_kv_indptr(seq_lens: torch.Tensor, kv_indptr: torch.Tensor) -> None:
     """
     bs = seq_lens.shape[0]
     kv_indptr[0] = 0
-    torch.cumsum(seq_lens, dim=0, out=kv_indptr[1:bs + 1])
+    torch.cumsum(seq_lens, dim=0, out=kv_indptr[1 : bs + 1])
 
 
-def create_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                      kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
+def create_kv_indices(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+) -> None:
     """Write each request's KV slots into ``kv_indices`` at ``kv_indptr`` (see module doc).
 
     Args:
@@ -49,5 +55,11 @@ def create_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor
     if bs == 0:
         return
     _create_kv_indices_kernel[(bs,)](
-        req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices, req_to_token.stride(0), BLOCK=512,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        kv_indptr,
+        kv_indices,
+        req_to_token.stride(0),
+        BLOCK=512,
     )

@@ -103,7 +103,9 @@ def rank_imbalance(physical_counts: torch.Tensor, num_ranks: int) -> float:
     Args:
         physical_counts: (num_layers, num_physical) tokens per physical slot.
     """
-    per_rank = physical_counts.double().reshape(physical_counts.shape[0], num_ranks, -1).sum(-1)  # (L, R)
+    per_rank = (
+        physical_counts.double().reshape(physical_counts.shape[0], num_ranks, -1).sum(-1)
+    )  # (L, R)
     mean = per_rank.mean(-1)
     busy = mean > 0
     if not bool(busy.any()):
@@ -115,5 +117,6 @@ def expected_physical_counts(logical_load: torch.Tensor, placement: torch.Tensor
     """The load each slot of ``placement`` (L, P) receives when each logical expert's load
     (L, E) is split evenly over its replicas (as ``token_index % replica_count`` does)."""
     count = torch.zeros_like(logical_load, dtype=torch.float64).scatter_add_(
-        1, placement, torch.ones_like(placement, dtype=torch.float64))
+        1, placement, torch.ones_like(placement, dtype=torch.float64)
+    )
     return logical_load.double().gather(1, placement) / count.gather(1, placement)

@@ -23,8 +23,9 @@ def default_physical_to_logical(num_experts: int, num_physical: int) -> torch.Te
     return torch.arange(num_physical, dtype=torch.int64, device="cpu") % num_experts
 
 
-def logical_maps(physical_to_logical: torch.Tensor, num_experts: int, max_replicas: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def logical_maps(
+    physical_to_logical: torch.Tensor, num_experts: int, max_replicas: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Invert a placement.
 
     Args:
@@ -43,11 +44,15 @@ def logical_maps(physical_to_logical: torch.Tensor, num_experts: int, max_replic
     table: list[list[int]] = [[] for _ in range(num_experts)]
     for p, e in enumerate(p2l):
         if not 0 <= e < num_experts:
-            raise ValueError(f"physical expert {p} maps to logical expert {e}, outside [0, {num_experts})")
+            raise ValueError(
+                f"physical expert {p} maps to logical expert {e}, outside [0, {num_experts})"
+            )
         table[e].append(p)
     for e, replicas in enumerate(table):
         if not 1 <= len(replicas) <= max_replicas:
-            raise ValueError(f"logical expert {e} has {len(replicas)} replicas; allowed 1 to {max_replicas}")
+            raise ValueError(
+                f"logical expert {e} has {len(replicas)} replicas; allowed 1 to {max_replicas}"
+            )
     l2p = torch.full((num_experts, max_replicas), -1, dtype=torch.int64)
     for e, replicas in enumerate(table):
         l2p[e, : len(replicas)] = torch.tensor(replicas)
@@ -55,8 +60,9 @@ def logical_maps(physical_to_logical: torch.Tensor, num_experts: int, max_replic
     return l2p, count
 
 
-def route_to_physical(topk_ids: torch.Tensor, logical_to_physical: torch.Tensor, replica_count: torch.Tensor
-                      ) -> torch.Tensor:
+def route_to_physical(
+    topk_ids: torch.Tensor, logical_to_physical: torch.Tensor, replica_count: torch.Tensor
+) -> torch.Tensor:
     """Logical top-k ids (T, k) -> physical ids (T, k): replica ``token_index % replica_count``."""
     tokens = torch.arange(topk_ids.shape[0], device=topk_ids.device).unsqueeze(1)  # (T, 1)
     replica = tokens % replica_count[topk_ids]  # (T, k)

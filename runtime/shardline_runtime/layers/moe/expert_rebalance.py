@@ -21,7 +21,11 @@ import logging
 
 import torch
 
-from shardline_runtime.distributed import all_reduce_min_int, broadcast_tensor, get_expert_parallel_layout
+from shardline_runtime.distributed import (
+    all_reduce_min_int,
+    broadcast_tensor,
+    get_expert_parallel_layout,
+)
 from shardline_runtime.layers.moe.expert_location import logical_maps, moe_layers
 
 logger = logging.getLogger(__name__)
@@ -33,10 +37,14 @@ class RebalanceError(ValueError):
 
 def _check(layers: list, placement: torch.Tensor) -> None:
     if placement.dim() != 2 or placement.shape[0] != len(layers):
-        raise RebalanceError(f"placement must be (num_moe_layers={len(layers)}, num_physical), got {tuple(placement.shape)}")
+        raise RebalanceError(
+            f"placement must be (num_moe_layers={len(layers)}, num_physical), got {tuple(placement.shape)}"
+        )
     for i, layer in enumerate(layers):
         if placement.shape[1] != layer.num_physical_experts:
-            raise RebalanceError(f"MoE layer {i}: placement has {placement.shape[1]} slots, the layer {layer.num_physical_experts}")
+            raise RebalanceError(
+                f"MoE layer {i}: placement has {placement.shape[1]} slots, the layer {layer.num_physical_experts}"
+            )
         try:
             logical_maps(placement[i], layer.num_experts, layer.max_replicas)
         except ValueError as e:
@@ -46,15 +54,19 @@ def _check(layers: list, placement: torch.Tensor) -> None:
 def _stage_layer(layer, new: list[int], layout) -> tuple[torch.Tensor, torch.Tensor]:
     n, tp = layer.num_local_experts, layout.moe_tp_size
     old = layer.physical_to_logical_map.tolist()
-    held = [set(old[r * n:(r + 1) * n]) for r in range(layout.ep_size)]  # logical experts per EP slot
-    mine = old[layer.local_start:layer.local_start + n]
+    held = [
+        set(old[r * n : (r + 1) * n]) for r in range(layout.ep_size)
+    ]  # logical experts per EP slot
+    mine = old[layer.local_start : layer.local_start + n]
     w13, w2 = torch.empty_like(layer.w13_weight), torch.empty_like(layer.w2_weight)
-    wanted = new[layer.local_start:layer.local_start + n]
+    wanted = new[layer.local_start : layer.local_start + n]
     for slot, e in enumerate(wanted):
         if e in mine:
             w13[slot].copy_(layer.w13_weight[mine.index(e)])
             w2[slot].copy_(layer.w2_weight[mine.index(e)])
-    missing = sorted({e for r in range(layout.ep_size) for e in new[r * n:(r + 1) * n] if e not in held[r]})
+    missing = sorted(
+        {e for r in range(layout.ep_size) for e in new[r * n : (r + 1) * n] if e not in held[r]}
+    )
     size13, size2 = layer.w13_weight[0].numel(), layer.w2_weight[0].numel()
     for e in missing:
         src_ep = min(r for r in range(layout.ep_size) if e in held[r])
@@ -106,7 +118,9 @@ def rebalance_in_place(model: torch.nn.Module, placement: torch.Tensor) -> int:
         reason = f"{type(e).__name__}: {e}"
         logger.warning("expert rebalance staging failed: %s", reason)
     if all_reduce_min_int(0 if reason else 1) != 1:
-        raise RebalanceError(f"staging failed; old placement kept. {reason or 'failed on another rank (see its log)'}")
+        raise RebalanceError(
+            f"staging failed; old placement kept. {reason or 'failed on another rank (see its log)'}"
+        )
     moved = 0
     for layer, new, (w13, w2) in zip(layers, placement, staged):
         before = layer.local_logical_experts()

@@ -20,7 +20,11 @@ from torch import nn
 
 from shardline_runtime.distributed import expert_parallel_combine, get_expert_parallel_layout
 from shardline_runtime.layers.linear import ShardShapeError
-from shardline_runtime.layers.moe.expert_location import default_physical_to_logical, logical_maps, route_to_physical
+from shardline_runtime.layers.moe.expert_location import (
+    default_physical_to_logical,
+    logical_maps,
+    route_to_physical,
+)
 from shardline_runtime.layers.moe.moe_compute import experts_forward
 from shardline_runtime.layers.parameter import set_weight_attrs
 
@@ -46,16 +50,27 @@ class FusedMoE(nn.Module):
     logical_to_physical_map: torch.Tensor
     logical_replica_count: torch.Tensor
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, layer_id: int,
-                 num_redundant_experts: int | None = None, reduce_results: bool = True):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        layer_id: int,
+        num_redundant_experts: int | None = None,
+        reduce_results: bool = True,
+    ):
         super().__init__()
         layout = get_expert_parallel_layout()
-        redundant = layout.num_redundant_experts if num_redundant_experts is None else num_redundant_experts
+        redundant = (
+            layout.num_redundant_experts if num_redundant_experts is None else num_redundant_experts
+        )
         self.num_experts, self.layer_id, self.reduce_results = num_experts, layer_id, reduce_results
         self.num_physical_experts = num_experts + redundant
         if self.num_physical_experts % layout.ep_size or intermediate_size % layout.moe_tp_size:
-            raise ValueError(f"{self.num_physical_experts} physical experts / intermediate size {intermediate_size} "
-                             f"cannot be split over ep_size {layout.ep_size}, moe_tp_size {layout.moe_tp_size}")
+            raise ValueError(
+                f"{self.num_physical_experts} physical experts / intermediate size {intermediate_size} "
+                f"cannot be split over ep_size {layout.ep_size}, moe_tp_size {layout.moe_tp_size}"
+            )
         self.max_replicas = redundant + 1
         self.num_local_experts = self.num_physical_experts // layout.ep_size
         self.local_start = layout.ep_rank * self.num_local_experts
@@ -63,17 +78,40 @@ class FusedMoE(nn.Module):
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.intermediate_per_rank = intermediate_size // layout.moe_tp_size
         i = self.intermediate_per_rank
-        self.w13_weight = nn.Parameter(torch.empty(self.num_local_experts, 2 * i, hidden_size), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, i), requires_grad=False)
+        self.w13_weight = nn.Parameter(
+            torch.empty(self.num_local_experts, 2 * i, hidden_size), requires_grad=False
+        )
+        self.w2_weight = nn.Parameter(
+            torch.empty(self.num_local_experts, hidden_size, i), requires_grad=False
+        )
         # checkpoints hold one (I, H) gate (w1) / up (w3) and one (H, I) down (w2) per logical expert
-        set_weight_attrs(self.w13_weight, self.weight_loader, {
-            (e, s): (intermediate_size, hidden_size) for e in range(num_experts) for s in ("w1", "w3")
-        })
-        set_weight_attrs(self.w2_weight, self.weight_loader,
-                         {(e, "w2"): (hidden_size, intermediate_size) for e in range(num_experts)})
-        self.register_buffer("physical_to_logical_map", torch.zeros(self.num_physical_experts, dtype=torch.int64), persistent=False)
-        self.register_buffer("logical_to_physical_map", torch.zeros(num_experts, self.max_replicas, dtype=torch.int64), persistent=False)
-        self.register_buffer("logical_replica_count", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        set_weight_attrs(
+            self.w13_weight,
+            self.weight_loader,
+            {
+                (e, s): (intermediate_size, hidden_size)
+                for e in range(num_experts)
+                for s in ("w1", "w3")
+            },
+        )
+        set_weight_attrs(
+            self.w2_weight,
+            self.weight_loader,
+            {(e, "w2"): (hidden_size, intermediate_size) for e in range(num_experts)},
+        )
+        self.register_buffer(
+            "physical_to_logical_map",
+            torch.zeros(self.num_physical_experts, dtype=torch.int64),
+            persistent=False,
+        )
+        self.register_buffer(
+            "logical_to_physical_map",
+            torch.zeros(num_experts, self.max_replicas, dtype=torch.int64),
+            persistent=False,
+        )
+        self.register_buffer(
+            "logical_replica_count", torch.zeros(num_experts, dtype=torch.int64), persistent=False
+        )
         # One rank, no redundant slots: the placement can never change the load (EPLBManager does
         # not rebalance then), so routing skips the map lookup; fixed at build time, so a
         # captured CUDA graph never takes a path that a later placement invalidates.
@@ -90,18 +128,23 @@ class FusedMoE(nn.Module):
             ValueError: wrong length, or an expert with no or too many replicas.
         """
         if tuple(physical_to_logical.shape) != (self.num_physical_experts,):
-            raise ValueError(f"placement must have {self.num_physical_experts} entries, got {tuple(physical_to_logical.shape)}")
+            raise ValueError(
+                f"placement must have {self.num_physical_experts} entries, got {tuple(physical_to_logical.shape)}"
+            )
         l2p, count = logical_maps(physical_to_logical, self.num_experts, self.max_replicas)
         self.physical_to_logical_map.copy_(physical_to_logical)
         self.logical_to_physical_map.copy_(l2p)
         self.logical_replica_count.copy_(count)
 
-
     def local_logical_experts(self) -> list[int]:
         """Logical expert held by each local slot, in slot order."""
-        return self.physical_to_logical_map[self.local_start:self.local_start + self.num_local_experts].tolist()
+        return self.physical_to_logical_map[
+            self.local_start : self.local_start + self.num_local_experts
+        ].tolist()
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, shard_id: str) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, shard_id: str
+    ) -> None:
         """Copy logical expert ``expert_id``'s full checkpoint tensor ``loaded`` (``w1``/``w3``:
         (I, H), ``w2``: (H, I)) into each local slot that holds it, taking this rank's slice of I.
 
@@ -116,7 +159,9 @@ class FusedMoE(nn.Module):
         full_i, h, n = self.intermediate_size, self.hidden_size, self.intermediate_per_rank
         expected = (h, full_i) if shard_id == "w2" else (full_i, h)
         if tuple(loaded.shape) != expected:
-            raise ShardShapeError(f"FusedMoE expert {expert_id} {shard_id}: checkpoint shape {tuple(loaded.shape)}, expected {expected}")
+            raise ShardShapeError(
+                f"FusedMoE expert {expert_id} {shard_id}: checkpoint shape {tuple(loaded.shape)}, expected {expected}"
+            )
         if shard_id == "w2":
             piece = loaded.narrow(1, self.moe_tp_rank * n, n)
         else:
@@ -129,19 +174,25 @@ class FusedMoE(nn.Module):
             else:
                 param.data[slot].narrow(0, 0 if shard_id == "w1" else n, n).copy_(piece)
 
-    def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
         """(T, H), (T, k) weights, (T, k) logical ids -> (T, H), summed over the group unless
         ``reduce_results`` is False (then this rank's partial sum)."""
         if self.identity_placement:
             physical = topk_ids
         else:
-            physical = route_to_physical(topk_ids, self.logical_to_physical_map, self.logical_replica_count)  # (T, k)
+            physical = route_to_physical(
+                topk_ids, self.logical_to_physical_map, self.logical_replica_count
+            )  # (T, k)
         if self.recorder is not None and self.recorder.recording:
             self.recorder.record(self.layer_id, physical)
         if self.num_local_experts == self.num_physical_experts:
             local = physical  # every slot is on this rank
         else:
             local = physical - self.local_start
-            local = torch.where((local >= 0) & (local < self.num_local_experts), local, -1)  # dispatch: keep ours
+            local = torch.where(
+                (local >= 0) & (local < self.num_local_experts), local, -1
+            )  # dispatch: keep ours
         out = experts_forward(hidden_states, self.w13_weight, self.w2_weight, topk_weights, local)
         return expert_parallel_combine(out) if self.reduce_results else out

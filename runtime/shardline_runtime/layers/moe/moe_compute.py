@@ -16,8 +16,13 @@ import torch
 import torch.nn.functional as F
 
 
-def grouped_experts_forward(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                            topk_weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+def grouped_experts_forward(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    local_ids: torch.Tensor,
+) -> torch.Tensor:
     """SwiGLU experts: ``sum_k w_k * W2[e_k] (silu(G[e_k] x) * U[e_k] x)`` over local experts.
 
     Args:
@@ -42,17 +47,22 @@ def grouped_experts_forward(hidden_states: torch.Tensor, w13: torch.Tensor, w2: 
     for expert, n in enumerate(counts[1:]):
         if n == 0:
             continue
-        rows = token_of[start:start + n]
+        rows = token_of[start : start + n]
         x = hidden_states[rows]  # (n, H)
         gate_up = F.linear(x, w13[expert])  # (n, 2I)
         y = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[expert])  # (n, H)
-        out.index_add_(0, rows, y * weight_of[start:start + n, None].to(y.dtype))
+        out.index_add_(0, rows, y * weight_of[start : start + n, None].to(y.dtype))
         start += n
     return out
 
 
-def grouped_mm_experts_forward(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                               topk_weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+def grouped_mm_experts_forward(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    local_ids: torch.Tensor,
+) -> torch.Tensor:
     """:func:`grouped_experts_forward` through ``torch._grouped_mm`` (same arguments, same result)."""
     num_tokens, top_k = local_ids.shape
     num_local = w13.shape[0]
@@ -64,11 +74,15 @@ def grouped_mm_experts_forward(hidden_states: torch.Tensor, w13: torch.Tensor, w
     out = torch.zeros_like(hidden_states)
     if order.numel() == 0:
         return out
-    offsets = torch.cumsum(counts[1:], 0).to(torch.int32)  # (E_local,) end row of each expert's group
+    offsets = torch.cumsum(counts[1:], 0).to(
+        torch.int32
+    )  # (E_local,) end row of each expert's group
     rows = order // top_k
     inter = w2.shape[-1]
     gate_up = torch._grouped_mm(hidden_states[rows], w13.transpose(1, 2), offs=offsets)  # (N, 2I)
-    y = torch._grouped_mm(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2.transpose(1, 2), offs=offsets)  # (N, H)
+    y = torch._grouped_mm(
+        F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2.transpose(1, 2), offs=offsets
+    )  # (N, H)
     out.index_add_(0, rows, y * topk_weights.reshape(-1)[order, None].to(y.dtype))
     return out
 
@@ -82,8 +96,13 @@ def _aligned_for_grouped_mm(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     return all(n * size % 16 == 0 for n in (w2.shape[1], w2.shape[2]))
 
 
-def experts_forward(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    topk_weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+def experts_forward(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    local_ids: torch.Tensor,
+) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA (when Triton imports), else ``torch._grouped_mm`` when
     torch has it, else the grouped loop; same arguments and result as
     :func:`grouped_experts_forward`."""

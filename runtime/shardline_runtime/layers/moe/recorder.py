@@ -44,15 +44,22 @@ class ExpertDistributionRecorder:
         dump_dir: directory for :meth:`dump` to write into when asked (``--expert-distribution-recorder-dir``).
     """
 
-    def __init__(self, num_layers: int, num_physical_experts: int, device: torch.device | str = "cpu",
-                 dump_dir: str | None = None):
+    def __init__(
+        self,
+        num_layers: int,
+        num_physical_experts: int,
+        device: torch.device | str = "cpu",
+        dump_dir: str | None = None,
+    ):
         self.num_layers, self.num_physical_experts = num_layers, num_physical_experts
         self.dump_dir = dump_dir
         self.recording = False
         self.mode = "stat"
         self.forward_pass_id = 0
         self._user_active = False
-        self._pass_counts = torch.zeros(num_layers, num_physical_experts, dtype=torch.int64, device=device)
+        self._pass_counts = torch.zeros(
+            num_layers, num_physical_experts, dtype=torch.int64, device=device
+        )
         self._ones = torch.ones(1, dtype=torch.int64, device=device)
         self._stat = torch.zeros_like(self._pass_counts)
         self._passes: list[torch.Tensor] = []
@@ -138,7 +145,11 @@ class ExpertDistributionRecorder:
     def physical_counts(self) -> torch.Tensor:
         """The record's counts summed over passes: (num_layers, num_physical) int64 on CPU."""
         if self.mode == "per_pass":
-            return torch.stack(self._passes).sum(0).cpu() if self._passes else torch.zeros_like(self._stat).cpu()
+            return (
+                torch.stack(self._passes).sum(0).cpu()
+                if self._passes
+                else torch.zeros_like(self._stat).cpu()
+            )
         return self._stat.cpu()
 
     def to_dict(self, physical_to_logical: torch.Tensor, num_experts: int) -> dict[str, Any]:
@@ -163,11 +174,15 @@ class ExpertDistributionRecorder:
             "recording": self._user_active,
             "num_forward_passes": self._num_recorded_passes,
             "physical_to_logical_map": physical_to_logical.tolist(),
-            "physical_count": [p.tolist() for p in passes] if passes is not None else total.tolist(),
+            "physical_count": [p.tolist() for p in passes]
+            if passes is not None
+            else total.tolist(),
             "logical_count": logical.tolist(),
         }
 
-    def dump(self, physical_to_logical: torch.Tensor, num_experts: int, to_file: bool = False) -> dict[str, Any]:
+    def dump(
+        self, physical_to_logical: torch.Tensor, num_experts: int, to_file: bool = False
+    ) -> dict[str, Any]:
         """:meth:`to_dict`, or (``to_file``) write it as JSON into ``dump_dir`` and return
         ``{"path": ...}``.
 
@@ -178,11 +193,15 @@ class ExpertDistributionRecorder:
         if not to_file:
             return record
         if not self.dump_dir:
-            raise RecorderError("dump to a file needs --expert-distribution-recorder-dir; none was given")
+            raise RecorderError(
+                "dump to a file needs --expert-distribution-recorder-dir; none was given"
+            )
         os.makedirs(self.dump_dir, exist_ok=True)
         stamp = int(time.time() * 1000)
         for n in itertools.count():  # two dumps in one millisecond must not overwrite each other
-            path = os.path.join(self.dump_dir, f"expert_distribution_{stamp}{f'_{n}' if n else ''}.json")
+            path = os.path.join(
+                self.dump_dir, f"expert_distribution_{stamp}{f'_{n}' if n else ''}.json"
+            )
             try:
                 with open(path, "x") as f:
                     json.dump(record, f)

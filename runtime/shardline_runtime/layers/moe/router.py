@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from shardline_runtime.layers.parameter import set_weight_attrs
 
 
@@ -30,8 +31,9 @@ class ReplicatedLinear(nn.Module):
         return F.linear(x, self.weight)
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                   out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k experts of each token.
 
     Args:
@@ -59,7 +61,11 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
-        set_weight_attrs(self.weight, ReplicatedLinear.weight_loader.__get__(self), {None: (num_experts, hidden_size)})
+        set_weight_attrs(
+            self.weight,
+            ReplicatedLinear.weight_loader.__get__(self),
+            {None: (num_experts, hidden_size)},
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         router_logits = F.linear(x, self.weight)  # (T, E)
