@@ -216,27 +216,37 @@ class LlamaModel(nn.Module):
         embeds ``input_ids`` (or takes ``input_embeds`` (T, hidden_size)); the others start from
         the previous stage's ``pp_proxy_tensors``. Returns the normed (T, hidden_size) states on
         the last stage, else :class:`PPProxyTensors` (``hidden_states`` and ``residual``)."""
-        if self.is_first:
-            hidden_states = (
-                self.embed_tokens(input_ids) if input_embeds is None else input_embeds
-            )  # (T, hidden)
-            residual = None
-        else:
-            assert pp_proxy_tensors is not None, (
-                "a pipeline stage after the first needs the previous stage's tensors"
-            )
-            hidden_states, residual = (
-                pp_proxy_tensors["hidden_states"],
-                pp_proxy_tensors["residual"],
-            )
+        hidden_states, residual = self.stage_input(input_ids, input_embeds, pp_proxy_tensors)
         hidden_states, residual = self.forward_layers(
             self.start_layer, self.end_layer, positions, hidden_states, residual, forward_batch
         )
+        return self.stage_output(hidden_states, residual)
+
+    def stage_input(
+        self,
+        input_ids: torch.Tensor,
+        input_embeds: torch.Tensor | None,
+        pp_proxy_tensors: PPProxyTensors | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(hidden_states, residual)`` (T, hidden_size) this stage starts from: the embedding
+        of ``input_ids`` (or ``input_embeds``) on the first stage, with no residual yet; the
+        previous stage's ``pp_proxy_tensors`` on the others."""
+        if self.is_first:
+            hidden = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+            return hidden, None
+        assert pp_proxy_tensors is not None, (
+            "a pipeline stage after the first needs the previous stage's tensors"
+        )
+        return pp_proxy_tensors["hidden_states"], pp_proxy_tensors["residual"]
+
+    def stage_output(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> torch.Tensor | PPProxyTensors:
+        """After this stage's last layer: the normed (T, hidden_size) states on the last stage,
+        else :class:`PPProxyTensors` for the next stage."""
         if not self.is_last:
             assert residual is not None  # a stage runs at least one layer
-            return PPProxyTensors(
-                {"hidden_states": hidden_states, "residual": residual}
-            )  # (T, hidden) each
+            return PPProxyTensors({"hidden_states": hidden_states, "residual": residual})
         return self.final_norm(hidden_states, residual)
 
     def forward_layers(
@@ -330,15 +340,9 @@ class LlamaForCausalLM(nn.Module):
             if forward_batch.split_forward_end_layer is not None
             else last
         )
-        if start == 0:
-            hidden_states = (
-                self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds
-            )  # (T, hidden)
-            residual = None
-        elif start == first and pp_proxy_tensors is not None:
-            hidden_states, residual = (
-                pp_proxy_tensors["hidden_states"],
-                pp_proxy_tensors["residual"],
+        if start == first:
+            hidden_states, residual = self.model.stage_input(
+                input_ids, input_embeds, pp_proxy_tensors
             )
         else:
             hidden_states, residual = (
@@ -354,13 +358,10 @@ class LlamaForCausalLM(nn.Module):
                 residual,
             )
             return None
-        if not self.stage.is_last:
-            assert residual is not None  # a stage runs at least one layer
-            return PPProxyTensors(
-                {"hidden_states": hidden_states, "residual": residual}
-            )  # (T, hidden) each
-        hidden_states = self.model.final_norm(hidden_states, residual)
-        return self.logits_processor(input_ids, hidden_states, self.lm_head, forward_batch)
+        out = self.model.stage_output(hidden_states, residual)
+        if isinstance(out, PPProxyTensors):
+            return out
+        return self.logits_processor(input_ids, out, self.lm_head, forward_batch)
 
     # Checkpoint name fragment -> (stacked parameter fragment, shard id).
     stacked_params_mapping = (
