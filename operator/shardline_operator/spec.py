@@ -555,7 +555,10 @@ def parse_parallelism(raw: Mapping[str, Any]) -> ParallelismSpec:
     """Parse ``spec.parallelism`` (see ``parallelism.py`` for the rank layout). Raises :class:`SpecError`."""
     path = "spec.parallelism"
     partition = _get(raw, "pipelineLayerPartition", path, list, [])
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in partition):
+    # present but empty is refused, as the CRD's CEL rule does (size must equal pipeline)
+    if ("pipelineLayerPartition" in raw and not partition) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in partition
+    ):
         raise SpecError(
             f"{path}.pipelineLayerPartition must be a list of layer counts >= 1 (one per stage), "
             f"got {partition!r}"

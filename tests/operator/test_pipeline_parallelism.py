@@ -79,6 +79,8 @@ def test_valid_pipeline_layouts_parse(make_spec, parallelism):
      "spec.parallelism: pipelineLayerPartition gives 3 stages ([1, 1, 1]) but pipeline is 2"),
     ({"tensor": 1, "pipeline": 2, "pipelineLayerPartition": [2, 0]},
      "spec.parallelism.pipelineLayerPartition must be a list of layer counts >= 1"),
+    ({"tensor": 1, "pipeline": 2, "pipelineLayerPartition": []},
+     "spec.parallelism.pipelineLayerPartition must be a list of layer counts >= 1 (one per stage), got []"),
     ({"tensor": 1, "pipeline": 2, "pipelineLayerPartition": "1,1"},
      "spec.parallelism.pipelineLayerPartition must be of type array"),
 ])

@@ -29,6 +29,7 @@ def _both(ckpt, arrivals, **overrides) -> tuple[dict, dict, list]:
     for disable in (False, True):
         scheduler = make_scheduler(ckpt, disable_overlap_schedule=disable, **overrides)
         assert (scheduler.future_map is None) == disable
+        assert scheduler.scheduler_info().overlap_schedule is not disable  # /get_server_info's value
         placeholders = _count_placeholders(scheduler) if not disable else None
         out.append(run_loop(scheduler, arrivals))
         if placeholders is not None:

@@ -58,6 +58,7 @@ def test_pp2_two_pods_match_pp1_and_report_pp_size(pp2_pods, serving_checkpoint)
     assert _generate_all(node0, 16) == _reference(serving_checkpoint, 16)
     info = node0.get("/get_server_info").json()
     assert (info["pp_size"], info["tp_size"], info["nnodes"]) == (2, 1, 2)
+    assert info["overlap_schedule"] is False  # the micro-batch loop runs instead
     assert node1.get("/ready").status_code == 200
     assert node1.get("/v1/models").status_code == 503  # the second stage's pod serves no API
 

@@ -145,7 +145,8 @@ def test_adder_reuses_a_cached_prefix_and_locks_it():
     adder = PrefillAdder(limits(), NewTokenRatio(value=0.0), cache, [])
     r = Req("a", prefix + [30, 31, 32], SamplingParams(max_new_tokens=4))
     assert adder.add_one_req(r) is AddReqResult.CONTINUE
-    assert (r.cached_len, r.extend_input_len, r.cached_tokens) == (20, 3, 20)
+    # cached_tokens (reported) is taken from tree_prefix_len when the batch forms
+    assert (r.cached_len, r.extend_input_len, r.tree_prefix_len) == (20, 3, 20)
     assert cache.tree_cache.evictable_size() == 0, "the matched prefix is locked"
 
 

@@ -1,5 +1,5 @@
 """Scheduler in-process on a real TpModelWorker: batching equals alone, chunked prefill (S4),
-retraction under a small KV pool, prefix cache reuse, aborts free KV at once."""
+retraction under a small KV pool (running requests and a chunked prefill), prefix cache reuse, aborts free KV at once."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from scheduler_harness import greedy, make_scheduler, run_to_completion
+from scheduler_harness import greedy, make_scheduler, run_loop, run_to_completion
 
 from shardline_runtime.managers.io_struct import AbortReq
 
@@ -198,3 +198,22 @@ def test_weight_update_lets_retracted_requests_finish_on_the_old_weights(ckpt, t
     assert len(replies) == 1 and replies[0].success
     for rid in started:  # every response begun on A ends on A
         assert got[rid]["ids"] == expected[rid]["ids"], rid
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+def test_chunked_prefill_gives_way_to_a_lone_running_request(ckpt, overlap):
+    """A 200-token prompt arriving while a 59-token request decodes fills a 256-slot pool with
+    its 8-token chunks. The decode step must retract the chunked prefill (admitted last, no
+    output yet), not cut the running request with a false ``length``: both match a big-pool
+    run, the second is clipped only at ``max_req_len``, and its re-cached chunks are no cache hit."""
+    a, b = _prompts(11, 1, 59, 59)[0], _prompts(12, 1, 200, 200)[0]
+    kw = dict(chunked_prefill_size=8, max_prefill_tokens=8, disable_overlap_schedule=not overlap)
+    arrivals = {0: [greedy("a", a, 30)], 6: [greedy("b", b, 100)]}
+    expected = run_loop(make_scheduler(ckpt, max_total_tokens=2048, **kw), arrivals)
+    small = make_scheduler(ckpt, max_total_tokens=256, **kw)
+    got = run_loop(small, arrivals)
+    assert got["a"]["ids"] == expected["a"]["ids"] and got["a"]["finish"]["length"] == 30
+    clipped = small.max_req_len - len(b)
+    assert 0 < clipped < 100 and got["b"]["ids"] == expected["b"]["ids"][:clipped]
+    assert got["b"]["cached"] == 0 and small.decode_manager.num_retractions > 0
+    assert small.kv_used_tokens() == 0

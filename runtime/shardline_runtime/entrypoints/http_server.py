@@ -213,6 +213,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
             "context_length": tm.info.context_len,
             "max_running_requests": tm.info.max_running_requests,
             "chunked_prefill_size": server_args.chunked_prefill_size,
+            "overlap_schedule": tm.info.overlap_schedule,
             "num_running_reqs": s.num_running_reqs,
             "num_queued_reqs": s.num_queued_reqs,
             "kv_used_tokens": s.kv_used_tokens,

@@ -79,9 +79,11 @@ class DecodeManager:
         recently admitted first) until the slots fit.
 
         Args:
-            settle: called before each retraction; True when it changed the state (the overlap
-                scheduler's ``drain_in_flight``: the step in flight may finish requests, and a
-                retraction needs settled state); then the slots are checked again.
+            settle: called before each retraction; True when it changed the state, then the
+                slots are checked again. The scheduler's ``make_room_for_decode``: the overlap
+                step in flight may finish requests (and a retraction needs settled state), and a
+                chunked prefill in progress, admitted after the running requests, is retracted
+                before any of them.
         """
         batch = self.running_batch
         if batch is None or batch.is_empty():
@@ -98,9 +100,10 @@ class DecodeManager:
                 break
             if settle is not None and settle():
                 continue
-            if batch.batch_size == 1:
-                # One request alone cannot grow: it is at the pool size (max_req_len clips it
-                # before that, so this is defensive).
+            if batch.batch_size == 1 and self.cache.used_tokens() <= batch.reqs[0].kv_len:
+                # One request holding every used slot cannot grow: it is at the pool size
+                # (max_req_len clips it before that, so this is defensive). When others hold KV
+                # (another pipeline micro-batch slot's requests), it is retracted instead.
                 req = batch.reqs[0]
                 req.finished_reason = FinishReason("length", self.max_req_len)
                 self.cache.release(req)

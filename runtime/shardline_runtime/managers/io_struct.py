@@ -228,6 +228,7 @@ class SchedulerInfo:
     eos_token_ids: list[int] = field(default_factory=list)
     weight_version: str = "default"
     hidden_size: int = 0  # width of one input_embeds vector
+    overlap_schedule: bool = False  # the overlap scheduler runs (off with LoRA, PP or the flag)
 
 
 @dataclass

@@ -94,6 +94,9 @@ class PrefillManager:
         if not self.cache.ensure_free(sum(r.extend_input_len for r in admitted)):
             self._undo(admitted)  # let decode free memory first
             return None
+        for req in admitted:
+            if not req.admitted:  # a retracted request keeps its first count
+                req.cached_tokens, req.admitted = req.tree_prefix_len, True
         batch = self.new_batch(admitted)
         # the batch remembers its own chunked request: with pipeline micro-batches or overlap the
         # next chunk may be formed before this batch's result is processed
@@ -126,9 +129,12 @@ class PrefillManager:
             self.cache.release(req)
         return hit
 
-    def retract_chunked(self) -> None:
-        """Free the chunked request's KV and requeue it first (it is prefilled again later)."""
-        if self.chunked_req is not None:
-            req, self.chunked_req = self.chunked_req, None
+    def retract_chunked(self) -> Req | None:
+        """Free the chunked request's KV and requeue it first (it is prefilled again later,
+        reusing what the prefix cache kept of its computed tokens); returns it, or None when
+        there was none."""
+        req, self.chunked_req = self.chunked_req, None
+        if req is not None:
             self.cache.release(req)
             self.requeue(req)
+        return req

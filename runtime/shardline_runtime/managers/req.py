@@ -48,6 +48,8 @@ class Req:
         last_node / tree_prefix_len: the prefix-cache node this request locks and how many of
             its KV slots belong to the cache (set by ``CacheManager.lock``, cleared on release).
         cached_tokens: prompt tokens served from the prefix cache at first admission (reported).
+        admitted: set at the first admission; a request retracted and admitted again keeps its
+            ``cached_tokens`` (its own re-cached KV is not a cache hit for the user).
         sent_len: output tokens already streamed to the HTTP process.
         prompt_logprobs: (position, logprob, top) of scored prompt tokens, collected per chunk.
         input_logprobs_sent: the prompt logprobs went out (once, with the first output).
@@ -92,6 +94,7 @@ class Req:
         self.last_node: TreeNode | None = None
         self.tree_prefix_len = 0
         self.cached_tokens = 0
+        self.admitted = False
         self.sent_len = 0
         self.prompt_logprobs: list[tuple[int, float, list[tuple[float, int]]]] = []
         self.input_logprobs_sent = False

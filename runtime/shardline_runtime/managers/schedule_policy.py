@@ -11,7 +11,9 @@ Policy (first come, first served, as SGLang's default ``fcfs``):
 - A prompt longer than ``chunked_prefill_size`` is prefilled one chunk per step; only the last
   chunk samples a token.
 - When a DECODE step cannot get one slot per request even after evicting the cache, the most
-  recently admitted request is retracted first.
+  recently admitted request is retracted first: a chunked prefill still in progress (it holds
+  KV but has no output yet), then the running requests, newest first. A lone running request
+  is cut with ``length`` only when it holds every used KV slot itself.
 
 Nothing here runs a model: every object takes its collaborators (``CacheManager``, the limits,
 the ratio) explicitly, so the policy is tested on real pools alone (``tests/serving/test_schedule_policy.py``).
@@ -154,8 +156,6 @@ class PrefillAdder:
         ):
             return AddReqResult.NO_KV
         self.rem_kv_tokens -= need + self.cache.lock(req, node)
-        if not req.output_ids:  # first admission (a retracted request keeps its count)
-            req.cached_tokens = req.tree_prefix_len
         self.rem_input_tokens -= req.extend_input_len
         self._admit(req)
         return AddReqResult.CONTINUE

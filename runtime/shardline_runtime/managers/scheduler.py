@@ -209,6 +209,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin
             eos_token_ids=self.eos_token_ids,
             weight_version=info["weight_version"],
             hidden_size=getattr(self.worker.model_config, "hidden_size", 0),
+            overlap_schedule=self.future_map is not None,
         )
 
     # ------------------------------------------------------------------ loop
@@ -304,7 +305,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin
                 batch.mix_with_running(mixed)  # the mixed batch becomes the running batch after it
             return batch
         # overlap: the step in flight may finish requests, and retraction needs settled state
-        step = self.decode_manager.schedule(settle=self.drain_in_flight)
+        step = self.decode_manager.schedule(settle=self.make_room_for_decode)
         for req in step.retracted:
             self.prefill_manager.requeue(req)
             logger.info(
@@ -316,6 +317,39 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin
         if step.finished:
             self.stream_output(step.finished)
         return step.batch
+
+    def make_room_for_decode(self) -> bool:
+        """Called when a DECODE step cannot get one KV slot per running request; True when it
+        freed or settled something (then the slots are checked again).
+
+        First the overlap step in flight is settled (it may finish requests). Then a chunked
+        prefill in progress gives its KV back: it was admitted after the running requests and has
+        no output yet, so it is the most recently admitted request and is retracted first (its
+        computed prefix stays in the prefix cache while unevicted). Without this, a lone running
+        request was cut with a false ``length`` while another prompt's chunks held the pool. A
+        chunk still in flight through the pipeline stages is left alone (its KV is being written).
+        """
+        if self.drain_in_flight():
+            return True
+        req = self.prefill_manager.chunked_req
+        if req is None or req.req_pool_idx is None:
+            return False
+        inflight = [
+            item[0] for item in getattr(self, "pp_inflight", None) or [] if item is not None
+        ]
+        if any(req in batch.reqs for batch in inflight):
+            return False
+        computed = req.kv_len
+        self.prefill_manager.retract_chunked()
+        self.decode_manager.num_retractions += 1
+        self.new_token_ratio.on_retract()
+        logger.info(
+            "[tp %d] retracted chunked prefill %s (%d prompt tokens computed) for the running batch",
+            self.tp_rank,
+            req.rid,
+            computed,
+        )
+        return True
 
     def running_batches(self) -> list:
         """Every non-empty batch holding running requests: the running batch, the micro-batch
