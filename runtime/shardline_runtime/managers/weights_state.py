@@ -1,0 +1,65 @@
+"""Which weights serve, and in which phase: one frozen record with one owner.
+
+The scheduler's control plane (rank 0) owns the live :class:`WeightsState` and sends it whole
+to the HTTP process whenever any field changes; the HTTP process keeps exactly one copy and
+``/get_server_info`` serialises it as its ``weights`` block (``WeightsState.model_dump(mode=
+"json")``). The operator parses that block; ``tests/contract`` pins the two sides together, since
+the operator never imports the runtime. After SGLang's single ``weight_version`` recorded in one
+place (``scheduler.record_weight_version_change``).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from pydantic import BaseModel, ConfigDict
+
+
+class WeightsPhase(str, Enum):
+    """Phase of the serving weights.
+
+    ``SERVING``: weights loaded, generation admitted; ``LOADING``: a new checkpoint is being
+    validated or copied in; ``RECAPTURING``: device graphs are captured again; ``FAILED``: the
+    last update failed (the old weights still serve when the failure was all-or-nothing).
+    """
+
+    SERVING = "serving"
+    LOADING = "loading"
+    RECAPTURING = "recapturing"
+    FAILED = "failed"
+
+    @property
+    def updating(self) -> bool:
+        """True while an update runs (``/ready`` answers 503 and new requests are held)."""
+        return self in (WeightsPhase.LOADING, WeightsPhase.RECAPTURING)
+
+
+class UpdateTimings(BaseModel):
+    """The last weight update's outcome and rank 0's phase times, in seconds."""
+
+    model_config = ConfigDict(frozen=True)
+
+    success: bool
+    model_path: str
+    load_seconds: float | None = None
+    recapture_seconds: float | None = None
+
+
+class WeightsState(BaseModel):
+    """What serves: ``model_path`` (directory), ``revision`` (label given at load or update),
+    ``weight_version`` (SGLang's free-form version string, ``"default"`` at start), ``phase``,
+    ``digest`` (:func:`~shardline_runtime.model_loader.checkpoint_digest.checkpoint_digest` of
+    the served checkpoint, computed where it was loaded; None when unreadable) and
+    ``last_update`` (None until the first update ran).
+
+    Frozen: a change is a new record (``state.model_copy(update={...})``).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    model_path: str
+    revision: str | None = None
+    weight_version: str = "default"
+    phase: WeightsPhase = WeightsPhase.SERVING
+    digest: str | None = None
+    last_update: UpdateTimings | None = None
