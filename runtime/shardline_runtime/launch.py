@@ -118,10 +118,9 @@ class _Server(uvicorn.Server):
         if tm is None or loop is None:  # not serving requests yet (loading, or node rank > 0)
             self.should_exit = True
             return
-        tm.draining = True
-        loop.call_soon_threadsafe(
-            tm.start_draining
-        )  # requests held by /pause_generation get their 503 now
+        gate = tm.gate
+        gate.draining = True
+        loop.call_soon_threadsafe(gate.start_draining)  # paused requests get their 503 now
         loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
 
     async def _drain(self) -> None:
@@ -132,10 +131,10 @@ class _Server(uvicorn.Server):
         deadline = time.monotonic() + self._drain_timeout
         while tm.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        tm.closing = True
+        tm.gate.closing = True
         if tm.in_flight:
-            logger.warning("drain timeout: aborting %d running requests", len(tm.states))
-            await tm.abort_all_local("server shutting down (drain timeout)")
+            logger.warning("drain timeout: aborting %d running requests", len(tm.streams.states))
+            tm.streams.abort_all_local("server shutting down (drain timeout)")
             await tm.abort(None)
         self.should_exit = True
 
@@ -236,7 +235,7 @@ async def _serve(args: ServerArgs, procs, ipc_dir: str, input_addr: str, output_
         write_termination_log(error)
         state["healthy"], state["fatal"] = False, error
         if state["tm"] is not None:
-            await state["tm"].abort_all_local(error)
+            state["tm"].streams.abort_all_local(error)
             await asyncio.sleep(0.5)  # let handlers answer their clients
         server.should_exit = True
     await serve_task
@@ -248,31 +247,22 @@ def _full_app(args: ServerArgs, info, input_addr: str, output_addr: str, state: 
 
     from shardline_runtime.entrypoints.http_server import build_app
     from shardline_runtime.entrypoints.metrics import ServingMetrics
-    from shardline_runtime.managers.tokenizer_manager import (
-        TokenizerManager,
-        safe_checkpoint_digest,
-    )
+    from shardline_runtime.managers.tokenizer_manager import TokenizerManager
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
-    digest = safe_checkpoint_digest(info.model_path)
-    metrics = ServingMetrics(args.model_name)
-    metrics.set_weights(info.weights_revision, info.model_path, digest)
-    metrics.set_weight_version(info.weight_version)
     tm = TokenizerManager(
         tokenizer,
         info,
         input_addr,
         output_addr,
-        metrics,
+        ServingMetrics(args.model_name),
         hold_timeout=args.weight_update_hold_timeout,
-        weights_digest=digest,
+        # loaded by every rank before it reported ready
+        lora_adapters=parse_lora_paths(list(args.lora_paths)),
     )
-    tm.lora_adapters = parse_lora_paths(
-        list(args.lora_paths)
-    )  # loaded by every rank before it reported ready
     tm.start()
     state["tm"] = tm
-    return build_app(tm, args, metrics, state)
+    return build_app(tm, args, tm.metrics, state)
 
 
 def _pipeline_layout_error(args: ServerArgs) -> str | None:

@@ -147,7 +147,8 @@ def test_scheduler_refuses_a_request_for_an_adapter_not_loaded(adapters):
                             tp_rank=0, send=sent.append)
     sched.lora_control = LoRAControl(sched)
     sched.finish_unscheduled = lambda msg, n, message: sent.append(message)
-    msg = TokenizedGenerateReqInput("r1", [1, 2, 3], SamplingParams(max_new_tokens=2), lora_name="gone")
+    msg = TokenizedGenerateReqInput(rid="r1", input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=2),
+                                    lora_name="gone")
     Scheduler.handle_generate_request(sched, msg)
     assert sent == ["LoRA adapter 'gone' is not loaded"] and not sched.waiting_queue
     assert sched.lora_control.is_loaded("a")

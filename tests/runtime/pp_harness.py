@@ -15,7 +15,7 @@ from typing import Any
 import harness
 import torch
 
-from shardline_runtime.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
+from shardline_runtime.managers.io_struct import BatchTokenOut, TokenizedGenerateReqInput
 from shardline_runtime.sampling.sampling_params import SamplingParams
 
 
@@ -30,7 +30,9 @@ class Capture:
 
 
 def greedy(rid: str, ids: list[int], n: int, **kw) -> TokenizedGenerateReqInput:
-    return TokenizedGenerateReqInput(rid, list(ids), SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True), **kw)
+    return TokenizedGenerateReqInput(rid=rid, input_ids=list(ids),
+                                     sampling_params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True),
+                                     **kw)
 
 
 def make_scheduler(path, world_rank: int = 0, tp_size: int = 1, pp_size: int = 1, port: int | None = None,
@@ -101,12 +103,12 @@ def captured(scheduler) -> dict[str, dict]:
     """Per rid from rank 0's outputs: ids, finish reason, cached tokens; plus other replies."""
     out: dict[str, dict] = {}
     for msg in scheduler.send_socket.messages:
-        if isinstance(msg, BatchTokenIDOut):
-            for i, rid in enumerate(msg.rids):
-                r = out.setdefault(rid, {"ids": [], "finish": None, "cached": 0})
-                r["ids"] += msg.output_ids[i]
-                r["finish"] = msg.finished_reasons[i] or r["finish"]
-                r["cached"] = msg.cached_tokens[i]
+        if isinstance(msg, BatchTokenOut):
+            for t in msg.outs:
+                r = out.setdefault(t.rid, {"ids": [], "finish": None, "cached": 0})
+                r["ids"] += t.ids
+                r["finish"] = t.finish.to_dict() if t.finish is not None else r["finish"]
+                r["cached"] = t.usage.cached_tokens
         elif hasattr(msg, "success"):
             out.setdefault("_replies", []).append((msg.success, msg.message, getattr(msg, "data", None)))
     return out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardline_runtime.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
+from shardline_runtime.managers.io_struct import BatchTokenOut, TokenizedGenerateReqInput
 from shardline_runtime.managers.scheduler import Scheduler
 from shardline_runtime.managers.tp_worker import TpModelWorker
 from shardline_runtime.sampling.sampling_params import SamplingParams
@@ -61,21 +61,22 @@ def collect_results(messages) -> dict[str, dict]:
     sampled tokens' logprobs, from what rank 0 sent."""
     results: dict[str, dict] = {}
     for msg in messages:
-        if not isinstance(msg, BatchTokenIDOut):
+        if not isinstance(msg, BatchTokenOut):
             continue
-        for i, rid in enumerate(msg.rids):
-            r = results.setdefault(rid, {"ids": [], "finish": None, "chunks": 0, "prompt_logprobs": None, "cached": 0,
-                                         "logprobs": []})
-            r["ids"] += msg.output_ids[i]
+        for out in msg.outs:
+            r = results.setdefault(out.rid, {"ids": [], "finish": None, "chunks": 0, "prompt_logprobs": None,
+                                             "cached": 0, "logprobs": []})
+            r["ids"] += out.ids
             r["chunks"] += 1
-            r["finish"] = msg.finished_reasons[i] or r["finish"]
-            r["cached"] = msg.cached_tokens[i]
-            if msg.input_token_logprobs[i] is not None:
-                r["prompt_logprobs"] = msg.input_token_logprobs[i]
-            if msg.output_token_logprobs[i] is not None:
-                r["logprobs"] += [lp for lp, _ in msg.output_token_logprobs[i]]
+            r["finish"] = out.finish.to_dict() if out.finish is not None else r["finish"]
+            r["cached"] = out.usage.cached_tokens
+            if out.prompt_logprobs is not None:
+                r["prompt_logprobs"] = [(e.logprob, e.token_id) for e in out.prompt_logprobs]
+            r["logprobs"] += [e.logprob for e in out.logprobs]
     return results
 
 
 def greedy(rid, ids, n, **kw) -> TokenizedGenerateReqInput:
-    return TokenizedGenerateReqInput(rid, list(ids), SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True), **kw)
+    return TokenizedGenerateReqInput(rid=rid, input_ids=list(ids),
+                                     sampling_params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True),
+                                     **kw)

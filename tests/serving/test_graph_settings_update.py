@@ -8,11 +8,8 @@ from __future__ import annotations
 import pytest
 from scheduler_harness import greedy, make_scheduler, run_to_completion
 
-from shardline_runtime.managers.io_struct import (
-    UpdateWeightsFromDiskReqInput,
-    UpdateWeightsFromDiskReqOutput,
-    WeightsPhaseOut,
-)
+from shardline_runtime.managers.io_struct import UpdateWeightsFromDiskReqInput, UpdateWeightsFromDiskReqOutput
+from shardline_runtime.managers.weights_state import WeightsState
 
 PROMPTS = {f"p{i}": [5 + i, 17, 29 + i, 41] for i in range(2)}  # one decode batch of 2
 
@@ -30,7 +27,7 @@ def _update(scheduler, **fields) -> list[str]:
     msgs = scheduler.send_socket.messages
     replies = [m for m in msgs if isinstance(m, UpdateWeightsFromDiskReqOutput)]
     assert len(replies) == 1 and replies[0].success, replies
-    return [m.phase for m in msgs if isinstance(m, WeightsPhaseOut)]
+    return [m.phase.value for m in msgs if isinstance(m, WeightsState)]
 
 
 @pytest.mark.gpu

@@ -67,7 +67,7 @@ def test_overlap_equals_no_overlap_over_a_mixed_workload(ckpt):
     stop_params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=tuple(range(5, 500, 3)))
     arrivals = {
         0: first,
-        2: [greedy("late", _prompt(rng, 200), 15), TokenizedGenerateReqInput("stops", _prompt(rng, 12), stop_params)],
+        2: [greedy("late", _prompt(rng, 200), 15), TokenizedGenerateReqInput(rid="stops", input_ids=_prompt(rng, 12), sampling_params=stop_params)],
         4: [greedy("long", _prompt(rng, 40), 300)],
         25: [AbortReq("long")],
         50: [greedy("shared1", shared + [9, 10, 11], 10)],

@@ -1,7 +1,7 @@
 """``/ready`` and ``/health`` of the rank-0 HTTP app follow what the schedulers report.
 
 The app and its TokenizerManager are the real ones, in process; the test plays rank 0's
-scheduler on the same ZMQ socket, sending the same ``WeightsPhaseOut`` messages, so each phase
+scheduler on the same ZMQ socket, sending the same ``WeightsState`` messages, so each phase
 lasts exactly as long as the test needs (a real weight load of a tiny checkpoint is over in
 milliseconds). That the scheduler sends ``loading`` before it loads is tested in
 ``test_scheduler.py``; startup (503 until every rank loaded) and SIGTERM in
@@ -17,17 +17,18 @@ import zmq
 import zmq.asyncio
 
 from shardline_runtime.entrypoints.http_server import build_app
-from shardline_runtime.managers.io_struct import SchedulerInfo, WeightsPhaseOut
+from shardline_runtime.managers.io_struct import SchedulerInfo
 from shardline_runtime.managers.tokenizer_manager import TokenizerManager
+from shardline_runtime.managers.weights_state import WeightsPhase, WeightsState
 from shardline_runtime.server_args import ServerArgs
 
 
 async def _wait_phase(tm: TokenizerManager, phase: str) -> None:
     for _ in range(500):
-        if tm.weights_phase == phase:
+        if tm.state.weights.phase.value == phase:
             return
         await asyncio.sleep(0.01)
-    raise AssertionError(f"phase {phase!r} never arrived (is {tm.weights_phase!r})")
+    raise AssertionError(f"phase {phase!r} never arrived (is {tm.state.weights.phase!r})")
 
 
 def test_ready_is_503_while_loading_recapturing_or_draining(tokenizer, serving_checkpoint, tmp_path):
@@ -50,16 +51,14 @@ def test_ready_is_503_while_loading_recapturing_or_draining(tokenizer, serving_c
 
                 await look("serving")
                 for phase in ("loading", "recapturing", "serving", "loading", "failed"):
-                    await rank0.send_pyobj(WeightsPhaseOut(phase))
+                    await rank0.send_pyobj(WeightsState(model_path=info.model_path, phase=WeightsPhase(phase)))
                     await _wait_phase(tm, phase)
                     await look(phase)
-                tm.draining = True  # what the launcher's SIGTERM handler sets
+                tm.gate.draining = True  # what the launcher's SIGTERM handler sets
                 await look("draining")
         finally:
             rank0.close(0)
-            tm._recv_task.cancel()
-            tm.send_socket.close(0)
-            tm.recv_socket.close(0)
+            tm.close()
         return seen
 
     seen = asyncio.run(scenario())

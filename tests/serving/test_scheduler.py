@@ -153,21 +153,21 @@ def test_weight_update_waits_for_a_chunked_prefill(ckpt):
 
 
 def test_weight_update_reports_each_phase_while_it_runs(ckpt, tiny_checkpoint):
-    """The HTTP process mirrors weights_phase (and the operator mirrors it in turn): rank 0 sends
-    every phase the worker enters, before the final reply, not only the end state."""
-    from shardline_runtime.managers.io_struct import (
-        UpdateWeightsFromDiskReqInput, UpdateWeightsFromDiskReqOutput, WeightsPhaseOut,
-    )
+    """The HTTP process mirrors the WeightsState (and the operator mirrors it in turn): rank 0
+    sends a whole record for every phase the worker enters, before the final reply, not only the
+    end state."""
+    from shardline_runtime.managers.io_struct import UpdateWeightsFromDiskReqInput, UpdateWeightsFromDiskReqOutput
+    from shardline_runtime.managers.weights_state import WeightsState
 
     scheduler = make_scheduler(ckpt)
     other = tiny_checkpoint("llama", 1, max_position_embeddings=2048)
     scheduler.process_input_requests([UpdateWeightsFromDiskReqInput(str(other), revision="b")])
     run_to_completion(scheduler)
     msgs = scheduler.send_socket.messages
-    phases = [m.phase for m in msgs if isinstance(m, WeightsPhaseOut)]
+    phases = [m.phase.value for m in msgs if isinstance(m, WeightsState)]
     reply_at = next(i for i, m in enumerate(msgs) if isinstance(m, UpdateWeightsFromDiskReqOutput))
     assert phases == ["loading", "serving"], phases  # CPU: no graphs, so no "recapturing"
-    assert all(isinstance(m, WeightsPhaseOut) or m is msgs[reply_at] for m in msgs), msgs
+    assert all(isinstance(m, WeightsState) or m is msgs[reply_at] for m in msgs), msgs
     assert msgs[reply_at].success and reply_at == len(msgs) - 1
 
 

@@ -23,12 +23,11 @@ import zmq.asyncio
 
 from shardline_runtime.entrypoints.errors import guard_stream
 from shardline_runtime.entrypoints.http_server import build_app
-from shardline_runtime.managers.io_struct import SchedulerInfo, TokenizedGenerateReqInput, WeightsPhaseOut
-from shardline_runtime.managers.tokenizer_manager import (
-    RequestValidationError,
-    ServerNotReadyError,
-    TokenizerManager,
-)
+from shardline_runtime.managers.admission_gate import ServerNotReadyError
+from shardline_runtime.managers.io_struct import SchedulerInfo, TokenizedGenerateReqInput
+from shardline_runtime.managers.request_validation import RequestValidationError
+from shardline_runtime.managers.tokenizer_manager import TokenizerManager
+from shardline_runtime.managers.weights_state import WeightsPhase, WeightsState
 from shardline_runtime.sampling.sampling_params import SamplingParams
 from shardline_runtime.server_args import ServerArgs
 
@@ -52,9 +51,9 @@ class _Rank0:
 
 
 async def _phase(tm: TokenizerManager, rank0: _Rank0, phase: str) -> None:
-    await rank0.outbox.send_pyobj(WeightsPhaseOut(phase))
+    await rank0.outbox.send_pyobj(WeightsState(model_path=tm.info.model_path, phase=WeightsPhase(phase)))
     for _ in range(500):
-        if tm.weights_phase == phase:
+        if tm.state.weights.phase.value == phase:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"phase {phase!r} never arrived")
@@ -71,9 +70,7 @@ def _run(tokenizer, checkpoint, tmp_path, scenario, hold_timeout: float = 0.5):
         try:
             return await scenario(tm, rank0)
         finally:
-            tm._recv_task.cancel()
-            tm.send_socket.close(0)
-            tm.recv_socket.close(0)
+            tm.close()
             rank0.close()
 
     return asyncio.run(main())
@@ -85,13 +82,17 @@ def test_an_admitted_request_is_sent_even_if_an_update_begins_before_it_is(token
     params = SamplingParams(max_new_tokens=4, temperature=0.0)
 
     async def scenario(tm: TokenizerManager, rank0: _Rank0):
-        await tm.admit()
+        await tm.gate.admit()
         await _phase(tm, rank0, "loading")
-        admitted = tm.generate([5, 6, 7], params, rid="admitted", admitted=True)
+
+        def request(rid: str) -> TokenizedGenerateReqInput:
+            return TokenizedGenerateReqInput(rid=rid, input_ids=[5, 6, 7], sampling_params=params)
+
+        admitted = tm.generate(request("admitted"), admitted=True)
         first = asyncio.ensure_future(admitted.__anext__())
         sent = await rank0.received(timeout=5)
         first.cancel()
-        fresh = tm.generate([5, 6, 7], params, rid="fresh")
+        fresh = tm.generate(request("fresh"))
         with pytest.raises(ServerNotReadyError, match="--weight-update-hold-timeout"):
             await fresh.__anext__()
         later = []  # the cancelled one's abort; the held request never reached the scheduler

@@ -1,7 +1,7 @@
 """OpenAI requests -> choices: validation, tokenization, sampling params, and running them.
 
-Each (prompt, choice) pair runs as one scheduler request through ``TokenizerManager.generate``;
-:func:`run_choices` merges their chunks in arrival order.
+Each (prompt, choice) pair runs as one scheduler request (one ``TokenizedGenerateReqInput``)
+through ``TokenizerManager.generate``; :func:`run_choices` merges their chunks in arrival order.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from typing import Any, cast
 from fastapi.responses import JSONResponse
 
 from shardline_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
-from shardline_runtime.managers.tokenizer_manager import (
-    GenerateChunk,
-    RequestValidationError,
-    TokenizerManager,
-)
+from shardline_runtime.managers.io_struct import FinishReason, TokenizedGenerateReqInput
+from shardline_runtime.managers.request_validation import RequestValidationError
+from shardline_runtime.managers.step_detokenizer import GenerateChunk
+from shardline_runtime.managers.tokenizer_manager import TokenizerManager
 from shardline_runtime.sampling.sampling_params import SamplingParams, SamplingParamsError
 
 _SEED_MAX = 2**63 - 1
@@ -43,16 +42,16 @@ class ChoiceResult:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: dict | None = None  # OpenAI logprobs object, merged chunk by chunk
-    finish_reason: dict | None = None
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
     prompt_index: int = 0
 
 
-def finish_reason_name(reason: dict | None) -> str | None:
+def finish_reason_name(reason: FinishReason | None) -> str | None:
     """OpenAI ``finish_reason``: ``stop``, ``length`` or ``abort`` (None while running)."""
-    return None if reason is None else reason.get("type", "abort")
+    return None if reason is None else reason.type
 
 
 def build_params(req, max_new_tokens: int | None, choice: int) -> SamplingParams:
@@ -115,10 +114,11 @@ def completion_choices(req: CompletionRequest, tm: TokenizerManager) -> list[Cho
     for k, p in enumerate(prompts):
         added = 0
         if isinstance(p, str):
-            tm.check_text_length(p, "prompt")
-            p_ids, added = tm.encode_text(p, req.add_special_tokens)
-        ids = tm.tokenize(p_ids if isinstance(p, str) else p, "prompt")  # checks ids and emptiness
-        budget = tm.check_lengths(ids, max_tokens)
+            tm.validator.check_text_length(p, "prompt")
+            p_ids, added = tm.validator.encode_text(p, req.add_special_tokens)
+        # checks ids and emptiness
+        ids = tm.validator.tokenize(p_ids if isinstance(p, str) else p, "prompt")
+        budget = tm.validator.check_lengths(ids, max_tokens)
         echo = (p if isinstance(p, str) else tm.tokenizer.decode(ids)) if req.echo else ""
         for j in range(req.n):
             specs.append(
@@ -187,8 +187,8 @@ def chat_prompt_ids(req: ChatCompletionRequest, tm: TokenizerManager) -> list[in
         ) from None
     if not isinstance(text, str):
         raise RequestValidationError("messages: the chat template did not produce text", "messages")
-    tm.check_text_length(text, "messages")
-    ids, _ = tm.encode_text(text, req.add_special_tokens)
+    tm.validator.check_text_length(text, "messages")
+    ids, _ = tm.validator.encode_text(text, req.add_special_tokens)
     if not ids:
         raise RequestValidationError("messages produce an empty prompt", "messages")
     return ids
@@ -211,7 +211,7 @@ def chat_choices(req: ChatCompletionRequest, tm: TokenizerManager) -> list[Choic
         "max_tokens",
     )
     ids = chat_prompt_ids(req, tm)
-    budget = tm.check_lengths(ids, max_tokens)
+    budget = tm.validator.check_lengths(ids, max_tokens)
     return [ChoiceSpec(j, ids, build_params(req, budget, j)) for j in range(req.n)]
 
 
@@ -226,21 +226,22 @@ async def run_choices(
     """Run every choice (with LoRA adapter ``lora_name``, None: the base model); yield
     ``(index, chunk)`` in arrival order. Leaving early aborts them all. The caller has already
     admitted the request (``TokenizerManager.admit``), so no choice is held again."""
-    tm.check_ready()
+    tm.gate.check_ready()
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(spec: ChoiceSpec) -> None:
+        req = TokenizedGenerateReqInput(
+            rid=tm.new_rid(),
+            input_ids=spec.input_ids,
+            sampling_params=spec.params,
+            return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs,
+            logprob_start_len=spec.logprob_start_len,
+            include_stop_str_in_output=include_stop,
+            lora_name=lora_name,
+        )
         try:
-            async for chunk in tm.generate(
-                spec.input_ids,
-                spec.params,
-                return_logprob=return_logprob,
-                top_logprobs_num=top_logprobs,
-                logprob_start_len=spec.logprob_start_len,
-                include_stop_str_in_output=include_stop,
-                lora_name=lora_name,
-                admitted=True,
-            ):
+            async for chunk in tm.generate(req, admitted=True):
                 queue.put_nowait((spec.index, chunk))
         except Exception as exc:  # surfaced to the consumer below
             queue.put_nowait((spec.index, exc))
@@ -252,7 +253,7 @@ async def run_choices(
             index, item = await queue.get()
             if isinstance(item, Exception):
                 raise item
-            if item.finish_reason is not None:
+            if item.finish is not None:
                 remaining -= 1
             yield index, item
     finally:

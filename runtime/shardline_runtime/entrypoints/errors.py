@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse
 
-from shardline_runtime.managers.tokenizer_manager import RequestValidationError, ServerNotReadyError
+from shardline_runtime.managers.admission_gate import ServerNotReadyError
+from shardline_runtime.managers.request_validation import RequestValidationError
 
 logger = logging.getLogger(__name__)
 

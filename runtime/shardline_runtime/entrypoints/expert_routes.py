@@ -43,7 +43,7 @@ def add_expert_routes(app: FastAPI, tm, default_mode: str = "stat") -> None:
     """Register the four routes on ``app``; ``tm`` is the ``TokenizerManager``."""
 
     async def recorder(action: str, mode: str | None = None, to_file: bool = False) -> JSONResponse:
-        out: ExpertDistributionReqOutput = await tm.control(
+        out: ExpertDistributionReqOutput = await tm.control.call(
             ExpertDistributionReqInput(action, mode, to_file),
             ExpertDistributionReqOutput,
             timeout=CONTROL_TIMEOUT_S,
@@ -68,7 +68,7 @@ def add_expert_routes(app: FastAPI, tm, default_mode: str = "stat") -> None:
 
     @app.post("/rebalance_experts")
     async def rebalance_experts():
-        out: RebalanceExpertsReqOutput = await tm.control(
+        out: RebalanceExpertsReqOutput = await tm.control.call(
             RebalanceExpertsReqInput(), RebalanceExpertsReqOutput, timeout=CONTROL_TIMEOUT_S
         )
         return JSONResponse(

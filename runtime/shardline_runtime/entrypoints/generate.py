@@ -20,7 +20,9 @@ from shardline_runtime.entrypoints.choices import SafeJSONResponse, sse
 from shardline_runtime.entrypoints.errors import guard_stream
 from shardline_runtime.entrypoints.openai_serving import until_disconnect
 from shardline_runtime.entrypoints.protocol import GenerateRequest
-from shardline_runtime.managers.tokenizer_manager import RequestValidationError, TokenizerManager
+from shardline_runtime.managers.io_struct import TokenizedGenerateReqInput, TokenLogprob
+from shardline_runtime.managers.request_validation import RequestValidationError
+from shardline_runtime.managers.tokenizer_manager import TokenizerManager
 from shardline_runtime.sampling.sampling_params import SamplingParams, SamplingParamsError
 
 
@@ -37,7 +39,7 @@ def _params(req: GenerateRequest, input_ids: list[int], tm: TokenizerManager) ->
             f"sampling_params.max_new_tokens must be >= 0, got {requested}",
             "sampling_params.max_new_tokens",
         )
-    values["max_new_tokens"] = tm.check_lengths(input_ids, requested)
+    values["max_new_tokens"] = tm.validator.check_lengths(input_ids, requested)
     try:
         params = SamplingParams.from_dict(values)
         params.verify_vocab(tm.info.vocab_size)
@@ -108,6 +110,11 @@ def input_embeds_override(
     return list(req.replace_positions), req.replace_embeds
 
 
+def _entries(logprobs: list[TokenLogprob]) -> list[list]:
+    """SGLang's ``[logprob, token_id, [[logprob, token_id], ...]]`` per position."""
+    return [[e.logprob, e.token_id, [list(x) for x in e.top]] for e in logprobs]
+
+
 async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Request):
     """Handle ``POST /generate``; raises RequestValidationError (400) / ServerNotReadyError (503)."""
     given = [
@@ -120,11 +127,11 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
     if req.input_embeds is not None:
         input_ids = [0] * len(req.input_embeds)  # placeholders: the KV comes from the given vectors
     elif req.text is not None:
-        input_ids = tm.tokenize(req.text, "text", add_special_tokens=req.add_special_tokens)
-    else:
-        input_ids = tm.tokenize(
-            req.input_ids or [], "input_ids"
-        )  # exactly one was given: input_ids
+        input_ids = tm.validator.tokenize(
+            req.text, "text", add_special_tokens=req.add_special_tokens
+        )
+    else:  # exactly one was given: input_ids
+        input_ids = tm.validator.tokenize(req.input_ids or [], "input_ids")
     embeds = input_embeds_override(req, len(input_ids), tm.info.hidden_size)
     params = _params(req, input_ids, tm)
     if req.logprob_start_len >= len(input_ids):
@@ -132,21 +139,18 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
             f"logprob_start_len must be in [-1, {len(input_ids) - 1}], got {req.logprob_start_len}",
             "logprob_start_len",
         )
-    if req.lora_path is not None and req.lora_path not in tm.lora_adapters:
-        raise RequestValidationError(
-            f"lora_path {req.lora_path!r} is not a loaded LoRA adapter; loaded: {sorted(tm.lora_adapters)}",
-            "lora_path",
-        )
-    if req.rid is not None and req.rid in tm.states:
-        raise RequestValidationError(f"request id {req.rid!r} is already in use", "rid")
-    await (
-        tm.admit()
-    )  # held during a weight update or a pause, 503 now: before a stream's headers go out
+    tm.check_new_request(req.rid, req.lora_path)
+    # held during a weight update or a pause, 503 now: before a stream's headers go out
+    await tm.gate.admit()
     rid = req.rid or tm.new_rid()
     out: dict[str, Any] = {
         "text": "",
         "output_ids": [],
-        "meta_info": {"id": rid, "finish_reason": None, "weight_version": tm.weight_version},
+        "meta_info": {
+            "id": rid,
+            "finish_reason": None,
+            "weight_version": tm.state.weights.weight_version,
+        },
     }
     meta = out["meta_info"]
     if req.return_logprob:
@@ -154,36 +158,31 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
         meta["input_token_logprobs"] = None
 
     async def events() -> AsyncIterator[dict]:
-        logprob_start = req.logprob_start_len if req.return_logprob else -1
-        async for chunk in tm.generate(
-            input_ids,
-            params,
-            rid,
-            req.return_logprob,
-            req.top_logprobs_num,
-            logprob_start,
+        request = TokenizedGenerateReqInput(
+            rid=rid,
+            input_ids=input_ids,
+            sampling_params=params,
+            return_logprob=req.return_logprob,
+            top_logprobs_num=req.top_logprobs_num,
+            logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
             lora_name=req.lora_path,
             input_embeds_positions=embeds[0],
             input_embeds_values=embeds[1],
-            admitted=True,
-        ):
+        )
+        async for chunk in tm.generate(request, admitted=True):
             out["text"] += chunk.text
             out["output_ids"] += chunk.token_ids
             meta.update(
-                finish_reason=chunk.finish_reason,
-                prompt_tokens=chunk.prompt_tokens,
-                completion_tokens=chunk.completion_tokens,
-                cached_tokens=chunk.cached_tokens,
+                finish_reason=None if chunk.finish is None else chunk.finish.to_dict(),
+                prompt_tokens=chunk.usage.prompt_tokens,
+                completion_tokens=chunk.usage.completion_tokens,
+                cached_tokens=chunk.usage.cached_tokens,
                 weight_version=chunk.weight_version or meta["weight_version"],
             )
             if req.return_logprob:
-                meta["output_token_logprobs"] += [
-                    [lp, t, [list(x) for x in top]] for lp, t, top in chunk.logprobs
-                ]
+                meta["output_token_logprobs"] += _entries(chunk.logprobs)
                 if chunk.prompt_logprobs is not None:
-                    meta["input_token_logprobs"] = [
-                        [lp, t, [list(x) for x in top]] for lp, t, top in chunk.prompt_logprobs
-                    ]
+                    meta["input_token_logprobs"] = _entries(chunk.prompt_logprobs)
             yield out
 
     if req.stream:

@@ -35,13 +35,19 @@ from shardline_runtime.entrypoints.protocol import (
     GenerateRequest,
     UpdateWeightsRequest,
 )
-from shardline_runtime.entrypoints.weight_sync_routes import add_weight_sync_routes
-from shardline_runtime.managers.io_struct import UpdateWeightsFromDiskReqInput
-from shardline_runtime.managers.tokenizer_manager import (
-    RequestValidationError,
-    ServerNotReadyError,
-    TokenizerManager,
+from shardline_runtime.entrypoints.weight_sync_routes import (
+    add_weight_sync_routes,
+    update_running,
 )
+from shardline_runtime.managers.admission_gate import ServerNotReadyError
+from shardline_runtime.managers.io_struct import (
+    FlushCacheReqInput,
+    FlushCacheReqOutput,
+    TokenizedGenerateReqInput,
+    UpdateWeightsFromDiskReqInput,
+)
+from shardline_runtime.managers.request_validation import RequestValidationError
+from shardline_runtime.managers.tokenizer_manager import TokenizerManager
 from shardline_runtime.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -108,9 +114,9 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
         if (
             model is not None
             and model not in (model_name, server_args.model_path)
-            and model not in tm.lora_adapters
+            and model not in tm.state.lora_adapters
         ):
-            available = [model_name, *sorted(tm.lora_adapters)]
+            available = [model_name, *sorted(tm.state.lora_adapters)]
             raise RequestValidationError(
                 f"model {model!r} is not served here; available: {available}", "model"
             )
@@ -125,29 +131,27 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
     async def ready():
         # 503 during a weight update, so balancers send new traffic elsewhere (requests that
         # still come are held, not refused); /health stays 200.
-        if (
-            not state.get("healthy", True)
-            or tm.draining
-            or tm.weights_phase in ("loading", "recapturing")
-        ):
+        phase, draining = tm.state.weights.phase, tm.gate.draining
+        if not state.get("healthy", True) or draining or phase.updating:
             return error_response(
-                503, f"not ready (weights_phase {tm.weights_phase}, draining {tm.draining})"
+                503, f"not ready (weights_phase {phase.value}, draining {draining})"
             )
-        if tm.blocked:
-            return error_response(503, f"not ready: {tm.blocked}")
+        if tm.gate.blocked:
+            return error_response(503, f"not ready: {tm.gate.blocked}")
         return PlainTextResponse("OK")
 
     @app.get("/health_generate")
     async def health_generate():
-        await tm.admit()
+        await tm.gate.admit()
         params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-        async for chunk in tm.generate(
-            [tm.info.eos_token_ids[0] if tm.info.eos_token_ids else 1], params, admitted=True
-        ):
-            if chunk.finish_reason is not None and chunk.finish_reason.get("type") == "abort":
-                return error_response(
-                    503, f"generation failed: {chunk.finish_reason.get('message')}"
-                )
+        probe = TokenizedGenerateReqInput(
+            rid=tm.new_rid(),
+            input_ids=[tm.info.eos_token_ids[0] if tm.info.eos_token_ids else 1],
+            sampling_params=params,
+        )
+        async for chunk in tm.generate(probe, admitted=True):
+            if chunk.finish is not None and chunk.finish.type == "abort":
+                return error_response(503, f"generation failed: {chunk.finish.message}")
         return PlainTextResponse("OK")
 
     def model_card() -> dict[str, Any]:
@@ -156,7 +160,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
             "object": "model",
             "created": int(state.get("started", time.time())),
             "owned_by": "shardline",
-            "root": tm.model_path,
+            "root": tm.state.weights.model_path,
             "max_model_len": tm.info.context_len,
         }
 
@@ -164,7 +168,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
         """One card per loaded LoRA adapter: ``id`` its name, ``root`` its path, ``parent`` the base."""
         return [
             {**model_card(), "id": name, "root": path, "parent": model_name}
-            for name, path in sorted(tm.lora_adapters.items())
+            for name, path in sorted(tm.state.lora_adapters.items())
         ]
 
     @app.get("/v1/models")
@@ -173,10 +177,10 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str):
-        if model_id in tm.lora_adapters:
+        if model_id in tm.state.lora_adapters:
             return next(c for c in adapter_cards() if c["id"] == model_id)
         if model_id not in (model_name, server_args.model_path):
-            available = [model_name, *sorted(tm.lora_adapters)]
+            available = [model_name, *sorted(tm.state.lora_adapters)]
             return error_response(
                 404, f"The model {model_id!r} does not exist; available: {available}", "model"
             )
@@ -185,7 +189,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
     @app.get("/get_model_info")
     async def model_info():
         return {
-            "model_path": tm.model_path,
+            "model_path": tm.state.weights.model_path,
             "tokenizer_path": server_args.tokenizer_path or server_args.model_path,
             "served_model_name": model_name,
             "is_generation": True,
@@ -195,14 +199,10 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
 
     @app.get("/get_server_info")
     async def server_info():
-        s = tm.stats
+        s = tm.state.stats
         return {
-            "weights_phase": tm.weights_phase,
-            "weights_revision": tm.weights_revision,
-            "model_path": tm.model_path,
-            "weights_digest": tm.weights_digest,
-            "num_held_reqs": tm.held,
-            "last_weight_update": tm.last_weight_update,
+            **tm.state.weights_info(),
+            "num_held_reqs": tm.gate.held,
             "served_model_name": model_name,
             "tp_size": server_args.tp_size,
             "pp_size": server_args.pp_size,
@@ -218,22 +218,23 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
             "num_queued_reqs": s.num_queued_reqs,
             "kv_used_tokens": s.kv_used_tokens,
             "kv_evictable_tokens": s.kv_evictable_tokens,
-            "draining": tm.draining,
+            "draining": tm.gate.draining,
             "version": "0.1.0",
-            "weight_version": tm.weight_version,
-            "generation_paused": tm.paused,
-            "memory_blocked": tm.blocked,
+            "generation_paused": tm.gate.paused,
+            "memory_blocked": tm.gate.blocked,
         }
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
         check_model(body.model)
-        return await serve_completion(body, tm, tm.lora_for_model(body.model) or model_name, raw)
+        return await serve_completion(
+            body, tm, tm.state.lora_for_model(body.model) or model_name, raw
+        )
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
         check_model(body.model)
-        return await serve_chat(body, tm, tm.lora_for_model(body.model) or model_name, raw)
+        return await serve_chat(body, tm, tm.state.lora_for_model(body.model) or model_name, raw)
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, raw: Request):
@@ -241,16 +242,15 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
 
     @app.post("/flush_cache")
     async def flush_cache():
-        out = await tm.flush_cache()
+        out = await tm.control.call(FlushCacheReqInput(), FlushCacheReqOutput, timeout=60)
         status = 200 if out.success else 400
         return JSONResponse({"success": out.success, "message": out.message}, status_code=status)
 
     @app.post("/update_weights_from_disk")
     async def update_weights(body: UpdateWeightsRequest):
-        if tm.weights_phase in ("loading", "recapturing"):
-            return error_response(
-                503, f"a weight update is already running (phase {tm.weights_phase})"
-            )
+        busy = update_running(tm, error_response)
+        if busy is not None:
+            return busy
         req = UpdateWeightsFromDiskReqInput(
             body.model_path,
             body.load_format,
@@ -263,17 +263,15 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
             body.flush_cache,
         )
         out = await tm.update_weights_from_disk(req)
-        if metrics is not None and out.success:
-            metrics.set_weights(tm.weights_revision, tm.model_path, tm.weights_digest)
-            metrics.set_weight_version(tm.weight_version)
+        weights = tm.state.weights
         return JSONResponse(
             {
                 "success": out.success,
                 "message": out.message,
-                "revision": tm.weights_revision,
-                "model_path": tm.model_path,
-                "weight_version": tm.weight_version,
-                "weights_digest": tm.weights_digest,
+                "revision": weights.revision,
+                "model_path": weights.model_path,
+                "weight_version": weights.weight_version,
+                "weights_digest": weights.digest,
                 "load_seconds": out.load_seconds,
                 "recapture_seconds": out.recapture_seconds,
             },

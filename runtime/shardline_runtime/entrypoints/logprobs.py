@@ -1,5 +1,5 @@
 """OpenAI ``logprobs`` objects of completions and chat, built from the scheduler's
-``(logprob, token_id, top)`` entries.
+:class:`TokenLogprob` entries.
 
 Completions (legacy OpenAI format, as vLLM): ``{"tokens", "token_logprobs", "top_logprobs",
 "text_offset"}``, one entry per token. With ``echo`` and ``logprobs`` the prompt's tokens come
@@ -17,9 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from shardline_runtime.managers.detokenizer import IncrementalDetokenizer
+from shardline_runtime.managers.io_struct import TokenLogprob
 from shardline_runtime.managers.tokenizer_manager import TokenizerManager
-
-Entry = tuple  # (logprob | None, token_id, [(logprob, token_id), ...])
 
 
 def token_text(tm: TokenizerManager, token_id: int) -> str:
@@ -35,7 +34,7 @@ def _top_dict(tm: TokenizerManager, top: list[tuple[float, int]]) -> dict[str, f
 
 
 def completion_logprobs(
-    tm: TokenizerManager, entries: list[Entry], offsets: list[int], base: int
+    tm: TokenizerManager, entries: list[TokenLogprob], offsets: list[int], base: int
 ) -> dict[str, list]:
     """Legacy completions ``logprobs`` of ``entries``; ``offsets[k] + base`` is token k's text offset.
 
@@ -47,10 +46,10 @@ def completion_logprobs(
         "top_logprobs": [],
         "text_offset": [],
     }
-    for (lp, tid, top), offset in zip(entries, offsets):
-        out["tokens"].append(token_text(tm, tid))
-        out["token_logprobs"].append(lp)
-        out["top_logprobs"].append(None if lp is None else _top_dict(tm, top))
+    for e, offset in zip(entries, offsets):
+        out["tokens"].append(token_text(tm, e.token_id))
+        out["token_logprobs"].append(e.logprob)
+        out["top_logprobs"].append(None if e.logprob is None else _top_dict(tm, e.top))
         out["text_offset"].append(base + offset)
     return out
 
@@ -99,17 +98,17 @@ def _gpt2_byte_decoder() -> dict[str, int]:
 _BYTE_DECODER = _gpt2_byte_decoder()
 
 
-def chat_logprobs(tm: TokenizerManager, entries: list[Entry]) -> dict[str, list]:
+def chat_logprobs(tm: TokenizerManager, entries: list[TokenLogprob]) -> dict[str, list]:
     """Chat ``logprobs``: ``{"content": [...]}`` with each token's text, logprob, bytes and top."""
 
-    def entry(lp: float, tid: int) -> dict[str, Any]:
+    def entry(lp: float | None, tid: int) -> dict[str, Any]:
         text = token_text(tm, tid)
         return {"token": text, "logprob": lp, "bytes": _token_bytes(tm, tid, text)}
 
     return {
         "content": [
-            dict(entry(lp, tid), top_logprobs=[entry(v, t) for v, t in top])
-            for lp, tid, top in entries
+            dict(entry(e.logprob, e.token_id), top_logprobs=[entry(v, t) for v, t in e.top])
+            for e in entries
         ]
     }
 

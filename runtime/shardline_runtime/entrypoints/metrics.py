@@ -143,20 +143,22 @@ class ServingMetrics:
         ):
             metric.labels(**labels)
 
-    def set_weights(self, revision: str | None, model_path: str, digest: str | None = None) -> None:
+    def set_weights(self, state) -> None:
+        """The served weights (a ``WeightsState``): ``weights_info`` and ``weight_version_info``."""
         self.weights.clear()
         self.weights.labels(
-            revision=revision or "", model_path=model_path, digest=digest or "", **self._labels
+            revision=state.revision or "",
+            model_path=state.model_path,
+            digest=state.digest or "",
+            **self._labels,
         ).set(1)
+        self.weight_version.clear()
+        self.weight_version.labels(weight_version=state.weight_version, **self._labels).set(1)
 
     def observe_hold(self, seconds: float) -> None:
         """A request was held ``seconds`` by a weight update (then admitted or refused)."""
         self.held.labels(**self._labels).inc()
         self.hold_time.labels(**self._labels).observe(seconds)
-
-    def set_weight_version(self, weight_version: str) -> None:
-        self.weight_version.clear()
-        self.weight_version.labels(weight_version=weight_version, **self._labels).set(1)
 
     def observe_stats(self, stats) -> None:
         self.running.labels(**self._labels).set(stats.num_running_reqs)
@@ -178,10 +180,11 @@ class ServingMetrics:
         state.last_token_time = now
 
     def observe_finish(self, state, now: float, chunk) -> None:
-        reason = (chunk.finish_reason or {}).get("type", "abort")
+        """A request's last chunk (``chunk.finish`` set) arrived at ``now``."""
+        reason = chunk.finish.type if chunk.finish is not None else "abort"
         self.requests.labels(finished_reason=reason, **self._labels).inc()
-        self.prompt_tokens.labels(**self._labels).inc(chunk.prompt_tokens)
-        self.cached_tokens.labels(**self._labels).inc(chunk.cached_tokens)
+        self.prompt_tokens.labels(**self._labels).inc(chunk.usage.prompt_tokens)
+        self.cached_tokens.labels(**self._labels).inc(chunk.usage.cached_tokens)
         self.e2e.labels(**self._labels).observe(now - state.created)
 
     def observe_disconnect(self) -> None:

@@ -1,5 +1,10 @@
 """OpenAI ``/v1/completions`` and ``/v1/chat/completions`` responses (JSON and SSE streams).
 
+Both run one skeleton, :class:`OpenAIServing` (``collect`` / ``stream`` / ``body``), with two
+hooks per endpoint: ``piece`` (a chunk's text and logprobs object for its choice) and ``render``
+(the choice objects of a stream event, or of the final body). After SGLang's
+``entrypoints/openai/serving_base.py``.
+
 Streamed and non-streamed responses are built from the same chunks: the non-streamed text is
 the concatenation of the deltas a stream would send, so the two are equal by construction.
 A non-streamed request whose client disconnects is aborted (the HTTP request is polled while
@@ -18,6 +23,7 @@ from fastapi.responses import StreamingResponse
 
 from shardline_runtime.entrypoints.choices import (
     ChoiceResult,
+    ChoiceSpec,
     SafeJSONResponse,
     chat_choices,
     completion_choices,
@@ -35,7 +41,8 @@ from shardline_runtime.entrypoints.logprobs import (
     prompt_text_offsets,
 )
 from shardline_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
-from shardline_runtime.managers.tokenizer_manager import GenerateChunk, TokenizerManager
+from shardline_runtime.managers.step_detokenizer import GenerateChunk
+from shardline_runtime.managers.tokenizer_manager import TokenizerManager
 
 _DISCONNECT_POLL_S = 0.1
 
@@ -67,208 +74,198 @@ def _streaming(gen: AsyncIterator[str]) -> StreamingResponse:
     )
 
 
-async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: str, raw: Request):
-    """Handle ``POST /v1/completions`` (validated body); raises RequestValidationError for 400s."""
-    specs = completion_choices(req, tm)
-    await (
-        tm.admit()
-    )  # held during a weight update or a pause, 503 now: before a stream's headers go out
-    rid, created = f"cmpl-{uuid.uuid4().hex}", now_seconds()
-    results = [ChoiceResult(prompt_index=s.prompt_index) for s in specs]
-    started: set[int] = set()
-    want_lp = req.logprobs is not None
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    metadata = {
-        "weight_version": tm.weight_version
-    }  # SGLang's response metadata: the weights that ran
+class OpenAIServing:
+    """One OpenAI request: run its choices, then answer as one body or as an SSE stream.
 
-    def body(choices: list[dict], usage: dict | None = None) -> dict:
-        out = {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
+    Subclasses give ``object_name`` / ``chunk_object`` and the two hooks :meth:`piece` and
+    :meth:`render`; :meth:`opening` may add stream events before the first token.
+    """
+
+    object_name = ""
+    chunk_object = ""
+
+    def __init__(self, tm: TokenizerManager, model: str, specs: list[ChoiceSpec], prefix: str):
+        self.tm, self.model, self.specs = tm, model, specs
+        self.rid, self.created = f"{prefix}-{uuid.uuid4().hex}", now_seconds()
+        self.results = [ChoiceResult(prompt_index=s.prompt_index) for s in specs]
+        # SGLang's response metadata: the weights that ran
+        self.metadata = {"weight_version": tm.state.weights.weight_version}
+        self._started: set[int] = set()
+
+    # ---------------------------------------------------------------- hooks
+
+    def piece(self, index: int, chunk: GenerateChunk, first: bool) -> tuple[str, dict | None]:
+        """The text ``chunk`` adds to choice ``index`` and its logprobs object (or None)."""
+        raise NotImplementedError
+
+    def render(
+        self, index: int, text: str, logprobs: dict | None, finish: str | None, final: bool
+    ) -> list[dict]:
+        """Choice objects: of one stream event (``final`` False; [] sends nothing) or the one
+        choice of the final body (``final`` True: whole text, logprobs and finish)."""
+        raise NotImplementedError
+
+    def opening(self) -> list[dict]:
+        """Choice objects sent, one event each, before the first chunk of a stream."""
+        return []
+
+    # ---------------------------------------------------------------- skeleton
+
+    def body(self, choices: list[dict], usage: dict | None = None, final: bool = False) -> dict:
+        out: dict[str, Any] = {
+            "id": self.rid,
+            "object": self.object_name if final else self.chunk_object,
+            "created": self.created,
+            "model": self.model,
             "choices": choices,
         }
         if usage is not None:
             out["usage"] = usage
-        out["metadata"] = metadata
+        out["metadata"] = self.metadata
         return out
 
-    def absorb(index: int, chunk: GenerateChunk) -> dict:
-        """Fold ``chunk`` into choice ``index``; the first chunk also carries the echoed prompt
-        (and its logprobs, which arrive with it)."""
-        metadata["weight_version"] = chunk.weight_version or metadata["weight_version"]
-        r, spec = results[index], specs[index]
-        text = chunk.text
-        lp = (
-            completion_logprobs(tm, chunk.logprobs, chunk.text_offsets, len(spec.echo_text))
-            if want_lp
-            else None
+    def absorb(self, index: int, chunk: GenerateChunk) -> tuple[str, dict | None]:
+        """Fold ``chunk`` into choice ``index``; returns its text and logprobs piece."""
+        self.metadata["weight_version"] = chunk.weight_version or self.metadata["weight_version"]
+        text, lp = self.piece(index, chunk, index not in self._started)
+        self._started.add(index)
+        r = self.results[index]
+        r.text += text
+        r.logprobs = merge_logprobs(r.logprobs or None, lp) if lp else r.logprobs
+        r.finish_reason = chunk.finish
+        r.prompt_tokens = chunk.usage.prompt_tokens
+        r.completion_tokens = chunk.usage.completion_tokens
+        r.cached_tokens = chunk.usage.cached_tokens
+        return text, lp
+
+    async def stream(
+        self, events: AsyncIterator[tuple[int, GenerateChunk]], include_usage: bool
+    ) -> AsyncIterator[str]:
+        for choice in self.opening():
+            yield sse(self.body([choice]))
+        async for index, chunk in events:
+            text, lp = self.absorb(index, chunk)
+            for choice in self.render(index, text, lp, finish_reason_name(chunk.finish), False):
+                yield sse(self.body([choice]))
+        if include_usage:
+            yield sse(self.body([], usage_dict(self.results)))
+        yield "data: [DONE]\n\n"
+
+    async def collect(self, events: AsyncIterator[tuple[int, GenerateChunk]]) -> dict:
+        async for index, chunk in events:
+            self.absorb(index, chunk)
+        choices = [
+            c
+            for i, r in enumerate(self.results)
+            for c in self.render(
+                i, r.text, r.logprobs or None, finish_reason_name(r.finish_reason), True
+            )
+        ]
+        return self.body(choices, usage_dict(self.results), final=True)
+
+    async def respond(self, req: Any, raw: Request, want_lp: bool, top_logprobs: int):
+        """Run the choices of ``req`` (already admitted) and answer."""
+        events = run_choices(
+            self.tm,
+            self.specs,
+            want_lp,
+            top_logprobs,
+            req.include_stop_str_in_output,
+            self.tm.state.lora_for_model(req.model),
         )
-        if index not in started:
-            started.add(index)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _streaming(self.stream(events, include_usage))
+        body: dict = await until_disconnect(raw, lambda: self.collect(events))
+        return SafeJSONResponse(body)
+
+
+class _CompletionServing(OpenAIServing):
+    """``/v1/completions``: the first chunk of a choice carries the echoed prompt (and its
+    logprobs, which arrive with it)."""
+
+    object_name = "text_completion"
+    chunk_object = "text_completion"
+    want_lp = False
+
+    def piece(self, index: int, chunk: GenerateChunk, first: bool) -> tuple[str, dict | None]:
+        spec, tm = self.specs[index], self.tm
+        text = chunk.text
+        lp = None
+        if self.want_lp:
+            lp = completion_logprobs(tm, chunk.logprobs, chunk.text_offsets, len(spec.echo_text))
+        if first:
             text = spec.echo_text + text
-            if want_lp and chunk.prompt_logprobs is not None:
+            if self.want_lp and chunk.prompt_logprobs is not None:
                 offsets = prompt_text_offsets(tm, spec.input_ids, spec.added_prefix, spec.echo_text)
                 prompt_lp = completion_logprobs(tm, chunk.prompt_logprobs, offsets, 0)
                 lp = merge_logprobs(prompt_lp, lp) if lp else prompt_lp
-        r.text += text
-        r.logprobs = merge_logprobs(r.logprobs or None, lp) if lp else r.logprobs
-        r.finish_reason, r.prompt_tokens = chunk.finish_reason, chunk.prompt_tokens
-        r.completion_tokens, r.cached_tokens = chunk.completion_tokens, chunk.cached_tokens
-        return {
-            "index": index,
-            "text": text,
-            "logprobs": lp,
-            "finish_reason": finish_reason_name(chunk.finish_reason),
-        }
+        return text, lp
 
-    events = run_choices(
-        tm,
-        specs,
-        want_lp,
-        req.logprobs or 0,
-        req.include_stop_str_in_output,
-        tm.lora_for_model(req.model),
-    )
-    if req.stream:
+    def render(
+        self, index: int, text: str, logprobs: dict | None, finish: str | None, final: bool
+    ) -> list[dict]:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if final or text or finish or (logprobs and logprobs["tokens"]):
+            return [choice]
+        return []
 
-        async def stream() -> AsyncIterator[str]:
-            async for index, chunk in events:
-                choice = absorb(index, chunk)
-                if (
-                    choice["text"]
-                    or choice["finish_reason"]
-                    or (choice["logprobs"] and choice["logprobs"]["tokens"])
-                ):
-                    yield sse(body([choice]))
-            if include_usage:
-                yield sse(body([], usage_dict(results)))
-            yield "data: [DONE]\n\n"
 
-        return _streaming(stream())
+class _ChatServing(OpenAIServing):
+    """``/v1/chat/completions``: a stream opens with each choice's role, and ends each choice
+    with an empty delta carrying its ``finish_reason``."""
 
-    async def collect() -> None:
-        async for index, chunk in events:
-            absorb(index, chunk)
+    object_name = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    want_lp = False
 
-    await until_disconnect(raw, collect)
-    choices = [
-        {
-            "index": i,
-            "text": r.text,
-            "logprobs": r.logprobs or None,
-            "finish_reason": finish_reason_name(r.finish_reason),
-        }
-        for i, r in enumerate(results)
-    ]
-    return SafeJSONResponse(body(choices, usage_dict(results)))
+    def piece(self, index: int, chunk: GenerateChunk, first: bool) -> tuple[str, dict | None]:
+        return chunk.text, chat_logprobs(self.tm, chunk.logprobs) if self.want_lp else None
+
+    def opening(self) -> list[dict]:
+        return [
+            {
+                "index": s.index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for s in self.specs
+        ]
+
+    def render(
+        self, index: int, text: str, logprobs: dict | None, finish: str | None, final: bool
+    ) -> list[dict]:
+        if final:
+            message = {"role": "assistant", "content": text}
+            return [
+                {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+            ]
+        out = []
+        if text or logprobs:
+            delta = {"content": text}
+            out.append(
+                {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+            )
+        if finish is not None:
+            out.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish})
+        return out
+
+
+async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: str, raw: Request):
+    """Handle ``POST /v1/completions`` (validated body); raises RequestValidationError for 400s."""
+    specs = completion_choices(req, tm)
+    # held during a weight update or a pause, 503 now: before a stream's headers go out
+    await tm.gate.admit()
+    serving = _CompletionServing(tm, model, specs, "cmpl")
+    serving.want_lp = req.logprobs is not None
+    return await serving.respond(req, raw, serving.want_lp, req.logprobs or 0)
 
 
 async def serve_chat(req: ChatCompletionRequest, tm: TokenizerManager, model: str, raw: Request):
     """Handle ``POST /v1/chat/completions`` (validated body); raises RequestValidationError for 400s."""
     specs = chat_choices(req, tm)
-    await (
-        tm.admit()
-    )  # held during a weight update or a pause, 503 now: before a stream's headers go out
-    rid, created = f"chatcmpl-{uuid.uuid4().hex}", now_seconds()
-    results = [ChoiceResult() for _ in specs]
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    metadata = {
-        "weight_version": tm.weight_version
-    }  # SGLang's response metadata: the weights that ran
-
-    def body(
-        choices: list[dict], usage: dict | None = None, obj: str = "chat.completion.chunk"
-    ) -> dict:
-        out = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
-        if usage is not None:
-            out["usage"] = usage
-        out["metadata"] = metadata
-        return out
-
-    def absorb(index: int, chunk: GenerateChunk) -> dict | None:
-        metadata["weight_version"] = chunk.weight_version or metadata["weight_version"]
-        r = results[index]
-        lp = chat_logprobs(tm, chunk.logprobs) if req.logprobs else None
-        r.text += chunk.text
-        r.logprobs = merge_logprobs(r.logprobs or None, lp) if lp else r.logprobs
-        r.finish_reason, r.prompt_tokens = chunk.finish_reason, chunk.prompt_tokens
-        r.completion_tokens, r.cached_tokens = chunk.completion_tokens, chunk.cached_tokens
-        return lp
-
-    events = run_choices(
-        tm,
-        specs,
-        bool(req.logprobs),
-        req.top_logprobs or 0,
-        req.include_stop_str_in_output,
-        tm.lora_for_model(req.model),
-    )
-    if req.stream:
-
-        async def stream() -> AsyncIterator[str]:
-            for s in specs:
-                yield sse(
-                    body(
-                        [
-                            {
-                                "index": s.index,
-                                "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
-                        ]
-                    )
-                )
-            async for index, chunk in events:
-                lp = absorb(index, chunk)
-                reason = finish_reason_name(chunk.finish_reason)
-                if chunk.text or lp:
-                    yield sse(
-                        body(
-                            [
-                                {
-                                    "index": index,
-                                    "delta": {"content": chunk.text},
-                                    "logprobs": lp,
-                                    "finish_reason": None,
-                                }
-                            ]
-                        )
-                    )
-                if reason is not None:
-                    yield sse(
-                        body(
-                            [
-                                {
-                                    "index": index,
-                                    "delta": {},
-                                    "logprobs": None,
-                                    "finish_reason": reason,
-                                }
-                            ]
-                        )
-                    )
-            if include_usage:
-                yield sse(body([], usage_dict(results)))
-            yield "data: [DONE]\n\n"
-
-        return _streaming(stream())
-
-    async def collect() -> None:
-        async for index, chunk in events:
-            absorb(index, chunk)
-
-    await until_disconnect(raw, collect)
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": r.text},
-            "logprobs": r.logprobs or None,
-            "finish_reason": finish_reason_name(r.finish_reason),
-        }
-        for i, r in enumerate(results)
-    ]
-    return SafeJSONResponse(body(choices, usage_dict(results), obj="chat.completion"))
+    await tm.gate.admit()  # as serve_completion
+    serving = _ChatServing(tm, model, specs, "chatcmpl")
+    serving.want_lp = bool(req.logprobs)
+    return await serving.respond(req, raw, serving.want_lp, req.top_logprobs or 0)

@@ -31,6 +31,7 @@ from shardline_runtime.entrypoints.weight_sync_protocol import (
 )
 from shardline_runtime.managers.io_struct import (
     ContinueGenerationReqInput,
+    ControlReqOutput,
     DestroyWeightsUpdateGroupReqInput,
     GetWeightsByNameReqInput,
     InitWeightsUpdateGroupReqInput,
@@ -40,7 +41,16 @@ from shardline_runtime.managers.io_struct import (
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
 )
-from shardline_runtime.managers.tokenizer_manager import RequestValidationError, TokenizerManager
+from shardline_runtime.managers.request_validation import RequestValidationError
+from shardline_runtime.managers.tokenizer_manager import TokenizerManager
+
+
+def update_running(tm: TokenizerManager, error_response) -> JSONResponse | None:
+    """The 503 for a weight update asked while one runs, or None."""
+    phase = tm.state.weights.phase
+    if phase.updating:
+        return error_response(503, f"a weight update is already running (phase {phase.value})")
+    return None
 
 
 def add_weight_sync_routes(
@@ -50,13 +60,11 @@ def add_weight_sync_routes(
     ``tp_size x pp_size`` engine ranks join a weight-sync group)."""
 
     async def call(req: Any, **extra: Any) -> JSONResponse:
-        out = await tm.control_request(req)
-        if metrics is not None:
-            metrics.set_weight_version(tm.weight_version)
+        out = await tm.control.call(req, ControlReqOutput)
         body = {
             "success": out.success,
             "message": out.message,
-            "weight_version": tm.weight_version,
+            "weight_version": tm.state.weights.weight_version,
             **extra,
         }
         if out.data is not None:
@@ -64,11 +72,7 @@ def add_weight_sync_routes(
         return JSONResponse(body, status_code=200 if out.success else 400)
 
     def busy() -> JSONResponse | None:
-        if tm.weights_phase in ("loading", "recapturing"):
-            return error_response(
-                503, f"a weight update is already running (phase {tm.weights_phase})"
-            )
-        return None
+        return update_running(tm, error_response)
 
     @app.post("/init_weights_update_group", include_in_schema=False)
     async def init_weights_update_group(body: InitWeightsUpdateGroupRequest):
@@ -157,16 +161,18 @@ def add_weight_sync_routes(
     @app.post("/pause_generation", include_in_schema=False)
     async def pause_generation(body: PauseGenerationRequest | None = None):
         mode = body.mode if body is not None else "abort"
-        tm.set_paused(mode)  # hold new requests from now on (the scheduler pauses on its next step)
+        tm.gate.set_paused(
+            mode
+        )  # hold new requests from now on (the scheduler pauses on its next step)
         response = await call(PauseGenerationReqInput(mode))
         if response.status_code != 200:
-            tm.set_paused(None)
+            tm.gate.set_paused(None)
         return response
 
     @app.post("/continue_generation", include_in_schema=False)
     async def continue_generation():
         response = await call(ContinueGenerationReqInput())
-        tm.set_paused(None)
+        tm.gate.set_paused(None)
         return response
 
     @app.post("/release_memory_occupation", include_in_schema=False)

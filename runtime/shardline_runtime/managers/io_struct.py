@@ -8,12 +8,14 @@ Direction and meaning:
   and memory controls (``UpdateWeightsFromTensorReqInput``, ``UpdateWeightsFromDistributedReqInput``,
   ``InitWeightsUpdateGroupReqInput``, ``DestroyWeightsUpdateGroupReqInput``,
   ``GetWeightsByNameReqInput``, ``PauseGenerationReqInput``, ``ContinueGenerationReqInput``,
-  ``ReleaseMemoryOccupationReqInput``, ``ResumeMemoryOccupationReqInput``).
-- Rank-0 scheduler -> HTTP: ``BatchTokenIDOut`` (new token ids of many requests per step),
-  ``FlushCacheReqOutput``, ``UpdateWeightsFromDiskReqOutput``, ``ExpertDistributionReqOutput``,
-  ``RebalanceExpertsReqOutput``, ``ControlReqOutput`` (reply to every weight-sync and memory
-  control), ``WeightsPhaseOut``, ``ServingStateOut``, and ``SchedulerStats`` whenever load or KV
-  usage changed.
+  ``ReleaseMemoryOccupationReqInput``, ``ResumeMemoryOccupationReqInput``),
+  ``LoadLoRAAdapterReqInput``, ``UnloadLoRAAdapterReqInput``.
+- Rank-0 scheduler -> HTTP: ``BatchTokenOut`` (one :class:`TokenOut` per request that advanced
+  in a step), ``FlushCacheReqOutput``, ``UpdateWeightsFromDiskReqOutput``,
+  ``ExpertDistributionReqOutput``, ``RebalanceExpertsReqOutput``, ``ControlReqOutput`` (reply to
+  every weight-sync and memory control), ``LoRAAdapterReqOutput``, the whole
+  :class:`~shardline_runtime.managers.weights_state.WeightsState` whenever it changes,
+  ``ServingStateOut``, and ``SchedulerStats`` whenever load or KV usage changed.
 
 Token ids are Python ints; logprobs are natural-log floats.
 """
@@ -22,17 +24,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from shardline_runtime.sampling.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TokenizedGenerateReqInput:
-    """One generation request, already tokenized and validated by the HTTP process.
+    """One generation request, already tokenized and validated by the HTTP process: the one
+    record of a request's options from the HTTP handler to the scheduler (keyword-only, so a new
+    option is one field here).
 
     ``logprob_start_len``: prompt position from which prompt logprobs are returned, or -1 for
     none. ``top_logprobs_num``: number of alternatives per position (0 for none).
+    ``include_stop_str_in_output`` is read by the HTTP process's detokenizer only.
     """
 
     rid: str
@@ -46,6 +51,7 @@ class TokenizedGenerateReqInput:
     # Caller-given embeddings of prompt positions (validated: in range, hidden_size floats each).
     input_embeds_positions: list[int] | None = None
     input_embeds_values: list[list[float]] | None = None
+    include_stop_str_in_output: bool = False
 
 
 @dataclass
@@ -190,13 +196,6 @@ class ServingStateOut:
 
 
 @dataclass
-class WeightsPhaseOut:
-    """Rank 0 reports a weights phase change (``serving``, ``loading``, ``recapturing``, ``failed``)."""
-
-    phase: str
-
-
-@dataclass
 class SchedulerStats:
     """Load and memory of the rank-0 scheduler (token counts are KV slots)."""
 
@@ -229,30 +228,101 @@ class SchedulerInfo:
     weight_version: str = "default"
     hidden_size: int = 0  # width of one input_embeds vector
     overlap_schedule: bool = False  # the overlap scheduler runs (off with LoRA, PP or the flag)
+    weights_digest: str | None = None  # rank 0: checkpoint_digest of the served checkpoint
+
+
+FinishType = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True, slots=True)
+class FinishReason:
+    """Why a request ended: ``type`` is ``"stop"`` (EOS / stop token: ``matched`` is the id; a
+    stop string matched by the detokenizer: the string), ``"length"`` (max_new_tokens or the
+    context limit: ``matched`` is the limit) or ``"abort"`` (``message`` says why)."""
+
+    type: FinishType
+    matched: int | str | None = None
+    message: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """SGLang's ``meta_info.finish_reason`` object: ``{"type", "matched"}`` for stop,
+        ``{"type", "length"}`` for length, plus ``"message"`` when set."""
+        out: dict[str, Any] = {"type": self.type}
+        if self.type == "stop":
+            out["matched"] = self.matched
+        elif self.type == "length":
+            out["length"] = self.matched
+        if self.message:
+            out["message"] = self.message
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One position's logprob: ``logprob`` (natural log; None for a prompt's first token, which
+    has no context), ``token_id`` and ``top``: ``(logprob, token_id)`` alternatives, best first."""
+
+    logprob: float | None
+    token_id: int
+    top: list[tuple[float, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of one request so far: prompt tokens, completion tokens generated, prompt
+    tokens served from the prefix cache."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenOut:
+    """What one request produced in one scheduler step (rank 0 -> HTTP).
+
+    ``ids``: token ids generated since the last message; ``logprobs``: one per id when the
+    request asked for logprobs, else empty; ``prompt_logprobs``: set once (with the first message)
+    when prompt logprobs were asked; ``finish``: None while running; ``usage`` counts the whole
+    request so far.
+    """
+
+    rid: str
+    ids: list[int]
+    usage: Usage
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
+    finish: FinishReason | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchTokenOut:
+    """The :class:`TokenOut` of every request that advanced in one step, in batch order."""
+
+    outs: list[TokenOut]
 
 
 @dataclass
-class BatchTokenIDOut:
-    """New tokens of several requests after one scheduler step (rank 0 -> HTTP).
+class LoadLoRAAdapterReqInput:
+    lora_name: str
+    lora_path: str
 
-    Per request ``i``: ``output_ids[i]`` are the tokens generated since the last message;
-    ``finished_reasons[i]`` is None while running, else ``{"type": "stop", "matched": id}``,
-    ``{"type": "length", "length": n}`` or ``{"type": "abort", "message": ...}``.
-    ``output_token_logprobs[i]`` pairs ``(logprob, token_id)`` with ``output_ids[i]``;
-    ``output_top_logprobs[i][j]`` is a list of ``(logprob, token_id)`` for that position.
-    ``input_token_logprobs[i]`` is set once (first message) when prompt logprobs were asked.
-    """
 
-    rids: list[str]
-    output_ids: list[list[int]]
-    finished_reasons: list[dict[str, Any] | None]
-    prompt_tokens: list[int]
-    completion_tokens: list[int]
-    cached_tokens: list[int]
-    output_token_logprobs: list[list[tuple[float, int]] | None]
-    output_top_logprobs: list[list[list[tuple[float, int]]] | None]
-    input_token_logprobs: list[list[tuple[float | None, int]] | None]
-    input_top_logprobs: list[list[list[tuple[float, int]]] | None]
+@dataclass
+class UnloadLoRAAdapterReqInput:
+    lora_name: str
+
+
+@dataclass
+class LoRAAdapterReqOutput:
+    """``status_code``: 200, 400 (bad adapter or name) or 503 (pool full of adapters in use).
+    ``loaded``: ``{name: path}`` after the operation."""
+
+    success: bool
+    message: str
+    status_code: int = 200
+    param: str | None = None
+    loaded: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

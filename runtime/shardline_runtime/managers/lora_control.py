@@ -13,35 +13,16 @@ unload), so requests already accepted finish on the adapter they asked for.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 from shardline_runtime.lora.lora_config import LoRAAdapterError, LoRAPoolFullError
+from shardline_runtime.managers.io_struct import (
+    LoadLoRAAdapterReqInput,
+    LoRAAdapterReqOutput,
+    UnloadLoRAAdapterReqInput,
+)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class LoadLoRAAdapterReqInput:
-    lora_name: str
-    lora_path: str
-
-
-@dataclass
-class UnloadLoRAAdapterReqInput:
-    lora_name: str
-
-
-@dataclass
-class LoRAAdapterReqOutput:
-    """``status_code``: 200, 400 (bad adapter or name) or 503 (pool full of adapters in use).
-    ``loaded``: ``{name: path}`` after the operation."""
-
-    success: bool
-    message: str
-    status_code: int = 200
-    param: str | None = None
-    loaded: dict[str, str] = field(default_factory=dict)
 
 
 class LoRAControl:

@@ -3,22 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from shardline_runtime.managers.io_struct import FinishReason
 from shardline_runtime.mem_cache.radix_cache import TreeNode
 from shardline_runtime.sampling.sampling_params import SamplingParams
-
-
-@dataclass
-class FinishReason:
-    """Why a request ended: ``type`` is ``"stop"`` (EOS / stop token; ``matched`` is the id),
-    ``"length"`` (max_new_tokens or the context limit) or ``"abort"`` (``message`` says why)."""
-
-    type: str
-    matched: int | str | None = None
-    message: str | None = None
 
 
 class Req:

@@ -44,16 +44,13 @@ from shardline_runtime.managers.io_struct import (
     ExpertDistributionReqInput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
+    LoadLoRAAdapterReqInput,
     RebalanceExpertsReqInput,
     SchedulerInfo,
     TokenizedGenerateReqInput,
-    WeightsPhaseOut,
-)
-from shardline_runtime.managers.lora_control import (
-    LoadLoRAAdapterReqInput,
-    LoRAControl,
     UnloadLoRAAdapterReqInput,
 )
+from shardline_runtime.managers.lora_control import LoRAControl
 from shardline_runtime.managers.overlap import FutureMap, InFlightStep, launch_step
 from shardline_runtime.managers.prefill_manager import PrefillManager
 from shardline_runtime.managers.req import FinishReason, Req
@@ -65,8 +62,10 @@ from shardline_runtime.managers.scheduler_weight_sync import (
     UPDATE_REQUESTS,
     SchedulerWeightSyncMixin,
 )
+from shardline_runtime.managers.weights_state import UpdateTimings, WeightsPhase, WeightsState
 from shardline_runtime.mem_cache.radix_cache import RadixCache
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
+from shardline_runtime.model_loader.checkpoint_digest import safe_checkpoint_digest
 from shardline_runtime.termination_log import write_termination_log
 
 logger = logging.getLogger(__name__)
@@ -148,7 +147,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin
         self.pending_update: Any = (
             None  # one of UPDATE_REQUESTS, waiting for running requests to finish
         )
-        self.last_weights_phase_sent = "serving"  # what the HTTP process believes
+        self.weights_state_sent: WeightsState | None = None  # what the HTTP process holds
+        self.weights_digest: str | None = None  # rank 0: digest of the served checkpoint
+        self.last_update: UpdateTimings | None = None  # rank 0: the last disk update's outcome
         self.last_stats = None
         self.step_started = None
         # Overlap scheduling (default; --disable-overlap-schedule). Off with LoRA (adapter slots
@@ -177,6 +178,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin
             self.send_socket.connect(output_addr)
             self.poller = zmq.Poller()
             self.poller.register(self.recv_socket, zmq.POLLIN)
+            self.weights_digest = safe_checkpoint_digest(worker.model_path)
 
     # ------------------------------------------------------------------ state (read-only views)
 
@@ -210,6 +212,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin
             weight_version=info["weight_version"],
             hidden_size=getattr(self.worker.model_config, "hidden_size", 0),
             overlap_schedule=self.future_map is not None,
+            weights_digest=self.weights_digest,
         )
 
     # ------------------------------------------------------------------ loop
@@ -484,10 +487,20 @@ class Scheduler(SchedulerOutputMixin, SchedulerWeightSyncMixin, SchedulerPPMixin
     # ------------------------------------------------------------------ rank 0 -> HTTP
 
     def send_weights_phase(self, phase: str) -> None:
-        """Report a weights phase to the HTTP process as it begins (repeats are not resent)."""
-        if phase != self.last_weights_phase_sent:
-            self.last_weights_phase_sent = phase
-            self.send(WeightsPhaseOut(phase))
+        """Report the serving weights to the HTTP process as a whole :class:`WeightsState`
+        (``phase`` now, the worker's path, revision and version) when any field changed."""
+        worker = self.worker
+        state = WeightsState(
+            model_path=worker.model_path,
+            revision=worker.weights_revision,
+            weight_version=worker.weight_version,
+            phase=WeightsPhase(phase),
+            digest=self.weights_digest,
+            last_update=self.last_update,
+        )
+        if state != self.weights_state_sent:
+            self.weights_state_sent = state
+            self.send(state)
 
     def send(self, msg: Any) -> None:
         if self.send_socket is not None:

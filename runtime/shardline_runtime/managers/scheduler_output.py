@@ -4,7 +4,7 @@ After a step every rank appends the same sampled ids (identical on every rank by
 the sampler), checks the finish conditions, returns finished requests' KV (to the prefix cache)
 and moves a finished EXTEND batch into the running batch. With overlap scheduling
 (``managers/overlap.py``) this runs one step late: the in-flight bookkeeping is here too. Rank 0 then sends one
-``BatchTokenIDOut`` with the new tokens (and logprobs) of every request that advanced.
+``BatchTokenOut`` (``token_out.build_token_outs``): a ``TokenOut`` per request that advanced.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardline_runtime.managers.io_struct import (
-    BatchTokenIDOut,
+    BatchTokenOut,
     SchedulerStats,
     TokenizedGenerateReqInput,
 )
+from shardline_runtime.managers.token_out import build_token_outs, unscheduled_token_out
 
 if TYPE_CHECKING:
     from shardline_runtime.managers.cache_manager import CacheManager
@@ -31,19 +32,6 @@ if TYPE_CHECKING:
     from shardline_runtime.mem_cache.radix_cache import RadixCache
 
 logger = logging.getLogger(__name__)
-
-
-def _reason_dict(reason) -> dict | None:
-    if reason is None:
-        return None
-    out: dict = {"type": reason.type}
-    if reason.type == "stop":
-        out["matched"] = reason.matched
-    elif reason.type == "length":
-        out["length"] = reason.matched
-    if reason.message:
-        out["message"] = reason.message
-    return out
 
 
 class SchedulerOutputMixin:
@@ -211,71 +199,14 @@ class SchedulerOutputMixin:
         """Rank 0: send new tokens / finish reasons of ``reqs`` to the HTTP process."""
         if self.send_socket is None:
             return
-        out = BatchTokenIDOut([], [], [], [], [], [], [], [], [], [])
-        for req in reqs:
-            new = req.output_ids[req.sent_len :]
-            if not new and not req.finished():
-                continue
-            out.rids.append(req.rid)
-            out.output_ids.append(list(new))
-            out.finished_reasons.append(_reason_dict(req.finished_reason))
-            out.prompt_tokens.append(len(req.origin_input_ids))
-            out.completion_tokens.append(len(req.output_ids))
-            out.cached_tokens.append(req.cached_tokens)
-            if req.return_logprob and req.output_token_logprobs:
-                lps = req.output_token_logprobs[req.sent_len :]
-                out.output_token_logprobs.append(list(zip(lps, new)))
-                tops = req.output_top_logprobs[req.sent_len :] if req.top_logprobs_num else None
-                out.output_top_logprobs.append(
-                    [list(zip(v, ids)) for v, ids in tops] if tops else None
-                )
-            else:
-                out.output_token_logprobs.append(None)
-                out.output_top_logprobs.append(None)
-            prompt = None
-            if (
-                req.return_logprob
-                and req.logprob_start_len >= 0
-                and not req.input_logprobs_sent
-                and (new or req.finished())
-            ):
-                scored = {pos: (value, top) for pos, value, top in req.prompt_logprobs}
-                prompt = [
-                    (
-                        scored.get(pos, (None, []))[0],
-                        req.origin_input_ids[pos],
-                        scored.get(pos, (None, []))[1],
-                    )
-                    for pos in range(req.logprob_start_len, len(req.origin_input_ids))
-                ]
-                req.input_logprobs_sent = True
-            out.input_token_logprobs.append(
-                [(lp, t) for lp, t, _ in prompt] if prompt is not None else None
-            )
-            out.input_top_logprobs.append(
-                [top for _, _, top in prompt] if prompt is not None else None
-            )
-            req.sent_len = len(req.output_ids)
-        if out.rids:
-            self.send(out)
+        outs = build_token_outs(reqs)
+        if outs:
+            self.send(BatchTokenOut(outs))
 
     def finish_unscheduled(self, msg: TokenizedGenerateReqInput, n: int, message: str) -> None:
         """Answer a request that can never run (the HTTP process validates first; defensive)."""
         logger.warning("[tp %d] rejecting %s: %s", self.tp_rank, msg.rid, message)
-        self.send(
-            BatchTokenIDOut(
-                [msg.rid],
-                [[]],
-                [{"type": "abort", "message": message}],
-                [n],
-                [0],
-                [0],
-                [None],
-                [None],
-                [None],
-                [None],
-            )
-        )
+        self.send(BatchTokenOut([unscheduled_token_out(msg, message)]))
 
     def kv_used_tokens(self) -> int:
         """KV slots held by requests: everything not free and not reclaimable from the cache."""

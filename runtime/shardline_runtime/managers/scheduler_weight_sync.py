@@ -38,8 +38,10 @@ from shardline_runtime.managers.io_struct import (
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
 )
+from shardline_runtime.managers.weights_state import UpdateTimings
 from shardline_runtime.model_executor.memory_saver import MemorySaverError
 from shardline_runtime.model_executor.weight_update import PhaseClock, WeightsPhase
+from shardline_runtime.model_loader.checkpoint_digest import safe_checkpoint_digest
 
 if TYPE_CHECKING:
     from shardline_runtime.managers.decode_manager import DecodeManager
@@ -72,6 +74,9 @@ class SchedulerWeightSyncMixin:
     step_started: float | None
     send: Callable[[Any], None]
     send_weights_phase: Callable[[str], None]
+    send_socket: Any
+    weights_digest: str | None
+    last_update: UpdateTimings | None
     abort_request: Callable[[str | None, dict], None]
     running_batches: Callable[[], list]
     running_mbs: list | None
@@ -188,10 +193,27 @@ class SchedulerWeightSyncMixin:
         # buckets passes flush_cache false on all but the last).
         if msg.flush_cache:
             self.tree_cache.reset()
+        if isinstance(msg, UpdateWeightsFromDiskReqInput):
+            self.record_disk_update(msg, ok)
         phase = getattr(self.worker.weights_phase, "value", str(self.worker.weights_phase))
         self.send_weights_phase(phase)
         self.send(self.update_reply(msg, ok, message))
         self.send_serving_state()
+
+    def record_disk_update(self, msg: UpdateWeightsFromDiskReqInput, ok: bool) -> None:
+        """Rank 0: the outcome and phase times of the disk update just run, and (on success) the
+        new checkpoint's digest, computed here where the weights were loaded."""
+        if self.send_socket is None:
+            return
+        timings = self.update_timings or {}
+        self.last_update = UpdateTimings(
+            success=ok,
+            model_path=msg.model_path,
+            load_seconds=timings.get("load_seconds"),
+            recapture_seconds=timings.get("recapture_seconds"),
+        )
+        if ok:
+            self.weights_digest = safe_checkpoint_digest(self.worker.model_path)
 
     def refuse_update(self, msg: Any) -> str | None:
         """Why an update cannot be queued now, or None."""

@@ -1,0 +1,178 @@
+"""RequestStreams: the HTTP process's sockets to the rank-0 scheduler and one queue per request.
+
+Sends requests, aborts and control messages (ZMQ PUSH), receives every scheduler output (ZMQ
+PULL) in one background task: a ``BatchTokenOut`` is detokenized per step in the worker thread
+(:class:`StepDetokenizer`) and each request's :class:`GenerateChunk` goes to its queue; any
+other message goes to the ``on_message`` callback (state, replies). A stop string matched by
+the detokenizer finishes the request here and tells the scheduler to free it (``AbortReq`` with
+a ``stop`` reason).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from shardline_runtime.managers.detokenizer import IncrementalDetokenizer
+from shardline_runtime.managers.io_struct import (
+    AbortReq,
+    BatchTokenOut,
+    FinishReason,
+    TokenizedGenerateReqInput,
+    Usage,
+)
+from shardline_runtime.managers.step_detokenizer import GenerateChunk, StepDetokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ReqStream:
+    """One in-flight request: its detokenizer, its chunk queue, and what was sent so far
+    (``usage``: prompt tokens, completion tokens delivered, cached tokens)."""
+
+    detok: IncrementalDetokenizer
+    usage: Usage
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+    created: float = field(default_factory=time.monotonic)
+    last_token_time: float | None = None
+
+
+class RequestStreams:
+    """Sockets, per-request queues and the receive loop (see the module docstring).
+
+    Args:
+        tokenizer: HuggingFace tokenizer of the model (copied for the detokenizer thread).
+        scheduler_input_addr: ZMQ address the rank-0 scheduler PULLs requests from.
+        output_addr: ZMQ address this process PULLs scheduler outputs on (bound here).
+        on_message: called on the event loop with every message that is not a step's tokens.
+        weight_version: returns the weight version serving now (stamped on each chunk).
+        metrics: a ``ServingMetrics`` (or None).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        scheduler_input_addr: str,
+        output_addr: str,
+        on_message: Callable[[Any], None],
+        weight_version: Callable[[], str],
+        metrics: Any = None,
+    ):
+        self.context = zmq.asyncio.Context()
+        self.send_socket = self.context.socket(zmq.PUSH)
+        self.send_socket.connect(scheduler_input_addr)
+        self.recv_socket = self.context.socket(zmq.PULL)
+        self.recv_socket.bind(output_addr)
+        self.detokenizer = StepDetokenizer(tokenizer)
+        self.states: dict[str, ReqStream] = {}
+        self._on_message = on_message
+        self._weight_version = weight_version
+        self.metrics = metrics
+        self._recv_task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start the receive loop (call from inside the running event loop)."""
+        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+
+    def close(self) -> None:
+        """Stop receiving and close the sockets and the detokenizer thread."""
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+        self.send_socket.close(0)
+        self.recv_socket.close(0)
+        self.detokenizer.close()
+
+    async def send(self, msg: Any) -> None:
+        await self.send_socket.send_pyobj(msg)
+
+    # ---------------------------------------------------------------- requests
+
+    async def open(self, req: TokenizedGenerateReqInput) -> ReqStream:
+        """Register ``req`` and send it; its chunks arrive in the returned stream's queue.
+
+        Raises:
+            ValueError: ``req.rid`` is in use.
+        """
+        if req.rid in self.states:
+            raise ValueError(f"request id {req.rid!r} is already in use")
+        params = req.sampling_params
+        detok = self.detokenizer.new_request(
+            req.input_ids, params.stop, params.skip_special_tokens, req.include_stop_str_in_output
+        )
+        stream = ReqStream(detok, Usage(len(req.input_ids), 0, 0))
+        self.states[req.rid] = stream
+        await self.send(req)
+        return stream
+
+    async def release(self, rid: str, abort_message: str) -> None:
+        """Forget ``rid``; when it has not finished, abort it in the scheduler."""
+        stream = self.states.pop(rid, None)
+        if stream is not None and not stream.finished:
+            stream.finished = True
+            await self.send_abort(rid, {"type": "abort", "message": abort_message})
+
+    async def send_abort(self, rid: str | None, reason: dict) -> None:
+        try:
+            await self.send(AbortReq(rid, reason))
+        except zmq.ZMQError as exc:
+            logger.warning("could not send abort for %s: %s", rid, exc)
+
+    def abort_all_local(self, message: str) -> None:
+        """Finish every in-flight request here with an abort (the scheduler is gone, or the
+        drain timed out); each answer's usage counts the prompt and the tokens already sent."""
+        for stream in list(self.states.values()):
+            if not stream.finished:
+                stream.finished = True
+                stream.queue.put_nowait(
+                    GenerateChunk(
+                        text="",
+                        token_ids=[],
+                        usage=stream.usage,
+                        finish=FinishReason("abort", message=message),
+                        weight_version=self._weight_version(),
+                    )
+                )
+
+    # ---------------------------------------------------------------- receive loop
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self.recv_socket.recv_pyobj()
+            try:
+                if isinstance(msg, BatchTokenOut):
+                    await self._deliver_step(msg)
+                else:
+                    self._on_message(msg)
+            except Exception:  # a bug in one message must not stop every request
+                logger.exception("failed to handle scheduler output %s", type(msg).__name__)
+
+    async def _deliver_step(self, batch: BatchTokenOut) -> None:
+        live = [(self.states.get(o.rid), o) for o in batch.outs]
+        pairs = [(s, o) for s, o in live if s is not None and not s.finished]
+        if not pairs:
+            return
+        chunks = await self.detokenizer.run_step([(s.detok, o) for s, o in pairs])
+        now = time.monotonic()
+        for (stream, out), (chunk, stopped_here) in zip(pairs, chunks):
+            if stream.finished:  # aborted here while the thread decoded
+                continue
+            if stopped_here:
+                reason = {"type": "stop", "matched": chunk.finish and chunk.finish.matched}
+                asyncio.get_running_loop().create_task(self.send_abort(out.rid, reason))
+            chunk.weight_version = self._weight_version()
+            stream.usage = chunk.usage
+            stream.finished = chunk.finish is not None
+            if self.metrics and chunk.token_ids:
+                self.metrics.observe_tokens(stream, now, len(chunk.token_ids))
+            if self.metrics and chunk.finish is not None:
+                self.metrics.observe_finish(stream, now, chunk)
+            stream.queue.put_nowait(chunk)

@@ -1,0 +1,101 @@
+"""Detokenization of one scheduler step, off the HTTP event loop.
+
+:class:`StepDetokenizer` runs each step's :class:`TokenOut` records through their requests'
+:class:`IncrementalDetokenizer` in one worker thread (batched per step, in arrival order), and
+returns one :class:`GenerateChunk` per request. The event loop only routes the chunks, so no
+``tokenizer.decode`` runs on it. After SGLang's ``DetokenizerManager`` (which batches the
+decode per step in its own process) and mini-sglang's per-request ``DetokenizeMsg``.
+
+A stop string matched here finishes the request (``FinishReason("stop", <the string>)``); the
+caller tells the scheduler to free it. The thread's decodes use a copy of the tokenizer, so the
+event loop's own tokenizer calls (encode) never share a Rust tokenizer object with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardline_runtime.managers.detokenizer import IncrementalDetokenizer
+from shardline_runtime.managers.io_struct import FinishReason, TokenLogprob, TokenOut, Usage
+
+
+@dataclass(kw_only=True)
+class GenerateChunk:
+    """What one request produced since the last chunk.
+
+    ``text`` is the safe text delta; ``token_ids`` the tokens it came from (for a stop-string
+    finish, only those consumed up to the match); ``logprobs`` pairs with ``token_ids``;
+    ``text_offsets`` pairs with ``token_ids`` too: where each token's text starts in the
+    request's whole output text (characters). ``finish`` is None until the last chunk.
+    ``usage.completion_tokens`` counts the tokens consumed so far (up to a stop match).
+    """
+
+    text: str
+    token_ids: list[int]
+    usage: Usage
+    finish: FinishReason | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
+    weight_version: str | None = None
+    text_offsets: list[int] = field(default_factory=list)
+
+
+def detokenize_out(detok: IncrementalDetokenizer, out: TokenOut) -> tuple[GenerateChunk, bool]:
+    """Feed ``out`` to its request's ``detok``; returns the chunk and whether a stop string
+    matched in this step while the scheduler still runs the request (it must be freed)."""
+    reason = out.finish
+    before = detok.num_tokens
+    exclude_last = reason is not None and reason.type == "stop" and isinstance(reason.matched, int)
+    text = detok.add_tokens(out.ids, exclude_last=exclude_last)
+    consumed = detok.num_tokens - before
+    stopped_here = False
+    if detok.stopped:
+        stopped_here = reason is None
+        reason = FinishReason("stop", detok.matched_stop)
+    if reason is not None:
+        text += detok.finish()
+    chunk = GenerateChunk(
+        text=text,
+        token_ids=out.ids[:consumed],
+        usage=Usage(out.usage.prompt_tokens, detok.num_tokens, out.usage.cached_tokens),
+        finish=reason,
+        logprobs=out.logprobs[:consumed],
+        prompt_logprobs=out.prompt_logprobs,
+        text_offsets=detok.token_offsets[before : before + consumed],
+    )
+    return chunk, stopped_here
+
+
+class StepDetokenizer:
+    """Per-request incremental detokenizers, fed a step at a time in one worker thread.
+
+    Args:
+        tokenizer: the HuggingFace tokenizer (copied for the worker thread).
+    """
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = copy.deepcopy(tokenizer)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="detokenizer")
+
+    def new_request(
+        self, prompt_ids: list[int], stop: Any, skip_special_tokens: bool, include_stop: bool
+    ) -> IncrementalDetokenizer:
+        """A detokenizer for one request (decodes nothing until fed)."""
+        return IncrementalDetokenizer(
+            self.tokenizer, prompt_ids, stop or (), skip_special_tokens, include_stop
+        )
+
+    async def run_step(
+        self, pairs: list[tuple[IncrementalDetokenizer, TokenOut]]
+    ) -> list[tuple[GenerateChunk, bool]]:
+        """:func:`detokenize_out` of every pair, in order, in the worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, lambda: [detokenize_out(d, o) for d, o in pairs]
+        )
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
