@@ -364,3 +364,58 @@ def test_non_finite_weights_never_give_500(small_ctx_server, serving_checkpoint,
     finally:
         ok = srv.post("/update_weights_from_disk", {"model_path": str(serving_checkpoint)})
         assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.slow
+def test_requests_aborted_at_the_drain_timeout_report_the_tokens_they_used(serving_checkpoint, checkpoint_dir):
+    """Field case F11: a response ended by the drain timeout counts its prompt and the tokens it
+    already sent in ``usage`` (the body's, and a stream's ``include_usage`` chunk), not 0/0/0."""
+    import concurrent.futures as cf
+
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    srv = start_server(serving_checkpoint, checkpoint_dir, "--max-total-tokens", "4096", "--drain-timeout", "1")
+    body = {"prompt": prompt, "max_tokens": 3000, "ignore_eos": True, "logprobs": 0}
+    try:
+        streamed = threading.Event()
+
+        def plain():
+            return httpx.post(srv.url + "/v1/completions", timeout=60, json=body)
+
+        def stream():
+            tokens, usage = 0, None
+            with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                              json=dict(body, stream=True, stream_options={"include_usage": True})) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    for choice in event["choices"]:
+                        tokens += len(choice["logprobs"]["tokens"]) if choice["logprobs"] else 0
+                    if tokens:
+                        streamed.set()
+                    usage = event.get("usage") or usage
+            return tokens, usage
+
+        with cf.ThreadPoolExecutor(2) as pool:
+            p, s = pool.submit(plain), pool.submit(stream)
+            assert streamed.wait(60), "the stream sent no token"
+            deadline = time.monotonic() + 30
+            while srv.get("/get_server_info").json()["num_running_reqs"] < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            srv.proc.send_signal(signal.SIGTERM)
+            r = p.result()
+            tokens, usage = s.result()
+        assert srv.proc.wait(30) == 0
+    finally:
+        srv.stop()
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["choices"][0]["finish_reason"] == "abort"
+    sent = len(answer["choices"][0]["logprobs"]["tokens"])
+    assert sent > 0, "the plain request generated nothing before the drain ended"
+    assert answer["usage"]["prompt_tokens"] == len(prompt)
+    assert answer["usage"]["completion_tokens"] == sent
+    assert answer["usage"]["total_tokens"] == len(prompt) + sent
+    assert usage is not None, "the stream sent no usage chunk"
+    assert usage["prompt_tokens"] == len(prompt)
+    assert usage["completion_tokens"] == tokens
