@@ -39,6 +39,7 @@ from shardline_runtime.managers.io_struct import (
     UpdateWeightsFromTensorReqInput,
 )
 from shardline_runtime.managers.weights_state import UpdateTimings
+from shardline_runtime.managers.weights_state import WeightsPhase as StatePhase
 from shardline_runtime.model_executor.memory_saver import MemorySaverError
 from shardline_runtime.model_executor.weight_update import PhaseClock, WeightsPhase
 from shardline_runtime.model_loader.checkpoint_digest import safe_checkpoint_digest
@@ -179,7 +180,7 @@ class SchedulerWeightSyncMixin:
             self.worker.update_cuda_graph_settings(
                 msg.cuda_graph_max_bs,
                 bool(msg.disable_cuda_graph),
-                on_phase=lambda phase: self.send_weights_phase(phase.value),
+                on_phase=self.report_update_phase,
             )
             if (
                 self.update_timings is not None
@@ -199,6 +200,12 @@ class SchedulerWeightSyncMixin:
         self.send_weights_phase(phase)
         self.send(self.update_reply(msg, ok, message))
         self.send_serving_state()
+
+    def report_update_phase(self, phase: WeightsPhase) -> None:
+        """An update phase goes out as it begins; the end state goes out once, after the
+        update, whole (with the new digest and the phase times)."""
+        if StatePhase(phase.value).updating:
+            self.send_weights_phase(phase.value)
 
     def record_disk_update(self, msg: UpdateWeightsFromDiskReqInput, ok: bool) -> None:
         """Rank 0: the outcome and phase times of the disk update just run, and (on success) the
@@ -243,7 +250,7 @@ class SchedulerWeightSyncMixin:
         ``weight_version`` and records the tensors written for the memory saver."""
         worker = self.worker
         if isinstance(msg, UpdateWeightsFromDiskReqInput):
-            clock = PhaseClock(lambda phase: self.send_weights_phase(phase.value))
+            clock = PhaseClock(self.report_update_phase)
             ok, message = worker.update_weights_from_disk(
                 msg.model_path,
                 msg.load_format or "auto",
