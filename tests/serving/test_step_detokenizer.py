@@ -74,3 +74,17 @@ def test_a_step_is_decoded_off_the_event_loop_thread(tokenizer):
     assert chunks[0][0].text == "hello world"
     assert threads
     assert loop_thread not in threads
+
+
+def test_logprob_tokens_get_their_texts_in_the_worker_thread(tokenizer):
+    ids = tokenizer.encode("hello world")
+    steps = StepDetokenizer(tokenizer)
+
+    async def main():
+        detok = steps.new_request([], (), True, False)
+        lps = [TokenLogprob(-1.0, t, [(-1.0, t), (-2.0, 3)]) for t in ids]
+        return await steps.run_step([(detok, _out(ids, logprobs=lps))])
+
+    ((chunk, _),) = asyncio.run(main())
+    steps.close()
+    assert chunk.token_texts == {t: tokenizer.decode([t], skip_special_tokens=False) for t in [*ids, 3]}

@@ -14,6 +14,7 @@ Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`` (completi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from shardline_runtime.managers.detokenizer import IncrementalDetokenizer
@@ -21,22 +22,19 @@ from shardline_runtime.managers.io_struct import TokenLogprob
 from shardline_runtime.managers.tokenizer_manager import TokenizerManager
 
 
-def token_text(tm: TokenizerManager, token_id: int) -> str:
-    return tm.tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def _top_dict(tm: TokenizerManager, top: list[tuple[float, int]]) -> dict[str, float]:
+def _top_dict(texts: Mapping[int, str], top: list[tuple[float, int]]) -> dict[str, float]:
     best: dict[str, float] = {}
     for v, t in top:  # tokens with the same text (e.g. partial UTF-8 bytes) share one key
-        key = token_text(tm, t)
+        key = texts[t]
         best[key] = max(v, best.get(key, v))
     return best
 
 
 def completion_logprobs(
-    tm: TokenizerManager, entries: list[TokenLogprob], offsets: list[int], base: int
+    texts: Mapping[int, str], entries: list[TokenLogprob], offsets: list[int], base: int
 ) -> dict[str, list]:
-    """Legacy completions ``logprobs`` of ``entries``; ``offsets[k] + base`` is token k's text offset.
+    """Legacy completions ``logprobs`` of ``entries``; ``offsets[k] + base`` is token k's text
+    offset; ``texts`` maps every token id (alternatives included) to its text.
 
     A ``None`` logprob (the first prompt token) gets ``None`` top logprobs.
     """
@@ -47,9 +45,9 @@ def completion_logprobs(
         "text_offset": [],
     }
     for e, offset in zip(entries, offsets):
-        out["tokens"].append(token_text(tm, e.token_id))
+        out["tokens"].append(texts[e.token_id])
         out["token_logprobs"].append(e.logprob)
-        out["top_logprobs"].append(None if e.logprob is None else _top_dict(tm, e.top))
+        out["top_logprobs"].append(None if e.logprob is None else _top_dict(texts, e.top))
         out["text_offset"].append(base + offset)
     return out
 
@@ -98,11 +96,14 @@ def _gpt2_byte_decoder() -> dict[str, int]:
 _BYTE_DECODER = _gpt2_byte_decoder()
 
 
-def chat_logprobs(tm: TokenizerManager, entries: list[TokenLogprob]) -> dict[str, list]:
-    """Chat ``logprobs``: ``{"content": [...]}`` with each token's text, logprob, bytes and top."""
+def chat_logprobs(
+    tm: TokenizerManager, texts: Mapping[int, str], entries: list[TokenLogprob]
+) -> dict[str, list]:
+    """Chat ``logprobs``: ``{"content": [...]}`` with each token's text (from ``texts``),
+    logprob, bytes and top."""
 
     def entry(lp: float | None, tid: int) -> dict[str, Any]:
-        text = token_text(tm, tid)
+        text = texts[tid]
         return {"token": text, "logprob": lp, "bytes": _token_bytes(tm, tid, text)}
 
     return {

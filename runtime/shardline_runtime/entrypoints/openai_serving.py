@@ -193,12 +193,16 @@ class _CompletionServing(OpenAIServing):
         text = chunk.text
         lp = None
         if self.want_lp:
-            lp = completion_logprobs(tm, chunk.logprobs, chunk.text_offsets, len(spec.echo_text))
+            lp = completion_logprobs(
+                chunk.token_texts, chunk.logprobs, chunk.text_offsets, len(spec.echo_text)
+            )
         if first:
             text = spec.echo_text + text
             if self.want_lp and chunk.prompt_logprobs is not None:
                 offsets = prompt_text_offsets(tm, spec.input_ids, spec.added_prefix, spec.echo_text)
-                prompt_lp = completion_logprobs(tm, chunk.prompt_logprobs, offsets, 0)
+                prompt_lp = completion_logprobs(
+                    chunk.token_texts, chunk.prompt_logprobs, offsets, 0
+                )
                 lp = merge_logprobs(prompt_lp, lp) if lp else prompt_lp
         return text, lp
 
@@ -220,7 +224,9 @@ class _ChatServing(OpenAIServing):
     want_lp = False
 
     def piece(self, index: int, chunk: GenerateChunk, first: bool) -> tuple[str, dict | None]:
-        return chunk.text, chat_logprobs(self.tm, chunk.logprobs) if self.want_lp else None
+        return chunk.text, chat_logprobs(
+            self.tm, chunk.token_texts, chunk.logprobs
+        ) if self.want_lp else None
 
     def opening(self) -> list[dict]:
         return [

@@ -32,6 +32,8 @@ class GenerateChunk:
     ``text_offsets`` pairs with ``token_ids`` too: where each token's text starts in the
     request's whole output text (characters). ``finish`` is None until the last chunk.
     ``usage.completion_tokens`` counts the tokens consumed so far (up to a stop match).
+    ``token_texts``: the text of every token id in ``logprobs`` and ``prompt_logprobs`` (their
+    alternatives included), decoded alone with special tokens kept (for OpenAI logprobs).
     """
 
     text: str
@@ -42,6 +44,7 @@ class GenerateChunk:
     prompt_logprobs: list[TokenLogprob] | None = None
     weight_version: str | None = None
     text_offsets: list[int] = field(default_factory=list)
+    token_texts: dict[int, str] = field(default_factory=dict)
 
 
 def detokenize_out(detok: IncrementalDetokenizer, out: TokenOut) -> tuple[GenerateChunk, bool]:
@@ -89,12 +92,25 @@ class StepDetokenizer:
             self.tokenizer, prompt_ids, stop or (), skip_special_tokens, include_stop
         )
 
+    def _detokenize(
+        self, detok: IncrementalDetokenizer, out: TokenOut
+    ) -> tuple[GenerateChunk, bool]:
+        chunk, stopped_here = detokenize_out(detok, out)
+        for entry in (*chunk.logprobs, *(chunk.prompt_logprobs or ())):
+            for token_id in (entry.token_id, *(t for _, t in entry.top)):
+                if token_id not in chunk.token_texts:
+                    chunk.token_texts[token_id] = self.tokenizer.decode(
+                        [token_id], skip_special_tokens=False
+                    )
+        return chunk, stopped_here
+
     async def run_step(
         self, pairs: list[tuple[IncrementalDetokenizer, TokenOut]]
     ) -> list[tuple[GenerateChunk, bool]]:
-        """:func:`detokenize_out` of every pair, in order, in the worker thread."""
+        """:func:`detokenize_out` of every pair, in order, plus the texts of their logprob
+        tokens, in the worker thread."""
         return await asyncio.get_running_loop().run_in_executor(
-            self._pool, lambda: [detokenize_out(d, o) for d, o in pairs]
+            self._pool, lambda: [self._detokenize(d, o) for d, o in pairs]
         )
 
     def close(self) -> None:
