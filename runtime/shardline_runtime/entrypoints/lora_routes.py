@@ -17,6 +17,12 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from shardline_runtime.managers.io_struct import (
+    LoadLoRAAdapterReqInput,
+    LoRAAdapterReqOutput,
+    UnloadLoRAAdapterReqInput,
+)
+
 
 class LoadLoRAAdapterRequest(BaseModel):
     """``POST /load_lora_adapter``: a PEFT adapter directory served under ``lora_name``."""
@@ -62,6 +68,26 @@ def _disabled() -> JSONResponse:
     )
 
 
+async def load_adapter(tm, lora_name: str, lora_path: str) -> LoRAAdapterReqOutput:
+    """Load on every rank; the adapter serves as soon as this returns successfully."""
+    out = await tm.control.call(
+        LoadLoRAAdapterReqInput(lora_name, lora_path), LoRAAdapterReqOutput, timeout=600
+    )
+    tm.state.lora_adapters = dict(out.loaded)  # an eviction may have removed another
+    return out
+
+
+async def unload_adapter(tm, lora_name: str) -> LoRAAdapterReqOutput:
+    """Stop admitting requests for ``lora_name`` now; unload once its requests finished."""
+    path = tm.state.lora_adapters.pop(lora_name, None)
+    out = await tm.control.call(
+        UnloadLoRAAdapterReqInput(lora_name), LoRAAdapterReqOutput, timeout=600
+    )
+    if not out.success and path is not None and lora_name in out.loaded:
+        tm.state.lora_adapters[lora_name] = path
+    return out
+
+
 def add_lora_routes(app: FastAPI, tm, enabled: bool) -> None:
     """Register the two routes on ``app`` (``tm``: the TokenizerManager)."""
 
@@ -69,10 +95,10 @@ def add_lora_routes(app: FastAPI, tm, enabled: bool) -> None:
     async def load_lora_adapter(body: LoadLoRAAdapterRequest):
         if not enabled:
             return _disabled()
-        return _reply(await tm.load_lora_adapter(body.lora_name, body.lora_path))
+        return _reply(await load_adapter(tm, body.lora_name, body.lora_path))
 
     @app.post("/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
         if not enabled:
             return _disabled()
-        return _reply(await tm.unload_lora_adapter(body.lora_name))
+        return _reply(await unload_adapter(tm, body.lora_name))

@@ -8,7 +8,7 @@
 - :class:`ServerState` (``server_state.py``): the one ``WeightsState`` copy, stats, adapters.
 
 This class wires them together: it routes each scheduler message to its part and runs one
-request (:meth:`generate`) and the calls that change server state (weight update, adapters).
+request (:meth:`generate`) and the weight update, which the admission gate must see at once.
 """
 
 from __future__ import annotations
@@ -22,13 +22,10 @@ from typing import Any
 from shardline_runtime.managers.admission_gate import AdmissionGate, WeightUpdateHoldTimeout
 from shardline_runtime.managers.control_client import ControlClient
 from shardline_runtime.managers.io_struct import (
-    LoadLoRAAdapterReqInput,
-    LoRAAdapterReqOutput,
     SchedulerInfo,
     SchedulerStats,
     ServingStateOut,
     TokenizedGenerateReqInput,
-    UnloadLoRAAdapterReqInput,
     UpdateWeightsFromDiskReqInput,
     UpdateWeightsFromDiskReqOutput,
 )
@@ -192,21 +189,3 @@ class TokenizerManager:
         finally:
             self.state.end_update_if_silent()
             self.gate.set_phase(self.state.weights.phase)
-
-    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> LoRAAdapterReqOutput:
-        """Load on every rank; the adapter serves as soon as this returns successfully."""
-        out = await self.control.call(
-            LoadLoRAAdapterReqInput(lora_name, lora_path), LoRAAdapterReqOutput, timeout=600
-        )
-        self.state.lora_adapters = dict(out.loaded)  # an eviction may have removed another
-        return out
-
-    async def unload_lora_adapter(self, lora_name: str) -> LoRAAdapterReqOutput:
-        """Stop admitting requests for ``lora_name`` now; unload once its requests finished."""
-        path = self.state.lora_adapters.pop(lora_name, None)
-        out = await self.control.call(
-            UnloadLoRAAdapterReqInput(lora_name), LoRAAdapterReqOutput, timeout=600
-        )
-        if not out.success and path is not None and lora_name in out.loaded:
-            self.state.lora_adapters[lora_name] = path
-        return out
