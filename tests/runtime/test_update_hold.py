@@ -11,7 +11,7 @@ from shardline_runtime.managers.update_hold import HELD_SECONDS, first_chunk
 
 
 class Updates:
-    """The two events ``TokenizerManager.set_weights_phase`` keeps."""
+    """The two events ``AdmissionGate.set_phase`` keeps."""
 
     def __init__(self) -> None:
         self.updating, self.serving = asyncio.Event(), asyncio.Event()

@@ -225,7 +225,7 @@ async def run_choices(
 ) -> AsyncIterator[tuple[int, GenerateChunk]]:
     """Run every choice (with LoRA adapter ``lora_name``, None: the base model); yield
     ``(index, chunk)`` in arrival order. Leaving early aborts them all. The caller has already
-    admitted the request (``TokenizerManager.admit``), so no choice is held again."""
+    admitted the request (``AdmissionGate.admit``), so no choice is held again."""
     tm.gate.check_ready()
     queue: asyncio.Queue = asyncio.Queue()
 

@@ -1,7 +1,7 @@
 """The bound on how long a request is held by weight updates (``--weight-update-hold-timeout``).
 
 A request is held twice over when updates come back to back: first in the HTTP process
-(``TokenizerManager.admit`` waits while an update runs), then, when it was sent to the schedulers
+(``AdmissionGate.admit`` waits while an update runs), then, when it was sent to the schedulers
 just before the next update began, in the rank-0 scheduler's waiting queue (admission pauses
 while an update is pending, so it starts only once that update ends). The bound covers both:
 :data:`HELD_SECONDS` carries what ``admit`` spent to the request's ``generate`` (a context
