@@ -57,10 +57,11 @@ class Context:
     applied: dict[str, tuple[str, float]] = field(default_factory=dict)
     operator_namespace: str | None = None
 
-    def leaders_with_token(self, token: str) -> LeaderClient:
-        """The leader client sending ``token`` as the admin key (when it can send one)."""
+    def leaders_with_token(self, token: str, api_key: str | None = None) -> LeaderClient:
+        """The leader client sending ``token`` as the admin key and ``api_key`` on the canary
+        gate's serving calls (when it can send keys)."""
         with_token = getattr(self.leaders, "with_token", None)
-        return with_token(token) if with_token is not None else self.leaders
+        return with_token(token, api_key) if with_token is not None else self.leaders
 
     def apply(self, obj: Mapping[str, Any], now: float) -> None:
         """Server-side apply, skipped when the same content was applied under a minute ago."""
@@ -112,9 +113,9 @@ class Reconciler:
             spec = parse_spec(
                 self.name, self.namespace, meta.get("uid", ""), self.body.get("spec") or {}
             )
-            spec, admin_token = self._credentials(spec)
-            # Every call to a leader carries the admin token (control and info endpoints).
-            self.leaders = self.ctx.leaders_with_token(admin_token)
+            spec, admin_token, api_key = self._credentials(spec)
+            # Control and info calls carry the admin token; the canary gate the API key.
+            self.leaders = self.ctx.leaders_with_token(admin_token, api_key)
         except SpecError as exc:
             if self.previous.get("message") != str(exc):
                 self.events.append(("Warning", "InvalidSpec", str(exc)))
@@ -322,9 +323,10 @@ class Reconciler:
             )
         return ReconcileResult(dict(self.previous), self.events, requeue_after_seconds)
 
-    def _credentials(self, spec: DeploymentSpec) -> tuple[DeploymentSpec, str]:
+    def _credentials(self, spec: DeploymentSpec) -> tuple[DeploymentSpec, str, str | None]:
         """Read (or create, once) the admin-token Secret and read the API-key Secret; returns the
-        spec with the keys' digest (see ``credentials.py``) and the admin token.
+        spec with the keys' digest (see ``credentials.py``), the admin token and the API key
+        (None without ``spec.auth``).
 
         Raises:
             SpecError: the API-key Secret is missing or unusable, or the admin-token Secret has no token.
@@ -352,7 +354,7 @@ class Reconciler:
                 ref.key,
                 self.namespace,
             )
-        return replace(spec, credentials_digest=credentials_digest(token, api_key)), token
+        return replace(spec, credentials_digest=credentials_digest(token, api_key)), token, api_key
 
     def _network_policies(self, spec: DeploymentSpec) -> None:
         """Apply each group's NetworkPolicy (before its pods exist); delete the ones not wanted."""
