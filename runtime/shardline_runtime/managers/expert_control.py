@@ -55,10 +55,11 @@ def handle_expert_control(
         if msg.action == "stop":
             manager.recorder.stop()
             return ExpertDistributionReqOutput(True, "stopped")
-        if (
-            model_runner.tp_rank != 0
-        ):  # every rank holds the same record; rank 0 answers (and writes the file)
-            return ExpertDistributionReqOutput(True, "dumped by tp rank 0")
-        return ExpertDistributionReqOutput(True, "", manager.dump(to_file=msg.to_file))
+        # Every rank gathers every stage's layers; world rank 0 answers (and writes the file).
+        answer = model_runner.tp_rank == 0 and getattr(model_runner, "pp_rank", 0) == 0
+        record = manager.dump(to_file=msg.to_file, answer=answer)
+        if record is None:
+            return ExpertDistributionReqOutput(True, "dumped by rank 0")
+        return ExpertDistributionReqOutput(True, "", record)
     except (RecorderError, OSError) as e:
         return ExpertDistributionReqOutput(False, str(e))
