@@ -59,7 +59,7 @@ if [[ "$device" == "cuda" ]]; then
     status=1
   fi
   # -rs lists skips; any skip of a gpu test is a failure of the check.
-  timeout 150 python3 -m pytest -m gpu tests/runtime tests/serving -q -rs -p no:cacheprovider -p no:tests.kube_fixtures \
+  timeout 150 python3 -m pytest -m gpu tests/runtime tests/serving tests/lora -q -rs -p no:cacheprovider -p no:tests.kube_fixtures \
     --durations=8 2>&1 | tee /tmp/gpu_check_pytest.log
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
   if grep -q "^SKIPPED" /tmp/gpu_check_pytest.log; then echo "bench/gpu_check.sh: gpu tests were skipped"; status=1; fi

@@ -133,6 +133,8 @@ def test_pod_events_drive_status_and_metrics(env):
     wait_for(lambda: status(env, name).get("phase") == "Initializing", 60, f"Initializing\n{log()}")
     ready["value"] = True  # only the pods' status events can carry this into the object's status
     wait_for(lambda: status(env, name).get("phase") == "Ready", 60, f"Ready\n{log()}")
+    obj = env["client"].get(f"/apis/shardline.dev/v1alpha1/namespaces/{NAMESPACE}/inferencedeployments/{name}")
+    assert "shardline.dev/finalizer" in obj["metadata"].get("finalizers", []), obj["metadata"]  # docs/operations.md
     sample = wait_for(lambda: gauges(env, name).get(("shardline_operator_restart_budget", "")) == 3 and gauges(env, name),
                       30, "restart budget gauge")
     assert sample[("shardline_operator_group_restarts", "0")] == 0

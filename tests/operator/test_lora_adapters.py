@@ -8,7 +8,8 @@ import copy
 import pytest
 
 from shardline_operator import labels
-from shardline_operator.lora_sync import plan
+from shardline_operator.lora_sync import plan, sync
+from shardline_operator.observed import GroupObservation, PodObservation
 from shardline_operator.reconcile import Context, reconcile
 from shardline_operator.runtime_args import ServedModel, runtime_args
 from shardline_operator.spec import LoRAAdapterSpec, SpecError
@@ -132,3 +133,21 @@ def test_reconcile_adds_and_removes_adapters_in_place(spec_dict):
     assert {n: p["metadata"]["uid"] for n, p in kube.pods().items()} == uids  # no pod restarted
     assert result.status["phase"] == "Ready"
     assert all(p["metadata"]["annotations"][labels.ANNOTATION_RESTART_HASH] for p in kube.pods().values())
+
+
+def _ready_group(index: int) -> GroupObservation:
+    pod = PodObservation(name=f"llama-g{index}-0", uid=f"u{index}", rank=0, ip=f"10.0.0.{index + 1}", phase="Running",
+                         ready=True, deleting=False, restart_count=0, terminated=False, error_message=None,
+                         restart_hash=None)
+    return GroupObservation(index=index, size=1, statefulset={}, pods=(pod,))
+
+
+def test_adapters_are_not_synced_to_a_group_updating_weights():
+    """docs/operations.md: leaders get load/unload calls each pass, not a group updating weights
+    (the reconciler skips the groups of the rollout's wave)."""
+    leaders = FakeLoRALeaders()
+    desired = tuple(LoRAAdapterSpec(name=n, path=f"{ROOT}/{n}") for n in ("a",))
+    report = sync(desired, [_ready_group(0), _ready_group(1)], leaders, skip={0})
+    assert leaders.calls == [("load", "http://10.0.0.2:8000", "a")]  # group 1 only
+    assert report.loaded_groups == {"a": 1}
+    assert report.pending  # group 0 is synced on a later pass, once its update has ended
