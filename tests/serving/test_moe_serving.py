@@ -10,15 +10,19 @@ from serving_server import start_server
 PROMPTS = ["the model serves tokens", "hello world how are you", "one two three four five"]
 
 
-@pytest.fixture(scope="module")
-def moe_server(checkpoint_dir):
+def start_moe_server(checkpoint_dir, *args: str):
+    """A CPU server of the tiny Qwen3-MoE (8 experts, top-2, two layers) with ``args``."""
     from shardline_runtime.tiny_checkpoint import make_tiny_checkpoint
 
     path = checkpoint_dir / "qwen3-moe"
     if not (path / "config.json").exists():
         make_tiny_checkpoint(path, arch="qwen3_moe", seed=0)
-    srv = start_server(path, checkpoint_dir, "--tp-size", "2", "--ep-size", "2", "--ep-num-redundant-experts", "2",
-                       "--device", "cpu", "--max-total-tokens", "1024", timeout=300)
+    return start_server(path, checkpoint_dir, *args, "--device", "cpu", "--max-total-tokens", "1024", timeout=300)
+
+
+@pytest.fixture(scope="module")
+def moe_server(checkpoint_dir):
+    srv = start_moe_server(checkpoint_dir, "--tp-size", "2", "--ep-size", "2", "--ep-num-redundant-experts", "2")
     yield srv
     srv.stop()
 
@@ -65,13 +69,7 @@ def test_recorder_requests_the_server_cannot_satisfy_are_400(moe_server):
 @pytest.fixture(scope="module")
 def moe_pp2_server(checkpoint_dir):
     """Two pipeline stages of the tiny Qwen3-MoE (two MoE layers: one per stage)."""
-    from shardline_runtime.tiny_checkpoint import make_tiny_checkpoint
-
-    path = checkpoint_dir / "qwen3-moe"
-    if not (path / "config.json").exists():
-        make_tiny_checkpoint(path, arch="qwen3_moe", seed=0)
-    srv = start_server(path, checkpoint_dir, "--pp-size", "2", "--device", "cpu", "--max-total-tokens", "1024",
-                       timeout=300)
+    srv = start_moe_server(checkpoint_dir, "--pp-size", "2")
     yield srv
     srv.stop()
 
