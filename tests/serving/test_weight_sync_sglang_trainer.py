@@ -48,7 +48,8 @@ def test_sglang_style_trainer_updates_the_weights(server, serving_checkpoint_b, 
         assert init.status_code == 200, init.text
         reply = server.post("/update_weights_from_distributed", {
             "names": [t["name"] for t in tensors], "dtypes": [t["dtype"] for t in tensors],
-            "shapes": [t["shape"] for t in tensors], "group_name": GROUP}, timeout=60)
+            "shapes": [t["shape"] for t in tensors], "group_name": GROUP, "load_format": None,
+            "flush_cache": True}, timeout=60)  # every field SGLang's client sends
         log = trainer.communicate(timeout=60)[0]
     finally:
         if trainer.poll() is None:
