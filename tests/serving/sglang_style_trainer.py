@@ -56,6 +56,9 @@ def main(plan_path: str) -> None:
         tensor = weights[spec["name"]].to(getattr(torch, spec["dtype"])).contiguous()
         dist.broadcast(tensor, src=0, group=group)
     print("done", flush=True)
+    # Leave without the interpreter's teardown: destroying a live gloo group there can abort
+    # ("terminate called without an active exception") after every broadcast has completed.
+    os._exit(0)
 
 
 if __name__ == "__main__":
