@@ -21,12 +21,13 @@ from shardline_runtime.managers.schedule_batch import ScheduleBatch
 class OverlapSteps:
     """The step in flight of the overlap loop, and the bookkeeping around it.
 
-    Without a ``future_map`` (overlap off) nothing is ever in flight and every method is a no-op
-    that the loop may still call.
+    Off (``enabled`` False) nothing is ever in flight and every method is a no-op that the loop
+    may still call.
 
     Args:
         worker: the rank's ``TpModelWorker``.
-        future_map: the :class:`FutureMap`, or None when overlap scheduling is off.
+        enabled: overlap scheduling is on (a :class:`FutureMap` over the worker's request rows
+            is built, and on CUDA the runner's forward stream becomes the current stream).
         results: the :class:`ResultProcessor` that processes a step once it completed.
         decode: the :class:`DecodeManager` the EXTEND steps' requests join.
 
@@ -37,12 +38,15 @@ class OverlapSteps:
     def __init__(
         self,
         worker: Any,
-        future_map: FutureMap | None,
+        enabled: bool,
         results: ResultProcessor,
         decode: DecodeManager,
     ):
         self.worker = worker
-        self.future_map = future_map
+        self.future_map: FutureMap | None = None
+        if enabled:
+            self.future_map = FutureMap(worker.req_to_token_pool.size, worker.device)
+            use_forward_stream(worker)
         self.results = results
         self.decode = decode
         self.in_flight: InFlightStep | None = None

@@ -37,8 +37,7 @@ from shardline_runtime.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from shardline_runtime.managers.lora_control import LoRAControl
-from shardline_runtime.managers.overlap import FutureMap
-from shardline_runtime.managers.overlap_steps import OverlapSteps, use_forward_stream
+from shardline_runtime.managers.overlap_steps import OverlapSteps
 from shardline_runtime.managers.pipeline_loop import PipelineLoop
 from shardline_runtime.managers.prefill_manager import PrefillManager
 from shardline_runtime.managers.req import Req
@@ -125,8 +124,7 @@ class Scheduler:
         self.results = ResultProcessor(
             self.cache, self.decode_manager, worker.max_req_len, self.sender
         )
-        future_map = FutureMap(worker.req_to_token_pool.size, worker.device) if overlap else None
-        self.overlap = OverlapSteps(worker, future_map, self.results, self.decode_manager)
+        self.overlap = OverlapSteps(worker, overlap, self.results, self.decode_manager)
         self.pipeline = (
             PipelineLoop(
                 worker,
@@ -192,8 +190,6 @@ class Scheduler:
             self.lora.handlers() if self.lora is not None else {},
             self.experts.handlers(),
         )
-        if overlap:
-            use_forward_stream(worker)
 
     def scheduler_info(self) -> SchedulerInfo:
         info, worker = self.worker.get_worker_info(), self.worker

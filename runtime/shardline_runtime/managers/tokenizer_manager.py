@@ -496,7 +496,7 @@ class TokenizerManager:
         return await self.control(FlushCacheReqInput(), FlushCacheReqOutput, timeout=60)
 
     async def control_request(self, req: Any, timeout: float | None = None) -> ControlReqOutput:
-        """A weight-sync or memory control (every rank runs it); see ``scheduler_weight_sync.py``."""
+        """A weight-sync or memory control (every rank runs it); see ``control_plane.py``."""
         return await self.control(req, ControlReqOutput, timeout)
 
     def start_draining(self) -> None:
