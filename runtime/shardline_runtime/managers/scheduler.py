@@ -158,12 +158,8 @@ class Scheduler:
             self.sender,
             self.prefill_manager.add,
         )
-        weights = initial_weights_state(
-            worker.model_config.model_path,
-            args.revision,
-            str(args.weight_version),
-            push is not None,
-        )
+        path, version = worker.model_config.model_path, str(args.weight_version)
+        weights = initial_weights_state(path, args.revision, version, with_digest=first)
         self.control = ControlPlane(
             worker,
             self.tree_cache,
