@@ -135,6 +135,11 @@ def parse_cuda_graph_key(text: str) -> CudaGraphSpec:
     )
 
 
+def pod_url(pod: PodObservation | None) -> str | None:
+    """``http://<podIP>:8000`` of a leader pod, or None without one or without an IP."""
+    return f"http://{pod.ip}:{labels.HTTP_PORT}" if pod is not None and pod.ip else None
+
+
 def group_pods(pods: Iterable[Mapping[str, Any]]) -> dict[int, list[PodObservation]]:
     """Pods by group index (from the ``shardline.dev/group`` label), each sorted by rank."""
     grouped: dict[int, list[PodObservation]] = {}

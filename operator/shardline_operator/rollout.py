@@ -35,35 +35,13 @@ from typing import Any
 from .rollout_state import FAILED, PAUSED, ROLLING_BACK, UPDATING, VERIFYING, RolloutState
 from .runtime_args import ServedModel
 from .spec import WeightUpdateSpec
+from .weights import LeaderReport, WeightsPhase
 
-PHASE_BY_WEIGHTS_PHASE = {"loading": "UpdatingWeights", "recapturing": "RecapturingGraphs"}
+PHASE_BY_WEIGHTS_PHASE = {
+    WeightsPhase.LOADING: "UpdatingWeights",
+    WeightsPhase.RECAPTURING: "RecapturingGraphs",
+}
 POLL_SECONDS = 0.5  # next pass while a wave is in flight: a group's end is seen within this
-
-
-@dataclass(frozen=True)
-class LeaderReport:
-    """``/get_server_info`` of a group's leader, as far as rollouts care."""
-
-    weights_phase: str
-    model_path: str | None = None
-    revision: str | None = None
-    digest: str | None = None
-    message: str = ""
-    weight_version: str | None = None
-
-    @classmethod
-    def from_info(cls, info: Mapping[str, Any] | None) -> LeaderReport | None:
-        if not info:
-            return None
-        version = info.get("weight_version")
-        return cls(
-            str(info.get("weights_phase", "serving")),
-            info.get("model_path"),
-            info.get("weights_revision"),
-            info.get("weights_digest"),
-            str(info.get("message") or ""),
-            version if isinstance(version, str) else None,
-        )
 
 
 @dataclass(frozen=True)
@@ -87,7 +65,7 @@ class GroupView:
     leader: LeaderReport | None = None
     recorded_digest: str | None = None
     update: tuple[str, str] = ("unknown", "")
-    phases: tuple[str, ...] = ()
+    phases: tuple[WeightsPhase, ...] = ()
     gate: tuple[bool, str] | None = None
     pod_revision: str | None = None
     update_seconds: Mapping[str, float] = field(default_factory=dict)
@@ -99,7 +77,7 @@ class GroupView:
         if (
             declared is not None
             and leader is not None
-            and leader.weights_phase in ("serving", "failed")
+            and leader.weights_phase in (WeightsPhase.SERVING, WeightsPhase.FAILED)
             and leader.model_path
             and leader.revision is not None
         ):
@@ -170,14 +148,16 @@ def plan_rollout(
     policy: WeightUpdateSpec,
     now: float,
     exclude: frozenset[int] = frozenset(),
+    mixed: Mapping[int, str] | None = None,
 ) -> RolloutPlan:
-    """The next step towards ``desired`` (pure). ``exclude``: groups a restart rollout owns."""
+    """The next step towards ``desired`` (pure). ``exclude``: groups a restart rollout owns;
+    ``mixed``: group -> why it is a mixed version (``decide.mixed_versions``; by default every
+    group outside the wave in flight is judged here)."""
     views = {g.index: g for g in groups}
     wave = set(state.wave) if state is not None else set()
-    out = RolloutPlan(
-        state,
-        mixed={g.index: r for g in groups if g.index not in wave for r in [g.mixed_reason()] if r},
-    )
+    if mixed is None:
+        mixed = {g.index: r for g in groups if g.index not in wave for r in [g.mixed_reason()] if r}
+    out = RolloutPlan(state, mixed=dict(mixed))
     if state is not None and state.wave:
         return _follow_wave(state, views, policy, now, out)
     if state is not None and state.phase == VERIFYING and state.target == desired:
@@ -336,9 +316,9 @@ def _result(view: GroupView, target: ServedModel) -> tuple[str, str]:
     leader = view.leader
     if leader is None:
         return "pending", "leader unreachable"
-    if leader.weights_phase in PHASE_BY_WEIGHTS_PHASE:
-        return "pending", leader.weights_phase
-    if leader.weights_phase == "failed":
+    if leader.weights_phase.updating:
+        return "pending", leader.weights_phase.value
+    if leader.weights_phase == WeightsPhase.FAILED:
         return "failure", leader.message or "runtime reports weights_phase=failed"
     if (leader.model_path, leader.revision) == (target.path, target.revision):
         return "success", ""
@@ -370,7 +350,7 @@ def _follow_wave(
         if result == "pending" and now - started > policy.timeout_seconds:
             result, message = "failure", f"timed out after {policy.timeout_seconds}s"
         if result == "pending":
-            reported = view.leader.weights_phase if view.leader else ""
+            reported = view.leader.weights_phase if view.leader else WeightsPhase.SERVING
             phase = PHASE_BY_WEIGHTS_PHASE.get(reported, trail[-1] if trail else last)
             if trail and trail[-1] == phase:
                 trail.pop()
@@ -474,7 +454,7 @@ def _finish(state: RolloutState, target: ServedModel, now: float, out: RolloutPl
     return out
 
 
-def _trail(reported: str | None, weights_phases: Sequence[str]) -> list[str]:
+def _trail(reported: str | None, weights_phases: Sequence[WeightsPhase]) -> list[str]:
     """Operator phases for sampled runtime phases, without repeats of the one last reported."""
     trail: list[str] = []
     last = reported

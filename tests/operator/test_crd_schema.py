@@ -9,7 +9,8 @@ import yaml
 
 from shardline_operator import spec as spec_module
 from shardline_operator.group_health import GroupRecord
-from shardline_operator.rollout import GroupView, LeaderReport
+from shardline_operator.rollout import GroupView
+from shardline_operator.weights import LeaderReport
 from shardline_operator.rollout_state import RolloutState
 from shardline_operator.runtime_args import ServedModel
 from shardline_operator.status import GroupReport, build_status, invalid_spec_status
