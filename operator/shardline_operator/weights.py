@@ -35,8 +35,10 @@ class WeightsPhase(str, Enum):
     def parse(cls, value: Any) -> WeightsPhase:
         """The phase named by ``value``; an unknown or missing value reads as ``serving``
         (an old runtime without phases serves what it loaded)."""
+        if isinstance(value, cls):
+            return value
         try:
-            return cls(str(value))
+            return cls(value)
         except ValueError:
             return cls.SERVING
 
