@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from .group_actions import PassBuilder, apply_group, children, groups_of, health
+from .group_health import GroupRecord
 from .lora_sync import decide_lora
 from .observed import GroupObservation, pod_url
 from .pass_plan import DeletePods, Event, MetricDeltas, Observation, PassPlan, StartUpdate
@@ -27,6 +28,7 @@ from .phases import GroupPhase
 from .restart_plan import needs_restart, next_restart
 from .rollout import GroupView, RolloutPlan, plan_rollout
 from .rollout_state import RolloutState
+from .rollout_wave import wave_target
 from .runtime_args import ServedModel
 from .spec import DeploymentSpec
 from .status import GroupReport, build_status
@@ -123,6 +125,13 @@ def mixed_versions(views: list[GroupView], skip: set[int]) -> dict[int, str]:
     }
 
 
+def _loading(state: RolloutState | None, views: list[GroupView]) -> dict[int, str]:
+    """The revision each group of the wave in flight is loading (not yet served)."""
+    if state is None:
+        return {}
+    return {v.index: wave_target(state, v).revision for v in views if v.index in state.wave}
+
+
 def decide(
     spec: DeploymentSpec,
     observed: Observation,
@@ -133,6 +142,7 @@ def decide(
     """The whole pass as data (pure; ``now`` in Unix seconds). ``operator_namespace``: where
     the operator runs (its pod is admitted by the groups' NetworkPolicies)."""
     out = PassBuilder()
+    size = spec.parallelism.pods_per_group
     previous = previous_status
     generation = observed.generation
     rollout_state = RolloutState.from_status(previous.get("rollout"))
@@ -168,6 +178,8 @@ def decide(
             now,
             exclude=frozenset(stale),
             mixed=mixed,
+            restarting=frozenset(i for i, p in overrides.items() if p == GroupPhase.RESTARTING),
+            failed=frozenset(i for i, r in records.items() if r.failed_message is not None),
         )
         for index, body in plan.start.items():
             url = pod_url(groups[index].leader)
@@ -181,6 +193,16 @@ def decide(
     for index in plan.forget_digest:
         digests[index] = None
     shown_mixed = {i: r for i, r in mixed.items() if i not in plan.apply}
+    loading = _loading(plan.state, views)
+    draining = [
+        GroupReport(
+            GroupObservation(i, size, observed.statefulsets.get(i), members),
+            GroupRecord(),
+            draining=True,
+        )
+        for i, members in sorted(observed.pods.items())
+        if i >= spec.replicas and members
+    ]
     versions = _weight_versions(groups, views, previous)
 
     def reports(trail: tuple[int, str] | None = None) -> list[GroupReport]:
@@ -207,6 +229,7 @@ def decide(
                     digest=digest,
                     mixed=shown_mixed.get(g.index),
                     planned=g.index in planned,
+                    loading=loading.get(g.index),
                 )
             )
         return out_reports
@@ -214,7 +237,14 @@ def decide(
     trail = []
     for index, phase in plan.trail:  # phases passed through since the last pass
         step = build_status(
-            spec, generation, reports((index, phase)), plan.state, previous, now, len(stale)
+            spec,
+            generation,
+            reports((index, phase)),
+            plan.state,
+            previous,
+            now,
+            len(stale),
+            draining,
         )
         event: Event = ("Normal", phase, f"group {index}: {phase}")
         trail.append((step, event))
@@ -224,7 +254,7 @@ def decide(
     lora_actions, lora = decide_lora(spec.lora_adapters, groups, observed, busy)
     out.actions.extend(lora_actions)
     status = build_status(
-        spec, generation, reports(), plan.state, previous, now, restarts_pending=len(stale)
+        spec, generation, reports(), plan.state, previous, now, len(stale), draining
     )
     if status["phase"] != previous.get("phase"):
         kind = "Warning" if status["phase"] in ("Degraded", "Failed") else "Normal"

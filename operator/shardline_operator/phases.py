@@ -12,7 +12,8 @@ class GroupPhase(str, Enum):
     ``PENDING``: no StatefulSet or no pod yet; ``INITIALIZING``: pods run, not all Ready;
     ``READY``: every rank Ready; ``UPDATING_WEIGHTS`` / ``RECAPTURING_GRAPHS``: its leader is in
     an in-place update; ``RESTARTING``: its pods are being replaced (health or rollout);
-    ``FAILED``: the restart budget ran out.
+    ``FAILED``: the restart budget ran out; ``TERMINATING``: a group beyond ``replicas`` whose
+    pods are still draining.
     """
 
     PENDING = "Pending"
@@ -22,13 +23,14 @@ class GroupPhase(str, Enum):
     RECAPTURING_GRAPHS = "RecapturingGraphs"
     RESTARTING = "Restarting"
     FAILED = "Failed"
+    TERMINATING = "Terminating"
 
 
 class DeploymentPhase(str, Enum):
     """The deployment's phase: the group phases aggregated (``status.deployment_phase``);
     ``ROLLING_OUT``: a rollout is under way; ``DEGRADED``: unplanned trouble (a health
-    restart, a mixed version, a failed rollout); ``SCALED_TO_ZERO``: ``replicas: 0`` and no pod
-    left."""
+    restart, a mixed version, a failed rollout); ``SCALING_DOWN``: ``replicas: 0`` while pods
+    still drain; ``SCALED_TO_ZERO``: ``replicas: 0`` and no pod left."""
 
     PENDING = "Pending"
     INITIALIZING = "Initializing"
@@ -38,4 +40,5 @@ class DeploymentPhase(str, Enum):
     ROLLING_OUT = "RollingOut"
     DEGRADED = "Degraded"
     FAILED = "Failed"
+    SCALING_DOWN = "ScalingDown"
     SCALED_TO_ZERO = "ScaledToZero"

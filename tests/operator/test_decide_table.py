@@ -28,8 +28,7 @@ REV_B = "/var/lib/shardline/models/tiny-llama/rev-b"
 
 
 def served(revision="rev-a", spec=None):
-    model = ServedModel.desired(spec)
-    return ServedModel(model.path.replace("rev-a", revision), revision, model.cuda_graph)
+    return ServedModel(REV_A.replace("rev-a", revision), revision, ServedModel.desired(spec).cuda_graph)
 
 
 def pods(spec, make_pod, index, ready=True, revision="rev-a", restarts=0, leader_deleting=False, template=None):
