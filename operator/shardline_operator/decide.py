@@ -24,7 +24,7 @@ from .group_health import GroupRecord
 from .lora_sync import decide_lora
 from .observed import GroupObservation, pod_url
 from .pass_plan import DeletePods, Event, MetricDeltas, Observation, PassPlan, StartUpdate
-from .phases import GroupPhase
+from .phases import DeploymentPhase, GroupPhase
 from .restart_plan import needs_restart, next_restart
 from .rollout import GroupView, RolloutPlan, plan_rollout
 from .rollout_state import RolloutState
@@ -257,7 +257,8 @@ def decide(
         spec, generation, reports(), plan.state, previous, now, len(stale), draining
     )
     if status["phase"] != previous.get("phase"):
-        kind = "Warning" if status["phase"] in ("Degraded", "Failed") else "Normal"
+        troubled = (DeploymentPhase.DEGRADED, DeploymentPhase.FAILED)
+        kind = "Warning" if status["phase"] in troubled else "Normal"
         detail = f": {status['message']}" if status["message"] else ""
         old_phase = previous.get("phase", "None")
         out.events.append(

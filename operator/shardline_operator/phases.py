@@ -6,7 +6,18 @@ from __future__ import annotations
 from enum import Enum
 
 
-class GroupPhase(str, Enum):
+class TextEnum(str, Enum):
+    """A ``str`` enum that prints as its value in ``str()`` and f-strings (as Python 3.11's
+    ``StrEnum`` does; the operator supports 3.10)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class GroupPhase(TextEnum):
     """One TP group's phase.
 
     ``PENDING``: no StatefulSet or no pod yet; ``INITIALIZING``: pods run, not all Ready;
@@ -26,7 +37,7 @@ class GroupPhase(str, Enum):
     TERMINATING = "Terminating"
 
 
-class DeploymentPhase(str, Enum):
+class DeploymentPhase(TextEnum):
     """The deployment's phase: the group phases aggregated (``status.deployment_phase``);
     ``ROLLING_OUT``: a rollout is under way; ``DEGRADED``: unplanned trouble (a health
     restart, a mixed version, a failed rollout); ``SCALING_DOWN``: ``replicas: 0`` while pods

@@ -1,12 +1,18 @@
 """In-place rollout of weights (``spec.model``) and CUDA-graph settings: a pure planner.
 
-Plan, then execute, as LWS's disaggregated-set controller does: the executor
-(``rollout_executor.py``) first gathers what each group's leader reports (weights phase,
-revision, digest, the state of an update request this process sent, a canary's gate result);
-:func:`plan_rollout` then computes the next step from that and ``status.rollout``
-(:class:`RolloutState`) alone; the executor performs it (start updates, re-render StatefulSets,
+Plan, then execute, as LWS's disaggregated-set controller does: ``observe`` first gathers what
+each group's leader reports (weights phase, revision, digest, the state of an update request
+this process sent, a canary's gate result); ``decide`` turns that into :class:`GroupView`
+records and :func:`plan_rollout` computes the next step from them and ``status.rollout``
+(:class:`RolloutState`) alone; ``execute`` performs it (start updates, re-render StatefulSets,
 record metrics). Rules:
 
+- Availability (issue 23): a group is available when its pods are Ready (none terminating) and
+  its leader serves the revision and digest recorded for it. A wave starts only while the
+  unavailable groups (restarting, terminating, unready, updating), the wave included, number at
+  most ``maxUnavailable``; a group counts as updated only once it is available on the target
+  (a reply from a leader that is not Ready does not count); the rollout completes, with one
+  ``RolloutComplete``, once every group is available on the target.
 - The TP group is the unit. A wave updates at most ``weightUpdate.maxUnavailable`` groups at
   once; with ``canary`` the first wave is one group, which must then pass the gate
   (``/health_generate`` plus the optional ``verify`` prompt and latency bound) before the rest
@@ -31,6 +37,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
+from .phases import GroupPhase
 from .rollout_state import FAILED, PAUSED, ROLLING_BACK, UPDATING, VERIFYING, RolloutState
 from .rollout_view import POLL_SECONDS, GroupView, RolloutPlan, update_body
 from .rollout_wave import fail, follow_wave
@@ -161,7 +168,7 @@ def plan_rollout(
         return out
     for g in ready:
         out.start[g.index] = update_body(g.served, target)
-        out.group_phases[g.index] = "UpdatingWeights"
+        out.group_phases[g.index] = GroupPhase.UPDATING_WEIGHTS
     names = ", ".join(str(g.index) for g in ready)
     progress = f"updating group{'s' if len(ready) > 1 else ''} {names} to {target.revision}" + (
         " (canary)" if gated else ""
@@ -170,11 +177,11 @@ def plan_rollout(
         state,
         wave=tuple(g.index for g in ready),
         started_at=now,
-        group_phases={g.index: "UpdatingWeights" for g in ready},
+        group_phases={g.index: GroupPhase.UPDATING_WEIGHTS for g in ready},
         canary=ready[0].index if gated else None,
         message=progress if state.phase == UPDATING else state.message,
     )
-    out.events.append(("Normal", "UpdatingWeights", progress))
+    out.events.append(("Normal", GroupPhase.UPDATING_WEIGHTS.value, progress))
     out.requeue_after_seconds = POLL_SECONDS
     return out
 
@@ -203,7 +210,7 @@ def _repair_while_failed(
     for g in repair:
         assert g.declared is not None and g.served is not None  # selected above
         out.start[g.index] = update_body(g.served, g.declared)
-        out.group_phases[g.index] = "UpdatingWeights"
+        out.group_phases[g.index] = GroupPhase.UPDATING_WEIGHTS
         out.events.append(
             (
                 "Warning",
@@ -215,7 +222,7 @@ def _repair_while_failed(
         state,
         wave=tuple(g.index for g in repair),
         started_at=now,
-        group_phases={g.index: "UpdatingWeights" for g in repair},
+        group_phases={g.index: GroupPhase.UPDATING_WEIGHTS for g in repair},
     )
     out.requeue_after_seconds = POLL_SECONDS
     return out

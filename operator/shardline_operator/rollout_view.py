@@ -13,13 +13,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .phases import GroupPhase
 from .rollout_state import RolloutState
 from .runtime_args import ServedModel
 from .weights import LeaderReport, WeightsPhase
 
 PHASE_BY_WEIGHTS_PHASE = {
-    WeightsPhase.LOADING: "UpdatingWeights",
-    WeightsPhase.RECAPTURING: "RecapturingGraphs",
+    WeightsPhase.LOADING: GroupPhase.UPDATING_WEIGHTS,
+    WeightsPhase.RECAPTURING: GroupPhase.RECAPTURING_GRAPHS,
 }
 POLL_SECONDS = 0.5  # next pass while a wave is in flight: a group's end is seen within this
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
+from .phases import GroupPhase
 from .rollout_state import FAILED, PAUSED, ROLLING_BACK, UPDATING, VERIFYING, RolloutState
 from .rollout_view import PHASE_BY_WEIGHTS_PHASE, POLL_SECONDS, GroupView, RolloutPlan, update_body
 from .runtime_args import ServedModel
@@ -72,7 +73,7 @@ def follow_wave(
         result, message = _result(view, target)
         if result == "success" and not _confirmed(view, target):
             result, message = "pending", f"waiting for the leader to be Ready on {target.revision}"
-        last = state.group_phases.get(index, "UpdatingWeights")
+        last = state.group_phases.get(index, GroupPhase.UPDATING_WEIGHTS)
         trail = _trail(last, view.phases)
         if result == "unknown":  # nobody is updating it: send the request (again)
             out.start[index] = update_body(view.served, target)
@@ -88,9 +89,12 @@ def follow_wave(
             out.group_phases[index], phases[index] = phase, phase
             still.append(index)
         elif result == "success":
-            if target.cuda_graph.enabled and (trail[-1] if trail else last) != "RecapturingGraphs":
+            if (
+                target.cuda_graph.enabled
+                and (trail[-1] if trail else last) != GroupPhase.RECAPTURING_GRAPHS
+            ):
                 trail.append(
-                    "RecapturingGraphs"
+                    GroupPhase.RECAPTURING_GRAPHS
                 )  # shorter than the sampling interval, still a step
             out.trail += [(index, p) for p in trail]
             out.apply[index] = target

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
+from .phases import TextEnum
 
-class WeightsPhase(str, Enum):
+
+class WeightsPhase(TextEnum):
     """Phase of a leader's serving weights (mirrors the runtime's ``WeightsPhase``)."""
 
     SERVING = "serving"

@@ -194,3 +194,15 @@ def _base(key):
 
 def _model():
     return _base("model")
+
+
+def test_a_phase_passed_through_between_passes_is_written_and_said_in_plain_words(make_spec, make_pod):
+    from shardline_operator.weights import WeightsPhase
+
+    spec = make_spec({"model": {**_model(), "path": REV_B, "revision": "rev-b"}})
+    rollout = {"phase": "Updating", "targetModelPath": REV_B, "targetRevision": "rev-b", "wave": [0],
+               "startedAt": "2027-01-15T08:00:00Z", "canaryPassed": True, "groupPhases": {"0": "UpdatingWeights"}}
+    seen = LeaderObservation(leader("rev-b").report, ("success", ""), (WeightsPhase.RECAPTURING, WeightsPhase.SERVING))
+    observed = observation(spec, make_pod, {0: (pods(spec, make_pod, 0), seen)})
+    plan = decide(spec, observed, previous_status(spec, rollout=rollout), NOW)
+    assert [event for _, event in plan.trail] == [("Normal", "RecapturingGraphs", "group 0: RecapturingGraphs")]

@@ -82,3 +82,49 @@ def test_worker_collapses_wakeups_and_honours_requeue(monkeypatch):
     asyncio.run(scenario())
     assert len(calls) == 3
     assert ("ns", "x") not in workers  # the worker unregistered its wake-up event
+
+
+def run_one_pass(monkeypatch, memo, fake_pass):
+    """Run the worker until its first pass returned, then cancel it."""
+    done = threading.Event()
+
+    def recorded(context, namespace, name):
+        try:
+            return fake_pass(context, namespace, name)
+        finally:
+            done.set()
+
+    monkeypatch.setattr(handlers, "run_pass", recorded)
+
+    async def scenario():
+        task = asyncio.create_task(handlers.worker(body={}, namespace="ns", name="x", stopped=Never(),
+                                                   logger=handlers.log, memo=memo))
+        await asyncio.to_thread(done.wait, 10)
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+
+
+def test_a_pass_mirrors_its_status_and_restart_budget_into_the_gauges(monkeypatch):
+    seen = []
+    monkeypatch.setattr(handlers.metrics, "observe_status", lambda *args: seen.append(args))
+    memo = kopf.Memo(context=object(), workers=handlers.Workers())
+    passed = ReconcileResult({"phase": "Ready"}, [], None, restart_budget=7)
+    run_one_pass(monkeypatch, memo, lambda context, namespace, name: passed)
+    assert seen == [("ns", "x", {"phase": "Ready"}, 7)]
+
+
+def test_an_object_deleted_while_its_pass_runs_gets_no_gauges_back(monkeypatch):
+    seen = []
+    monkeypatch.setattr(handlers.metrics, "observe_status", lambda *args: seen.append(args))
+    memo = kopf.Memo(context=object(), workers=handlers.Workers())
+
+    def deleted_meanwhile(context, namespace, name):
+        memo.deleted = True  # what on_delete does to the object's resource memo
+        return ReconcileResult({"phase": "Ready"}, [], None)
+
+    run_one_pass(monkeypatch, memo, deleted_meanwhile)
+    assert seen == []
