@@ -65,6 +65,12 @@ class LastUpdate:
         )
 
 
+# (phase, model path, revision, digest, weight version) in the ``weights`` block, and in the
+# flat keys a runtime without the block writes.
+_BLOCK_KEYS = ("phase", "model_path", "revision", "digest", "weight_version")
+_FLAT_KEYS = ("weights_phase", "model_path", "weights_revision", "weights_digest", "weight_version")
+
+
 def _seconds(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
 
@@ -98,22 +104,15 @@ class LeaderReport:
         if not info:
             return None
         block = info.get("weights")
-        message = str(info.get("message") or "")
-        if isinstance(block, Mapping):
-            return cls(
-                WeightsPhase.parse(block.get("phase")),
-                _text(block.get("model_path")),
-                _text(block.get("revision")),
-                _text(block.get("digest")),
-                message,
-                _text(block.get("weight_version")),
-                LastUpdate.from_block(block.get("last_update")),
-            )
+        source: Mapping[str, Any] = block if isinstance(block, Mapping) else info
+        keys = _BLOCK_KEYS if isinstance(block, Mapping) else _FLAT_KEYS
+        phase, path, revision, digest, version = (source.get(key) for key in keys)
         return cls(
-            WeightsPhase.parse(info.get("weights_phase")),
-            _text(info.get("model_path")),
-            _text(info.get("weights_revision")),
-            _text(info.get("weights_digest")),
-            message,
-            _text(info.get("weight_version")),
+            WeightsPhase.parse(phase),
+            _text(path),
+            _text(revision),
+            _text(digest),
+            str(info.get("message") or ""),
+            _text(version),
+            LastUpdate.from_block(source.get("last_update")),
         )
