@@ -125,11 +125,86 @@ def mixed_versions(views: list[GroupView], skip: set[int]) -> dict[int, str]:
     }
 
 
+def _reported_digest(
+    view: GroupView,
+    index: int,
+    plan: RolloutPlan,
+    mixed: Mapping[int, str],
+    overrides: Mapping[int, GroupPhase],
+) -> str | None:
+    """The digest to record afresh for a group with none recorded: what its leader reports while
+    it serves (not for a group whose update just ended, a mixed version, or a restarting one)."""
+    leader = view.leader
+    if (
+        leader is None
+        or leader.weights_phase != WeightsPhase.SERVING
+        or index in plan.forget_digest
+        or index in mixed
+        or overrides.get(index) == GroupPhase.RESTARTING
+    ):
+        return None
+    return leader.digest
+
+
 def _loading(state: RolloutState | None, views: list[GroupView]) -> dict[int, str]:
     """The revision each group of the wave in flight is loading (not yet served)."""
     if state is None:
         return {}
     return {v.index: wave_target(state, v).revision for v in views if v.index in state.wave}
+
+
+def _rollout_step(
+    spec: DeploymentSpec,
+    groups: list[GroupObservation],
+    records: dict[int, GroupRecord],
+    overrides: dict[int, GroupPhase],
+    views: list[GroupView],
+    rollout_state: RolloutState | None,
+    stale: list[int],
+    mixed: Mapping[int, str],
+    now: float,
+    out: PassBuilder,
+) -> tuple[RolloutPlan, set[int]]:
+    """The next group of a restart rollout, or the in-place rollout's next step (neither while
+    stale groups wait for a wave in flight to end); updates ``groups``, ``records`` and
+    ``overrides`` for what it does. Returns the rollout plan and the groups restarted by plan."""
+    wave = set(rollout_state.wave) if rollout_state is not None else set()
+    failed = {i: r.failed_message is not None for i, r in records.items()}
+    restart = next_restart(spec, groups, failed, bool(wave))
+    plan = RolloutPlan(rollout_state)
+    planned: set[int] = set()
+    if restart is not None:
+        i = restart.index
+        groups[i] = apply_group(spec, restart, ServedModel.desired(spec), out, relabel=False)
+        out.actions.append(DeletePods(i))
+        records[i] = replace(records[i], pod_uids={}, failed_message=None)
+        overrides[i] = GroupPhase.RESTARTING
+        out.events.append(
+            ("Normal", "GroupRestart", f"group {i}: rolling out the new pod template")
+        )
+        planned.add(i)
+    elif not (stale and not wave):
+        plan = plan_rollout(
+            rollout_state,
+            ServedModel.desired(spec),
+            views,
+            spec.weight_update,
+            now,
+            exclude=frozenset(stale),
+            mixed=mixed,
+            restarting=frozenset(i for i, p in overrides.items() if p == GroupPhase.RESTARTING),
+            failed=frozenset(i for i, r in records.items() if r.failed_message is not None),
+        )
+        for index, body in plan.start.items():
+            url = pod_url(groups[index].leader)
+            if url is not None:
+                timeout = spec.weight_update.timeout_seconds
+                out.actions.append(StartUpdate(index, url, body, timeout))
+        for index, served in plan.apply.items():
+            groups[index] = apply_group(spec, groups[index], served, out, relabel=True)
+        overrides.update({i: GroupPhase(p) for i, p in plan.group_phases.items()})
+        out.events.extend(plan.events)
+    return plan, planned
 
 
 def decide(
@@ -154,42 +229,11 @@ def decide(
     wave = set(rollout_state.wave) if rollout_state is not None else set()
     stale = [g.index for g in groups if needs_restart(spec, g)]
     mixed = mixed_versions(views, wave | set(stale))
-    failed = {i: r.failed_message is not None for i, r in records.items()}
-    restart = next_restart(spec, groups, failed, bool(wave))
-    plan = RolloutPlan(rollout_state)
-    planned: set[int] = set()
-    if restart is not None:
-        i = restart.index
-        groups[i] = apply_group(spec, restart, ServedModel.desired(spec), out, relabel=False)
-        out.actions.append(DeletePods(i))
-        records[i] = replace(records[i], pod_uids={}, failed_message=None)
-        overrides[i] = GroupPhase.RESTARTING
-        out.events.append(
-            ("Normal", "GroupRestart", f"group {i}: rolling out the new pod template")
-        )
-        planned.add(i)
-        digests[i] = None
-    elif not (stale and not wave):
-        plan = plan_rollout(
-            rollout_state,
-            ServedModel.desired(spec),
-            views,
-            spec.weight_update,
-            now,
-            exclude=frozenset(stale),
-            mixed=mixed,
-            restarting=frozenset(i for i, p in overrides.items() if p == GroupPhase.RESTARTING),
-            failed=frozenset(i for i, r in records.items() if r.failed_message is not None),
-        )
-        for index, body in plan.start.items():
-            url = pod_url(groups[index].leader)
-            if url is not None:
-                timeout = spec.weight_update.timeout_seconds
-                out.actions.append(StartUpdate(index, url, body, timeout))
-        for index, served in plan.apply.items():
-            groups[index] = apply_group(spec, groups[index], served, out, relabel=True)
-        overrides.update({i: GroupPhase(p) for i, p in plan.group_phases.items()})
-        out.events.extend(plan.events)
+    plan, planned = _rollout_step(
+        spec, groups, records, overrides, views, rollout_state, stale, mixed, now, out
+    )
+    for index in planned:
+        digests[index] = None
     for index in plan.forget_digest:
         digests[index] = None
     shown_mixed = {i: r for i, r in mixed.items() if i not in plan.apply}
@@ -204,35 +248,26 @@ def decide(
         if i >= spec.replicas and members
     ]
     versions = _weight_versions(groups, views, previous)
+    shown_digests = {
+        g.index: digests.get(g.index) or _reported_digest(v, g.index, plan, shown_mixed, overrides)
+        for g, v in zip(groups, views)
+    }
 
     def reports(trail: tuple[int, str] | None = None) -> list[GroupReport]:
-        out_reports = []
-        for g, v in zip(groups, views):
-            digest = digests.get(g.index)
-            if (
-                digest is None
-                and g.index not in plan.forget_digest
-                and v.leader is not None
-                and v.leader.weights_phase == WeightsPhase.SERVING
-                and g.index not in shown_mixed
-                and overrides.get(g.index) != GroupPhase.RESTARTING
-            ):
-                digest = v.leader.digest
-            phase = trail[1] if trail and g.index == trail[0] else overrides.get(g.index)
-            out_reports.append(
-                GroupReport(
-                    g,
-                    records[g.index],
-                    phase,
-                    versions.get(g.index),
-                    view=v,
-                    digest=digest,
-                    mixed=shown_mixed.get(g.index),
-                    planned=g.index in planned,
-                    loading=loading.get(g.index),
-                )
+        return [
+            GroupReport(
+                g,
+                records[g.index],
+                trail[1] if trail and g.index == trail[0] else overrides.get(g.index),
+                versions.get(g.index),
+                view=v,
+                digest=shown_digests[g.index],
+                mixed=shown_mixed.get(g.index),
+                planned=g.index in planned,
+                loading=loading.get(g.index),
             )
-        return out_reports
+            for g, v in zip(groups, views)
+        ]
 
     trail = []
     for index, phase in plan.trail:  # phases passed through since the last pass
