@@ -44,7 +44,7 @@ def _views(
 ) -> list[GroupView]:
     views = []
     for group in groups:
-        seen = observed.leaders.get(group.index)
+        seen = group.answers
         leader = group.leader
         views.append(
             GroupView(
@@ -52,13 +52,13 @@ def _views(
                 group.served,
                 group.ready,
                 bool(group.live_pods),
-                seen.report if seen else None,
+                seen.report,
                 digests.get(group.index),
-                seen.update if seen else ("unknown", ""),
-                seen.phases if seen else (),
-                seen.gate if seen else None,
+                seen.update,
+                seen.phases,
+                seen.gate,
                 leader.revision if leader is not None else None,
-                seen.update_seconds if seen else {},
+                seen.update_seconds,
             )
         )
     return views
@@ -217,7 +217,6 @@ def decide(
     """The whole pass as data (pure; ``now`` in Unix seconds). ``operator_namespace``: where
     the operator runs (its pod is admitted by the groups' NetworkPolicies)."""
     out = PassBuilder()
-    size = spec.parallelism.pods_per_group
     previous = previous_status
     generation = observed.generation
     rollout_state = RolloutState.from_status(previous.get("rollout"))
@@ -239,13 +238,9 @@ def decide(
     shown_mixed = {i: r for i, r in mixed.items() if i not in plan.apply}
     loading = _loading(plan.state, views)
     draining = [
-        GroupReport(
-            GroupObservation(i, size, observed.statefulsets.get(i), members),
-            GroupRecord(),
-            draining=True,
-        )
-        for i, members in sorted(observed.pods.items())
-        if i >= spec.replicas and members
+        GroupReport(group, GroupRecord(), draining=True)
+        for i, group in sorted(observed.groups.items())
+        if i >= spec.replicas and group.pods
     ]
     versions = _weight_versions(groups, views, previous)
     shown_digests = {

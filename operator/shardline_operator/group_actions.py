@@ -55,7 +55,9 @@ def children(
     spec: DeploymentSpec, observed: Observation, operator_namespace: str | None, out: PassBuilder
 ) -> None:
     """Remove groups beyond ``replicas``; apply the NetworkPolicies, Services and PDB."""
-    for index in sorted(i for i in observed.statefulsets if i >= spec.replicas):
+    for index, group in sorted(observed.groups.items()):
+        if index < spec.replicas or group.statefulset is None:
+            continue
         out.actions.append(
             DeleteObject("apps/v1", "StatefulSet", labels.statefulset_name(spec.name, index))
         )
@@ -86,10 +88,9 @@ def new_group_model(
     """What a group created now loads: the spec's model, except while a rollout is unfinished
     (or failed), when it joins the lowest existing group and is rolled with the rest."""
     if rollout is not None:
-        for index in sorted(observed.statefulsets):
-            served = GroupObservation(index, 0, observed.statefulsets[index], ()).served
-            if served is not None and index < spec.replicas:
-                return served
+        for index, group in sorted(observed.groups.items()):
+            if group.served is not None and index < spec.replicas:
+                return group.served
     return ServedModel.desired(spec)
 
 
@@ -104,18 +105,19 @@ def groups_of(
     reset = previous.get("restartBudgetGeneration") != observed.generation
     old = {item.get("index"): item for item in previous.get("groups") or []}
     model = new_group_model(spec, observed, rollout)
+    size = spec.parallelism.pods_per_group
     groups, records = [], {}
     for index in range(spec.replicas):
         record = record_from_status(old.get(index))
         records[index] = GroupRecord(pod_uids=record.pod_uids) if reset else record
-        sts = observed.statefulsets.get(index)
-        if sts is None:
+        group = observed.groups.get(index) or GroupObservation(index, size, None, ())
+        if group.statefulset is None:
             sts = build_statefulset(spec, index, model)
             out.actions.append(ApplyObject(sts, cached=False))
             name = sts["metadata"]["name"]
             out.events.append(("Normal", "GroupCreated", f"group {index}: StatefulSet {name}"))
-        pods = observed.pods.get(index, ())
-        groups.append(GroupObservation(index, spec.parallelism.pods_per_group, sts, pods))
+            group = replace(group, statefulset=sts)
+        groups.append(group)
     return groups, records
 
 

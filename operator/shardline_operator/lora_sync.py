@@ -67,8 +67,7 @@ def decide_lora(
         if group.index in busy or not group.ready or url is None:
             pending = pending or bool(desired)
             continue
-        seen = observed.leaders.get(group.index)
-        loaded = seen.adapters if seen is not None else None
+        loaded = group.answers.adapters
         if loaded is None:
             pending = True
             continue

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 from . import labels
 from .kube import KubeClient
 from .lora_sync import LoRALeaderClient
-from .observed import PodObservation, group_pods, pod_url
-from .pass_plan import LeaderObservation, Observation
+from .observed import GroupObservation, LeaderObservation, PodObservation, group_pods, pod_url
+from .pass_plan import Observation
 from .rollout_state import VERIFYING, RolloutState
 from .spec import DeploymentSpec, VerifySpec
 from .weights import LeaderReport, WeightsPhase
@@ -125,15 +125,14 @@ def observe(
         for p in kube.list("networking.k8s.io/v1", "NetworkPolicy", spec.namespace, selector)
     )
     rollout = RolloutState.from_status(previous_status.get("rollout"))
-    leaders = {
-        index: observe_leader(spec, index, pods.get(index, ()), rollout, client)
-        for index in range(spec.replicas)
-    }
+    size = spec.parallelism.pods_per_group
+    groups = {}
+    for index in sorted(set(statefulsets) | set(pods) | set(range(spec.replicas))):
+        members = pods.get(index, ())
+        answers = LeaderObservation()
+        if index < spec.replicas:
+            answers = observe_leader(spec, index, members, rollout, client)
+        groups[index] = GroupObservation(index, size, statefulsets.get(index), members, answers)
     return Observation(
-        generation,
-        statefulsets,
-        pods,
-        policies,
-        leaders,
-        lora_client=isinstance(client, LoRALeaderClient),
+        generation, groups, policies, lora_client=isinstance(client, LoRALeaderClient)
     )

@@ -11,45 +11,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .observed import PodObservation
+from .observed import GroupObservation
 from .spec import LoRAAdapterSpec
-from .weights import LeaderReport, WeightsPhase
 
 Event = tuple[str, str, str]  # (type, reason, message)
 
 
 @dataclass(frozen=True)
-class LeaderObservation:
-    """What a group's leader answered this pass.
-
-    ``report``: its ``/get_server_info`` (None: not asked or unreachable); ``update``:
-    ``(state, message)`` of an update this process sent (``pending``, ``success``, ``failure``,
-    ``unknown``); ``phases``: weights phases sampled while it ran; ``update_seconds``: the
-    runtime's ``load_seconds`` / ``recapture_seconds`` for an update that ended; ``gate``:
-    ``(passed, message)`` of the canary gate when it ran; ``adapters``: ``{name: path}`` of the
-    LoRA adapters it serves (None: not asked or unreachable).
-    """
-
-    report: LeaderReport | None = None
-    update: tuple[str, str] = ("unknown", "")
-    phases: tuple[WeightsPhase, ...] = ()
-    update_seconds: Mapping[str, float] = field(default_factory=dict)
-    gate: tuple[bool, str] | None = None
-    adapters: Mapping[str, str] | None = None
-
-
-@dataclass(frozen=True)
 class Observation:
-    """Everything one pass read: the object's generation, its StatefulSets and pods by group
-    index (every group found, also those beyond ``replicas``), the names of its
-    NetworkPolicies, and each group's leader answers (groups below ``replicas`` only)."""
+    """Everything one pass read: the object's generation, each group found (every index with a
+    StatefulSet or pods, and every index below ``replicas``; leaders asked only below
+    ``replicas``), the names of its NetworkPolicies, and whether the leader client can list
+    and load LoRA adapters."""
 
     generation: int
-    statefulsets: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
-    pods: Mapping[int, tuple[PodObservation, ...]] = field(default_factory=dict)
+    groups: Mapping[int, GroupObservation] = field(default_factory=dict)
     network_policies: tuple[str, ...] = ()
-    leaders: Mapping[int, LeaderObservation] = field(default_factory=dict)
-    lora_client: bool = False  # the leader client can list and load adapters
+    lora_client: bool = False
 
 
 @dataclass(frozen=True)

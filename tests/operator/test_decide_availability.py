@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shardline_operator.decide import decide
+from shardline_operator.observed import GroupObservation
 from shardline_operator.pass_plan import Observation
 from shardline_operator.render import build_statefulset
 
@@ -15,6 +16,11 @@ from test_decide_table import (NOW, REV_A, REV_B, _model, changes, leader, obser
 ROLLOUT_B = {"phase": "Updating", "targetModelPath": REV_B, "targetRevision": "rev-b", "previousModelPath": REV_A,
              "previousRevision": "rev-a", "canaryPassed": True, "rolloutStartedAt": "2027-01-15T07:59:00Z"}
 WAVE_0 = {**ROLLOUT_B, "wave": [0], "startedAt": "2027-01-15T08:00:00Z", "groupPhases": {"0": "UpdatingWeights"}}
+
+
+def draining(spec, make_pod):
+    """Groups 0 and 1, their StatefulSets gone and their leader pods still terminating."""
+    return {i: GroupObservation(i, 2, None, pods(spec, make_pod, i, leader_deleting=True)) for i in range(2)}
 
 
 def condition(plan, kind):
@@ -146,20 +152,17 @@ def test_zero_replicas_claims_nothing_about_weights_or_graphs(make_spec, kind):
 
 def test_zero_replicas_with_pods_draining_lists_the_draining_groups(make_spec, make_pod):
     spec = make_spec({"replicas": 0})
-    draining = {i: pods(spec, make_pod, i, leader_deleting=True) for i in range(2)}
-    plan = decide(spec, Observation(1, pods=draining), previous_status(make_spec()), NOW)
+    plan = decide(spec, Observation(1, draining(spec, make_pod)), previous_status(make_spec()), NOW)
     assert [(g["index"], g["phase"]) for g in plan.status["groups"]] == [(0, "Terminating"), (1, "Terminating")]
 
 
 def test_zero_replicas_with_pods_draining_is_progressing(make_spec, make_pod):
     spec = make_spec({"replicas": 0})
-    draining = {i: pods(spec, make_pod, i, leader_deleting=True) for i in range(2)}
-    plan = decide(spec, Observation(1, pods=draining), previous_status(make_spec()), NOW)
+    plan = decide(spec, Observation(1, draining(spec, make_pod)), previous_status(make_spec()), NOW)
     assert condition(plan, "Progressing")["status"] == "True"
 
 
 def test_zero_replicas_with_pods_draining_is_not_yet_scaled_to_zero(make_spec, make_pod):
     spec = make_spec({"replicas": 0})
-    draining = {i: pods(spec, make_pod, i, leader_deleting=True) for i in range(2)}
-    plan = decide(spec, Observation(1, pods=draining), previous_status(make_spec()), NOW)
+    plan = decide(spec, Observation(1, draining(spec, make_pod)), previous_status(make_spec()), NOW)
     assert plan.status["phase"] != "ScaledToZero"

@@ -15,9 +15,8 @@ import pytest
 
 from shardline_operator import labels
 from shardline_operator.decide import decide
-from shardline_operator.observed import PodObservation
-from shardline_operator.pass_plan import (ApplyObject, DeleteObject, DeletePods, LeaderObservation, Observation,
-                                          RelabelPods, StartUpdate)
+from shardline_operator.observed import GroupObservation, LeaderObservation, PodObservation
+from shardline_operator.pass_plan import ApplyObject, DeleteObject, DeletePods, Observation, RelabelPods, StartUpdate
 from shardline_operator.render import build_statefulset
 from shardline_operator.runtime_args import ServedModel
 from shardline_operator.weights import LeaderReport
@@ -59,7 +58,10 @@ def observation(spec, make_pod, groups=None, declared="rev-a", extra_statefulset
         all_pods[index], leaders[index] = members, answer
     for index in extra_statefulsets:
         statefulsets[index] = build_statefulset(spec, index, served(declared, spec))
-    return Observation(1, statefulsets, all_pods, leaders=leaders)
+    size = spec.parallelism.pods_per_group
+    groups = {i: GroupObservation(i, size, statefulsets.get(i), all_pods.get(i, ()), leaders.get(i) or LeaderObservation())
+              for i in sorted(set(statefulsets) | set(all_pods))}
+    return Observation(1, groups)
 
 
 def previous_status(spec, revision="rev-a", rollout=None):
