@@ -208,3 +208,17 @@ def test_a_phase_passed_through_between_passes_is_written_and_said_in_plain_word
     observed = observation(spec, make_pod, {0: (pods(spec, make_pod, 0), seen)})
     plan = decide(spec, observed, previous_status(spec, rollout=rollout), NOW)
     assert [event for _, event in plan.trail] == [("Normal", "RecapturingGraphs", "group 0: RecapturingGraphs")]
+
+
+def test_the_decision_reaches_no_module_that_does_io():
+    """decide() and everything it imports stay pure: no API client, no leader client."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys, shardline_operator.decide; print(' '.join(sorted(sys.modules)))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}  # this checkout's operator
+    loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                env=env).stdout.split())
+    io_modules = {f"shardline_operator.{m}" for m in ("kube", "runtime_client", "execute", "observe", "handlers")}
+    assert sorted(loaded & (io_modules | {"kubernetes", "httpx", "kopf"})) == []
