@@ -12,7 +12,8 @@ Steps, each rank:
   2. All ranks agree: ``all_reduce_min`` of a success flag. Any failure on any rank -> every
      rank keeps its old weights and returns ``(False, message)``.
   3. Copy each new tensor into the existing parameter storage (``param.data.copy_``), so every
-     ``data_ptr`` stays the same and captured CUDA graphs read the new weights.
+     ``data_ptr`` stays the same and captured CUDA graphs read the new weights; set the fp8 KV
+     scales to the new checkpoint's (1.0 where it has none; read and checked in step 1).
   4. ``recapturing`` (when asked and graphs exist): capture the decode and piecewise graphs again.
   5. ``serving``; a failed update leaves ``failed`` (the old weights keep serving).
 
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from shardline_runtime.distributed import all_reduce_min_int
+from shardline_runtime.model_executor.kv_cache_dtype import checkpoint_kv_scales, set_kv_scales
 
 logger = logging.getLogger(__name__)
 
@@ -218,9 +220,12 @@ def update_weights_from_disk(
     phase(WeightsPhase.LOADING)
     reason = ""
     new_config = new_model = None
+    kv_scales: dict[int, dict[str, float]] = {}
     try:
         new_config, new_model = load_candidate(model_runner, model_path, load_format)
         compare_models(model_runner.model_config, model_runner.model, new_config, new_model)
+        # the fp8 KV scales belong to the checkpoint: read (and check) them with its weights
+        kv_scales = checkpoint_kv_scales(model_path, model_runner.kv_cache_dtype)
     except Exception as exc:  # any failure here must leave the live weights alone
         reason = f"{type(exc).__name__}: {exc}"
         logger.warning(
@@ -234,6 +239,7 @@ def update_weights_from_disk(
         return False, f"update_weights_from_disk({model_path}) failed; old weights kept. {reason}"
     assert new_model is not None  # every rank loaded it (all_ok)
     copied = copy_weights_in_place(model_runner.model, new_model)
+    set_kv_scales(model_runner.model, kv_scales, model_runner.kv_cache_dtype)
     del new_model
     model_runner.model_config = new_config  # same shapes and behaviour; reports the new path
     runners = [
