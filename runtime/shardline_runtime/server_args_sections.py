@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
+
 from shardline_runtime.attention.registry import ATTENTION_BACKENDS as _BACKENDS
 from shardline_runtime.configs.model_config import DTYPE_CHOICES
 from shardline_runtime.layers.moe.recorder import RECORDER_MODES
@@ -85,6 +87,25 @@ class ParallelArgs:
     def world_size(self) -> int:
         """Ranks of one model replica: ``tp_size * pp_size``."""
         return self.tp_size * self.pp_size
+
+    def torch_device(self, tp_rank: int, pp_rank: int) -> torch.device:
+        """``device`` for rank (``tp_rank``, ``pp_rank``): ``auto`` is ``cuda:<local rank>`` when
+        CUDA is available, else ``cpu``.
+
+        Raises:
+            RuntimeError: ``cuda`` asked for without CUDA. ValueError: a rank outside the layout.
+        """
+        local_rank = self.local_rank(tp_rank, pp_rank)
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError(
+                    "device 'cuda' was asked for but torch.cuda.is_available() is False"
+                )
+            return torch.device("cuda", local_rank)
+        return torch.device("cpu")
 
     def local_rank(self, tp_rank: int, pp_rank: int) -> int:
         """Index of rank (``tp_rank``, ``pp_rank``)'s GPU on its node: world rank

@@ -118,7 +118,7 @@ def test_dense_model_refuses_expert_parallelism(tiny_checkpoint):
 def test_cuda_moe_with_graphs_matches_transformers(tiny_checkpoint, arch):
     path = tiny_checkpoint(arch)
     runner = harness.make_runner(path, device="cuda", disable_cuda_graph=False, cuda_graph_max_bs=8)
-    assert runner.cuda_graph_runner is not None
+    assert runner.graphs.decode is not None
     ref = reference(path)
     seqs = harness.new_seqs(runner, 2)
     out = harness.extend(runner, seqs, [PROMPT, PROMPT[:4]])

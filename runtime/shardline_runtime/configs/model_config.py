@@ -178,6 +178,13 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] = ()
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    @property
+    def sliding_window_size(self) -> int | None:
+        """Tokens a windowed attention layer sees (the largest window when layers differ), or
+        None when no layer has a sliding window."""
+        windows = [w for w in self.sliding_windows if w is not None]
+        return max(windows) if windows else None
+
     @classmethod
     def from_pretrained(
         cls,

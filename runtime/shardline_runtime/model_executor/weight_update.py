@@ -113,7 +113,7 @@ def load_candidate(model_runner: Any, model_path: str, load_format: str = "auto"
     new_config = ModelConfig.from_pretrained(
         model_path,
         dtype=_dtype_name(live.dtype),
-        context_length=model_runner.config.context_length,
+        context_length=model_runner.args.model.context_length,
         device_type=torch.device(model_runner.device).type,
     )
     if new_config.architecture != live.architecture:
@@ -131,7 +131,7 @@ def load_candidate(model_runner: Any, model_path: str, load_format: str = "auto"
         model_path,
         torch.device("cpu"),
         prepare=same_expert_placement,
-        stage=getattr(model_runner, "pipeline_stage", None),
+        stage=model_runner.pipeline_stage,
     )
 
 
@@ -205,8 +205,8 @@ def update_weights_from_disk(
     The one caller is ``ModelRunner.update_weights_from_disk`` (which holds the defaults).
 
     Args:
-        model_runner: the live ``ModelRunner`` (``model``, ``model_config``, ``config``,
-            ``device``, ``tp_size``, ``cuda_graph_runner``).
+        model_runner: the live ``ModelRunner`` (``model``, ``model_config``, ``args``,
+            ``device``, ``tp_size``, ``kv_cache_dtype``, ``graphs``).
         model_path: directory with ``config.json`` and safetensors.
         load_format: ``auto`` or ``safetensors``.
         recapture_cuda_graph: capture the decode graphs again after the copy (when captured).
@@ -242,18 +242,10 @@ def update_weights_from_disk(
     set_kv_scales(model_runner.model, kv_scales, model_runner.kv_cache_dtype)
     del new_model
     model_runner.model_config = new_config  # same shapes and behaviour; reports the new path
-    runners = [
-        r
-        for r in (
-            getattr(model_runner, "cuda_graph_runner", None),
-            getattr(model_runner, "piecewise_cuda_graph_runner", None),
-        )
-        if r is not None
-    ]
-    if recapture_cuda_graph and runners:
+    graphs = model_runner.graphs
+    if recapture_cuda_graph and graphs.present:
         phase(WeightsPhase.RECAPTURING)
-        for runner in runners:  # decode graphs, then the EXTEND pieces
-            runner.capture()
+        graphs.capture()  # decode graphs, then the EXTEND pieces
     phase(WeightsPhase.SERVING)
     return (
         True,
