@@ -122,6 +122,13 @@ class ServerArgs:
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"ServerArgs is frozen: cannot set {name!r}")
 
+    def __getstate__(self) -> dict[str, Any]:  # pickled to the scheduler processes
+        return {name: getattr(self, name) for name in SECTIONS}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, section in state.items():
+            object.__setattr__(self, name, section)
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ServerArgs) and self.flat() == other.flat()
 
