@@ -90,16 +90,16 @@ def test_torch_memory_saver_keeps_addresses_and_frees_the_gpu(ckpts):
     assert runner.memory_saver.tms is not None
     expected = run_engine(worker, PROMPTS, GREEDY)
     pointers = [p.data_ptr() for p in runner.model.parameters()]
-    graphs = runner.cuda_graph_runner
+    graphs = runner.graphs.decode
     assert graphs is not None and graphs.graphs
     free_before = torch.cuda.mem_get_info()[0]
     runner.memory_saver.release(["weights", "kv_cache"])
     freed = torch.cuda.mem_get_info()[0] - free_before
     assert freed > 0.8 * runner.token_to_kv_pool.mem_usage_bytes()
-    assert runner.cuda_graph_runner is graphs  # same addresses at resume: the graphs stay
+    assert runner.graphs.decode is graphs  # same addresses at resume: the graphs stay
     runner.memory_saver.resume(["weights", "kv_cache"])
     assert [p.data_ptr() for p in runner.model.parameters()] == pointers
-    assert runner.cuda_graph_runner is graphs
+    assert runner.graphs.decode is graphs
     assert run_engine(worker, PROMPTS, GREEDY) == expected
 
 
@@ -109,13 +109,13 @@ def test_without_memory_saver_decode_graphs_are_captured_again_at_resume(ckpts):
     worker = make_worker(a, device_override="cuda", enable_weights_cpu_backup=True)
     runner = worker.model_runner
     assert runner.memory_saver.tms is None
-    assert runner.cuda_graph_runner is not None and runner.cuda_graph_runner.graphs
+    assert runner.graphs.decode is not None and runner.graphs.decode.graphs
     expected = run_engine(worker, PROMPTS, GREEDY)
     runner.memory_saver.release(["kv_cache"])
-    assert runner.cuda_graph_runner is None  # new KV addresses at resume: the old graphs are dropped
+    assert runner.graphs.decode is None  # new KV addresses at resume: the old graphs are dropped
     runner.memory_saver.resume(["kv_cache"])
-    assert runner.cuda_graph_runner is not None
-    assert runner.cuda_graph_runner.graphs  # captured again
+    assert runner.graphs.decode is not None
+    assert runner.graphs.decode.graphs  # captured again
     assert run_engine(worker, PROMPTS, GREEDY) == expected
 
 
