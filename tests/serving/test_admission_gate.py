@@ -78,12 +78,15 @@ def test_a_paused_server_holds_until_continued():
         gate.set_paused("retract")
         admit = asyncio.ensure_future(gate.admit())
         await asyncio.sleep(0.05)
-        waiting = not admit.done()
+        waiting, held = not admit.done(), gate.held
         gate.set_paused(None)
         await asyncio.wait_for(admit, 1.0)
-        return waiting
+        return waiting, held, gate.held
 
-    assert run(main())
+    waiting, held, held_after = run(main())
+    assert waiting
+    assert held == 1, "a request held by a pause counts in num_held_reqs"
+    assert held_after == 0
 
 
 def test_draining_releases_paused_requests_with_a_503():

@@ -32,7 +32,7 @@ async def _wait_phase(tm: TokenizerManager, phase: str) -> None:
 
 
 def test_ready_is_503_while_loading_recapturing_or_draining(tokenizer, serving_checkpoint, tmp_path):
-    info = SchedulerInfo(0, 2048, 2047, 2046, 4096, tokenizer.vocab_size, 64, "rev-a", str(serving_checkpoint))
+    info = SchedulerInfo(0, 2048, 2047, 2046, 4096, tokenizer.vocab_size, 64, WeightsState(model_path=str(serving_checkpoint), revision="rev-a"))
     args = ServerArgs(model_path=str(serving_checkpoint))
     to_scheduler, from_scheduler = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
 
@@ -51,7 +51,7 @@ def test_ready_is_503_while_loading_recapturing_or_draining(tokenizer, serving_c
 
                 await look("serving")
                 for phase in ("loading", "recapturing", "serving", "loading", "failed"):
-                    await rank0.send_pyobj(WeightsState(model_path=info.model_path, phase=WeightsPhase(phase)))
+                    await rank0.send_pyobj(info.weights.model_copy(update={"phase": WeightsPhase(phase)}))
                     await _wait_phase(tm, phase)
                     await look(phase)
                 tm.gate.draining = True  # what the launcher's SIGTERM handler sets

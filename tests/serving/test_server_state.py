@@ -8,7 +8,8 @@ from shardline_runtime.managers.weights_state import UpdateTimings, WeightsPhase
 
 
 def _state() -> ServerState:
-    info = SchedulerInfo(0, 2048, 2047, 2046, 4096, 256, 64, "rev-a", "/ckpt/a", weights_digest="sha256:a")
+    weights = WeightsState(model_path="/ckpt/a", revision="rev-a", digest="sha256:a")
+    info = SchedulerInfo(0, 2048, 2047, 2046, 4096, 256, 64, weights)
     return ServerState(info, {"ad": "/adapters/ad"})
 
 

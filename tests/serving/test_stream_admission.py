@@ -51,7 +51,7 @@ class _Rank0:
 
 
 async def _phase(tm: TokenizerManager, rank0: _Rank0, phase: str) -> None:
-    await rank0.outbox.send_pyobj(WeightsState(model_path=tm.info.model_path, phase=WeightsPhase(phase)))
+    await rank0.outbox.send_pyobj(tm.info.weights.model_copy(update={"phase": WeightsPhase(phase)}))
     for _ in range(500):
         if tm.state.weights.phase.value == phase:
             return
@@ -60,7 +60,7 @@ async def _phase(tm: TokenizerManager, rank0: _Rank0, phase: str) -> None:
 
 
 def _run(tokenizer, checkpoint, tmp_path, scenario, hold_timeout: float = 0.5):
-    info = SchedulerInfo(0, 2048, 2047, 2046, 4096, tokenizer.vocab_size, 64, "rev-a", str(checkpoint))
+    info = SchedulerInfo(0, 2048, 2047, 2046, 4096, tokenizer.vocab_size, 64, WeightsState(model_path=str(checkpoint), revision="rev-a"))
     to_scheduler, from_scheduler = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
 
     async def main():

@@ -59,7 +59,7 @@ class AdmissionGate:
         self.blocked: str | None = None  # why the schedulers cannot generate, or None
         self.draining = False
         self.closing = False
-        self.held = 0  # requests waiting for a weight update to end
+        self.held = 0  # requests waiting for a weight update to end or for generation to continue
         self._serving = asyncio.Event()  # set unless a weight update runs
         self._serving.set()
         self._updating = asyncio.Event()  # the inverse of _serving (first_chunk waits on both)
@@ -128,7 +128,11 @@ class AdmissionGate:
                     self.metrics.observe_hold(time.monotonic() - started)
             self.check_ready()
         if self.paused is not None:
-            await self._unpaused.wait()
+            self.held += 1  # counted in /get_server_info's num_held_reqs, as an update's holds
+            try:
+                await self._unpaused.wait()
+            finally:
+                self.held -= 1
             if self.paused is not None and self.draining:
                 raise ServerNotReadyError("the server is shutting down")
             self.check_ready()

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from shardline_runtime.managers.weights_state import WeightsState
 from shardline_runtime.sampling.sampling_params import SamplingParams
 
 
@@ -97,11 +98,11 @@ class UpdateWeightsFromDiskReqInput:
 
 @dataclass
 class UpdateWeightsFromDiskReqOutput:
+    """Reply to a disk update; what serves afterwards arrives just before it, as the new
+    ``WeightsState``."""
+
     success: bool
     message: str
-    revision: str | None = None
-    model_path: str | None = None
-    weight_version: str | None = None
     load_seconds: float | None = None  # rank 0's time in ``loading`` (None: the update never ran)
     recapture_seconds: float | None = None  # rank 0's time in ``recapturing`` (0.0: no graphs)
 
@@ -178,11 +179,11 @@ class ResumeMemoryOccupationReqInput:
 @dataclass
 class ControlReqOutput:
     """Reply to a weight-sync or memory control; ``data`` carries e.g. the tensor values of
-    ``get_weights_by_name``; ``weight_version`` is the version serving after the call."""
+    ``get_weights_by_name``. A call that changed the weights sends the new ``WeightsState``
+    just before this reply."""
 
     success: bool
     message: str
-    weight_version: str | None = None
     data: Any = None
 
 
@@ -222,13 +223,10 @@ class SchedulerInfo:
     context_len: int
     vocab_size: int
     max_running_requests: int
-    weights_revision: str | None
-    model_path: str
+    weights: WeightsState  # what serves at start (later changes arrive as new records)
     eos_token_ids: list[int] = field(default_factory=list)
-    weight_version: str = "default"
     hidden_size: int = 0  # width of one input_embeds vector
     overlap_schedule: bool = False  # the overlap scheduler runs (off with LoRA, PP or the flag)
-    weights_digest: str | None = None  # rank 0: checkpoint_digest of the served checkpoint
 
 
 FinishType = Literal["stop", "length", "abort"]

@@ -25,12 +25,7 @@ class ServerState:
 
     def __init__(self, info: SchedulerInfo, lora_adapters: dict[str, str] | None = None):
         self.info = info
-        self.weights = WeightsState(
-            model_path=info.model_path,
-            revision=info.weights_revision,
-            weight_version=info.weight_version,
-            digest=info.weights_digest,
-        )
+        self.weights: WeightsState = info.weights
         self.stats = SchedulerStats(0, 0, 0, 0, info.max_total_num_tokens)
         self.lora_adapters: dict[str, str] = dict(lora_adapters or {})
 

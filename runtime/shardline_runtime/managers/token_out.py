@@ -2,7 +2,7 @@
 
 :func:`build_token_outs` turns the requests that advanced in a step into one :class:`TokenOut`
 each (new ids, their logprobs, the finish reason, the usage so far) and advances each request's
-``sent_len``; :func:`unscheduled_token_out` answers a request that never ran. The HTTP process
+``sent_len``; :func:`rejected_token_out` answers a request that never ran. The HTTP process
 reads them as they are: no positional lists to zip, no dicts to parse. After SGLang's
 ``BatchTokenIDOutput`` turned per request, as mini-sglang's ``DetokenizeMsg``.
 """
@@ -13,7 +13,6 @@ from collections.abc import Iterable
 
 from shardline_runtime.managers.io_struct import (
     FinishReason,
-    TokenizedGenerateReqInput,
     TokenLogprob,
     TokenOut,
     Usage,
@@ -73,11 +72,11 @@ def build_token_outs(reqs: Iterable[Req]) -> list[TokenOut]:
     return outs
 
 
-def unscheduled_token_out(msg: TokenizedGenerateReqInput, message: str) -> TokenOut:
+def rejected_token_out(rid: str, prompt_tokens: int, message: str) -> TokenOut:
     """The answer to a request that can never run: aborted with ``message``, no tokens."""
     return TokenOut(
-        rid=msg.rid,
+        rid=rid,
         ids=[],
-        usage=Usage(len(msg.input_ids), 0, 0),
+        usage=Usage(prompt_tokens, 0, 0),
         finish=FinishReason("abort", message=message),
     )

@@ -49,11 +49,7 @@ from shardline_runtime.managers.model_worker_batch import ModelWorkerBatch
 from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from shardline_runtime.model_executor.forward_batch_info import PPProxyTensors
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
-from shardline_runtime.model_executor.model_runner import (
-    ModelRunner,
-    ModelRunnerConfig,
-    resolve_device,
-)
+from shardline_runtime.model_executor.model_runner import ModelRunner
 from shardline_runtime.model_executor.weight_update import WeightsPhase
 
 logger = logging.getLogger(__name__)
@@ -86,7 +82,7 @@ class BaseTpWorker(ABC):
     @property
     def sliding_window_size(self) -> int | None:
         """The model's sliding attention window in tokens, or None (from the runner)."""
-        return self.model_runner.sliding_window_size
+        return self.model_runner.model_config.sliding_window_size
 
     @property
     def req_to_token_pool(self) -> ReqToTokenPool:
@@ -101,8 +97,7 @@ class TpModelWorker(BaseTpWorker):
     """The model side of one TP rank.
 
     Args:
-        server_args: a ``ServerArgs`` (or any object with the ``ModelRunnerConfig`` fields,
-            plus ``revision``).
+        server_args: the ``ServerArgs`` (the runner takes its sections).
         tp_rank: this process's TP rank.
         model_runner: an already built runner (tests); default builds one.
         pp_rank: this process's pipeline stage.
@@ -130,29 +125,24 @@ class TpModelWorker(BaseTpWorker):
         # World rank 0's seed on every rank of every stage, so unseeded sampling draws the same numbers.
         self.random_seed = broadcast_pyobj_world(int(getattr(server_args, "random_seed", 0)))
         torch.manual_seed(self.random_seed)
-        self.model_path = self.model_config.model_path
-        self.weights_revision = getattr(server_args, "revision", None)
-        self.weights_phase = WeightsPhase.SERVING
-        self.weight_version = str(getattr(server_args, "weight_version", "default"))
         self.weight_sync_groups: dict[str, Any] = {}
 
     def _init_model_config(self, model_runner: ModelRunner | None) -> None:
         if model_runner is not None:
             self.model_config = model_runner.model_config
             return
-        config = ModelRunnerConfig.from_server_args(self.server_args, self.tp_rank, self.pp_rank)
+        model = self.server_args.model
         self.model_config = ModelConfig.from_pretrained(
-            config.model_path,
-            dtype=config.dtype,
-            context_length=config.context_length,
-            device_type=resolve_device(config.device, config.local_rank).type,
+            model.model_path,
+            dtype=model.dtype,
+            context_length=model.context_length,
+            device_type=self.server_args.parallel.torch_device(self.tp_rank, self.pp_rank).type,
         )
 
     def _init_model_runner(self, model_runner: ModelRunner | None) -> None:
         if model_runner is None:
             model_runner = ModelRunner(
-                ModelRunnerConfig.from_server_args(self.server_args, self.tp_rank, self.pp_rank),
-                model_config=self.model_config,
+                self.server_args, self.tp_rank, self.pp_rank, model_config=self.model_config
             )
         self._model_runner = model_runner
         self.model_config = model_runner.model_config  # the loaded model's (same values)
@@ -192,10 +182,6 @@ class TpModelWorker(BaseTpWorker):
             "vocab_size": self.model_config.vocab_size,
             "device": str(self.device),
             "is_generation": self.model_runner.is_generation,
-            "model_path": self.model_path,
-            "weights_revision": self.weights_revision,
-            "weights_phase": self.weights_phase.value,
-            "weight_version": self.weight_version,
         }
 
     def forward_batch_generation(
@@ -267,7 +253,6 @@ class TpModelWorker(BaseTpWorker):
         self,
         model_path: str,
         load_format: str = "auto",
-        revision: str | None = None,
         recapture_cuda_graph: bool = True,
         on_phase: Callable[[WeightsPhase], None] | None = None,
     ) -> tuple[bool, str]:
@@ -276,28 +261,18 @@ class TpModelWorker(BaseTpWorker):
         ``on_phase`` is called with each phase as it begins (``loading``, ``recapturing``, then
         ``serving`` or ``failed``), so the scheduler can report progress while this call runs.
         The caller (Scheduler) pauses admission, drains or aborts running requests first and
-        flushes the prefix cache afterwards. Updates ``weights_phase``, ``weights_revision`` and
-        ``model_path`` on success; on failure the old weights keep serving and
-        ``weights_phase`` is ``failed`` until the next successful update.
+        flushes the prefix cache afterwards; its control plane records which weights serve
+        (``ControlPlane.weights``). On failure the old weights keep serving.
 
         Returns:
             ``(success, message)``.
         """
-
-        def set_phase(phase: WeightsPhase) -> None:
-            self.weights_phase = phase
-            if on_phase is not None:
-                on_phase(phase)
-
         ok, message = self.model_runner.update_weights_from_disk(
             model_path,
             load_format,
             recapture_cuda_graph=recapture_cuda_graph,
-            on_phase=set_phase,
+            on_phase=on_phase,
         )
-        if ok:
-            self.model_path = model_path
-            self.weights_revision = revision
         logger.info(
             "[tp %d] update_weights_from_disk(%s): %s %s", self.tp_rank, model_path, ok, message
         )
@@ -310,7 +285,7 @@ class TpModelWorker(BaseTpWorker):
         on_phase: Callable[[WeightsPhase], None] | None = None,
     ) -> None:
         """New decode-graph settings from an update request; the runner rebuilds its graphs."""
-        self.model_runner.update_cuda_graph_settings(cuda_graph_max_bs, disable, on_phase)
+        self.model_runner.graphs.rebuild(cuda_graph_max_bs, disable, on_phase)
 
     # ---- weight sync from a trainer (model_executor/weight_sync.py) ----------------------------
 
@@ -343,7 +318,6 @@ class TpModelWorker(BaseTpWorker):
                     msg.group_name,
                     msg.backend,
                     msg.timeout_s,
-                    self.device,
                 )
             except WeightSyncGroupError as exc:
                 reason = str(exc)

@@ -20,13 +20,11 @@ mixed-version detection needs, not a cryptographic proof of every byte.
 from __future__ import annotations
 
 import hashlib
-import logging
 import struct
 from pathlib import Path
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit on the header length
 SAMPLE_BYTES = 64 * 1024
-logger = logging.getLogger(__name__)
 _WHOLE_FILES = ("config.json", "model.safetensors.index.json")
 
 
@@ -67,12 +65,3 @@ def checkpoint_digest(model_path: str | Path) -> str:
                 f.seek(offset)
                 digest.update(f.read(SAMPLE_BYTES))
     return f"sha256:{digest.hexdigest()}"
-
-
-def safe_checkpoint_digest(model_path: str | Path) -> str | None:
-    """:func:`checkpoint_digest`, or None (logged) when the files cannot be read."""
-    try:
-        return checkpoint_digest(model_path)
-    except (OSError, ValueError) as exc:
-        logger.warning("no weights digest for %s: %s", model_path, exc)
-        return None
