@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from shardline_runtime.managers.io_struct import (
     FinishReason,
-    TokenizedGenerateReqInput,
     TokenLogprob,
     Usage,
 )
 from shardline_runtime.managers.req import Req
-from shardline_runtime.managers.token_out import build_token_outs, unscheduled_token_out
+from shardline_runtime.managers.token_out import build_token_outs, rejected_token_out
 from shardline_runtime.sampling.sampling_params import SamplingParams
 
 
@@ -77,8 +76,7 @@ def test_prompt_logprobs_are_sent_once_with_none_for_the_unscored_first_token():
 
 
 def test_a_request_that_never_ran_is_answered_with_an_abort_and_its_prompt_length():
-    msg = TokenizedGenerateReqInput(rid="x", input_ids=[1, 2, 3, 4], sampling_params=SamplingParams())
-    out = unscheduled_token_out(msg, "too long")
+    out = rejected_token_out("x", 4, "too long")
     assert out.finish == FinishReason("abort", message="too long")
     assert out.usage == Usage(4, 0, 0)
 
