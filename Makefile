@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP_FLAGS ?= --disable-pip-version-check
 
-.PHONY: install test demo test-fast test-quick gpu-check
+.PHONY: install test demo test-fast test-quick gpu-check images node-deps
 
 install:
 	$(PYTHON) -m pip install $(PIP_FLAGS) -e '.[dev]'
@@ -25,3 +25,12 @@ demo: install
 
 gpu-check:
 	bash bench/gpu_check.sh
+
+## Debian packages for the images and the real node (buildah, mmdebstrap, containerd, runc, CNI).
+node-deps:
+	bash hack/install_node_deps.sh
+
+## Both container images, built with buildah on an mmdebstrap base, cached by input hash,
+## and imported into containerd when one runs (python3 -m hack.images --help).
+images: node-deps
+	$(PYTHON) -m hack.images
