@@ -123,22 +123,28 @@ def ensure_images(targets: tuple[str, ...] = TARGETS) -> dict[str, Path]:
     return archives
 
 
+def import_archive(archive: Path, address: str, name: str | None = None) -> None:
+    """Load a docker-archive into the containerd at ``address`` (namespace ``k8s.io``, the
+    CRI's) unless an image labelled with this archive's file name is already there."""
+    ctr = ["ctr", "--address", address, "-n", "k8s.io", "images"]
+    label = f"shardline.archive={archive.stem}"
+    listed = subprocess.run([*ctr, "ls", "-q", f"labels.\"shardline.archive\"=={archive.stem}"],
+                            capture_output=True, text=True, check=False).stdout.split()
+    if listed:
+        log(f"{archive.name}: already in {address} as {', '.join(listed)}")
+        return
+    out = run([*ctr, "import", archive.as_posix()], f"import {archive.name}")
+    names = [name] if name else [line.split()[1] for line in out.splitlines()
+                                 if line.startswith("unpacking ")]
+    for image in names:
+        run([*ctr, "label", image, label], f"label {image}")
+
+
 def import_images(archives: dict[str, Path], address: str) -> None:
-    """Load the archives into the containerd at ``address`` (namespace ``k8s.io``, the CRI's),
-    skipping one whose image is already there with the same archive digest label."""
+    """Import each target's archive (``{target: archive}``) into the containerd at
+    ``address``."""
     for target, archive in archives.items():
-        name = image_name(target)
-        listed = subprocess.run(["ctr", "--address", address, "-n", "k8s.io", "images", "ls",
-                                 "-q", f"labels.\"shardline.archive\"=={archive.stem}"],
-                                capture_output=True, text=True, check=False).stdout.split()
-        if name in listed:
-            log(f"{name}: already in {address}")
-            continue
-        run(["ctr", "--address", address, "-n", "k8s.io", "images", "import",
-             "--no-unpack" if os.environ.get("SHARDLINE_NO_UNPACK") else "--all-platforms",
-             archive.as_posix()], f"import {name}")
-        run(["ctr", "--address", address, "-n", "k8s.io", "images", "label", name,
-             f"shardline.archive={archive.stem}"], f"label {name}")
+        import_archive(archive, address, image_name(target))
 
 
 def image_size(archive: Path) -> int:
