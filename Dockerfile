@@ -4,7 +4,8 @@
 #
 # Both bases are Debian bookworm with CPython 3.11. `make images` (hack/images) overrides them
 # with a bookworm base bootstrapped by mmdebstrap (PYTHON_IMAGE, RUNTIME_BASE_IMAGE) and points
-# pip at a local wheelhouse (PIP_FIND_LINKS), so the same steps run where no registry is reachable.
+# pip at a local wheelhouse only (PIP_FIND_LINKS, PIP_NO_INDEX=1), so the same steps run where
+# no registry is reachable.
 #
 # Both images run as uid 10001 with a read-only root file system: every path they write is a
 # volume the chart or the operator mounts (an emptyDir): HOME, the cache root below (Triton,
@@ -17,6 +18,7 @@ ARG RUNTIME_BASE_IMAGE=${PYTHON_IMAGE}
 
 FROM ${PYTHON_IMAGE} AS wheel
 ARG PIP_FIND_LINKS=""
+ARG PIP_NO_INDEX
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY operator/ operator/
@@ -26,6 +28,7 @@ RUN python3 -m venv /opt/build \
 
 FROM ${PYTHON_IMAGE} AS operator
 ARG PIP_FIND_LINKS=""
+ARG PIP_NO_INDEX
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
@@ -42,6 +45,7 @@ ENTRYPOINT ["shardline-operator"]
 FROM ${RUNTIME_BASE_IMAGE} AS runtime
 ARG TORCH_VERSION=2.15.0
 ARG PIP_FIND_LINKS=""
+ARG PIP_NO_INDEX
 # Cache root: one emptyDir ("cache") in the pod; HOME and /tmp are two more.
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

@@ -79,11 +79,18 @@ def _requirements() -> list[str]:
 
 
 def fill_wheelhouse() -> Path:
-    """``pip download`` every runtime and operator dependency into the wheelhouse."""
+    """``pip download`` every runtime and operator dependency into the wheelhouse (the build
+    installs from it alone, ``PIP_NO_INDEX=1``); skipped when these requirements were fetched
+    before (a marker file named by their hash)."""
     house = cache_dir() / "wheels"
     house.mkdir(parents=True, exist_ok=True)
+    requirements = _requirements()
+    marker = house / f".requirements-{hashlib.sha256(' '.join(requirements).encode()).hexdigest()[:12]}"
+    if marker.exists():
+        return house
     run([sys.executable, "-m", "pip", "download", "--quiet", "--progress-bar", "off",
-         "--dest", str(house), *_requirements()], "fill the wheelhouse")
+         "--dest", str(house), *requirements], "fill the wheelhouse")
+    marker.touch()
     return house
 
 
@@ -93,7 +100,7 @@ def build_target(target: str, base: str, house: Path, archive: Path) -> None:
     run(["nice", "-n", "10", "buildah", "bud", "--layers", "--network", "host",
          "--target", target, "--tag", name,
          "--build-arg", f"PYTHON_IMAGE={base}", "--build-arg", f"RUNTIME_BASE_IMAGE={base}",
-         "--build-arg", f"PIP_FIND_LINKS={WHEELHOUSE_MOUNT}",
+         "--build-arg", f"PIP_FIND_LINKS={WHEELHOUSE_MOUNT}", "--build-arg", "PIP_NO_INDEX=1",
          "--volume", f"{house}:{WHEELHOUSE_MOUNT}:ro",
          "--file", str(ROOT / "Dockerfile"), str(ROOT)], f"build {name}", echo=True)
     partial = archive.with_suffix(".partial")
