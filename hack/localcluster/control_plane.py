@@ -238,7 +238,8 @@ class LocalCluster:
             return ["--disable-admission-plugins=ServiceAccount,TaintNodesByCondition",
                     "--endpoint-reconciler-type=none"]
         return ["--disable-admission-plugins=TaintNodesByCondition",
-                f"--advertise-address={bind}", "--endpoint-reconciler-type=lease"]
+                f"--advertise-address={bind}", "--endpoint-reconciler-type=lease",
+                "--kubelet-preferred-address-types=InternalIP"]
 
     def _spawn_pid(self, name: str, argv: list[str]) -> int:
         self._spawn(name, argv)

@@ -64,7 +64,8 @@ class NodeLayout:
 
 def containerd_config(layout: NodeLayout) -> str:
     """containerd 1.6 ``config.toml`` (version 2): private root, state and socket; the CRI
-    plugin with runc (cgroupfs, as the kubelet), the local pause image, and the CNI bridge."""
+    plugin with runc (cgroupfs, as the kubelet), the local pause image, and the CNI bridge;
+    ``oom_score_adj`` never below containerd's own (see below)."""
     d = layout.state_dir / "containerd"
     cri = 'plugins."io.containerd.grpc.v1.cri"'
     return "\n".join([
@@ -80,6 +81,9 @@ def containerd_config(layout: NodeLayout) -> str:
         f"[{cri}]",
         f'  sandbox_image = "{PAUSE_IMAGE}"',
         "  enable_unprivileged_ports = true",
+        # The kubelet asks -998 for sandboxes; lowering oom_score_adj needs CAP_SYS_RESOURCE,
+        # which root here lacks (runc: "failed to update /proc/self/oom_score_adj").
+        "  restrict_oom_score_adj = true",
         "  enable_unprivileged_icmp = true",
         f"[{cri}.containerd]",
         '  snapshotter = "overlayfs"',
@@ -133,6 +137,7 @@ def kubelet_config(layout: NodeLayout) -> str:
         "clusterDomain": CLUSTER_DOMAIN,
         "resolvConf": str(layout.state_dir / "resolv.conf"),
         "failSwapOn": False,
+        "oomScoreAdj": 0,
         "imageGCHighThresholdPercent": 100,
         "imageGCLowThresholdPercent": 99,
         "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%",

@@ -23,7 +23,7 @@ def in_netns(layout: NodeLayout, argv: list[str]) -> list[str]:
 
 def create(layout: NodeLayout) -> None:
     """Create the namespace (replacing a stale one of the same slot), the veth pair, addresses,
-    loopback, a route to the host, forwarding and bridge netfilter (kube-proxy's rules must see
+    loopback, a default route to the host, forwarding and bridge netfilter (kube-proxy's rules must see
     pod-to-pod traffic on the bridge). Raises subprocess.CalledProcessError on failure."""
     delete(layout)
     _ip("netns", "add", layout.netns)
@@ -35,6 +35,8 @@ def create(layout: NodeLayout) -> None:
     _ip(*ns, "addr", "add", f"{layout.node_ip}/30", "dev", layout.node_veth)
     _ip(*ns, "link", "set", layout.node_veth, "up")
     _ip(*ns, "link", "set", "lo", "up")
+    # Locally sent packets need a route before kube-proxy's OUTPUT rules rewrite a ClusterIP.
+    _ip(*ns, "route", "add", "default", "via", layout.host_ip)
     for key, value in (("net.ipv4.ip_forward", "1"),
                        ("net.bridge.bridge-nf-call-iptables", "1"),
                        ("net.ipv4.conf.all.route_localnet", "1")):
