@@ -92,3 +92,10 @@ def test_pause_archive_layer_digest_matches():
     layer = archive.extractfile("layer.tar").read()
     image_config = json.loads(archive.extractfile(manifest["Config"]).read())
     assert image_config["rootfs"]["diff_ids"] == [f"sha256:{hashlib.sha256(layer).hexdigest()}"]
+
+
+def test_sandbox_oom_score_is_never_below_containerds():
+    """runc failed every sandbox ("failed to update /proc/self/oom_score_adj: Permission
+    denied"): the kubelet asks -998 and root here lacks CAP_SYS_RESOURCE."""
+    toml = tomllib.loads(config.containerd_config(LAYOUT))
+    assert toml["plugins"]["io.containerd.grpc.v1.cri"]["restrict_oom_score_adj"] is True
