@@ -15,6 +15,12 @@ again. It is woken by
 Wake-ups that arrive while a pass runs collapse into one more pass, so a burst of pod events
 costs one or two passes, never one per event. Only the worker runs passes, so passes of one
 object never overlap.
+
+State lives in Kopf's in-memory containers (docs.kopf.dev "In-memory containers"), not in
+module globals: the operator memo holds the :class:`~.reconcile.Context` (``memo.context``) and
+the :class:`Workers` registry (``memo.workers``); each resource memo is a shallow copy of it,
+so every handler reaches the same two, and holds the object's own ``deleted`` flag (set when it
+is deleted; a re-created object gets a fresh memo).
 """
 
 from __future__ import annotations
@@ -30,7 +36,6 @@ from . import labels, metrics
 from .kube import KubeClient, KubeError
 from .reconcile import Context, ReconcileResult, reconcile
 from .runtime_client import HttpLeaderClient
-from .spec import RestartPolicySpec
 
 RESOURCE = (labels.API_GROUP, labels.API_VERSION, labels.PLURAL)
 RESYNC_SECONDS = 30.0
@@ -39,37 +44,50 @@ ERROR_RETRY_SECONDS = 5.0
 _OWNED = {labels.LABEL_DEPLOYMENT: kopf.PRESENT}
 # Set by the chart; the runtime pods' NetworkPolicies admit the operator's pod from there.
 OPERATOR_NAMESPACE_ENV = "SHARDLINE_OPERATOR_NAMESPACE"
-_context: Context | None = None
-_wakeups: dict[tuple[str, str], asyncio.Event] = {}
-_deleted: set[tuple[str, str]] = (
-    set()
-)  # objects whose gauges were dropped: no pass may set them again
 log = logging.getLogger(__name__)
 
 
+class Workers:
+    """The wake-up event of each object's worker, by (namespace, name); one per operator."""
+
+    def __init__(self) -> None:
+        self._wakeups: dict[tuple[str, str], asyncio.Event] = {}
+
+    def register(self, key: tuple[str, str]) -> asyncio.Event:
+        """The worker of ``key`` starts: its wake-up event (call from the event loop)."""
+        return self._wakeups.setdefault(key, asyncio.Event())
+
+    def unregister(self, key: tuple[str, str], event: asyncio.Event) -> None:
+        if self._wakeups.get(key) is event:
+            del self._wakeups[key]
+
+    def wake(self, namespace: str | None, name: str | None) -> None:
+        """Ask the worker of ``namespace/name`` for a pass (no-op when it has none yet: a new
+        worker's first pass comes at once anyway). Call from the event loop's thread."""
+        event = self._wakeups.get((namespace or "", name or ""))
+        if event is not None:
+            event.set()
+
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        return key in self._wakeups
+
+
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    """Kopf progress and diff-base in annotations (status holds only our declared fields)."""
-    global _context
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """Kopf progress and diff-base in annotations (status holds only our declared fields); the
+    operator memo's context and worker registry."""
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=labels.API_GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=labels.API_GROUP, key="last-handled-configuration"
     )
     settings.persistence.finalizer = f"{labels.API_GROUP}/finalizer"
     settings.posting.level = 20  # logging.INFO: Events for Normal transitions too
-    _context = Context(
+    memo.context = Context(
         kube=KubeClient(),
         leaders=HttpLeaderClient(),
         operator_namespace=os.environ.get(OPERATOR_NAMESPACE_ENV) or None,
     )
-
-
-def wake(namespace: str | None, name: str | None) -> None:
-    """Ask the worker of ``namespace/name`` for a pass (no-op when it has none yet: a new
-    worker's first pass comes at once anyway). Call from the event loop's thread."""
-    event = _wakeups.get((namespace or "", name or ""))
-    if event is not None:
-        event.set()
+    memo.workers = Workers()
 
 
 def next_delay(result: ReconcileResult) -> float:
@@ -82,20 +100,13 @@ def next_delay(result: ReconcileResult) -> float:
     return RESYNC_SECONDS
 
 
-def _pass(namespace: str, name: str) -> ReconcileResult | None:
+def run_pass(context: Context, namespace: str, name: str) -> ReconcileResult | None:
     """One pass on the object as read now (the body Kopf holds can predate our last status
-    write), its status mirrored into the alerting gauges; None when it is gone or being deleted."""
-    assert _context is not None
-    fresh = _context.kube.get_deployment(namespace, name)
+    write); None when it is gone or being deleted."""
+    fresh = context.kube.get_deployment(namespace, name)
     if fresh is None or fresh["metadata"].get("deletionTimestamp"):
         return None
-    result = reconcile(_context, fresh)
-    budget = ((fresh.get("spec") or {}).get("restartPolicy") or {}).get("maxGroupRestarts")
-    if not isinstance(budget, int):  # absent (or an invalid spec, reported in status): the default
-        budget = RestartPolicySpec.max_group_restarts
-    if (namespace, name) not in _deleted:  # a pass still running in its thread when the object went
-        metrics.observe_status(namespace, name, result.status, budget)
-    return result
+    return reconcile(context, fresh)
 
 
 @kopf.daemon(*RESOURCE, cancellation_timeout=10.0)
@@ -105,13 +116,14 @@ async def worker(
     name: str,
     stopped: kopf.DaemonStopped,
     logger: kopf.Logger,
+    memo: kopf.Memo,
     **_: Any,
 ) -> None:
     """Run this object's passes until it is deleted or the operator stops."""
     assert namespace is not None  # InferenceDeployment is a namespaced resource
     key = (namespace, name)
-    wakeup = _wakeups.setdefault(key, asyncio.Event())
-    _deleted.discard(key)  # created again under the same name
+    workers: Workers = memo.workers
+    wakeup = workers.register(key)
     delay = 0.0
     try:
         while not stopped:
@@ -120,14 +132,11 @@ async def worker(
             except asyncio.TimeoutError:
                 pass
             wakeup.clear()
-            if _context is None:
-                delay = 1.0
-                continue
             try:
-                result = await asyncio.to_thread(_pass, namespace, name)
+                result = await asyncio.to_thread(run_pass, memo.context, namespace, name)
             except KubeError as exc:
                 if exc.status == 404:
-                    _forget(namespace, name)
+                    _forget(memo, namespace, name)
                     return
                 logger.warning(
                     "API request failed, retrying in %.0f s: %s", ERROR_RETRY_SECONDS, exc
@@ -139,8 +148,10 @@ async def worker(
                 delay = ERROR_RETRY_SECONDS
                 continue
             if result is None:  # deleted, or being deleted
-                _forget(namespace, name)
+                _forget(memo, namespace, name)
                 return
+            if not memo.get("deleted"):  # the object went while the pass ran in its thread
+                metrics.observe_status(namespace, name, result.status, result.restart_budget)
             for kind, reason, message in result.events:
                 kopf.event(body, type=kind, reason=reason, message=message[:1024])
             delay = next_delay(result)
@@ -148,41 +159,43 @@ async def worker(
                 "reconciled: phase=%s, next pass in %.1f s", result.status.get("phase"), delay
             )
     finally:
-        if _wakeups.get(key) is wakeup:
-            del _wakeups[key]
+        workers.unregister(key, wakeup)
 
 
 @kopf.on.update(*RESOURCE, field="spec")
-async def on_spec_change(namespace: str | None, name: str, **_: Any) -> None:
+async def on_spec_change(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     """Spec changed: reconcile now (creation and operator restarts start the worker instead)."""
-    wake(namespace, name)
+    memo.workers.wake(namespace, name)
 
 
 @kopf.on.delete(*RESOURCE, optional=True)
-async def on_delete(namespace: str | None, name: str, **_: Any) -> None:
+async def on_delete(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     """Drop the deleted object's gauges from ``/metrics``."""
-    _forget(namespace or "", name)
+    _forget(memo, namespace or "", name)
 
 
-def _forget(namespace: str, name: str) -> None:
-    _deleted.add((namespace, name))
+def _forget(memo: kopf.Memo, namespace: str, name: str) -> None:
+    memo.deleted = True  # no pass of this object may set its gauges again
     metrics.forget(namespace, name)
     metrics.forget_status(namespace, name)
 
 
 @kopf.on.event("v1", "pods", labels=_OWNED)
-async def on_pod_event(namespace: str | None, body: kopf.Body, **_: Any) -> None:
+async def on_pod_event(namespace: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """A pod of a deployment changed (created, status, deleted): reconcile its owner."""
-    wake(namespace, body.metadata.labels.get(labels.LABEL_DEPLOYMENT))
+    memo.workers.wake(namespace, body.metadata.labels.get(labels.LABEL_DEPLOYMENT))
 
 
 @kopf.on.event("apps", "v1", "statefulsets", labels=_OWNED)
-async def on_statefulset_event(namespace: str | None, body: kopf.Body, **_: Any) -> None:
+async def on_statefulset_event(
+    namespace: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any
+) -> None:
     """A StatefulSet of a deployment changed: reconcile the InferenceDeployment that owns it."""
+    workers: Workers = memo.workers
     for owner in body.metadata.get("ownerReferences") or []:
         if owner.get("kind") == labels.KIND and owner.get("apiVersion", "").startswith(
             f"{labels.API_GROUP}/"
         ):
-            wake(namespace, owner.get("name"))
+            workers.wake(namespace, owner.get("name"))
             return
-    wake(namespace, body.metadata.labels.get(labels.LABEL_DEPLOYMENT))
+    workers.wake(namespace, body.metadata.labels.get(labels.LABEL_DEPLOYMENT))

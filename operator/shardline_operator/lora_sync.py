@@ -1,22 +1,25 @@
-"""``spec.loraAdapters`` on running groups: plan (pure), then load/unload on each group leader.
+"""``spec.loraAdapters`` on running groups: decide the load/unload actions (pure), settle their outcome.
 
 A group starts with the adapters of its pod template (``--lora-paths``); afterwards every pass
-compares what each Ready leader serves (``GET /v1/models``: cards with a ``parent``) with the
-spec and calls ``POST /unload_lora_adapter`` / ``POST /load_lora_adapter``, so adapters are
-added and removed in place, without a pod restart. ``status.loraAdapters`` reports, per spec
+compares what each Ready leader serves (``GET /v1/models``: cards with a ``parent``, read by
+``observe``) with the spec and plans ``POST /unload_lora_adapter`` / ``POST
+/load_lora_adapter`` actions, so adapters are added and removed in place, without a pod
+restart; ``execute`` runs them and :func:`settle` folds the failures back in. ``status.loraAdapters`` reports, per spec
 adapter, how many groups have it loaded and the last error a leader returned.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from .observed import GroupObservation
-from .rollout_executor import leader_url
+from .observed import GroupObservation, pod_url
+from .pass_plan import Action, LoadAdapter, LoRADecision, Observation, UnloadAdapter
 from .spec import LoRAAdapterSpec
+
+LORA_RETRY_SECONDS = 5.0  # adapters not yet on every group: look again soon
 
 
 @runtime_checkable
@@ -46,57 +49,63 @@ def plan(desired: tuple[LoRAAdapterSpec, ...], loaded: Mapping[str, str]) -> LoR
     return LoRAPlan(unload, load)
 
 
-@dataclass
-class LoRAReport:
-    """Per adapter name: groups that have it loaded, and the last error seen this pass."""
-
-    loaded_groups: dict[str, int] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)
-    pending: bool = False  # some leader could not be reached or refused: pass again soon
-
-
-def sync(
+def decide_lora(
     desired: tuple[LoRAAdapterSpec, ...],
-    groups: list[GroupObservation],
-    client: LoRALeaderClient,
-    skip: AbstractSet[int] = frozenset(),
-) -> LoRAReport:
-    """Bring every Ready leader (groups not in ``skip``, e.g. one updating weights) to ``desired``."""
-    report = LoRAReport({a.name: 0 for a in desired})
+    groups: Sequence[GroupObservation],
+    observed: Observation,
+    busy: AbstractSet[int] = frozenset(),
+) -> tuple[list[Action], LoRADecision]:
+    """The load/unload actions that bring every Ready leader (groups not in ``busy``, e.g. one
+    updating weights) to ``desired``, and what each synced group serves once they succeed."""
+    actions: list[Action] = []
+    after: dict[int, dict[str, str]] = {}
+    pending = False
     for group in groups:
-        url = leader_url(group)
-        if group.index in skip or not group.ready or url is None:
-            report.pending = report.pending or bool(desired)
+        if not observed.lora_client:
+            break
+        url = pod_url(group.leader)
+        if group.index in busy or not group.ready or url is None:
+            pending = pending or bool(desired)
             continue
-        loaded = client.lora_adapters(url)
+        loaded = group.answers.adapters
         if loaded is None:
-            report.pending = True
+            pending = True
             continue
-        loaded = dict(loaded)
         steps = plan(desired, loaded)
+        now = dict(loaded)
         for name in steps.unload:
-            ok, message = client.unload_lora_adapter(url, name)
-            if ok:
-                loaded.pop(name, None)
-            else:
-                report.pending = True
-                report.errors[name] = f"group {group.index}: unload: {message}"
+            actions.append(UnloadAdapter(group.index, url, name))
+            now.pop(name, None)
         for adapter in steps.load:
-            if adapter.name in loaded:
-                continue  # its unload (path change) failed above
-            ok, message = client.load_lora_adapter(url, adapter.name, adapter.path)
-            if ok:
-                loaded[adapter.name] = adapter.path
-            else:
-                report.pending = True
-                report.errors[adapter.name] = f"group {group.index}: {message}"
-        for a in desired:
-            if loaded.get(a.name) == a.path:
-                report.loaded_groups[a.name] += 1
-    return report
+            actions.append(LoadAdapter(group.index, url, adapter.name, adapter.path))
+            now[adapter.name] = adapter.path
+        after[group.index] = now
+    return actions, LoRADecision(desired, after, pending)
 
 
-def lora_status(desired: tuple[LoRAAdapterSpec, ...], report: LoRAReport) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class LoRAOutcome:
+    """A pass's adapters after its actions ran: per adapter name, the groups that have it
+    loaded, the last error a leader returned, and whether to look again soon."""
+
+    loaded_groups: Mapping[str, int]
+    errors: Mapping[str, str]
+    pending: bool
+
+
+def settle(decision: LoRADecision, failures: Mapping[tuple[int, str], str]) -> LoRAOutcome:
+    """Fold the failed load/unload actions (``(group, adapter name) -> message``; an unload's
+    message starts ``unload:``) into ``decision``: a failed adapter is not loaded there."""
+    errors = {name: f"group {group}: {message}" for (group, name), message in failures.items()}
+    loaded = {a.name: 0 for a in decision.desired}
+    for group, serving in decision.loaded_after.items():
+        for a in decision.desired:
+            if serving.get(a.name) == a.path and (group, a.name) not in failures:
+                loaded[a.name] += 1
+    return LoRAOutcome(loaded, errors, decision.pending or bool(failures))
+
+
+def lora_status(desired: tuple[LoRAAdapterSpec, ...], report: LoRAOutcome) -> list[dict[str, Any]]:
     """``status.loraAdapters``: one entry per spec adapter, in spec order."""
     out = []
     for a in desired:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import labels
 from .runtime_args import ServedModel
 from .spec import CudaGraphSpec
+from .weights import LeaderReport, WeightsPhase
 
 
 @dataclass(frozen=True)
@@ -73,13 +74,35 @@ def _first_error_line(statuses: Iterable[Mapping[str, Any]]) -> str | None:
 
 
 @dataclass(frozen=True)
+class LeaderObservation:
+    """What a group's leader answered this pass.
+
+    ``report``: its ``/get_server_info`` (None: not asked or unreachable); ``update``:
+    ``(state, message)`` of an update this process sent (``pending``, ``success``, ``failure``,
+    ``unknown``); ``phases``: weights phases sampled while it ran; ``update_seconds``: the
+    runtime's ``load_seconds`` / ``recapture_seconds`` for an update that ended; ``gate``:
+    ``(passed, message)`` of the canary gate when it ran; ``adapters``: ``{name: path}`` of the
+    LoRA adapters it serves (None: not asked or unreachable).
+    """
+
+    report: LeaderReport | None = None
+    update: tuple[str, str] = ("unknown", "")
+    phases: tuple[WeightsPhase, ...] = ()
+    update_seconds: Mapping[str, float] = field(default_factory=dict)
+    gate: tuple[bool, str] | None = None
+    adapters: Mapping[str, str] | None = None
+
+
+@dataclass(frozen=True)
 class GroupObservation:
-    """One TP group: its StatefulSet (``None`` before creation) and its current pods by rank."""
+    """One TP group as observed: its StatefulSet (``None`` before creation), its current pods
+    by rank, and what its leader answered this pass."""
 
     index: int
     size: int
     statefulset: Mapping[str, Any] | None
     pods: tuple[PodObservation, ...]
+    answers: LeaderObservation = field(default_factory=LeaderObservation)
 
     @property
     def live_pods(self) -> tuple[PodObservation, ...]:
@@ -133,6 +156,11 @@ def parse_cuda_graph_key(text: str) -> CudaGraphSpec:
         enabled=fields.get("enabled", "true") == "true",
         max_batch_size=int(size) if size.isdigit() else CudaGraphSpec.max_batch_size,
     )
+
+
+def pod_url(pod: PodObservation | None) -> str | None:
+    """``http://<podIP>:8000`` of a leader pod, or None without one or without an IP."""
+    return f"http://{pod.ip}:{labels.HTTP_PORT}" if pod is not None and pod.ip else None
 
 
 def group_pods(pods: Iterable[Mapping[str, Any]]) -> dict[int, list[PodObservation]]:

@@ -1,12 +1,18 @@
 """In-place rollout of weights (``spec.model``) and CUDA-graph settings: a pure planner.
 
-Plan, then execute, as LWS's disaggregated-set controller does: the executor
-(``rollout_executor.py``) first gathers what each group's leader reports (weights phase,
-revision, digest, the state of an update request this process sent, a canary's gate result);
-:func:`plan_rollout` then computes the next step from that and ``status.rollout``
-(:class:`RolloutState`) alone; the executor performs it (start updates, re-render StatefulSets,
+Plan, then execute, as LWS's disaggregated-set controller does: ``observe`` first gathers what
+each group's leader reports (weights phase, revision, digest, the state of an update request
+this process sent, a canary's gate result); ``decide`` turns that into :class:`GroupView`
+records and :func:`plan_rollout` computes the next step from them and ``status.rollout``
+(:class:`RolloutState`) alone; ``execute`` performs it (start updates, re-render StatefulSets,
 record metrics). Rules:
 
+- Availability (issue 23): a group is available when its pods are Ready (none terminating) and
+  its leader serves the revision and digest recorded for it. A wave starts only while the
+  unavailable groups (restarting, terminating, unready, updating), the wave included, number at
+  most ``maxUnavailable``; a group counts as updated only once it is available on the target
+  (a reply from a leader that is not Ready does not count); the rollout completes, with one
+  ``RolloutComplete``, once every group is available on the target.
 - The TP group is the unit. A wave updates at most ``weightUpdate.maxUnavailable`` groups at
   once; with ``canary`` the first wave is one group, which must then pass the gate
   (``/health_generate`` plus the optional ``verify`` prompt and latency bound) before the rest
@@ -29,138 +35,16 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
+from .phases import GroupPhase
 from .rollout_state import FAILED, PAUSED, ROLLING_BACK, UPDATING, VERIFYING, RolloutState
+from .rollout_view import POLL_SECONDS, GroupView, RolloutPlan, update_body
+from .rollout_wave import fail, follow_wave
 from .runtime_args import ServedModel
 from .spec import WeightUpdateSpec
 
-PHASE_BY_WEIGHTS_PHASE = {"loading": "UpdatingWeights", "recapturing": "RecapturingGraphs"}
-POLL_SECONDS = 0.5  # next pass while a wave is in flight: a group's end is seen within this
-
-
-@dataclass(frozen=True)
-class LeaderReport:
-    """``/get_server_info`` of a group's leader, as far as rollouts care."""
-
-    weights_phase: str
-    model_path: str | None = None
-    revision: str | None = None
-    digest: str | None = None
-    message: str = ""
-    weight_version: str | None = None
-
-    @classmethod
-    def from_info(cls, info: Mapping[str, Any] | None) -> LeaderReport | None:
-        if not info:
-            return None
-        version = info.get("weight_version")
-        return cls(
-            str(info.get("weights_phase", "serving")),
-            info.get("model_path"),
-            info.get("weights_revision"),
-            info.get("weights_digest"),
-            str(info.get("message") or ""),
-            version if isinstance(version, str) else None,
-        )
-
-
-@dataclass(frozen=True)
-class GroupView:
-    """One group as gathered before planning.
-
-    ``declared``: what its StatefulSet says it serves; ``recorded_digest``: status's
-    ``weightsDigest`` from the last pass; ``update``: ``(state, message)`` of an update request
-    this process sent (``pending``, ``success``, ``failure``, or ``unknown`` when it sent none);
-    ``phases``: weights phases sampled while it ran; ``gate``: ``(passed, message)`` of the
-    canary verification when it was run this pass; ``pod_revision``: the revision label of the
-    leader pod (what it was started with or last relabelled to), if known; ``update_seconds``:
-    the runtime's ``load_seconds`` / ``recapture_seconds`` for the update that ``update`` reports
-    ended (empty otherwise).
-    """
-
-    index: int
-    declared: ServedModel | None
-    ready: bool = True
-    live: bool = True
-    leader: LeaderReport | None = None
-    recorded_digest: str | None = None
-    update: tuple[str, str] = ("unknown", "")
-    phases: tuple[str, ...] = ()
-    gate: tuple[bool, str] | None = None
-    pod_revision: str | None = None
-    update_seconds: Mapping[str, float] = field(default_factory=dict)
-
-    @property
-    def served(self) -> ServedModel | None:
-        """The leader's model when it reports one (serving or failed), else ``declared``."""
-        leader, declared = self.leader, self.declared
-        if (
-            declared is not None
-            and leader is not None
-            and leader.weights_phase in ("serving", "failed")
-            and leader.model_path
-            and leader.revision is not None
-        ):
-            return ServedModel(leader.model_path, leader.revision, declared.cuda_graph)
-        return declared
-
-    def mixed_reason(self) -> str | None:
-        """Why the leader serves something else than recorded, or None."""
-        served, declared, leader = self.served, self.declared, self.leader
-        if served is None or declared is None or leader is None:
-            return None
-        expected = self.pod_revision or declared.revision
-        if served.revision != expected or (
-            expected == declared.revision and served.path != declared.path
-        ):
-            return f"group {self.index}: leader serves {served.revision} ({served.path}), expected {expected}"
-        if self.recorded_digest and leader.digest and leader.digest != self.recorded_digest:
-            return f"group {self.index}: leader serves digest {leader.digest[:19]}, status records {self.recorded_digest[:19]}"
-        return None
-
-
-@dataclass
-class RolloutPlan:
-    """The next step: new state, updates to start, StatefulSets to re-render, status and metrics.
-
-    ``trail`` lists (group, phase) passed through since the last pass (written as status
-    transitions before ``group_phases``); ``mixed`` maps groups to their mixed-version reason;
-    ``forget_digest`` lists groups whose recorded digest is stale (re-recorded from the leader);
-    ``group_update_seconds`` / ``group_recapture_seconds``: (group, seconds) of updates that
-    ended this pass (the operator's wall time; the runtime's reported recapture time).
-    """
-
-    state: RolloutState | None
-    start: dict[int, dict[str, Any]] = field(default_factory=dict)
-    apply: dict[int, ServedModel] = field(default_factory=dict)
-    group_phases: dict[int, str] = field(default_factory=dict)
-    trail: list[tuple[int, str]] = field(default_factory=list)
-    events: list[tuple[str, str, str]] = field(default_factory=list)
-    mixed: dict[int, str] = field(default_factory=dict)
-    forget_digest: list[int] = field(default_factory=list)
-    requeue_after_seconds: float | None = None
-    group_update_seconds: list[tuple[int, float]] = field(default_factory=list)
-    group_recapture_seconds: list[tuple[int, float]] = field(default_factory=list)
-    rollout_seconds: float | None = None
-    rolled_back: bool = False
-    failed_updates: int = 0
-
-
-def update_body(current: ServedModel | None, target: ServedModel) -> dict[str, Any]:
-    """JSON body of ``/update_weights_from_disk`` (DESIGN 2.4) moving ``current`` to ``target``."""
-    body: dict[str, Any] = {
-        "model_path": target.path,
-        "revision": target.revision,
-        "recapture_cuda_graph": target.cuda_graph.enabled,
-    }
-    if current is None or target.cuda_graph != current.cuda_graph:
-        body.update(
-            cuda_graph_max_bs=target.cuda_graph.max_batch_size,
-            disable_cuda_graph=not target.cuda_graph.enabled,
-        )
-    return body
+__all__ = ["GroupView", "RolloutPlan", "plan_rollout", "update_body"]
 
 
 def plan_rollout(
@@ -170,16 +54,27 @@ def plan_rollout(
     policy: WeightUpdateSpec,
     now: float,
     exclude: frozenset[int] = frozenset(),
+    mixed: Mapping[int, str] | None = None,
+    restarting: frozenset[int] = frozenset(),
+    failed: frozenset[int] = frozenset(),
 ) -> RolloutPlan:
-    """The next step towards ``desired`` (pure). ``exclude``: groups a restart rollout owns."""
+    """The next step towards ``desired`` (pure). ``exclude``: groups a restart rollout owns;
+    ``mixed``: group -> why it is a mixed version (``decide.mixed_versions``; by default every
+    group outside the wave in flight is judged here); ``restarting``: groups whose pods are
+    being replaced (unavailable whatever their pods say); ``failed``: groups out of their
+    restart budget (out of service until the spec changes: neither counted nor awaited).
+
+    Availability invariant: a wave starts only while the groups that are not available
+    (:attr:`GroupView.available`, or restarting), the wave included, number at most
+    ``maxUnavailable``; the rollout completes only once every group is available on the target.
+    """
     views = {g.index: g for g in groups}
     wave = set(state.wave) if state is not None else set()
-    out = RolloutPlan(
-        state,
-        mixed={g.index: r for g in groups if g.index not in wave for r in [g.mixed_reason()] if r},
-    )
+    if mixed is None:
+        mixed = {g.index: r for g in groups if g.index not in wave for r in [g.mixed_reason()] if r}
+    out = RolloutPlan(state, mixed=dict(mixed))
     if state is not None and state.wave:
-        return _follow_wave(state, views, policy, now, out)
+        return follow_wave(state, views, policy, now, out)
     if state is not None and state.phase == VERIFYING and state.target == desired:
         canary = views.get(state.canary) if state.canary is not None else None
         if canary is None or canary.gate is None:
@@ -187,7 +82,7 @@ def plan_rollout(
             return out
         passed, message = canary.gate
         if not passed:
-            return _fail(
+            return fail(
                 state,
                 views,
                 policy,
@@ -245,22 +140,35 @@ def plan_rollout(
             )
     out.state = state
     if not todo:
-        return _finish(state, target, now, out)
+        return _finish(state, target, groups, now, out, failed)
     gated = state.phase == UPDATING and not state.canary_passed
     size = 1 if gated else policy.max_unavailable
     for g in todo:
         if not g.live:  # nothing runs: the next start loads the target from the template
             out.apply[g.index] = target
             out.forget_digest.append(g.index)
-    ready = [g for g in todo if g.live and g.ready][:size]
+    unavailable = {
+        g.index
+        for g in groups
+        if g.index not in failed and (g.index in restarting or not g.available)
+    }
+    ready: list[GroupView] = []
+    blocked = False
+    for g in todo:
+        if not (g.live and g.ready) or g.index in restarting or len(ready) == size:
+            continue
+        if len(unavailable | {r.index for r in ready} | {g.index}) > policy.max_unavailable:
+            blocked = True
+            continue
+        ready.append(g)
     if not ready:
         if not out.apply:
-            out.state = replace(state, message=f"waiting for group {todo[0].index} to be Ready")
+            out.state = replace(state, message=_waiting(todo, unavailable, blocked, policy))
         out.requeue_after_seconds = POLL_SECONDS if out.apply else None
         return out
     for g in ready:
         out.start[g.index] = update_body(g.served, target)
-        out.group_phases[g.index] = "UpdatingWeights"
+        out.group_phases[g.index] = GroupPhase.UPDATING_WEIGHTS
     names = ", ".join(str(g.index) for g in ready)
     progress = f"updating group{'s' if len(ready) > 1 else ''} {names} to {target.revision}" + (
         " (canary)" if gated else ""
@@ -269,11 +177,11 @@ def plan_rollout(
         state,
         wave=tuple(g.index for g in ready),
         started_at=now,
-        group_phases={g.index: "UpdatingWeights" for g in ready},
+        group_phases={g.index: GroupPhase.UPDATING_WEIGHTS for g in ready},
         canary=ready[0].index if gated else None,
         message=progress if state.phase == UPDATING else state.message,
     )
-    out.events.append(("Normal", "UpdatingWeights", progress))
+    out.events.append(("Normal", GroupPhase.UPDATING_WEIGHTS.value, progress))
     out.requeue_after_seconds = POLL_SECONDS
     return out
 
@@ -302,7 +210,7 @@ def _repair_while_failed(
     for g in repair:
         assert g.declared is not None and g.served is not None  # selected above
         out.start[g.index] = update_body(g.served, g.declared)
-        out.group_phases[g.index] = "UpdatingWeights"
+        out.group_phases[g.index] = GroupPhase.UPDATING_WEIGHTS
         out.events.append(
             (
                 "Warning",
@@ -314,154 +222,38 @@ def _repair_while_failed(
         state,
         wave=tuple(g.index for g in repair),
         started_at=now,
-        group_phases={g.index: "UpdatingWeights" for g in repair},
+        group_phases={g.index: GroupPhase.UPDATING_WEIGHTS for g in repair},
     )
     out.requeue_after_seconds = POLL_SECONDS
     return out
 
 
-def _wave_target(state: RolloutState, view: GroupView) -> ServedModel:
-    """What a group of the wave in flight is being updated to."""
-    if state.phase == FAILED and view.declared is not None:  # a repair: its last good weights
-        return view.declared
-    return (state.previous or state.target) if state.phase == ROLLING_BACK else state.target
+def _waiting(
+    todo: Sequence[GroupView], unavailable: set[int], blocked: bool, policy: WeightUpdateSpec
+) -> str:
+    """Why no wave starts: the unavailable groups fill ``maxUnavailable``, or none is Ready."""
+    if not blocked:
+        return f"waiting for group {todo[0].index} to be Ready"
+    names = ", ".join(str(i) for i in sorted(unavailable))
+    plural = "s" if len(unavailable) > 1 else ""
+    return f"waiting: group{plural} {names} unavailable (maxUnavailable {policy.max_unavailable})"
 
 
-def _result(view: GroupView, target: ServedModel) -> tuple[str, str]:
-    """Outcome of a group's update: this process's request first, else what the leader says
-    (the operator restarted, or the request was lost)."""
-    state, message = view.update
-    if state != "unknown":
-        return state, message
-    leader = view.leader
-    if leader is None:
-        return "pending", "leader unreachable"
-    if leader.weights_phase in PHASE_BY_WEIGHTS_PHASE:
-        return "pending", leader.weights_phase
-    if leader.weights_phase == "failed":
-        return "failure", leader.message or "runtime reports weights_phase=failed"
-    if (leader.model_path, leader.revision) == (target.path, target.revision):
-        return "success", ""
-    return "unknown", ""
-
-
-def _follow_wave(
+def _finish(
     state: RolloutState,
-    views: Mapping[int, GroupView],
-    policy: WeightUpdateSpec,
+    target: ServedModel,
+    groups: Sequence[GroupView],
     now: float,
     out: RolloutPlan,
+    failed: frozenset[int],
 ) -> RolloutPlan:
-    """Await every group of the wave in flight; then decide what follows."""
-    target = (state.previous or state.target) if state.phase == ROLLING_BACK else state.target
-    still, phases, failures = [], {}, []
-    started = state.started_at if state.started_at is not None else now
-    for index in state.wave:
-        view = views.get(index)
-        if view is None:  # scaled away meanwhile
-            continue
-        target = _wave_target(state, view)
-        result, message = _result(view, target)
-        last = state.group_phases.get(index, "UpdatingWeights")
-        trail = _trail(last, view.phases)
-        if result == "unknown":  # nobody is updating it: send the request (again)
-            out.start[index] = update_body(view.served, target)
-            result = "pending"
-        if result == "pending" and now - started > policy.timeout_seconds:
-            result, message = "failure", f"timed out after {policy.timeout_seconds}s"
-        if result == "pending":
-            reported = view.leader.weights_phase if view.leader else ""
-            phase = PHASE_BY_WEIGHTS_PHASE.get(reported, trail[-1] if trail else last)
-            if trail and trail[-1] == phase:
-                trail.pop()
-            out.trail += [(index, p) for p in trail]
-            out.group_phases[index], phases[index] = phase, phase
-            still.append(index)
-        elif result == "success":
-            if target.cuda_graph.enabled and (trail[-1] if trail else last) != "RecapturingGraphs":
-                trail.append(
-                    "RecapturingGraphs"
-                )  # shorter than the sampling interval, still a step
-            out.trail += [(index, p) for p in trail]
-            out.apply[index] = target
-            out.forget_digest.append(index)
-            out.group_update_seconds.append((index, now - started))
-            if "recapture_seconds" in view.update_seconds:
-                out.group_recapture_seconds.append(
-                    (index, view.update_seconds["recapture_seconds"])
-                )
-            out.events.append(("Normal", "GroupUpdated", f"group {index} serves {target.revision}"))
-        else:
-            out.failed_updates += 1
-            failures.append(f"group {index}: update to {target.revision} failed: {message}")
-    if still:
-        out.state = replace(state, wave=tuple(still), group_phases=phases)
-        out.requeue_after_seconds = POLL_SECONDS
+    """Nothing left to update: a rollback ends Failed; a rollout ends (state cleared) once every
+    group is available on the target, with one ``RolloutComplete``."""
+    waiting = [g.index for g in groups if g.index not in failed and not g.serves(target)]
+    if waiting and state.phase != ROLLING_BACK:
+        message = f"waiting for group {waiting[0]} to be available on {target.revision}"
+        out.state = replace(state, message=message)
         return out
-    done = replace(state, wave=(), started_at=None, group_phases={})
-    if (
-        done.phase == FAILED
-    ):  # a repair wave ended; the rollout stays Failed, the next pass checks again
-        out.state = done
-        for failure in failures:
-            out.events.append(("Warning", "MixedVersionRepairFailed", failure))
-        return out
-    if failures:
-        updated = set(out.apply) | {i for i, v in views.items() if v.served == target}
-        if done.phase == ROLLING_BACK:  # a rollback that fails stops where it is
-            updated = set()
-        return _fail(done, views, policy, "; ".join(failures), out, updated=bool(updated))
-    out.requeue_after_seconds = 0.0
-    if done.phase == UPDATING and not done.canary_passed and done.canary is not None:
-        out.state = replace(
-            done,
-            phase=VERIFYING,
-            message=f"verifying canary group {done.canary} on {target.revision}",
-        )
-        out.events.append(("Normal", "VerifyingCanary", out.state.message))
-        return out
-    message = f"groups {', '.join(map(str, sorted(out.apply)))} serve {target.revision}"
-    if done.phase == UPDATING and policy.pause_seconds > 0:
-        out.state = replace(
-            done,
-            phase=PAUSED,
-            pause_until=now + policy.pause_seconds,
-            message=f"{message}; next wave in {policy.pause_seconds}s",
-        )
-        return out
-    out.state = replace(done, message=message if done.phase == UPDATING else done.message)
-    return out
-
-
-def _fail(
-    state: RolloutState,
-    views: Mapping[int, GroupView],
-    policy: WeightUpdateSpec,
-    reason: str,
-    out: RolloutPlan,
-    updated: bool | None = None,
-) -> RolloutPlan:
-    """A wave or the gate failed: roll back the groups already on the target, or stop."""
-    if updated is None:
-        updated = any(v.served == state.target for v in views.values())
-    if (
-        state.phase != ROLLING_BACK
-        and policy.rollback_on_failure
-        and updated
-        and state.previous is not None
-    ):
-        out.state = replace(state, phase=ROLLING_BACK, canary=None, message=reason)
-        out.rolled_back = True
-        out.requeue_after_seconds = 0.0
-        out.events.append(("Warning", "WeightUpdateFailed", reason + "; rolling back"))
-        return out
-    out.state = replace(state, phase=FAILED, wave=(), canary=None, message=reason)
-    out.events.append(("Warning", "WeightUpdateFailed", reason))
-    return out
-
-
-def _finish(state: RolloutState, target: ServedModel, now: float, out: RolloutPlan) -> RolloutPlan:
-    """Nothing left to update: a rollback ends Failed, a rollout ends (state cleared)."""
     if state.phase == ROLLING_BACK:
         message = f"{state.message}; rolled back to {target.revision}"
         out.state = replace(state, phase=FAILED, wave=(), message=message)
@@ -472,15 +264,3 @@ def _finish(state: RolloutState, target: ServedModel, now: float, out: RolloutPl
         out.rollout_seconds = now - state.rollout_started_at
     out.events.append(("Normal", "RolloutComplete", f"all groups serve {target.revision}"))
     return out
-
-
-def _trail(reported: str | None, weights_phases: Sequence[str]) -> list[str]:
-    """Operator phases for sampled runtime phases, without repeats of the one last reported."""
-    trail: list[str] = []
-    last = reported
-    for weights_phase in weights_phases:
-        phase = PHASE_BY_WEIGHTS_PHASE.get(weights_phase)
-        if phase is not None and phase != last:
-            trail.append(phase)
-            last = phase
-    return trail

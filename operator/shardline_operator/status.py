@@ -15,131 +15,34 @@ failed rollout). A group's ``revision`` is what its leader reports, else its lea
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from . import labels
-from .clock import from_rfc3339, to_rfc3339
-from .group_health import GroupRecord
-from .observed import GroupObservation, PodObservation
-from .parallelism import ParallelismSpec
-from .rollout import GroupView
+from .clock import to_rfc3339
+from .group_status import (
+    GroupReport,
+    group_phase,
+    group_status,
+    record_from_status,
+    restart_message,
+)
+from .phases import DeploymentPhase, GroupPhase
 from .rollout_state import FAILED, RolloutState
 from .runtime_args import ServedModel
 from .spec import DeploymentSpec
 
-ROLLOUT_PHASES = ("UpdatingWeights", "RecapturingGraphs")
-ROLLING_OUT = "RollingOut"
+__all__ = [
+    "GroupReport",
+    "build_status",
+    "deployment_phase",
+    "invalid_spec_status",
+    "record_from_status",
+    "served_revision",
+    "status_patch",
+]
 
-
-@dataclass(frozen=True)
-class GroupReport:
-    """A group's observation with its bookkeeping and any phase set by a running action.
-
-    ``weight_version``: the leader's ``weight_version``; ``view``: what its leader reported this
-    pass; ``digest``: the ``weightsDigest`` to record;
-    ``mixed``: why it is a mixed version, or None; ``planned``: a ``Restarting`` override is part
-    of a rollout (not Degraded).
-    """
-
-    observation: GroupObservation
-    record: GroupRecord
-    phase_override: str | None = None
-    weight_version: str | None = (
-        None  # the leader's /get_server_info weight_version (RL weight sync)
-    )
-    view: GroupView | None = None
-    digest: str | None = None
-    mixed: str | None = None
-    planned: bool = False
-
-    @property
-    def revision(self) -> str:
-        """The revision the group serves now: its leader's report, else the leader pod's label
-        (else its StatefulSet's), and "" without a live leader pod."""
-        if self.view is not None and self.view.leader is not None and self.view.served is not None:
-            return self.view.served.revision
-        leader, declared = self.observation.leader, self.observation.served
-        if leader is None:  # no live leader (starting, or the old one terminating): serves nothing
-            return ""
-        return leader.revision or (declared.revision if declared is not None else "")
-
-
-def group_phase(report: GroupReport) -> str:
-    """Phase of one group: Failed / override (Restarting, UpdatingWeights, ...) / observed."""
-    group = report.observation
-    if report.record.failed_message is not None:
-        return "Failed"
-    if report.phase_override:
-        return report.phase_override
-    if group.statefulset is None or not group.live_pods:
-        return "Pending"
-    if group.ready:
-        return "Ready"
-    return "Initializing" if any(p.phase == "Running" for p in group.live_pods) else "Pending"
-
-
-def rank_status(pod: PodObservation, parallelism: ParallelismSpec) -> dict[str, Any]:
-    """One ``status.groups[].ranks[]`` item: which pod and node hold the node rank, its
-    pipeline stages and TP ranks (``ppRanks`` x ``tpRanks``), and how it is."""
-    item: dict[str, Any] = {
-        "rank": pod.rank if pod.rank is not None else -1,
-        "pod": pod.name,
-        "node": pod.node or "",
-        "ready": pod.ready,
-        "phase": "Terminating" if pod.deleting else pod.phase,
-    }
-    if pod.rank is not None and 0 <= pod.rank < parallelism.pods_per_group:
-        ranks = parallelism.pod_ranks(pod.rank)
-        item["ppRanks"], item["tpRanks"] = list(ranks.pp_ranks), list(ranks.tp_ranks)
-    if pod.error_message:
-        item["lastError"] = pod.error_message[:256]
-    return item
-
-
-def restart_message(report: GroupReport, phase: str) -> str | None:
-    """While a group restarts after a failure (not a rollout's planned restart): why, as the
-    first error line one of its pods wrote to its termination log (None without one)."""
-    if phase != "Restarting" or report.planned:
-        return None
-    error = next((p.error_message for p in report.observation.pods if p.error_message), None)
-    return f"restarting after: {error}" if error else None
-
-
-def group_status(report: GroupReport, phase: str, parallelism: ParallelismSpec) -> dict[str, Any]:
-    """One ``status.groups[]`` item (``parallelism`` maps each pod to its pp and tp ranks)."""
-    group, record = report.observation, report.record
-    item: dict[str, Any] = {
-        "index": group.index,
-        "phase": phase,
-        "pods": len(group.live_pods),
-        "readyPods": group.ready_pods,
-        "revision": report.revision,
-        "restarts": record.restarts,
-        "podUIDs": dict(record.pod_uids),
-        "message": record.failed_message or report.mixed or restart_message(report, phase) or "",
-        "ranks": [rank_status(p, parallelism) for p in group.pods],
-    }
-    if report.digest:
-        item["weightsDigest"] = report.digest
-    if record.last_restart_time is not None:
-        item["lastRestartTime"] = to_rfc3339(record.last_restart_time)
-    if report.weight_version is not None:
-        item["weightVersion"] = report.weight_version
-    return item
-
-
-def record_from_status(item: Mapping[str, Any] | None) -> GroupRecord:
-    """Inverse of the bookkeeping part of :func:`group_status`."""
-    if not item:
-        return GroupRecord()
-    failed = item.get("message") if item.get("phase") == "Failed" else None
-    return GroupRecord(
-        restarts=int(item.get("restarts") or 0),
-        last_restart_time=from_rfc3339(item.get("lastRestartTime")),
-        pod_uids=dict(item.get("podUIDs") or {}),
-        failed_message=failed or None,
-    )
+ROLLOUT_PHASES = (DeploymentPhase.UPDATING_WEIGHTS, DeploymentPhase.RECAPTURING_GRAPHS)
+ROLLING_OUT = DeploymentPhase.ROLLING_OUT
 
 
 def served_revision(revisions: Sequence[str]) -> str:
@@ -159,7 +62,7 @@ def deployment_phase(
     rolling: bool = False,
     mixed: bool = False,
     planned_restart: bool = False,
-) -> str:
+) -> DeploymentPhase:
     """Aggregate phase of the deployment from its group phases.
 
     ``rolling``: some group does not serve the target yet (or a rollout is running);
@@ -167,22 +70,22 @@ def deployment_phase(
     ``Restarting`` group is being replaced by a rollout (not a failure).
     """
     if mixed:  # detected this pass; the repair that starts now shows as UpdatingWeights next
-        return "Degraded"
+        return DeploymentPhase.DEGRADED
     for phase in ROLLOUT_PHASES:
         if phase in phases:
             return phase
-    if "Failed" in phases:
-        return "Failed" if ready == 0 else "Degraded"
-    unplanned = "Restarting" in phases and not planned_restart
+    if GroupPhase.FAILED in phases:
+        return DeploymentPhase.FAILED if ready == 0 else DeploymentPhase.DEGRADED
+    unplanned = GroupPhase.RESTARTING in phases and not planned_restart
     if unplanned or (rollout is not None and rollout.phase == FAILED and ready == replicas):
-        return "Degraded"
+        return DeploymentPhase.DEGRADED
     if rolling:
         return ROLLING_OUT
     if ready == replicas:
-        return "Ready"
-    if ready == 0 and all(p == "Pending" for p in phases):
-        return "Pending"
-    return "Initializing"
+        return DeploymentPhase.READY
+    if ready == 0 and all(p == GroupPhase.PENDING for p in phases):
+        return DeploymentPhase.PENDING
+    return DeploymentPhase.INITIALIZING
 
 
 def condition(
@@ -220,16 +123,22 @@ def build_status(
     previous: Mapping[str, Any],
     now: float,
     restarts_pending: int = 0,
+    draining: Sequence[GroupReport] = (),
 ) -> dict[str, Any]:
     """The whole ``status`` written after a reconcile (``now`` in Unix seconds).
 
-    ``restarts_pending``: groups a restart rollout has still to replace (their pods are old).
+    ``restarts_pending``: groups a restart rollout has still to replace (their pods are old);
+    ``draining``: groups beyond ``replicas`` whose pods still terminate (listed, and the
+    deployment is Progressing until they are gone). At ``replicas: 0`` the phase is
+    ``ScalingDown`` then ``ScaledToZero``, and no condition claims serving, weights or graphs.
     """
     stamp = to_rfc3339(now)
     old_conditions = previous.get("conditions") or []
     phases = [group_phase(r) for r in reports]
     desired = ServedModel.desired(spec)
-    ready = sum(1 for r, p in zip(reports, phases) if r.observation.ready and p != "Failed")
+    ready = sum(
+        1 for r, p in zip(reports, phases) if r.observation.ready and p != GroupPhase.FAILED
+    )
     on_target = [
         r
         for r in reports
@@ -238,13 +147,14 @@ def build_status(
         == (desired.path, desired.revision)
         and r.revision == desired.revision
         and not r.mixed
+        and r.loading is None
     ]
     graphs_current = all(
         r.observation.served is not None and r.observation.served.cuda_graph == desired.cuda_graph
         for r in reports
     )
     rollout_active = rollout is not None and rollout.phase != FAILED
-    unplanned = any(p == "Restarting" and not r.planned for r, p in zip(reports, phases))
+    unplanned = any(p == GroupPhase.RESTARTING and not r.planned for r, p in zip(reports, phases))
     mixed = [r.mixed for r in reports if r.mixed]
     all_updated = len(on_target) == len(reports) and graphs_current
     declared_behind = any(
@@ -292,7 +202,11 @@ def build_status(
             "Updating",
             rollout.message if rollout else f"rolling out {desired.revision}",
         )
-    if not desired.cuda_graph.enabled:
+    if spec.replicas == 0:  # nothing serves: no claim about weights or graphs
+        phase = DeploymentPhase.SCALING_DOWN if draining else DeploymentPhase.SCALED_TO_ZERO
+        weights = (False, phase.value, "replicas is 0: no group runs")
+        graphs = (False, phase.value, "replicas is 0: no group runs")
+    elif not desired.cuda_graph.enabled:
         graphs = (False, "Disabled", "spec.runtime.cudaGraph.enabled is false")
     elif graphs_current and ready == spec.replicas:
         graphs = (
@@ -302,12 +216,19 @@ def build_status(
         )
     else:
         graphs = (False, "Capturing", "groups are starting or recapturing")
-    progressing = (
-        phase in ("Pending", "Initializing", ROLLING_OUT, *ROLLOUT_PHASES) or rollout_active
-    )
+    starting = (DeploymentPhase.PENDING, DeploymentPhase.INITIALIZING, ROLLING_OUT)
+    progressing = phase in (*starting, *ROLLOUT_PHASES) or rollout_active or bool(draining)
     message = "; ".join(failed_messages + mixed) or (rollout.message if rollout else "")
-    serving = phase == "Ready"
-    degraded = phase in ("Degraded", "Failed")
+    serving = phase == DeploymentPhase.READY
+    degraded = phase in (DeploymentPhase.DEGRADED, DeploymentPhase.FAILED)
+    if draining and not rolling:
+        progress = f"{len(draining)} group{'s' if len(draining) > 1 else ''} terminating"
+    if spec.replicas == 0:
+        ready_reason = phase.value
+    elif serving:
+        ready_reason = "AllGroupsReady"
+    else:
+        ready_reason = "RollingOut" if phase == ROLLING_OUT else "GroupsNotReady"
     degraded_reason = (
         "MixedVersions"
         if mixed
@@ -317,16 +238,14 @@ def build_status(
             and rollout.phase == FAILED
             and not failed_messages
             and not unplanned
-            else phase
+            else phase.value
         )
     )
     conditions = [
         condition(
             "Ready",
             serving,
-            "AllGroupsReady"
-            if serving
-            else ("RollingOut" if phase == ROLLING_OUT else "GroupsNotReady"),
+            ready_reason,
             f"{ready}/{spec.replicas} groups ready; {progress}",
             generation,
             old_conditions,
@@ -336,7 +255,7 @@ def build_status(
             "Progressing",
             progressing,
             "RolloutInProgress" if progressing else "Stable",
-            progress if rolling else phase,
+            progress if rolling or draining else phase.value,
             generation,
             old_conditions,
             stamp,
@@ -353,16 +272,18 @@ def build_status(
             stamp,
         ),
     ]
+    groups = [group_status(r, p, spec.parallelism) for r, p in zip(reports, phases)]
+    groups += [group_status(r, group_phase(r), spec.parallelism) for r in draining]
     return {
-        "phase": phase,
-        "message": message or (progress if rolling else ""),
+        "phase": phase.value,
+        "message": message or (progress if rolling or draining else ""),
         "observedGeneration": generation,
         "replicas": spec.replicas,
         "readyReplicas": ready,
         "selector": labels.label_selector_string(labels.selector_labels(spec.name)),
         "servedRevision": served_revision([r.revision for r in reports]),
         "targetRevision": desired.revision,
-        "groups": [group_status(r, p, spec.parallelism) for r, p in zip(reports, phases)],
+        "groups": groups,
         "conditions": conditions,
         "rollout": rollout.to_status() if rollout is not None else None,
     }
@@ -375,7 +296,7 @@ def invalid_spec_status(
     stamp = to_rfc3339(now)
     old = previous.get("conditions") or []
     return {
-        "phase": "Failed",
+        "phase": DeploymentPhase.FAILED.value,
         "message": error,
         "observedGeneration": generation,
         "conditions": [

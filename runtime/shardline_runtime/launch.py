@@ -248,16 +248,12 @@ def _full_app(args: ServerArgs, info, input_addr: str, output_addr: str, state: 
 
     from shardline_runtime.entrypoints.http_server import build_app
     from shardline_runtime.entrypoints.metrics import ServingMetrics
-    from shardline_runtime.managers.tokenizer_manager import (
-        TokenizerManager,
-        safe_checkpoint_digest,
-    )
+    from shardline_runtime.managers.tokenizer_manager import TokenizerManager
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
-    digest = safe_checkpoint_digest(info.model_path)
     metrics = ServingMetrics(args.model_name)
-    metrics.set_weights(info.weights_revision, info.model_path, digest)
-    metrics.set_weight_version(info.weight_version)
+    metrics.set_weights(info.weights.revision, info.weights.model_path, info.weights.digest)
+    metrics.set_weight_version(info.weights.weight_version)
     tm = TokenizerManager(
         tokenizer,
         info,
@@ -265,7 +261,6 @@ def _full_app(args: ServerArgs, info, input_addr: str, output_addr: str, state: 
         output_addr,
         metrics,
         hold_timeout=args.weight_update_hold_timeout,
-        weights_digest=digest,
     )
     tm.lora_adapters = parse_lora_paths(
         list(args.lora_paths)

@@ -132,22 +132,26 @@ def test_tiny_adapter_writer_is_read_like_peft(adapters, tmp_path):
 def test_scheduler_refuses_a_request_for_an_adapter_not_loaded(adapters):
     """A request that reaches the scheduler after its adapter was unloaded (a race with the HTTP
     check) is answered with an abort, never run (it would fail inside a forward)."""
-    from types import SimpleNamespace
-
     from shardline_runtime.managers.io_struct import TokenizedGenerateReqInput
     from shardline_runtime.managers.lora_control import LoRAControl
-    from shardline_runtime.managers.scheduler import Scheduler
+    from shardline_runtime.managers.request_intake import RequestIntake
+    from shardline_runtime.managers.scheduler_output import OutputSender
     from shardline_runtime.sampling.sampling_params import SamplingParams
+
+    class Capture:
+        def __init__(self):
+            self.messages = []
+
+        def send_pyobj(self, msg):
+            self.messages.append(msg)
 
     base, a, _ = adapters
     runner = lora_runner(base, lora_paths=(f"a={a}",))
-    sent = []
-    sched = SimpleNamespace(worker=SimpleNamespace(model_runner=runner), waiting_queue=[], chunked_req=None,
-                            running_batch=None, max_req_input_len=100, max_req_len=200, eos_token_ids=[],
-                            tp_rank=0, send=sent.append)
-    sched.lora_control = LoRAControl(sched)
-    sched.finish_unscheduled = lambda msg, n, message: sent.append(message)
-    msg = TokenizedGenerateReqInput("r1", [1, 2, 3], SamplingParams(max_new_tokens=2), lora_name="gone")
-    Scheduler.handle_generate_request(sched, msg)
-    assert sent == ["LoRA adapter 'gone' is not loaded"] and not sched.waiting_queue
-    assert sched.lora_control.is_loaded("a")
+    sender, queued = OutputSender(Capture()), []
+    lora = LoRAControl(runner.lora_manager, list, sender.send)
+    intake = RequestIntake(100, 200, [], lora, sender, queued.append)
+    intake.handle(TokenizedGenerateReqInput("r1", [1, 2, 3], SamplingParams(max_new_tokens=2), lora_name="gone"))
+    reasons = [m.finished_reasons[0] for m in sender.socket.messages]
+    assert reasons == [{"type": "abort", "message": "LoRA adapter 'gone' is not loaded"}]
+    assert not queued
+    assert lora.is_loaded("a")

@@ -3,6 +3,16 @@
 from __future__ import annotations
 
 
+def with_weights_block(info):
+    """``info`` (flat ``/get_server_info`` keys) with the runtime's ``weights`` block added."""
+    if not info or "weights" in info:
+        return info
+    block = {"model_path": info.get("model_path"), "revision": info.get("weights_revision"),
+             "weight_version": info.get("weight_version", "default"), "phase": info.get("weights_phase", "serving"),
+             "digest": info.get("weights_digest"), "last_update": None}
+    return {**info, "weights": block}
+
+
 class FakeLeaders:
     """``results[key]``: what ``poll`` answers; ``info[url]``: ``/get_server_info``; ``gate``: the
     canary verification's answer; ``phases[key]``: sampled weights phases; ``seconds[key]``: the
@@ -25,7 +35,9 @@ class FakeLeaders:
         return self.results.get(key, ("unknown", ""))
 
     def server_info(self, url):
-        return self.info.get(url)
+        """``info[url]`` as the runtime serves it: the flat keys the test set, plus the
+        ``weights`` block built from them (``WeightsState.model_dump(mode="json")``'s shape)."""
+        return with_weights_block(self.info.get(url))
 
     def observed_phases(self, key):
         return self.phases.pop(key, [])

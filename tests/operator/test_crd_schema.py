@@ -9,7 +9,9 @@ import yaml
 
 from shardline_operator import spec as spec_module
 from shardline_operator.group_health import GroupRecord
-from shardline_operator.rollout import GroupView, LeaderReport
+from shardline_operator.rollout import GroupView
+from shardline_operator.weights import LeaderReport
+from shardline_operator.phases import DeploymentPhase, GroupPhase
 from shardline_operator.rollout_state import RolloutState
 from shardline_operator.runtime_args import ServedModel
 from shardline_operator.status import GroupReport, build_status, invalid_spec_status
@@ -111,6 +113,16 @@ def test_enums_and_reserved_flags_match_the_parser():
     env_rule = runtime["env"]["x-kubernetes-validations"][0]["rule"]
     for name in spec_module.RESERVED_ENV:
         assert f"'{name}'" in env_rule
+
+
+def test_status_phase_enum_is_every_deployment_phase():
+    status_schema = schema()["properties"]["status"]["properties"]
+    assert status_schema["phase"]["enum"] == [p.value for p in DeploymentPhase]
+
+
+def test_group_phase_enum_is_every_group_phase():
+    group_schema = schema()["properties"]["status"]["properties"]["groups"]["items"]["properties"]
+    assert group_schema["phase"]["enum"] == [p.value for p in GroupPhase]
 
 
 def defaults(node, path=""):

@@ -50,23 +50,25 @@ def test_worker_collapses_wakeups_and_honours_requeue(monkeypatch):
     first_pass_running, release = threading.Event(), threading.Event()
     results = [result(), result(requeue=0.05), result()]
 
-    def fake_pass(namespace, name):
+    def fake_pass(context, namespace, name):
         calls.append(len(calls))
         if len(calls) == 1:
             first_pass_running.set()
             release.wait(10)
         return results[min(len(calls), len(results)) - 1]
 
-    monkeypatch.setattr(handlers, "_pass", fake_pass)
-    monkeypatch.setattr(handlers, "_context", object())
+    monkeypatch.setattr(handlers, "run_pass", fake_pass)
+    monkeypatch.setattr(handlers.metrics, "observe_status", lambda *args: None)
+    workers = handlers.Workers()
+    memo = kopf.Memo(context=object(), workers=workers)
 
     async def scenario():
         task = asyncio.create_task(handlers.worker(body={}, namespace="ns", name="x", stopped=Never(),
-                                                   logger=handlers.log))
+                                                   logger=handlers.log, memo=memo))
         await asyncio.to_thread(first_pass_running.wait, 10)
         for _ in range(20):  # a burst of pod events while the first pass runs ...
-            handlers.wake("ns", "x")
-        handlers.wake("ns", "other")  # ... and one for another object
+            workers.wake("ns", "x")
+        workers.wake("ns", "other")  # ... and one for another object
         release.set()
         for _ in range(200):  # ... is one more pass; its requeue (0.05 s) asks for a third
             if len(calls) >= 3:
@@ -79,4 +81,50 @@ def test_worker_collapses_wakeups_and_honours_requeue(monkeypatch):
 
     asyncio.run(scenario())
     assert len(calls) == 3
-    assert ("ns", "x") not in handlers._wakeups  # noqa: SLF001 (the worker cleaned up)
+    assert ("ns", "x") not in workers  # the worker unregistered its wake-up event
+
+
+def run_one_pass(monkeypatch, memo, fake_pass):
+    """Run the worker until its first pass returned, then cancel it."""
+    done = threading.Event()
+
+    def recorded(context, namespace, name):
+        try:
+            return fake_pass(context, namespace, name)
+        finally:
+            done.set()
+
+    monkeypatch.setattr(handlers, "run_pass", recorded)
+
+    async def scenario():
+        task = asyncio.create_task(handlers.worker(body={}, namespace="ns", name="x", stopped=Never(),
+                                                   logger=handlers.log, memo=memo))
+        await asyncio.to_thread(done.wait, 10)
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+
+
+def test_a_pass_mirrors_its_status_and_restart_budget_into_the_gauges(monkeypatch):
+    seen = []
+    monkeypatch.setattr(handlers.metrics, "observe_status", lambda *args: seen.append(args))
+    memo = kopf.Memo(context=object(), workers=handlers.Workers())
+    passed = ReconcileResult({"phase": "Ready"}, [], None, restart_budget=7)
+    run_one_pass(monkeypatch, memo, lambda context, namespace, name: passed)
+    assert seen == [("ns", "x", {"phase": "Ready"}, 7)]
+
+
+def test_an_object_deleted_while_its_pass_runs_gets_no_gauges_back(monkeypatch):
+    seen = []
+    monkeypatch.setattr(handlers.metrics, "observe_status", lambda *args: seen.append(args))
+    memo = kopf.Memo(context=object(), workers=handlers.Workers())
+
+    def deleted_meanwhile(context, namespace, name):
+        memo.deleted = True  # what on_delete does to the object's resource memo
+        return ReconcileResult({"phase": "Ready"}, [], None)
+
+    run_one_pass(monkeypatch, memo, deleted_meanwhile)
+    assert seen == []

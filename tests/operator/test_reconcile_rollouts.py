@@ -14,6 +14,7 @@ from shardline_operator import labels, metrics
 from shardline_operator.reconcile import Context, reconcile
 
 from fake_kube import FakeKube
+from fake_leaders import with_weights_block
 
 REV_A = "/var/lib/shardline/models/tiny-llama/rev-a"
 REV_B = "/var/lib/shardline/models/tiny-llama/rev-b"
@@ -52,8 +53,9 @@ class LiveLeaders:
     def server_info(self, url):
         path, revision = self.serving.get(url, self.default)
         loading = any(f["url"] == url and f["state"] == "pending" for f in self.flights.values())
-        return {"weights_phase": "loading" if loading else "serving", "model_path": path,
-                "weights_revision": revision, "weights_digest": self.digests.get(url, f"sha256:{revision}")}
+        return with_weights_block({"weights_phase": "loading" if loading else "serving", "model_path": path,
+                                   "weights_revision": revision,
+                                   "weights_digest": self.digests.get(url, f"sha256:{revision}")})
 
     def observed_phases(self, key):
         return []

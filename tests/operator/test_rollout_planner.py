@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from shardline_operator.rollout import GroupView, LeaderReport, plan_rollout, update_body
+from shardline_operator.rollout import GroupView, plan_rollout, update_body
+from shardline_operator.weights import LeaderReport
 from shardline_operator.rollout_state import FAILED, PAUSED, ROLLING_BACK, UPDATING, VERIFYING, RolloutState
 from shardline_operator.runtime_args import ServedModel
 from shardline_operator.spec import CanarySpec, CudaGraphSpec, VerifySpec, WeightUpdateSpec

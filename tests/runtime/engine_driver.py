@@ -118,11 +118,12 @@ def tp_rank_main(rank: int, tp_size: int, port: int, path_a: str, path_b: str, p
         def failing(*args, **kwargs):
             raise OSError("disk error injected on rank 1")
         weight_update.load_candidate = failing
-    res["failed_update"] = worker.update_weights_from_disk(path_b, revision="b")
+    phases: list = []
+    res["failed_update"] = worker.update_weights_from_disk(path_b, on_phase=phases.append)
     weight_update.load_candidate = real_load
-    res["phase_after_failure"] = worker.weights_phase.value
+    res["phase_after_failure"] = phases[-1].value
     res["greedy_after_failure"] = run_engine(worker, prompts, greedy)
-    res["update"] = worker.update_weights_from_disk(path_b, revision="b")
+    res["update"] = worker.update_weights_from_disk(path_b)
     res["greedy_b"] = run_engine(worker, prompts, greedy)
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     destroy_distributed_environment()

@@ -1,7 +1,7 @@
 """Pipeline parallelism on CPU: world ranks (tp x pp gloo processes) each run a real
 TpModelWorker + Scheduler over the same messages, driven by the scheduler's own ``pp_step``.
 
-Stage 0 gets each scenario's messages through ``recv_requests`` (instead of ZMQ); the other
+Stage 0 gets each scenario's messages through its ``receiver`` (instead of ZMQ); the other
 stages receive them from the stage before, as in serving. Every rank records the tokens it
 appended per request, so a test sees that the last stage's ids reached every rank.
 """
@@ -47,11 +47,9 @@ def make_scheduler(path, world_rank: int = 0, tp_size: int = 1, pp_size: int = 1
     values.update(overrides)
     args = ServerArgs(**values)
     pp_rank, tp_rank = rank_layout(world_rank, tp_size)
-    scheduler = Scheduler(args, tp_rank, TpModelWorker(args, tp_rank, pp_rank=pp_rank))
+    scheduler = Scheduler(args, tp_rank, TpModelWorker(args, tp_rank, pp_rank=pp_rank), pp_loop_size=loop_size)
     if world_rank == 0:
-        scheduler.send_socket = Capture()
-    if loop_size is not None:
-        scheduler.init_pp_loop(loop_size)
+        scheduler.sender.socket = Capture()
     return scheduler
 
 
@@ -63,34 +61,33 @@ def drive(scheduler, feeds: list, max_iters: int = 3000) -> dict[str, list[int]]
     worker, reqs = scheduler.worker, {}
     pending: list[list[Any]] = []
     if worker.pp_rank == 0:
-        scheduler.recv_requests = lambda: pending.pop(0) if pending else []
-    original = scheduler.process_input_requests
+        scheduler.receiver.recv = lambda idle=False: pending.pop(0) if pending else []
+    admit = scheduler.intake.admit
 
-    def record(messages):
-        original(messages)
-        reqs.update({r.rid: r for r in scheduler.waiting_queue})
+    def record(req):
+        reqs[req.rid] = req
+        admit(req)
 
-    scheduler.process_input_requests = record
-    use_pp = scheduler.running_mbs is not None
+    scheduler.intake.admit = record
+    pipeline = scheduler.pipeline
     for feed in feeds:
         iterations, feed = feed if isinstance(feed, tuple) else (None, feed)
         if worker.pp_rank == 0:
             pending.append(list(feed))  # taken by the next iteration; later stages get it from stage 0
         for done in range(max_iters):
-            if use_pp:
-                scheduler.pp_step()
-                busy = sum(b is not None and not b.is_empty() for b in scheduler.running_mbs)
-                scheduler.max_busy_slots = max(getattr(scheduler, "max_busy_slots", 0), busy)
+            if pipeline is not None:
+                pipeline.step()
+                scheduler.max_busy_slots = max(getattr(scheduler, "max_busy_slots", 0), pipeline.busy_slots())
             else:
                 scheduler.process_input_requests(scheduler.recv_requests())
                 batch = scheduler.get_next_batch_to_run()
                 if batch is not None:
-                    scheduler.process_batch_result(batch, scheduler.run_batch(batch))
+                    scheduler.results.process(batch, scheduler.run_batch(batch))
             if iterations is not None:
                 if done + 1 == iterations:
                     break
-            elif not scheduler.running_batches() and not scheduler.waiting_queue \
-                    and scheduler.chunked_req is None and scheduler.pending_update is None:
+            elif not scheduler.planner.running_batches() and not scheduler.prefill_manager.waiting_queue \
+                    and scheduler.prefill_manager.chunked_req is None and scheduler.control.pending_update is None:
                 break
         else:
             raise AssertionError("the scheduler did not finish")
@@ -100,7 +97,7 @@ def drive(scheduler, feeds: list, max_iters: int = 3000) -> dict[str, list[int]]
 def captured(scheduler) -> dict[str, dict]:
     """Per rid from rank 0's outputs: ids, finish reason, cached tokens; plus other replies."""
     out: dict[str, dict] = {}
-    for msg in scheduler.send_socket.messages:
+    for msg in scheduler.sender.socket.messages:
         if isinstance(msg, BatchTokenIDOut):
             for i, rid in enumerate(msg.rids):
                 r = out.setdefault(rid, {"ids": [], "finish": None, "cached": 0})
@@ -161,9 +158,9 @@ def rank_main(world_rank: int, tp_size: int, pp_size: int, port: int, scenarios:
         if sc.get("forced"):
             res["logits"] = forced_logits(worker, sc["prompts"], sc["forced"])
         res["tokens"] = drive(scheduler, sc["feeds"])
-        res["retractions"] = scheduler.decode_manager.num_retractions
+        res["retractions"] = sum(dm.num_retractions for dm in scheduler.decode_managers)
         res["max_busy_slots"] = getattr(scheduler, "max_busy_slots", 0)  # slots decoding at once
-        res["kv_leaked"] = scheduler.kv_used_tokens()  # KV held by no request once all finished
+        res["kv_leaked"] = scheduler.cache.used_tokens()  # KV held by no request once all finished
         if world_rank == 0:
             res["outputs"] = captured(scheduler)
         model = worker.model_runner.model

@@ -151,13 +151,13 @@ def test_max_running_requests_counts_every_micro_batch_slot(tiny_checkpoint):
     """--max-running-requests caps the requests of all slots together, not of each slot (one
     process with two micro-batch slots: the admission rule of a pp=2 stage, without the stages)."""
     scheduler = pp_harness.make_scheduler(tiny_checkpoint("llama"), loop_size=2, max_running_requests=1)
-    step, peak = scheduler.pp_step, []
+    step, peak = scheduler.pipeline.step, []
 
     def counted_step():
         step()
-        peak.append(len({id(r) for b in scheduler.running_batches() for r in b.reqs if not r.finished()}))
+        peak.append(len({id(r) for b in scheduler.planner.running_batches() for r in b.reqs if not r.finished()}))
 
-    scheduler.pp_step = counted_step
+    scheduler.pipeline.step = counted_step
     outputs = pp_harness.drive(scheduler, [requests(n=4)])
     assert max(peak) == 1
     assert sorted(len(ids) for ids in outputs.values()) == [4, 4, 4]

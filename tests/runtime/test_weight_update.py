@@ -47,13 +47,13 @@ def test_w3_update_equals_cold_start_and_keeps_storage(ckpt_a, ckpt_b):
     before = run_engine(worker, PROMPTS, GREEDY)
     assert before != cold_b
     ptrs = {name: p.data_ptr() for name, p in worker.model_runner.model.named_parameters()}
-    ok, message = worker.update_weights_from_disk(str(ckpt_b), revision="b")
+    phases: list = []
+    ok, message = worker.update_weights_from_disk(str(ckpt_b), on_phase=phases.append)
     assert ok, message
     assert {name: p.data_ptr() for name, p in worker.model_runner.model.named_parameters()} == ptrs
     assert run_engine(worker, PROMPTS, GREEDY) == cold_b
-    info = worker.get_worker_info()
-    assert info["weights_phase"] == "serving" and info["weights_revision"] == "b"
-    assert info["model_path"] == str(ckpt_b)
+    assert [p.value for p in phases] == ["loading", "recapturing", "serving"]
+    assert worker.model_runner.model_config.model_path == str(ckpt_b)
 
 
 def test_phase_clock_times_loading_and_recapturing(ckpt_a, ckpt_b):
@@ -128,16 +128,18 @@ def test_w1_failed_updates_keep_old_weights(tiny_checkpoint, ckpt_a, tmp_path_fa
     reference = run_engine(worker, PROMPTS, GREEDY)
     params = {n: p.detach().clone() for n, p in worker.model_runner.model.named_parameters()}
     for case, (path, expected) in bad_checkpoints(tiny_checkpoint, ckpt_a, tmp_path_factory).items():
-        ok, message = worker.update_weights_from_disk(str(path), revision=case)
+        phases: list = []
+        ok, message = worker.update_weights_from_disk(str(path), on_phase=phases.append)
         assert not ok, case
         assert all(part in message for part in expected), (case, message)
-        assert worker.weights_phase.value == "failed"
-        assert worker.get_worker_info()["model_path"] == str(ckpt_a)
+        assert phases[-1].value == "failed", case
         assert worker.model_runner.model_config.model_path == str(ckpt_a)
         for name, p in worker.model_runner.model.named_parameters():
             assert p.equal(params[name]), (case, name)
     assert run_engine(worker, PROMPTS, GREEDY) == reference
-    assert worker.update_weights_from_disk(str(ckpt_a))[0] and worker.weights_phase.value == "serving"
+    phases = []
+    assert worker.update_weights_from_disk(str(ckpt_a), on_phase=phases.append)[0]
+    assert phases[-1].value == "serving"
 
 
 def test_bad_load_format_is_rejected(ckpt_a):
@@ -175,8 +177,10 @@ def test_w2_w3_with_captured_cuda_graphs(ckpt_a, ckpt_b):
     ok, message = worker.update_weights_from_disk(str(ckpt_b), recapture_cuda_graph=False)
     assert ok, message
     assert run_engine(worker, PROMPTS, GREEDY) == cold_b
-    clock = PhaseClock()
+    phases: list = []
+    clock = PhaseClock(phases.append)
     ok, message = worker.update_weights_from_disk(str(ckpt_b), recapture_cuda_graph=True, on_phase=clock)
-    assert ok and worker.weights_phase.value == "serving"
+    assert ok, message
+    assert phases[-1].value == "serving"
     assert clock.seconds()["recapture_seconds"] > 0  # graphs really captured again
     assert run_engine(worker, PROMPTS, GREEDY) == cold_b

@@ -24,7 +24,7 @@ def make_scheduler(model_path, **overrides) -> Scheduler:
     values.update(overrides)
     args = ServerArgs(**values)
     scheduler = Scheduler(args, 0, TpModelWorker(args, 0))
-    scheduler.send_socket = _Capture()
+    scheduler.sender.socket = _Capture()
     return scheduler
 
 
@@ -37,10 +37,10 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 20000) -> dict[str,
         if batch is None and scheduler.is_idle():
             break
         if batch is not None:
-            scheduler.process_batch_result(batch, scheduler.run_batch(batch))
+            scheduler.results.process(batch, scheduler.run_batch(batch))
     else:
         raise AssertionError("scheduler did not finish")
-    return collect_results(scheduler.send_socket.messages)
+    return collect_results(scheduler.sender.socket.messages)
 
 
 def run_loop(scheduler: Scheduler, arrivals: dict[int, list], max_steps: int = 20000) -> dict[str, dict]:
@@ -53,7 +53,7 @@ def run_loop(scheduler: Scheduler, arrivals: dict[int, list], max_steps: int = 2
             break
     else:
         raise AssertionError("scheduler did not finish")
-    return collect_results(scheduler.send_socket.messages)
+    return collect_results(scheduler.sender.socket.messages)
 
 
 def collect_results(messages) -> dict[str, dict]:

@@ -11,8 +11,8 @@ from scheduler_harness import greedy, make_scheduler, run_to_completion
 from shardline_runtime.managers.io_struct import (
     UpdateWeightsFromDiskReqInput,
     UpdateWeightsFromDiskReqOutput,
-    WeightsPhaseOut,
 )
+from shardline_runtime.managers.weights_state import WeightsState
 
 PROMPTS = {f"p{i}": [5 + i, 17, 29 + i, 41] for i in range(2)}  # one decode batch of 2
 
@@ -24,13 +24,13 @@ def _generate(scheduler) -> dict[str, list[int]]:
 
 def _update(scheduler, **fields) -> list[str]:
     """Run one update; return the weights phases rank 0 reported for it."""
-    scheduler.send_socket.messages.clear()
+    scheduler.sender.socket.messages.clear()
     scheduler.process_input_requests([UpdateWeightsFromDiskReqInput(**fields)])
     run_to_completion(scheduler)
-    msgs = scheduler.send_socket.messages
+    msgs = scheduler.sender.socket.messages
     replies = [m for m in msgs if isinstance(m, UpdateWeightsFromDiskReqOutput)]
     assert len(replies) == 1 and replies[0].success, replies
-    return [m.phase for m in msgs if isinstance(m, WeightsPhaseOut)]
+    return [m.phase.value for m in msgs if isinstance(m, WeightsState)]
 
 
 @pytest.mark.gpu

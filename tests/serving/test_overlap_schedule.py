@@ -28,7 +28,7 @@ def _both(ckpt, arrivals, **overrides) -> tuple[dict, dict, list]:
     out, schedulers = [], []
     for disable in (False, True):
         scheduler = make_scheduler(ckpt, disable_overlap_schedule=disable, **overrides)
-        assert (scheduler.future_map is None) == disable
+        assert (scheduler.overlap.future_map is None) == disable
         assert scheduler.scheduler_info().overlap_schedule is not disable  # /get_server_info's value
         placeholders = _count_placeholders(scheduler) if not disable else None
         out.append(run_loop(scheduler, arrivals))
@@ -41,20 +41,20 @@ def _both(ckpt, arrivals, **overrides) -> tuple[dict, dict, list]:
 def _count_placeholders(scheduler) -> list[int]:
     """Count the input ids resolved from the future map (a spy on the real method)."""
     seen = [0]
-    resolve = scheduler.future_map.resolve
+    resolve = scheduler.overlap.future_map.resolve
 
     def counting(input_ids):
         seen[0] += int((input_ids < 0).sum())
         return resolve(input_ids)
 
-    scheduler.future_map.resolve = counting
+    scheduler.overlap.future_map.resolve = counting
     return seen
 
 
 def _assert_settled(scheduler) -> None:
-    assert scheduler.in_flight is None
-    assert scheduler.kv_used_tokens() == 0, "every KV slot is free or in the prefix cache"
-    assert scheduler.req_to_token_pool.available_size() == scheduler.req_to_token_pool.size
+    assert scheduler.overlap.in_flight is None
+    assert scheduler.cache.used_tokens() == 0, "every KV slot is free or in the prefix cache"
+    assert scheduler.cache.req_to_token_pool.available_size() == scheduler.cache.req_to_token_pool.size
 
 
 def test_overlap_equals_no_overlap_over_a_mixed_workload(ckpt):

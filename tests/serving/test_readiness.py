@@ -1,7 +1,7 @@
 """``/ready`` and ``/health`` of the rank-0 HTTP app follow what the schedulers report.
 
 The app and its TokenizerManager are the real ones, in process; the test plays rank 0's
-scheduler on the same ZMQ socket, sending the same ``WeightsPhaseOut`` messages, so each phase
+scheduler on the same ZMQ socket, sending the same ``WeightsState`` messages, so each phase
 lasts exactly as long as the test needs (a real weight load of a tiny checkpoint is over in
 milliseconds). That the scheduler sends ``loading`` before it loads is tested in
 ``test_scheduler.py``; startup (503 until every rank loaded) and SIGTERM in
@@ -17,8 +17,9 @@ import zmq
 import zmq.asyncio
 
 from shardline_runtime.entrypoints.http_server import build_app
-from shardline_runtime.managers.io_struct import SchedulerInfo, WeightsPhaseOut
+from shardline_runtime.managers.io_struct import SchedulerInfo
 from shardline_runtime.managers.tokenizer_manager import TokenizerManager
+from shardline_runtime.managers.weights_state import WeightsPhase, WeightsState
 from shardline_runtime.server_args import ServerArgs
 
 
@@ -31,7 +32,7 @@ async def _wait_phase(tm: TokenizerManager, phase: str) -> None:
 
 
 def test_ready_is_503_while_loading_recapturing_or_draining(tokenizer, serving_checkpoint, tmp_path):
-    info = SchedulerInfo(0, 2048, 2047, 2046, 4096, tokenizer.vocab_size, 64, "rev-a", str(serving_checkpoint))
+    info = SchedulerInfo(0, 2048, 2047, 2046, 4096, tokenizer.vocab_size, 64, WeightsState(model_path=str(serving_checkpoint), revision="rev-a"))
     args = ServerArgs(model_path=str(serving_checkpoint))
     to_scheduler, from_scheduler = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
 
@@ -50,7 +51,7 @@ def test_ready_is_503_while_loading_recapturing_or_draining(tokenizer, serving_c
 
                 await look("serving")
                 for phase in ("loading", "recapturing", "serving", "loading", "failed"):
-                    await rank0.send_pyobj(WeightsPhaseOut(phase))
+                    await rank0.send_pyobj(info.weights.model_copy(update={"phase": WeightsPhase(phase)}))
                     await _wait_phase(tm, phase)
                     await look(phase)
                 tm.draining = True  # what the launcher's SIGTERM handler sets

@@ -30,15 +30,15 @@ def test_batched_equals_alone_and_kv_returns_to_baseline(ckpt):
     for i, (p, n) in enumerate(zip(prompts, lengths)):
         scheduler.process_input_requests([greedy(f"r{i}", p, n)])
         alone.update(run_to_completion(scheduler))
-        scheduler.send_socket.messages.clear()
+        scheduler.sender.socket.messages.clear()
     scheduler = make_scheduler(ckpt, disable_radix_cache=True)
     scheduler.process_input_requests([greedy(f"r{i}", p, n) for i, (p, n) in enumerate(zip(prompts, lengths))])
     together = run_to_completion(scheduler)
     for rid, r in alone.items():
         assert together[rid]["ids"] == r["ids"], rid
         assert len(r["ids"]) == lengths[int(rid[1:])] and r["finish"]["type"] == "length"
-    assert scheduler.kv_used_tokens() == 0 and scheduler.allocator.available_size() == scheduler.max_total_num_tokens
-    assert scheduler.req_to_token_pool.available_size() == scheduler.req_to_token_pool.size
+    assert scheduler.cache.used_tokens() == 0 and scheduler.cache.allocator.available_size() == scheduler.cache.max_total_num_tokens
+    assert scheduler.cache.req_to_token_pool.available_size() == scheduler.cache.req_to_token_pool.size
 
 
 def test_s4_chunked_prefill_equals_unchunked(ckpt):
@@ -54,9 +54,9 @@ def test_s4_chunked_prefill_equals_unchunked(ckpt):
         batch = chunked.get_next_batch_to_run()
         if batch is None:
             break
-        before = len(chunked.send_socket.messages)
-        chunked.process_batch_result(batch, chunked.run_batch(batch))
-        steps_with_output.append(len(chunked.send_socket.messages) > before)
+        before = len(chunked.sender.socket.messages)
+        chunked.results.process(batch, chunked.run_batch(batch))
+        steps_with_output.append(len(chunked.sender.socket.messages) > before)
     # 300 prompt tokens in chunks of 64: 4 intermediate chunks emit nothing, the 5th emits a token
     assert steps_with_output[:5] == [False, False, False, False, True]
     got = run_to_completion(chunked)["a"]
@@ -76,7 +76,7 @@ def test_retraction_under_small_pool_is_exact(ckpt):
     got = run_to_completion(small)
     assert small.decode_manager.num_retractions > 0
     assert {k: v["ids"] for k, v in got.items()} == {k: v["ids"] for k, v in expected.items()}
-    assert small.kv_used_tokens() == 0
+    assert small.cache.used_tokens() == 0
 
 
 def test_prefix_cache_reuse_reported_and_exact(ckpt):
@@ -84,14 +84,14 @@ def test_prefix_cache_reuse_reported_and_exact(ckpt):
     scheduler = make_scheduler(ckpt)
     scheduler.process_input_requests([greedy("first", prefix + [7, 8], 6)])
     first = run_to_completion(scheduler)["first"]
-    scheduler.send_socket.messages.clear()
+    scheduler.sender.socket.messages.clear()
     scheduler.process_input_requests([greedy("second", prefix + [9, 10, 11], 6)])
     second = run_to_completion(scheduler)["second"]
     assert first["cached"] == 0 and second["cached"] == 100
     cold = make_scheduler(ckpt, disable_radix_cache=True)
     cold.process_input_requests([greedy("second", prefix + [9, 10, 11], 6)])
     assert run_to_completion(cold)["second"]["ids"] == second["ids"]
-    assert scheduler.kv_used_tokens() == 0 and scheduler.tree_cache.evictable_size() > 0
+    assert scheduler.cache.used_tokens() == 0 and scheduler.tree_cache.evictable_size() > 0
 
 
 def test_abort_frees_kv_before_next_step(ckpt):
@@ -99,10 +99,10 @@ def test_abort_frees_kv_before_next_step(ckpt):
     scheduler.process_input_requests([greedy("long", _prompts(4, 1, 50, 50)[0], 500), greedy("queued", [5, 6, 7], 5)])
     for _ in range(3):
         batch = scheduler.get_next_batch_to_run()
-        scheduler.process_batch_result(batch, scheduler.run_batch(batch))
-    assert scheduler.kv_used_tokens() > 0
+        scheduler.results.process(batch, scheduler.run_batch(batch))
+    assert scheduler.cache.used_tokens() > 0
     scheduler.process_input_requests([AbortReq("long"), AbortReq("queued")])
-    assert scheduler.kv_used_tokens() == 0 and scheduler.is_idle()
+    assert scheduler.cache.used_tokens() == 0 and scheduler.is_idle()
     reasons = {rid: r["finish"]["type"] for rid, r in run_to_completion(scheduler).items()}
     assert reasons == {"long": "abort", "queued": "abort"}
 
@@ -111,9 +111,9 @@ def test_pool_clips_max_new_tokens_with_length(ckpt):
     scheduler = make_scheduler(ckpt, max_total_tokens=300)
     scheduler.process_input_requests([greedy("big", _prompts(5, 1, 100, 100)[0], 1000), greedy("small", [5, 6], 4)])
     got = run_to_completion(scheduler)
-    assert got["big"]["finish"]["type"] == "length" and len(got["big"]["ids"]) == scheduler.max_req_len - 100
+    assert got["big"]["finish"]["type"] == "length" and len(got["big"]["ids"]) == scheduler.worker.max_req_len - 100
     assert len(got["small"]["ids"]) == 4
-    assert scheduler.kv_used_tokens() == 0
+    assert scheduler.cache.used_tokens() == 0
 
 
 def test_mixed_chunk_equals_separate_steps(ckpt):
@@ -126,14 +126,14 @@ def test_mixed_chunk_equals_separate_steps(ckpt):
         for i, p in enumerate(prompts[1:], 1):  # arrivals while r0 decodes
             for _ in range(3):
                 batch = scheduler.get_next_batch_to_run()
-                scheduler.process_batch_result(batch, scheduler.run_batch(batch))
+                scheduler.results.process(batch, scheduler.run_batch(batch))
                 steps += 1
             scheduler.process_input_requests([greedy(f"r{i}", p, 10 + i)])
         got = {rid: r["ids"] for rid, r in run_to_completion(scheduler).items()}
         if mixed:
             assert got == expected
         expected = got
-        assert scheduler.kv_used_tokens() == 0
+        assert scheduler.cache.used_tokens() == 0
 
 
 def test_weight_update_waits_for_a_chunked_prefill(ckpt):
@@ -142,33 +142,33 @@ def test_weight_update_waits_for_a_chunked_prefill(ckpt):
     scheduler = make_scheduler(ckpt, chunked_prefill_size=32, max_prefill_tokens=32)
     scheduler.process_input_requests([greedy("long", _prompts(7, 1, 200, 200)[0], 4)])
     batch = scheduler.get_next_batch_to_run()  # first chunk only
-    scheduler.process_batch_result(batch, scheduler.run_batch(batch))
-    assert scheduler.chunked_req is not None
+    scheduler.results.process(batch, scheduler.run_batch(batch))
+    assert scheduler.prefill_manager.chunked_req is not None
     scheduler.process_input_requests([UpdateWeightsFromDiskReqInput(str(ckpt)), greedy("later", [5, 6], 2)])
     results = run_to_completion(scheduler)
-    replies = [m for m in scheduler.send_socket.messages if isinstance(m, UpdateWeightsFromDiskReqOutput)]
+    replies = [m for m in scheduler.sender.socket.messages if isinstance(m, UpdateWeightsFromDiskReqOutput)]
     assert len(replies) == 1 and replies[0].success
     assert len(results["long"]["ids"]) == 4 and len(results["later"]["ids"]) == 2
-    assert scheduler.kv_used_tokens() == 0
+    assert scheduler.cache.used_tokens() == 0
 
 
 def test_weight_update_reports_each_phase_while_it_runs(ckpt, tiny_checkpoint):
     """The HTTP process mirrors weights_phase (and the operator mirrors it in turn): rank 0 sends
     every phase the worker enters, before the final reply, not only the end state."""
-    from shardline_runtime.managers.io_struct import (
-        UpdateWeightsFromDiskReqInput, UpdateWeightsFromDiskReqOutput, WeightsPhaseOut,
-    )
+    from shardline_runtime.managers.io_struct import UpdateWeightsFromDiskReqInput, UpdateWeightsFromDiskReqOutput
+    from shardline_runtime.managers.weights_state import WeightsState
 
     scheduler = make_scheduler(ckpt)
     other = tiny_checkpoint("llama", 1, max_position_embeddings=2048)
     scheduler.process_input_requests([UpdateWeightsFromDiskReqInput(str(other), revision="b")])
     run_to_completion(scheduler)
-    msgs = scheduler.send_socket.messages
-    phases = [m.phase for m in msgs if isinstance(m, WeightsPhaseOut)]
+    msgs = scheduler.sender.socket.messages
+    phases = [m.phase.value for m in msgs if isinstance(m, WeightsState)]
     reply_at = next(i for i, m in enumerate(msgs) if isinstance(m, UpdateWeightsFromDiskReqOutput))
     assert phases == ["loading", "serving"], phases  # CPU: no graphs, so no "recapturing"
-    assert all(isinstance(m, WeightsPhaseOut) or m is msgs[reply_at] for m in msgs), msgs
-    assert msgs[reply_at].success and reply_at == len(msgs) - 1
+    assert all(isinstance(m, WeightsState) or m is msgs[reply_at] for m in msgs), msgs
+    assert msgs[reply_at].success
+    assert reply_at == len(msgs) - 1
 
 
 def test_weight_update_lets_retracted_requests_finish_on_the_old_weights(ckpt, tiny_checkpoint):
@@ -186,15 +186,15 @@ def test_weight_update_lets_retracted_requests_finish_on_the_old_weights(ckpt, t
     for _ in range(2000):  # step until a retracted request that already has output waits
         batch = small.get_next_batch_to_run()
         assert batch is not None, "the workload finished without a retraction"
-        small.process_batch_result(batch, small.run_batch(batch))
-        if any(r.output_ids for r in small.waiting_queue):
+        small.results.process(batch, small.run_batch(batch))
+        if any(r.output_ids for r in small.prefill_manager.waiting_queue):
             break
-    started = {r.rid for r in small.waiting_queue if r.output_ids} | {r.rid for r in small.running_batch.reqs}
-    assert any(r.output_ids for r in small.waiting_queue)
+    started = {r.rid for r in small.prefill_manager.waiting_queue if r.output_ids} | {r.rid for r in small.decode_manager.running_batch.reqs}
+    assert any(r.output_ids for r in small.prefill_manager.waiting_queue)
     other = tiny_checkpoint("llama", 1, max_position_embeddings=2048)
     small.process_input_requests([UpdateWeightsFromDiskReqInput(str(other), revision="b")])
     got = run_to_completion(small)
-    replies = [m for m in small.send_socket.messages if isinstance(m, UpdateWeightsFromDiskReqOutput)]
+    replies = [m for m in small.sender.socket.messages if isinstance(m, UpdateWeightsFromDiskReqOutput)]
     assert len(replies) == 1 and replies[0].success
     for rid in started:  # every response begun on A ends on A
         assert got[rid]["ids"] == expected[rid]["ids"], rid
@@ -213,7 +213,7 @@ def test_chunked_prefill_gives_way_to_a_lone_running_request(ckpt, overlap):
     small = make_scheduler(ckpt, max_total_tokens=256, **kw)
     got = run_loop(small, arrivals)
     assert got["a"]["ids"] == expected["a"]["ids"] and got["a"]["finish"]["length"] == 30
-    clipped = small.max_req_len - len(b)
+    clipped = small.worker.max_req_len - len(b)
     assert 0 < clipped < 100 and got["b"]["ids"] == expected["b"]["ids"][:clipped]
     assert got["b"]["cached"] == 0 and small.decode_manager.num_retractions > 0
-    assert small.kv_used_tokens() == 0
+    assert small.cache.used_tokens() == 0

@@ -23,12 +23,13 @@ import zmq.asyncio
 
 from shardline_runtime.entrypoints.errors import guard_stream
 from shardline_runtime.entrypoints.http_server import build_app
-from shardline_runtime.managers.io_struct import SchedulerInfo, TokenizedGenerateReqInput, WeightsPhaseOut
+from shardline_runtime.managers.io_struct import SchedulerInfo, TokenizedGenerateReqInput
 from shardline_runtime.managers.tokenizer_manager import (
     RequestValidationError,
     ServerNotReadyError,
     TokenizerManager,
 )
+from shardline_runtime.managers.weights_state import WeightsPhase, WeightsState
 from shardline_runtime.sampling.sampling_params import SamplingParams
 from shardline_runtime.server_args import ServerArgs
 
@@ -52,7 +53,8 @@ class _Rank0:
 
 
 async def _phase(tm: TokenizerManager, rank0: _Rank0, phase: str) -> None:
-    await rank0.outbox.send_pyobj(WeightsPhaseOut(phase))
+    state = tm.info.weights.model_copy(update={"phase": WeightsPhase(phase)})
+    await rank0.outbox.send_pyobj(state)
     for _ in range(500):
         if tm.weights_phase == phase:
             return
@@ -61,7 +63,7 @@ async def _phase(tm: TokenizerManager, rank0: _Rank0, phase: str) -> None:
 
 
 def _run(tokenizer, checkpoint, tmp_path, scenario, hold_timeout: float = 0.5):
-    info = SchedulerInfo(0, 2048, 2047, 2046, 4096, tokenizer.vocab_size, 64, "rev-a", str(checkpoint))
+    info = SchedulerInfo(0, 2048, 2047, 2046, 4096, tokenizer.vocab_size, 64, WeightsState(model_path=str(checkpoint), revision="rev-a"))
     to_scheduler, from_scheduler = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
 
     async def main():

@@ -7,6 +7,7 @@ handled between forward steps, so no step sees a half-moved expert.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from shardline_runtime.layers.moe.recorder import RecorderError
@@ -23,42 +24,64 @@ NOT_MOE = (
 )
 
 
-def handle_expert_control(
-    model_runner: Any, msg: ExpertDistributionReqInput | RebalanceExpertsReqInput
-):
-    """Run one recorder or rebalance request on this rank; returns the reply message."""
-    manager = model_runner.eplb_manager
-    if isinstance(msg, RebalanceExpertsReqInput):
-        if manager is None:
+class ExpertControl:
+    """Recorder and rebalance requests on one rank.
+
+    Args:
+        eplb_manager: the runner's ``EPLBManager``, or None when the model has no experts.
+        memory_saver: the runner's ``MemorySaver`` (no expert moves while weights are released).
+        tp_rank: this rank (rank 0 answers ``dump`` and writes its file).
+        send: rank 0's sender of replies (a no-op on other ranks).
+    """
+
+    def __init__(
+        self, eplb_manager: Any, memory_saver: Any, tp_rank: int, send: Callable[[Any], None]
+    ):
+        self.manager = eplb_manager
+        self.memory_saver = memory_saver
+        self.tp_rank = tp_rank
+        self.send = send
+
+    def handlers(self) -> dict[type, Callable[[Any], None]]:
+        """This part's entries of the scheduler's message table."""
+        return {
+            ExpertDistributionReqInput: lambda m: self.send(self.record(m)),
+            RebalanceExpertsReqInput: lambda m: self.send(self.rebalance(m)),
+        }
+
+    def rebalance(self, _msg: RebalanceExpertsReqInput) -> RebalanceExpertsReqOutput:
+        """Move experts by the recorded load (every rank together)."""
+        if self.manager is None:
             return RebalanceExpertsReqOutput(False, NOT_MOE)
-        saver = getattr(model_runner, "memory_saver", None)
-        if saver is not None and "weights" in saver.released:  # no expert weights to move
+        if self.memory_saver is not None and "weights" in self.memory_saver.released:
             return RebalanceExpertsReqOutput(
                 False,
                 "weights are released; POST /resume_memory_occupation with tag "
                 "'weights' before /rebalance_experts",
             )
-        r = manager.rebalance()
+        r = self.manager.rebalance()
         return RebalanceExpertsReqOutput(
             r.success, r.message, r.imbalance_before, r.imbalance_after_expected, r.moved_experts
         )
-    if manager is None:
-        return ExpertDistributionReqOutput(False, NOT_MOE)
-    if msg.action not in ACTIONS:
-        return ExpertDistributionReqOutput(
-            False, f"action must be one of {ACTIONS}, got {msg.action!r}"
-        )
-    try:
-        if msg.action == "start":
-            manager.recorder.start(msg.mode)
-            return ExpertDistributionReqOutput(True, f"recording ({manager.recorder.mode})")
-        if msg.action == "stop":
-            manager.recorder.stop()
-            return ExpertDistributionReqOutput(True, "stopped")
-        if (
-            model_runner.tp_rank != 0
-        ):  # every rank holds the same record; rank 0 answers (and writes the file)
-            return ExpertDistributionReqOutput(True, "dumped by tp rank 0")
-        return ExpertDistributionReqOutput(True, "", manager.dump(to_file=msg.to_file))
-    except (RecorderError, OSError) as e:
-        return ExpertDistributionReqOutput(False, str(e))
+
+    def record(self, msg: ExpertDistributionReqInput) -> ExpertDistributionReqOutput:
+        """Start, stop or dump the expert-distribution recorder."""
+        manager = self.manager
+        if manager is None:
+            return ExpertDistributionReqOutput(False, NOT_MOE)
+        if msg.action not in ACTIONS:
+            return ExpertDistributionReqOutput(
+                False, f"action must be one of {ACTIONS}, got {msg.action!r}"
+            )
+        try:
+            if msg.action == "start":
+                manager.recorder.start(msg.mode)
+                return ExpertDistributionReqOutput(True, f"recording ({manager.recorder.mode})")
+            if msg.action == "stop":
+                manager.recorder.stop()
+                return ExpertDistributionReqOutput(True, "stopped")
+            if self.tp_rank != 0:  # every rank holds the same record; rank 0 answers (and writes)
+                return ExpertDistributionReqOutput(True, "dumped by tp rank 0")
+            return ExpertDistributionReqOutput(True, "", manager.dump(to_file=msg.to_file))
+        except (RecorderError, OSError) as e:
+            return ExpertDistributionReqOutput(False, str(e))

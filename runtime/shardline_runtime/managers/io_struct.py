@@ -12,8 +12,8 @@ Direction and meaning:
 - Rank-0 scheduler -> HTTP: ``BatchTokenIDOut`` (new token ids of many requests per step),
   ``FlushCacheReqOutput``, ``UpdateWeightsFromDiskReqOutput``, ``ExpertDistributionReqOutput``,
   ``RebalanceExpertsReqOutput``, ``ControlReqOutput`` (reply to every weight-sync and memory
-  control), ``WeightsPhaseOut``, ``ServingStateOut``, and ``SchedulerStats`` whenever load or KV
-  usage changed.
+  control), ``WeightsState`` (``weights_state.py``: the serving weights, sent whole whenever a
+  field changed), ``ServingStateOut``, and ``SchedulerStats`` whenever load or KV usage changed.
 
 Token ids are Python ints; logprobs are natural-log floats.
 """
@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardline_runtime.managers.weights_state import WeightsState
 from shardline_runtime.sampling.sampling_params import SamplingParams
 
 
@@ -91,11 +92,11 @@ class UpdateWeightsFromDiskReqInput:
 
 @dataclass
 class UpdateWeightsFromDiskReqOutput:
+    """Reply to a disk update; what serves afterwards arrives just before it, as the new
+    ``WeightsState``."""
+
     success: bool
     message: str
-    revision: str | None = None
-    model_path: str | None = None
-    weight_version: str | None = None
     load_seconds: float | None = None  # rank 0's time in ``loading`` (None: the update never ran)
     recapture_seconds: float | None = None  # rank 0's time in ``recapturing`` (0.0: no graphs)
 
@@ -172,11 +173,11 @@ class ResumeMemoryOccupationReqInput:
 @dataclass
 class ControlReqOutput:
     """Reply to a weight-sync or memory control; ``data`` carries e.g. the tensor values of
-    ``get_weights_by_name``; ``weight_version`` is the version serving after the call."""
+    ``get_weights_by_name``. A call that changed the weights sends the new ``WeightsState``
+    just before this reply."""
 
     success: bool
     message: str
-    weight_version: str | None = None
     data: Any = None
 
 
@@ -187,13 +188,6 @@ class ServingStateOut:
 
     blocked: str | None
     paused: str | None
-
-
-@dataclass
-class WeightsPhaseOut:
-    """Rank 0 reports a weights phase change (``serving``, ``loading``, ``recapturing``, ``failed``)."""
-
-    phase: str
 
 
 @dataclass
@@ -223,10 +217,8 @@ class SchedulerInfo:
     context_len: int
     vocab_size: int
     max_running_requests: int
-    weights_revision: str | None
-    model_path: str
+    weights: WeightsState  # what serves at start (later changes arrive as new records)
     eos_token_ids: list[int] = field(default_factory=list)
-    weight_version: str = "default"
     hidden_size: int = 0  # width of one input_embeds vector
     overlap_schedule: bool = False  # the overlap scheduler runs (off with LoRA, PP or the flag)
 

@@ -13,10 +13,12 @@ unload), so requests already accepted finish on the adapter they asked for.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from shardline_runtime.lora.lora_config import LoRAAdapterError, LoRAPoolFullError
+from shardline_runtime.managers.req import Req
 
 logger = logging.getLogger(__name__)
 
@@ -45,25 +47,32 @@ class LoRAAdapterReqOutput:
 
 
 class LoRAControl:
-    """The scheduler's side of adapter load/unload (one per rank)."""
+    """The scheduler's side of adapter load/unload (one per rank).
 
-    def __init__(self, scheduler: Any):
-        self.scheduler = scheduler
+    Args:
+        manager: the runner's ``LoRAManager`` (adapter slots).
+        requests: every queued, chunked or running request (their adapters are in use).
+        send: rank 0's sender of replies (a no-op on other ranks).
+    """
+
+    def __init__(
+        self,
+        manager: Any,
+        requests: Callable[[], Iterable[Req]],
+        send: Callable[[Any], None],
+    ):
+        self.manager = manager
+        self.requests = requests
+        self.send = send
         self.pending_unloads: list[UnloadLoRAAdapterReqInput] = []
 
-    @property
-    def manager(self):
-        return self.scheduler.worker.model_runner.lora_manager
+    def handlers(self) -> dict[type, Callable[[Any], None]]:
+        """This part's entries of the scheduler's message table."""
+        return {LoadLoRAAdapterReqInput: self.handle, UnloadLoRAAdapterReqInput: self.handle}
 
     def names_in_use(self) -> set[str]:
         """Adapters of queued, chunked or running requests."""
-        s = self.scheduler
-        reqs = list(s.waiting_queue)
-        if s.chunked_req is not None:
-            reqs.append(s.chunked_req)
-        if s.running_batch is not None:
-            reqs.extend(s.running_batch.reqs)
-        return {r.lora_name for r in reqs if getattr(r, "lora_name", None) is not None}
+        return {r.lora_name for r in self.requests() if r.lora_name is not None}
 
     def is_loaded(self, name: str) -> bool:
         """``name`` holds a slot and no unload of it is pending."""
@@ -76,7 +85,7 @@ class LoRAControl:
 
     def handle(self, msg: Any) -> None:
         if isinstance(msg, LoadLoRAAdapterReqInput):
-            self.scheduler.send(self.load(msg))
+            self.send(self.load(msg))
         else:
             self.pending_unloads.append(msg)
             self.poll()
@@ -111,5 +120,5 @@ class LoRAControl:
                 )
             except LoRAAdapterError as e:
                 out = LoRAAdapterReqOutput(False, str(e), 400, e.param, self.loaded())
-            self.scheduler.send(out)
+            self.send(out)
         self.pending_unloads = keep

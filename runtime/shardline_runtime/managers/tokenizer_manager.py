@@ -42,25 +42,15 @@ from shardline_runtime.managers.io_struct import (
     TokenizedGenerateReqInput,
     UpdateWeightsFromDiskReqInput,
     UpdateWeightsFromDiskReqOutput,
-    WeightsPhaseOut,
 )
 from shardline_runtime.managers.update_hold import HELD_SECONDS, first_chunk
-from shardline_runtime.model_loader.checkpoint_digest import checkpoint_digest
+from shardline_runtime.managers.weights_state import WeightsState
 from shardline_runtime.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from shardline_runtime.managers.lora_control import LoRAAdapterReqOutput
 
 logger = logging.getLogger(__name__)
-
-
-def safe_checkpoint_digest(model_path: str) -> str | None:
-    """:func:`checkpoint_digest`, or None (logged) when the files cannot be read from here."""
-    try:
-        return checkpoint_digest(model_path)
-    except (OSError, ValueError) as exc:
-        logger.warning("no weights digest for %s: %s", model_path, exc)
-        return None
 
 
 class RequestValidationError(ValueError):
@@ -135,7 +125,6 @@ class TokenizerManager:
         output_addr: ZMQ address this process PULLs scheduler outputs on (bound here).
         metrics: a ``ServingMetrics`` (or None).
         hold_timeout: seconds a request waits for a weight update to end (0: refuse at once).
-        weights_digest: :func:`checkpoint_digest` of the served checkpoint (or None).
     """
 
     def __init__(
@@ -146,7 +135,6 @@ class TokenizerManager:
         output_addr: str,
         metrics=None,
         hold_timeout: float = 60.0,
-        weights_digest: str | None = None,
     ):
         self.tokenizer = tokenizer
         self.info = info
@@ -160,9 +148,9 @@ class TokenizerManager:
         self._max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1) + 1
         self.stats = SchedulerStats(0, 0, 0, 0, info.max_total_num_tokens)
         self.weights_phase = "serving"
-        self.weights_revision = info.weights_revision
-        self.model_path = info.model_path
-        self.weights_digest = weights_digest
+        self.weights_revision = info.weights.revision
+        self.model_path = info.weights.model_path
+        self.weights_digest = info.weights.digest
         self.last_weight_update: dict[str, Any] | None = (
             None  # phase times of the last disk update run
         )
@@ -175,7 +163,7 @@ class TokenizerManager:
         self.draining = False  # SIGTERM received: /ready is 503, requests are still served
         self.closing = False  # the drain ended: new requests are refused
         self.held = 0  # requests waiting for a weight update to end
-        self.weight_version = info.weight_version
+        self.weight_version = info.weights.weight_version
         self.blocked: str | None = None  # memory released / weights missing (from the scheduler)
         self.paused: str | None = None  # pause_generation mode; new requests wait here meanwhile
         self._unpaused = asyncio.Event()
@@ -508,7 +496,7 @@ class TokenizerManager:
         return await self.control(FlushCacheReqInput(), FlushCacheReqOutput, timeout=60)
 
     async def control_request(self, req: Any, timeout: float | None = None) -> ControlReqOutput:
-        """A weight-sync or memory control (every rank runs it); see ``scheduler_weight_sync.py``."""
+        """A weight-sync or memory control (every rank runs it); see ``control_plane.py``."""
         return await self.control(req, ControlReqOutput, timeout)
 
     def start_draining(self) -> None:
@@ -530,9 +518,8 @@ class TokenizerManager:
     ) -> UpdateWeightsFromDiskReqOutput:
         """Run a weight update; requests arriving from now until it ends are held (:meth:`admit`).
 
-        On success the new checkpoint's digest is computed (headers only, off the event loop).
-        The reply's ``load_seconds`` / ``recapture_seconds`` (rank 0's phase times) are kept in
-        :attr:`last_weight_update` for ``/get_server_info``.
+        What serves afterwards (revision, digest, phase times) arrives as a ``WeightsState``
+        just before the reply.
         """
         self.set_weights_phase("loading")
         try:
@@ -540,17 +527,6 @@ class TokenizerManager:
         finally:
             if self.weights_phase in UPDATING_PHASES:  # the schedulers' last phase message was lost
                 self.set_weights_phase("serving")
-        if out.load_seconds is not None:  # None: refused before it ran
-            self.last_weight_update = {
-                "success": out.success,
-                "model_path": req.model_path,
-                "load_seconds": out.load_seconds,
-                "recapture_seconds": out.recapture_seconds,
-            }
-        if out.success:
-            self.weights_revision = out.revision
-            self.model_path = out.model_path or self.model_path
-            self.weights_digest = await asyncio.to_thread(safe_checkpoint_digest, self.model_path)
         return out
 
     def lora_for_model(self, model: str | None) -> str | None:
@@ -602,15 +578,16 @@ class TokenizerManager:
             self.stats = msg
             if self.metrics:
                 self.metrics.observe_stats(msg)
-        elif isinstance(msg, WeightsPhaseOut):
-            self.set_weights_phase(msg.phase)
+        elif isinstance(msg, WeightsState):
+            self.set_weights_phase(msg.phase.value)
+            self.weights_revision, self.model_path = msg.revision, msg.model_path
+            self.weight_version, self.weights_digest = msg.weight_version, msg.digest
+            last = msg.last_update
+            self.last_weight_update = None if last is None else last.model_dump()
         elif isinstance(msg, ServingStateOut):
             self.blocked = msg.blocked
             self.set_paused(msg.paused)
         else:
-            version = getattr(msg, "weight_version", None)
-            if version is not None:  # set here, in arrival order: later chunks ran on it
-                self.weight_version = version
             fut = self._control_waiters.get(type(msg))
             if fut is not None and not fut.done():
                 fut.set_result(msg)

@@ -101,8 +101,7 @@ class TpModelWorker(BaseTpWorker):
     """The model side of one TP rank.
 
     Args:
-        server_args: a ``ServerArgs`` (or any object with the ``ModelRunnerConfig`` fields,
-            plus ``revision``).
+        server_args: a ``ServerArgs`` (or any object with the ``ModelRunnerConfig`` fields).
         tp_rank: this process's TP rank.
         model_runner: an already built runner (tests); default builds one.
         pp_rank: this process's pipeline stage.
@@ -130,10 +129,6 @@ class TpModelWorker(BaseTpWorker):
         # World rank 0's seed on every rank of every stage, so unseeded sampling draws the same numbers.
         self.random_seed = broadcast_pyobj_world(int(getattr(server_args, "random_seed", 0)))
         torch.manual_seed(self.random_seed)
-        self.model_path = self.model_config.model_path
-        self.weights_revision = getattr(server_args, "revision", None)
-        self.weights_phase = WeightsPhase.SERVING
-        self.weight_version = str(getattr(server_args, "weight_version", "default"))
         self.weight_sync_groups: dict[str, Any] = {}
 
     def _init_model_config(self, model_runner: ModelRunner | None) -> None:
@@ -192,10 +187,6 @@ class TpModelWorker(BaseTpWorker):
             "vocab_size": self.model_config.vocab_size,
             "device": str(self.device),
             "is_generation": self.model_runner.is_generation,
-            "model_path": self.model_path,
-            "weights_revision": self.weights_revision,
-            "weights_phase": self.weights_phase.value,
-            "weight_version": self.weight_version,
         }
 
     def forward_batch_generation(
@@ -267,7 +258,6 @@ class TpModelWorker(BaseTpWorker):
         self,
         model_path: str,
         load_format: str = "auto",
-        revision: str | None = None,
         recapture_cuda_graph: bool = True,
         on_phase: Callable[[WeightsPhase], None] | None = None,
     ) -> tuple[bool, str]:
@@ -276,28 +266,18 @@ class TpModelWorker(BaseTpWorker):
         ``on_phase`` is called with each phase as it begins (``loading``, ``recapturing``, then
         ``serving`` or ``failed``), so the scheduler can report progress while this call runs.
         The caller (Scheduler) pauses admission, drains or aborts running requests first and
-        flushes the prefix cache afterwards. Updates ``weights_phase``, ``weights_revision`` and
-        ``model_path`` on success; on failure the old weights keep serving and
-        ``weights_phase`` is ``failed`` until the next successful update.
+        flushes the prefix cache afterwards; its control plane records which weights serve
+        (``ControlPlane.weights``). On failure the old weights keep serving.
 
         Returns:
             ``(success, message)``.
         """
-
-        def set_phase(phase: WeightsPhase) -> None:
-            self.weights_phase = phase
-            if on_phase is not None:
-                on_phase(phase)
-
         ok, message = self.model_runner.update_weights_from_disk(
             model_path,
             load_format,
             recapture_cuda_graph=recapture_cuda_graph,
-            on_phase=set_phase,
+            on_phase=on_phase,
         )
-        if ok:
-            self.model_path = model_path
-            self.weights_revision = revision
         logger.info(
             "[tp %d] update_weights_from_disk(%s): %s %s", self.tp_rank, model_path, ok, message
         )

@@ -1,0 +1,138 @@
+"""The read-only first step of a pass: list the children and ask the leaders.
+
+:func:`observe` lists the deployment's StatefulSets, pods and NetworkPolicies and asks each
+group's leader (a Running rank-0 pod with an IP) for ``/get_server_info``, for the state of an
+update request this process sent (groups of the wave in flight), for the canary gate (the group
+under verification) and for its LoRA adapters (Ready groups). It changes nothing: every change
+is an action that ``decide`` plans and ``execute`` performs. The leader is reached through a
+:class:`LeaderClient` (``runtime_client.HttpLeaderClient`` in the operator), so tests can play
+whole rollouts with a scripted one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from . import labels
+from .kube import KubeClient
+from .lora_sync import LoRALeaderClient
+from .observed import GroupObservation, LeaderObservation, PodObservation, group_pods, pod_url
+from .pass_plan import Observation
+from .rollout_state import VERIFYING, RolloutState
+from .spec import DeploymentSpec, VerifySpec
+from .weights import LeaderReport, WeightsPhase
+
+
+class LeaderClient(Protocol):
+    """Calls to a group leader's admin API (see ``runtime_client.HttpLeaderClient``)."""
+
+    def start_update(
+        self, key: str, url: str, body: Mapping[str, Any], timeout_seconds: float
+    ) -> None:
+        """Send ``POST {url}/update_weights_from_disk`` in the background, tracked under ``key``."""
+
+    def poll(self, key: str) -> tuple[str, str]:
+        """``(state, message)``: state is ``pending``, ``success``, ``failure`` or ``unknown``."""
+
+    def server_info(self, url: str) -> Mapping[str, Any] | None:
+        """``GET {url}/get_server_info`` as a dict, or None when unreachable."""
+
+    def observed_phases(self, key: str) -> list[str]:
+        """``weights_phase`` values sampled while the request under ``key`` ran, since the last call."""
+
+    def update_seconds(self, key: str) -> Mapping[str, float]:
+        """The runtime's ``load_seconds`` / ``recapture_seconds`` for the update ``poll`` last
+        handed out under ``key`` (empty when it reported none)."""
+
+    def verify(self, url: str, verify: VerifySpec | None) -> tuple[bool, str]:
+        """The canary gate: ``/health_generate``, then ``verify``'s completion within its bound."""
+
+
+def update_key(spec: DeploymentSpec, group: int) -> str:
+    """The key a group's update request is tracked under in the leader client."""
+    return f"{spec.namespace}/{spec.name}/g{group}"
+
+
+def _leader(pods: tuple[PodObservation, ...]) -> PodObservation | None:
+    return next((p for p in pods if p.rank == 0 and not p.deleting), None)
+
+
+def _ready(pods: tuple[PodObservation, ...], size: int) -> bool:
+    live = [p for p in pods if not p.deleting]
+    return len(live) == size and all(p.ready for p in live)
+
+
+def observe_leader(
+    spec: DeploymentSpec,
+    index: int,
+    pods: tuple[PodObservation, ...],
+    rollout: RolloutState | None,
+    client: LeaderClient,
+) -> LeaderObservation:
+    """Ask group ``index``'s leader what a pass needs to know (nothing without a Running leader)."""
+    leader = _leader(pods)
+    url = pod_url(leader)
+    if url is None or leader is None or leader.phase != "Running":
+        return LeaderObservation()
+    report = LeaderReport.from_info(client.server_info(url))
+    key = update_key(spec, index)
+    update: tuple[str, str] = ("unknown", "")
+    phases: tuple[WeightsPhase, ...] = ()
+    seconds: dict[str, float] = {}
+    if rollout is not None and index in rollout.wave:
+        update = client.poll(key)
+        phases = tuple(WeightsPhase.parse(p) for p in client.observed_phases(key))
+        if update[0] in ("success", "failure"):
+            seconds = dict(client.update_seconds(key))
+    ready = _ready(pods, spec.parallelism.pods_per_group)
+    gate = None
+    canary = spec.weight_update.canary
+    if (
+        rollout is not None
+        and rollout.phase == VERIFYING
+        and rollout.canary == index
+        and ready
+        and canary is not None
+    ):
+        gate = client.verify(url, canary.verify)
+    adapters = None
+    if ready and isinstance(client, LoRALeaderClient):
+        adapters = client.lora_adapters(url)
+    return LeaderObservation(report, update, phases, seconds, gate, adapters)
+
+
+def observe(
+    kube: KubeClient,
+    client: LeaderClient,
+    spec: DeploymentSpec,
+    generation: int,
+    previous_status: Mapping[str, Any],
+) -> Observation:
+    """List the deployment's children and ask its leaders (read-only; raises ``KubeError``)."""
+    selector = labels.selector_labels(spec.name)
+    statefulsets: dict[int, dict[str, Any]] = {}
+    for listed in kube.list("apps/v1", "StatefulSet", spec.namespace, selector):
+        group = (listed["metadata"].get("labels") or {}).get(labels.LABEL_GROUP, "")
+        if group.isdigit():
+            statefulsets[int(group)] = listed
+    pods = {
+        i: tuple(members)
+        for i, members in group_pods(kube.list("v1", "Pod", spec.namespace, selector)).items()
+    }
+    policies = tuple(
+        p["metadata"]["name"]
+        for p in kube.list("networking.k8s.io/v1", "NetworkPolicy", spec.namespace, selector)
+    )
+    rollout = RolloutState.from_status(previous_status.get("rollout"))
+    size = spec.parallelism.pods_per_group
+    groups = {}
+    for index in sorted(set(statefulsets) | set(pods) | set(range(spec.replicas))):
+        members = pods.get(index, ())
+        answers = LeaderObservation()
+        if index < spec.replicas:
+            answers = observe_leader(spec, index, members, rollout, client)
+        groups[index] = GroupObservation(index, size, statefulsets.get(index), members, answers)
+    return Observation(
+        generation, groups, policies, lora_client=isinstance(client, LoRALeaderClient)
+    )

@@ -1,0 +1,186 @@
+"""Following the wave in flight (pure, part of the rollout planner): await every group of the
+wave, count a group as updated only once its leader is Ready on the target, then decide what
+follows (the next wave, the canary gate, a pause, a rollback or Failed)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from .phases import GroupPhase
+from .rollout_state import FAILED, PAUSED, ROLLING_BACK, UPDATING, VERIFYING, RolloutState
+from .rollout_view import PHASE_BY_WEIGHTS_PHASE, POLL_SECONDS, GroupView, RolloutPlan, update_body
+from .runtime_args import ServedModel
+from .spec import WeightUpdateSpec
+from .weights import WeightsPhase
+
+
+def wave_target(state: RolloutState, view: GroupView) -> ServedModel:
+    """What a group of the wave in flight is being updated to."""
+    if state.phase == FAILED and view.declared is not None:  # a repair: its last good weights
+        return view.declared
+    return (state.previous or state.target) if state.phase == ROLLING_BACK else state.target
+
+
+def _result(view: GroupView, target: ServedModel) -> tuple[str, str]:
+    """Outcome of a group's update: this process's request first, else what the leader says
+    (the operator restarted, or the request was lost)."""
+    state, message = view.update
+    if state != "unknown":
+        return state, message
+    leader = view.leader
+    if leader is None:
+        return "pending", "leader unreachable"
+    if leader.weights_phase.updating:
+        return "pending", leader.weights_phase.value
+    if leader.weights_phase == WeightsPhase.FAILED:
+        return "failure", leader.message or "runtime reports weights_phase=failed"
+    if (leader.model_path, leader.revision) == (target.path, target.revision):
+        return "success", ""
+    return "unknown", ""
+
+
+def _confirmed(view: GroupView, target: ServedModel) -> bool:
+    """The group's pods are Ready (none terminating) and its leader serves ``target`` (a leader
+    that cannot be asked is judged by its pods alone)."""
+    if not (view.live and view.ready):
+        return False
+    leader = view.leader
+    return leader is None or (
+        leader.weights_phase == WeightsPhase.SERVING
+        and (leader.model_path, leader.revision) == (target.path, target.revision)
+    )
+
+
+def follow_wave(
+    state: RolloutState,
+    views: Mapping[int, GroupView],
+    policy: WeightUpdateSpec,
+    now: float,
+    out: RolloutPlan,
+) -> RolloutPlan:
+    """Await every group of the wave in flight; then decide what follows. A group counts as
+    updated only once it is available on its target (:meth:`GroupView.serves`): a reply from a
+    leader that is not Ready, or is terminating, does not count."""
+    target = (state.previous or state.target) if state.phase == ROLLING_BACK else state.target
+    still, phases, failures = [], {}, []
+    started = state.started_at if state.started_at is not None else now
+    for index in state.wave:
+        view = views.get(index)
+        if view is None:  # scaled away meanwhile
+            continue
+        target = wave_target(state, view)
+        result, message = _result(view, target)
+        if result == "success" and not _confirmed(view, target):
+            result, message = "pending", f"waiting for the leader to be Ready on {target.revision}"
+        last = state.group_phases.get(index, GroupPhase.UPDATING_WEIGHTS)
+        trail = _trail(last, view.phases)
+        if result == "unknown":  # nobody is updating it: send the request (again)
+            out.start[index] = update_body(view.served, target)
+            result = "pending"
+        if result == "pending" and now - started > policy.timeout_seconds:
+            result, message = "failure", f"timed out after {policy.timeout_seconds}s"
+        if result == "pending":
+            reported = view.leader.weights_phase if view.leader else WeightsPhase.SERVING
+            phase = PHASE_BY_WEIGHTS_PHASE.get(reported, trail[-1] if trail else last)
+            if trail and trail[-1] == phase:
+                trail.pop()
+            out.trail += [(index, p) for p in trail]
+            out.group_phases[index], phases[index] = phase, phase
+            still.append(index)
+        elif result == "success":
+            if (
+                target.cuda_graph.enabled
+                and (trail[-1] if trail else last) != GroupPhase.RECAPTURING_GRAPHS
+            ):
+                trail.append(
+                    GroupPhase.RECAPTURING_GRAPHS
+                )  # shorter than the sampling interval, still a step
+            out.trail += [(index, p) for p in trail]
+            out.apply[index] = target
+            out.forget_digest.append(index)
+            out.group_update_seconds.append((index, now - started))
+            if "recapture_seconds" in view.update_seconds:
+                out.group_recapture_seconds.append(
+                    (index, view.update_seconds["recapture_seconds"])
+                )
+            out.events.append(("Normal", "GroupUpdated", f"group {index} serves {target.revision}"))
+        else:
+            out.failed_updates += 1
+            failures.append(f"group {index}: update to {target.revision} failed: {message}")
+    if still:
+        out.state = replace(state, wave=tuple(still), group_phases=phases)
+        out.requeue_after_seconds = POLL_SECONDS
+        return out
+    done = replace(state, wave=(), started_at=None, group_phases={})
+    if (
+        done.phase == FAILED
+    ):  # a repair wave ended; the rollout stays Failed, the next pass checks again
+        out.state = done
+        for failure in failures:
+            out.events.append(("Warning", "MixedVersionRepairFailed", failure))
+        return out
+    if failures:
+        updated = set(out.apply) | {i for i, v in views.items() if v.served == target}
+        if done.phase == ROLLING_BACK:  # a rollback that fails stops where it is
+            updated = set()
+        return fail(done, views, policy, "; ".join(failures), out, updated=bool(updated))
+    out.requeue_after_seconds = 0.0
+    if done.phase == UPDATING and not done.canary_passed and done.canary is not None:
+        out.state = replace(
+            done,
+            phase=VERIFYING,
+            message=f"verifying canary group {done.canary} on {target.revision}",
+        )
+        out.events.append(("Normal", "VerifyingCanary", out.state.message))
+        return out
+    message = f"groups {', '.join(map(str, sorted(out.apply)))} serve {target.revision}"
+    if done.phase == UPDATING and policy.pause_seconds > 0:
+        out.state = replace(
+            done,
+            phase=PAUSED,
+            pause_until=now + policy.pause_seconds,
+            message=f"{message}; next wave in {policy.pause_seconds}s",
+        )
+        return out
+    out.state = replace(done, message=message if done.phase == UPDATING else done.message)
+    return out
+
+
+def fail(
+    state: RolloutState,
+    views: Mapping[int, GroupView],
+    policy: WeightUpdateSpec,
+    reason: str,
+    out: RolloutPlan,
+    updated: bool | None = None,
+) -> RolloutPlan:
+    """A wave or the gate failed: roll back the groups already on the target, or stop."""
+    if updated is None:
+        updated = any(v.served == state.target for v in views.values())
+    if (
+        state.phase != ROLLING_BACK
+        and policy.rollback_on_failure
+        and updated
+        and state.previous is not None
+    ):
+        out.state = replace(state, phase=ROLLING_BACK, canary=None, message=reason)
+        out.rolled_back = True
+        out.requeue_after_seconds = 0.0
+        out.events.append(("Warning", "WeightUpdateFailed", reason + "; rolling back"))
+        return out
+    out.state = replace(state, phase=FAILED, wave=(), canary=None, message=reason)
+    out.events.append(("Warning", "WeightUpdateFailed", reason))
+    return out
+
+
+def _trail(reported: str | None, weights_phases: Sequence[WeightsPhase]) -> list[str]:
+    """Operator phases for sampled runtime phases, without repeats of the one last reported."""
+    trail: list[str] = []
+    last = reported
+    for weights_phase in weights_phases:
+        phase = PHASE_BY_WEIGHTS_PHASE.get(weights_phase)
+        if phase is not None and phase != last:
+            trail.append(phase)
+            last = phase
+    return trail

@@ -1,0 +1,239 @@
+"""The parsed ``InferenceDeployment.spec``: frozen dataclasses, and the constants the CRD
+schema shares (``tests/operator/test_crd_schema.py`` checks the two agree). ``spec.py`` parses
+raw specs into these."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .parallelism import ParallelismSpec
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = (
+    "auto",
+    "bfloat16",
+    "float16",
+    "fp8_e4m3",
+    "fp8_e5m2",
+)  # the runtime's --kv-cache-dtype
+STRATEGIES = ("InPlace", "Restart")
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+MAX_NAME_LENGTH = 40  # "<name>-g99-ranks" and the pods' controller-revision-hash label stay <= 63
+MAX_REPLICAS = 100
+# Flags the operator renders itself; a user repeating one in runtime.args would contradict it.
+RESERVED_FLAGS = (
+    "--model-path",
+    "--served-model-name",
+    "--revision",
+    "--host",
+    "--port",
+    "--tp-size",
+    "--nnodes",
+    "--node-rank",
+    "--dist-init-addr",
+    "--dtype",
+    "--mem-fraction-static",
+    "--max-total-tokens",
+    "--cuda-graph-max-bs",
+    "--disable-cuda-graph",
+    "--ep-size",
+    "--api-key",
+    "--admin-api-key",
+    "--kv-cache-dtype",
+    "--lora-paths",
+    "--pp-size",
+    "--pp-layer-partition",
+)
+DEFAULT_MAX_LORAS_PER_BATCH = 8  # the runtime's --max-loras-per-batch default
+# The keys reach the runtime only through these env vars, filled from Secrets (spec.auth).
+API_KEY_ENV = "SHARDLINE_API_KEY"
+ADMIN_API_KEY_ENV = "SHARDLINE_ADMIN_API_KEY"
+RESERVED_ENV = ("POD_IP", "POD_NAME", "POD_NAMESPACE", "POD_INDEX", API_KEY_ENV, ADMIN_API_KEY_ENV)
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+class SpecError(ValueError):
+    """The spec is invalid; the message names the field path and the allowed values."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """``spec.model``: ``name`` is the OpenAI model name, ``path`` an absolute directory in the pod."""
+
+    name: str
+    path: str
+    revision: str
+    mount_path: str
+    volume: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class CudaGraphSpec:
+    """``spec.runtime.cudaGraph``: decode graphs for batch sizes up to ``max_batch_size``."""
+
+    enabled: bool = True
+    max_batch_size: int = 160
+
+    def key(self) -> str:
+        """Stable text form stored in an annotation, e.g. ``enabled=true,maxBatchSize=160``."""
+        return f"enabled={str(self.enabled).lower()},maxBatchSize={self.max_batch_size}"
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """``spec.runtime``: container image and runtime flags; times in seconds."""
+
+    image: str
+    image_pull_policy: str = "IfNotPresent"
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    mem_fraction_static: float = 0.85
+    max_total_tokens: int | None = None
+    cuda_graph: CudaGraphSpec = field(default_factory=CudaGraphSpec)
+    args: tuple[str, ...] = ()
+    env: tuple[Mapping[str, Any], ...] = ()
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    startup_timeout_seconds: int = 1800
+
+
+@dataclass(frozen=True)
+class VerifySpec:
+    """``spec.weightUpdate.canary.verify``: a completion the canary must answer with HTTP 200
+    within ``max_latency_seconds`` (``max_tokens`` greedy tokens of ``prompt``)."""
+
+    prompt: str
+    max_tokens: int = 8
+    max_latency_seconds: float = 10.0
+
+
+@dataclass(frozen=True)
+class CanarySpec:
+    """``spec.weightUpdate.canary``: the first group updates alone and must pass
+    ``/health_generate`` (and ``verify``, if given) before the others follow."""
+
+    verify: VerifySpec | None = None
+
+
+@dataclass(frozen=True)
+class WeightUpdateSpec:
+    """``spec.weightUpdate``: how a ``spec.model`` change reaches running groups.
+
+    ``max_unavailable``: groups updating at once (a wave); ``pause_seconds``: wait between
+    waves; ``canary``: None, or the gate after the first group.
+    """
+
+    strategy: str = "InPlace"
+    timeout_seconds: int = 900
+    rollback_on_failure: bool = True
+    max_unavailable: int = 1
+    pause_seconds: int = 0
+    canary: CanarySpec | None = None
+
+
+@dataclass(frozen=True)
+class RestartPolicySpec:
+    """``spec.restartPolicy``: whole-group restarts allowed, and the first backoff (seconds)."""
+
+    max_group_restarts: int = 5
+    backoff_seconds: int = 10
+
+
+@dataclass(frozen=True)
+class SchedulingSpec:
+    """``spec.scheduling``: copied into the pod spec as is."""
+
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] | None = None
+    priority_class_name: str | None = None
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """``spec.service``: the client Service over the group leaders."""
+
+    type: str = "ClusterIP"
+    port: int = 8000
+
+
+@dataclass(frozen=True)
+class LoRAAdapterSpec:
+    """One ``spec.loraAdapters`` entry: served ``name`` and adapter directory ``path`` in the pod."""
+
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
+class SecretKeyRef:
+    """A key of a Secret in the deployment's namespace."""
+
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class AuthSpec:
+    """``spec.auth``: where the serving API key lives (None: serving endpoints are open)."""
+
+    api_key_secret: SecretKeyRef | None = None
+
+
+@dataclass(frozen=True)
+class NetworkPolicySpec:
+    """``spec.networkPolicy``: render one NetworkPolicy per group; extra client namespaces."""
+
+    enabled: bool = True
+    allowed_namespaces: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    """A validated ``InferenceDeployment``: identity (name, namespace, uid) plus its spec."""
+
+    name: str
+    namespace: str
+    uid: str
+    replicas: int
+    model: ModelSpec
+    parallelism: ParallelismSpec
+    runtime: RuntimeSpec
+    weight_update: WeightUpdateSpec = field(default_factory=WeightUpdateSpec)
+    restart_policy: RestartPolicySpec = field(default_factory=RestartPolicySpec)
+    scheduling: SchedulingSpec = field(default_factory=SchedulingSpec)
+    service: ServiceSpec = field(default_factory=ServiceSpec)
+    lora_adapters: tuple[LoRAAdapterSpec, ...] = ()
+    auth: AuthSpec = field(default_factory=AuthSpec)
+    network_policy: NetworkPolicySpec = field(default_factory=NetworkPolicySpec)
+    # Not in the CR: a digest of the keys' current values, filled in by the reconciler after it
+    # read the Secrets, so that a rotated key changes the restart hash (pods read keys at start).
+    credentials_digest: str = ""
+
+    def restart_hash(self) -> str:
+        """Hash (12 hex chars) of every field whose change needs a pod restart.
+
+        Excluded: ``model.path``/``model.revision`` (rolled in place with ``InPlace``),
+        ``runtime.cudaGraph`` (recaptured in place), replicas, weightUpdate, restartPolicy,
+        service and networkPolicy (they never touch a running pod). Included: ``auth`` and the
+        digest of the keys' values, which the runtime reads once at start.
+        """
+        relevant: dict[str, Any] = {
+            "modelName": self.model.name,
+            "mountPath": self.model.mount_path,
+            "volume": self.model.volume,
+            "parallelism": self.parallelism.restart_fields(),
+            "runtime": {k: v for k, v in asdict(self.runtime).items() if k != "cuda_graph"},
+            "scheduling": asdict(self.scheduling),
+        }
+        if self.lora_adapters:  # --enable-lora needs a restart; adding/removing adapters does not
+            relevant["lora"] = True
+        if self.auth.api_key_secret is not None or self.credentials_digest:
+            # The reconciler always sets the digest; a spec rendered without it (tests) keeps its old hash.
+            relevant["auth"] = {"apiKey": asdict(self.auth), "digest": self.credentials_digest}
+        text = json.dumps(relevant, sort_keys=True, default=list)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]

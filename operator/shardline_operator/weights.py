@@ -1,0 +1,118 @@
+"""What a group's leader says it serves: the ``weights`` block of ``/get_server_info``.
+
+The runtime serialises its one ``WeightsState`` record (``managers/weights_state.py``) as the
+``weights`` block: ``{model_path, revision, weight_version, phase, digest, last_update}``, with
+``phase`` one of :class:`WeightsPhase`'s values and ``last_update`` either None or
+``{success, model_path, load_seconds, recapture_seconds}``. The operator never imports the
+runtime, so this module mirrors the enum and parses the block by hand;
+``tests/contract/test_weights_state_contract.py`` pins the two sides together. A runtime that
+predates the block is read from the flat keys it still writes (``weights_phase``,
+``weights_revision``, ``weights_digest``, ``weight_version``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .phases import TextEnum
+
+
+class WeightsPhase(TextEnum):
+    """Phase of a leader's serving weights (mirrors the runtime's ``WeightsPhase``)."""
+
+    SERVING = "serving"
+    LOADING = "loading"
+    RECAPTURING = "recapturing"
+    FAILED = "failed"
+
+    @property
+    def updating(self) -> bool:
+        """True while an update runs on the leader (loading or recapturing graphs)."""
+        return self in (WeightsPhase.LOADING, WeightsPhase.RECAPTURING)
+
+    @classmethod
+    def parse(cls, value: Any) -> WeightsPhase:
+        """The phase named by ``value``; an unknown or missing value reads as ``serving``
+        (an old runtime without phases serves what it loaded)."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.SERVING
+
+
+@dataclass(frozen=True)
+class LastUpdate:
+    """The leader's last weight update: its outcome and phase times in seconds (None: unmeasured)."""
+
+    success: bool
+    model_path: str
+    load_seconds: float | None = None
+    recapture_seconds: float | None = None
+
+    @classmethod
+    def from_block(cls, raw: Any) -> LastUpdate | None:
+        if not isinstance(raw, Mapping):
+            return None
+        return cls(
+            bool(raw.get("success")),
+            str(raw.get("model_path") or ""),
+            _seconds(raw.get("load_seconds")),
+            _seconds(raw.get("recapture_seconds")),
+        )
+
+
+# (phase, model path, revision, digest, weight version) in the ``weights`` block, and in the
+# flat keys a runtime without the block writes.
+_BLOCK_KEYS = ("phase", "model_path", "revision", "digest", "weight_version")
+_FLAT_KEYS = ("weights_phase", "model_path", "weights_revision", "weights_digest", "weight_version")
+
+
+def _seconds(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+@dataclass(frozen=True)
+class LeaderReport:
+    """``/get_server_info`` of a group's leader, as far as the operator cares.
+
+    ``revision``/``digest``: what serves (``digest`` is ``sha256:<hex>`` of the checkpoint, None
+    when the runtime could not read it); ``message``: the runtime's last error line.
+    """
+
+    weights_phase: WeightsPhase
+    model_path: str | None = None
+    revision: str | None = None
+    digest: str | None = None
+    message: str = ""
+    weight_version: str | None = None
+    last_update: LastUpdate | None = None
+
+    def __post_init__(self) -> None:  # a plain string phase (a test's literal) reads as the enum
+        object.__setattr__(self, "weights_phase", WeightsPhase.parse(self.weights_phase))
+
+    @classmethod
+    def from_info(cls, info: Mapping[str, Any] | None) -> LeaderReport | None:
+        """Parse ``/get_server_info`` (None or empty: unreachable -> None)."""
+        if not info:
+            return None
+        block = info.get("weights")
+        source: Mapping[str, Any] = block if isinstance(block, Mapping) else info
+        keys = _BLOCK_KEYS if isinstance(block, Mapping) else _FLAT_KEYS
+        phase, path, revision, digest, version = (source.get(key) for key in keys)
+        return cls(
+            WeightsPhase.parse(phase),
+            _text(path),
+            _text(revision),
+            _text(digest),
+            str(info.get("message") or ""),
+            _text(version),
+            LastUpdate.from_block(source.get("last_update")),
+        )

@@ -1,0 +1,104 @@
+"""New generation requests become ``Req`` objects in the waiting queue (or are answered at once).
+
+The HTTP process validates first; this is the scheduler's defensive second look, against what
+only the scheduler knows: the KV pool's limits and which LoRA adapters are loaded right now.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from shardline_runtime.managers.io_struct import TokenizedGenerateReqInput
+from shardline_runtime.managers.lora_control import LoRAControl
+from shardline_runtime.managers.req import Req
+from shardline_runtime.managers.scheduler_output import OutputSender
+
+
+def eos_token_ids(model_config: Any) -> list[int]:
+    """EOS ids from ``config.json`` and ``generation_config.json`` (int or list in either)."""
+    ids: list[int] = []
+    sources = [getattr(model_config, "hf_config", {}) or {}]
+    gen_path = os.path.join(getattr(model_config, "model_path", ""), "generation_config.json")
+    if os.path.exists(gen_path):
+        with open(gen_path, encoding="utf-8") as f:
+            sources.append(json.load(f))
+    for cfg in sources:
+        value = cfg.get("eos_token_id")
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and token not in ids:
+                ids.append(token)
+    return ids
+
+
+class RequestIntake:
+    """Turns ``TokenizedGenerateReqInput`` into queued requests.
+
+    Args:
+        max_req_input_len: the longest prompt the KV pool takes (tokens).
+        max_req_len: the longest prompt + output (tokens); ``max_new_tokens`` is clipped to fit.
+        eos_token_ids: the model's EOS ids (:func:`eos_token_ids`).
+        lora: the :class:`LoRAControl`, or None when LoRA is off.
+        sender: rank 0's :class:`OutputSender` (answers requests that can never run).
+        admit: puts a new request in the waiting queue (``PrefillManager.add``).
+    """
+
+    def __init__(
+        self,
+        max_req_input_len: int,
+        max_req_len: int,
+        eos_token_ids: list[int],
+        lora: LoRAControl | None,
+        sender: OutputSender,
+        admit: Callable[[Req], None],
+    ):
+        self.max_req_input_len = max_req_input_len
+        self.max_req_len = max_req_len
+        self.eos_token_ids = eos_token_ids
+        self.lora = lora
+        self.sender = sender
+        self.admit = admit
+
+    def handle(self, msg: TokenizedGenerateReqInput) -> None:
+        """Queue ``msg`` as a ``Req``, or answer it with an ``abort`` naming why it cannot run."""
+        n = len(msg.input_ids)
+        params = msg.sampling_params
+        if n == 0 or n > self.max_req_input_len:
+            self.sender.reject(
+                msg.rid,
+                n,
+                f"the prompt has {n} tokens; this server accepts 1 to {self.max_req_input_len}",
+            )
+            return
+        if msg.lora_name is not None and (
+            self.lora is None or not self.lora.is_loaded(msg.lora_name)
+        ):
+            # unloaded (or evicted) between the HTTP check and now: never let it reach a forward
+            self.sender.reject(msg.rid, n, f"LoRA adapter {msg.lora_name!r} is not loaded")
+            return
+        # The KV pool (not the context) may clip max_new_tokens: the request ends with "length".
+        room = self.max_req_len - n
+        if params.max_new_tokens is None or params.max_new_tokens > room:
+            params = replace(params, max_new_tokens=room)
+        embeds = None
+        if msg.input_embeds_positions is not None:
+            embeds = torch.tensor(msg.input_embeds_values, dtype=torch.float32)
+        self.admit(
+            Req(
+                msg.rid,
+                msg.input_ids,
+                params,
+                self.eos_token_ids,
+                msg.return_logprob,
+                msg.top_logprobs_num,
+                msg.logprob_start_len,
+                lora_name=msg.lora_name,
+                input_embeds_positions=msg.input_embeds_positions,
+                input_embeds_values=embeds,
+            )
+        )

@@ -1,0 +1,62 @@
+"""How one rank gets each loop iteration's messages.
+
+Rank 0 of stage 0 reads every message waiting on its ZMQ PULL socket and broadcasts the list to
+the other TP ranks (``broadcast_pyobj``), so every rank processes the same messages. A later
+pipeline stage receives the list from the stage before it (``PipelineLoop`` forwards it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+
+from shardline_runtime.distributed import broadcast_pyobj, recv_pyobj
+
+IDLE_POLL_MS = 500  # rank 0 heartbeat while idle: keeps other ranks' broadcast within its timeout
+
+
+def open_sockets(input_addr: str | None, output_addr: str | None) -> tuple[Any, Any]:
+    """Rank 0's sockets: a PULL socket bound at ``input_addr`` (requests) and a PUSH socket
+    connected to ``output_addr`` (outputs); ``(None, None)`` without both addresses (tests)."""
+    if input_addr is None or output_addr is None:
+        return None, None
+    ctx: zmq.Context = zmq.Context.instance()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(input_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(output_addr)
+    return pull, push
+
+
+class RequestReceiver:
+    """This rank's source of messages.
+
+    Args:
+        socket: rank 0's PULL socket, or None on every other rank.
+        tp_size: ranks of this stage (the list is broadcast to them).
+        pp_rank: this rank's pipeline stage (a later stage receives from the stage before).
+    """
+
+    def __init__(self, socket: Any, tp_size: int, pp_rank: int = 0):
+        self.socket = socket
+        self.tp_size = tp_size
+        self.pp_rank = pp_rank
+        self.poller = zmq.Poller()
+        if socket is not None:
+            self.poller.register(socket, zmq.POLLIN)
+
+    def recv(self, idle: bool = False) -> list[Any]:
+        """This iteration's messages; rank 0 blocks up to :data:`IDLE_POLL_MS` when ``idle``."""
+        if self.pp_rank > 0:
+            return recv_pyobj(self.pp_rank - 1)
+        messages: list[Any] = []
+        if self.socket is not None and self.poller.poll(IDLE_POLL_MS if idle else 0):
+            while True:
+                try:
+                    messages.append(self.socket.recv_pyobj(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+        if self.tp_size > 1:
+            messages = broadcast_pyobj(messages)
+        return messages

@@ -1,0 +1,134 @@
+"""Run one queued weight update on this rank and say how the :class:`WeightsState` changes.
+
+The control plane (``control_plane.py``) decides *when* an update runs; this module runs it:
+the load (disk, tensor or distributed), then the new device-graph settings an update may carry,
+and returns the outcome with the fields of the new :class:`WeightsState`. The checkpoint digest is
+computed here, where the weights were loaded (headers and three samples per file; see
+``model_loader/checkpoint_digest.py``), while no step runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardline_runtime.managers.io_struct import (
+    UpdateWeightsFromDiskReqInput,
+    UpdateWeightsFromTensorReqInput,
+)
+from shardline_runtime.managers.weights_state import UpdateTimings, WeightsPhase, WeightsState
+from shardline_runtime.model_executor.weight_update import PhaseClock
+from shardline_runtime.model_loader.checkpoint_digest import checkpoint_digest
+
+logger = logging.getLogger(__name__)
+
+
+def safe_checkpoint_digest(model_path: str) -> str | None:
+    """:func:`checkpoint_digest`, or None (logged) when the files cannot be read from here."""
+    try:
+        return checkpoint_digest(model_path)
+    except (OSError, ValueError) as exc:
+        logger.warning("no weights digest for %s: %s", model_path, exc)
+        return None
+
+
+def initial_weights_state(
+    model_path: str, revision: str | None, weight_version: str, with_digest: bool
+) -> WeightsState:
+    """The :class:`WeightsState` of the weights loaded at start (``phase`` serving). The digest
+    is computed only ``with_digest`` (rank 0, which reports it)."""
+    return WeightsState(
+        model_path=model_path,
+        revision=revision,
+        weight_version=weight_version,
+        digest=safe_checkpoint_digest(model_path) if with_digest else None,
+    )
+
+
+@dataclass
+class UpdateOutcome:
+    """What one update did.
+
+    Attributes:
+        ok / message: the update's result.
+        names: checkpoint names of the tensors a trainer's update wrote (None: a disk update,
+            which writes every tensor).
+        changes: the fields of the new :class:`WeightsState`.
+        timings: a disk update's phase times (None for a trainer's update).
+    """
+
+    ok: bool
+    message: str
+    names: list[str] | None = None
+    changes: dict[str, Any] = field(default_factory=dict)
+    timings: UpdateTimings | None = None
+
+
+def run_weight_update(
+    worker: Any,
+    msg: Any,
+    current: WeightsState,
+    on_phase: Callable[[WeightsPhase], None],
+    with_digest: bool,
+) -> UpdateOutcome:
+    """Run the update ``msg`` (one of ``UPDATE_REQUESTS``) on ``worker``, every rank together.
+
+    ``on_phase`` hears each update phase as it begins (``loading``, then ``recapturing`` when
+    graphs are captured again); the phase in ``outcome.changes`` is the one that holds afterwards:
+    a disk update's last (``serving`` or ``failed``), ``serving`` after a trainer's update that
+    succeeded, else the phase before.
+    """
+    on_phase(WeightsPhase.LOADING)
+    if isinstance(msg, UpdateWeightsFromDiskReqInput):
+        outcome = _from_disk(worker, msg, on_phase, with_digest)
+    else:
+        if isinstance(msg, UpdateWeightsFromTensorReqInput):
+            ok, message, names = worker.update_weights_from_tensor(msg.serialized_named_tensors)
+        else:
+            ok, message, names = worker.update_weights_from_distributed(msg)
+        phase = WeightsPhase.SERVING if ok else current.phase
+        outcome = UpdateOutcome(ok, message, names, {"phase": phase})
+    if outcome.ok and msg.weight_version is not None:
+        outcome.changes["weight_version"] = msg.weight_version
+    return outcome
+
+
+def _from_disk(
+    worker: Any,
+    msg: UpdateWeightsFromDiskReqInput,
+    on_phase: Callable[[WeightsPhase], None],
+    with_digest: bool,
+) -> UpdateOutcome:
+    reported: list[WeightsPhase] = [WeightsPhase.LOADING]
+
+    def runner_phase(phase: Any) -> None:
+        reported.append(WeightsPhase(phase.value))
+        if reported[-1].updating:  # the end (serving or failed) comes with the new record
+            on_phase(reported[-1])
+
+    clock = PhaseClock(runner_phase)
+    ok, message = worker.update_weights_from_disk(
+        msg.model_path,
+        msg.load_format or "auto",
+        recapture_cuda_graph=msg.recapture_cuda_graph,
+        on_phase=clock,
+    )
+    seconds = clock.seconds()
+    settled = reported[-1]
+    if ok and (msg.cuda_graph_max_bs is not None or msg.disable_cuda_graph is not None):
+        started = time.monotonic()
+        worker.update_cuda_graph_settings(
+            msg.cuda_graph_max_bs, bool(msg.disable_cuda_graph), on_phase=runner_phase
+        )
+        # capturing with the new settings is recapture time too
+        seconds["recapture_seconds"] += time.monotonic() - started
+    timings = UpdateTimings(success=ok, model_path=msg.model_path, **seconds)
+    changes: dict[str, Any] = {"phase": settled, "last_update": timings}
+    if ok:
+        changes["model_path"] = msg.model_path
+        changes["revision"] = msg.revision
+        changes["digest"] = safe_checkpoint_digest(msg.model_path) if with_digest else None
+    return UpdateOutcome(ok, message, None, changes, timings)

@@ -1,0 +1,173 @@
+"""The ControlPlane built alone over a real TpModelWorker (CPU, tiny checkpoint): it owns the
+serving WeightsState and sends it whole on every change, waits for KV holders before an update,
+refuses what cannot run, and pauses in SGLang's three modes."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardline_runtime.managers.control_plane import ControlPlane, PauseMode
+from shardline_runtime.managers.io_struct import (
+    ControlReqOutput,
+    FlushCacheReqOutput,
+    PauseGenerationReqInput,
+    ServingStateOut,
+    UpdateWeightsFromDiskReqInput,
+    UpdateWeightsFromDiskReqOutput,
+)
+from shardline_runtime.managers.scheduler_output import OutputSender
+from shardline_runtime.managers.tp_worker import TpModelWorker
+from shardline_runtime.managers.watchdog import Watchdog
+from shardline_runtime.managers.weight_update_run import initial_weights_state
+from shardline_runtime.managers.weights_state import WeightsPhase, WeightsState
+from shardline_runtime.mem_cache.radix_cache import RadixCache
+from shardline_runtime.model_loader.checkpoint_digest import checkpoint_digest
+from shardline_runtime.server_args import ServerArgs
+
+
+class Capture:
+    def __init__(self):
+        self.messages: list = []
+
+    def send_pyobj(self, msg):
+        self.messages.append(msg)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tiny_checkpoint):
+    return tiny_checkpoint("llama", 0, max_position_embeddings=2048), tiny_checkpoint("llama", 1, max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def worker(ckpts):
+    args = ServerArgs(model_path=str(ckpts[0]), max_total_tokens=2048, device="cpu", disable_cuda_graph=True)
+    return TpModelWorker(args, 0)
+
+
+class Plane:
+    """A ControlPlane with its collaborators as plain state the test sets."""
+
+    def __init__(self, worker, path):
+        self.holding_kv = False
+        self.waiting: list = []
+        self.aborted: list = []
+        self.retracted = 0
+        self.sender = OutputSender(Capture())
+        self.part = ControlPlane(
+            worker,
+            RadixCache(worker.token_to_kv_pool_allocator.free),
+            worker.model_runner.memory_saver,
+            self.sender,
+            Watchdog(60.0, 0),
+            initial_weights_state(str(path), "rev-a", "v1", with_digest=True),
+            abort=lambda rid, reason: self.aborted.append(rid),
+            holds_kv=lambda: self.holding_kv,
+            retract=self.retract,
+            waiting=lambda: self.waiting,
+        )
+
+    def retract(self):
+        self.retracted += 1
+
+    def sent(self, kind) -> list:
+        return [m for m in self.sender.socket.messages if isinstance(m, kind)]
+
+    def update(self, **fields) -> None:
+        self.part.start_weight_update(UpdateWeightsFromDiskReqInput(**fields))
+        self.part.maybe_run_weight_update()
+
+
+def test_the_state_at_start_carries_the_digest_of_the_loaded_checkpoint(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    assert plane.part.weights.digest == checkpoint_digest(str(ckpts[0]))
+
+
+def test_a_disk_update_sends_loading_then_one_record_of_what_serves(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    plane.update(model_path=str(ckpts[1]), revision="rev-b", weight_version="v2")
+    states = plane.sent(WeightsState)
+    assert [s.phase for s in states] == [WeightsPhase.LOADING, WeightsPhase.SERVING]
+    final = states[-1]
+    assert final.model_path == str(ckpts[1])
+    assert final.revision == "rev-b"
+    assert final.weight_version == "v2"
+    assert final.digest == checkpoint_digest(str(ckpts[1]))
+    assert final.last_update is not None and final.last_update.success
+    assert plane.part.weights == final
+
+
+def test_the_reply_follows_the_state_and_carries_the_phase_times(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    plane.update(model_path=str(ckpts[0]), revision="rev-a")
+    messages = plane.sender.socket.messages
+    reply = messages[-1]
+    assert isinstance(reply, UpdateWeightsFromDiskReqOutput)
+    assert isinstance(messages[-2], WeightsState)
+    assert reply.load_seconds == messages[-2].last_update.load_seconds
+
+
+def test_a_failed_disk_update_reports_failed_and_keeps_what_served(worker, ckpts, tmp_path):
+    plane = Plane(worker, ckpts[0])
+    plane.update(model_path=str(tmp_path / "missing"), revision="rev-b", weight_version="v2")
+    final = plane.part.weights
+    assert final.phase is WeightsPhase.FAILED
+    assert final.revision == "rev-a"
+    assert final.weight_version == "v1"
+    assert final.model_path == str(ckpts[0])
+    assert final.last_update is not None and not final.last_update.success
+    assert not plane.sent(UpdateWeightsFromDiskReqOutput)[0].success
+
+
+def test_an_update_waits_while_a_request_holds_kv(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    plane.holding_kv = True
+    plane.update(model_path=str(ckpts[0]))
+    assert plane.part.pending_update is not None
+    assert plane.sent(WeightsState) == []
+
+
+def test_an_update_with_abort_all_requests_aborts_every_request(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    plane.holding_kv = True
+    plane.update(model_path=str(ckpts[0]), abort_all_requests=True)
+    assert plane.aborted == [None]
+
+
+def test_an_update_is_refused_while_paused_in_place_with_requests_holding_kv(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    plane.holding_kv = True
+    plane.part.pause_generation(PauseGenerationReqInput("in_place"))
+    plane.update(model_path=str(ckpts[0]))
+    reply = plane.sent(UpdateWeightsFromDiskReqOutput)[0]
+    assert not reply.success
+    assert "paused in_place" in reply.message
+    assert reply.load_seconds is None
+
+
+def test_a_second_update_is_refused_while_one_is_pending(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    plane.holding_kv = True
+    plane.update(model_path=str(ckpts[0]))
+    plane.update(model_path=str(ckpts[1]))
+    assert plane.sent(UpdateWeightsFromDiskReqOutput)[0].message == "a weight update is already in progress"
+
+
+def test_pause_with_an_unknown_mode_names_the_allowed_modes(worker, ckpts):
+    ok, message = Plane(worker, ckpts[0]).part.pause_generation(PauseGenerationReqInput("later"))
+    assert not ok
+    assert message == "mode must be one of ['abort', 'retract', 'in_place'], got 'later'"
+
+
+def test_pause_retract_retracts_replies_and_reports_the_serving_state(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    plane.part.handlers()[PauseGenerationReqInput](PauseGenerationReqInput("retract"))
+    assert plane.retracted == 1
+    assert plane.part.paused is PauseMode.RETRACT
+    assert plane.sent(ControlReqOutput)[0].success
+    assert plane.sent(ServingStateOut) == [ServingStateOut(None, "retract")]
+
+
+def test_flush_is_refused_while_requests_wait_unpaused(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    plane.waiting.append(object())
+    assert plane.part.flush_cache() == FlushCacheReqOutput(False, "requests are running or queued; flush when idle")
