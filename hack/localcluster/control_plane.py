@@ -241,6 +241,11 @@ class LocalCluster:
                 f"--advertise-address={bind}", "--endpoint-reconciler-type=lease",
                 "--kubelet-preferred-address-types=InternalIP"]
 
+    def _stop_pid(self, name: str) -> None:
+        pid = self.pids.pop(name, None)
+        if pid is not None:
+            processes.stop(pid, grace_s=10)
+
     def _spawn_pid(self, name: str, argv: list[str]) -> int:
         self._spawn(name, argv)
         return self.pids[name]
@@ -288,7 +293,7 @@ class LocalCluster:
         """Stop the node first (the agent finishes its pods; a real node removes its pod
         sandboxes), then the control plane, by PID."""
         if self.node is not None:
-            self.node.stop(lambda name: processes.stop(self.pids.pop(name), grace_s=10))
+            self.node.stop(self._stop_pid)
             self.node = None
         elif self.real_node:
             node_netns.delete(NodeLayout(self.slot, self.nodes[0], self.state_dir / "node"))

@@ -148,17 +148,18 @@ class RealNode:
     def stop(self, stop_pid: Callable[[str], None]) -> None:
         """Remove every pod sandbox (their containers get SIGTERM, then SIGKILL), stop the node
         processes by PID (``stop_pid(name)``), clean mounts, cgroups and the namespace."""
+        def stop_once(name: str) -> None:
+            if self.pids.pop(name, None) is not None:
+                stop_pid(name)
+
         if "containerd" in self.pids and self.layout.containerd_socket.exists():
-            for name in ("kubelet",):
-                if name in self.pids:
-                    stop_pid(name)
+            stop_once("kubelet")
             try:
                 self.crictl("rmp", "--force", "--all", check=False, timeout=60)
             except (subprocess.TimeoutExpired, OSError) as e:
                 _log(f"removing pod sandboxes: {e}")
         for name in STOP_ORDER:
-            if name in self.pids:
-                stop_pid(name)
+            stop_once(name)
         self._unmount_state()
         self._remove_cgroups()
         netns.delete(self.layout)
