@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,12 @@ from hack.localcluster import LocalCluster, build
 
 @pytest.fixture(scope="session")
 def real_node_cluster(tmp_path_factory) -> LocalCluster:
+    """Set ``SHARDLINE_NODE_CLUSTER_DIR`` to the state dir of a cluster started with
+    ``python3 -m hack.localcluster up --real-node --dir DIR`` to reuse it (left running)."""
+    existing = os.environ.get("SHARDLINE_NODE_CLUSTER_DIR")
+    if existing:
+        yield LocalCluster.load(Path(existing))
+        return
     if os.geteuid() != 0:
         pytest.skip("the real node needs root (network namespaces, mounts, cgroups)")
     missing = [t for t in ("containerd", "runc", "buildah", "mmdebstrap", "iptables")
