@@ -91,7 +91,7 @@ def build_context(worker, prompts):
 def replay_only(worker, bs: int, repeats: int = 20) -> float | None:
     """GPU seconds of one replay of the captured decode graph for ``bs`` (CUDA events, mean of
     ``repeats``; its static buffers hold the last real step), i.e. the step without host work."""
-    runner = worker.model_runner.cuda_graph_runner
+    runner = worker.model_runner.graphs.decode
     if runner is None or not runner.graphs:
         return None
     graph = runner.graphs[runner.padded_batch_size(bs)]
@@ -109,13 +109,16 @@ def engine_steps(worker, batch, steps: int, use_graphs: bool) -> float | None:
     """Mean seconds per decode step. On CPU (dry runs) "graphs" is the same static-buffer path
     run eagerly (``CudaGraphRunner(capture=False)``)."""
     runner = worker.model_runner
-    if use_graphs and runner.cuda_graph_runner is None:
+    from shardline_runtime.model_executor.device_graphs import DeviceGraphs
+
+    if use_graphs and runner.graphs.decode is None:
         from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner
 
-        runner.cuda_graph_runner = CudaGraphRunner(runner, capture=False, batch_sizes=sorted({1, 8, 32, 64, len(batch.reqs)}))
-    saved = runner.cuda_graph_runner
+        sizes = sorted({1, 8, 32, 64, len(batch.reqs)})
+        runner.graphs = DeviceGraphs(runner, decode=CudaGraphRunner(runner, capture=False, batch_sizes=sizes))
+    saved = runner.graphs
     if not use_graphs:
-        runner.cuda_graph_runner = None
+        runner.graphs = DeviceGraphs(runner)
     try:
         def step():
             batch.prepare_for_decode()
@@ -132,7 +135,7 @@ def engine_steps(worker, batch, steps: int, use_graphs: bool) -> float | None:
         sync(worker.device)
         return (time.perf_counter() - start) / steps
     finally:
-        runner.cuda_graph_runner = saved
+        runner.graphs = saved
 
 
 @torch.inference_mode()

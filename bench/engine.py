@@ -272,7 +272,7 @@ def graphs(args) -> None:
         path = make_checkpoint(Path(tmp), args)
         eager = make_worker(path, args, disable_cuda_graph=True)
         captured = make_worker(path, args, disable_cuda_graph=False)
-    assert captured.model_runner.cuda_graph_runner is not None, "graphs were not captured"
+    assert captured.model_runner.graphs.decode is not None, "graphs were not captured"
     print("| batch size | eager decode step (ms) | CUDA graph decode step (ms) | speed-up |")
     print("|---:|---:|---:|---:|")
     for bs in args.graph_batch_sizes:

@@ -31,7 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
 from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
-from shardline_runtime.model_executor.model_runner import ModelRunner, ModelRunnerConfig  # noqa: E402
+from shardline_runtime.model_executor.model_runner import ModelRunner  # noqa: E402
+from shardline_runtime.server_args import ServerArgs  # noqa: E402
 from shardline_runtime.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 
@@ -102,7 +103,7 @@ def main() -> None:
                                     num_hidden_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                                     num_key_value_heads=args.heads, intermediate_size=4 * args.hidden)
         adapters = make_adapters(base, root, args.adapters, args.rank)
-        runner = ModelRunner(ModelRunnerConfig(
+        runner = ModelRunner(ServerArgs(
             model_path=str(base), device="cpu", dtype="float32", max_total_tokens=args.batch_size * (args.prompt_len + args.decode_steps) + 8,
             max_running_requests=args.batch_size, enable_lora=True, max_loras_per_batch=args.adapters, max_lora_rank=args.rank,
             lora_paths=tuple(f"{n}={p}" for n, p in adapters.items())))

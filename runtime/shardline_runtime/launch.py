@@ -19,7 +19,6 @@ endpoints have moved away before the listener closes, so no connection is refuse
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import multiprocessing as mp
@@ -309,7 +308,7 @@ def launch_server(args: ServerArgs) -> int:
         write_termination_log(layout_error)
         return 1
     if args.world_size > 1 and args.nnodes == 1 and not args.dist_init_addr:
-        args = dataclasses.replace(args, dist_init_addr=f"127.0.0.1:{free_port()}")
+        args = args.replace(dist_init_addr=f"127.0.0.1:{free_port()}")
     ipc_dir = tempfile.mkdtemp(prefix="shardline-")
     input_addr, output_addr = f"ipc://{ipc_dir}/scheduler_input", f"ipc://{ipc_dir}/http_output"
     procs = _spawn_schedulers(args, input_addr, output_addr)

@@ -96,13 +96,17 @@ def greedy_generate(runner, prompts: list[list[int]], steps: int) -> list[list[i
 
 
 def make_runner(path, tp_rank: int = 0, tp_size: int = 1, dist_init_addr: str | None = None, **kwargs):
-    """A CPU float32 ModelRunner with a small KV pool."""
-    from shardline_runtime.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+    """A CPU float32 ModelRunner with a small KV pool; ``kwargs`` are ``ServerArgs`` fields, plus
+    ``pp_rank`` and ``cpu_kv_cache_bytes`` (the runner's own)."""
+    from shardline_runtime.model_executor.model_runner import ModelRunner
+    from shardline_runtime.server_args import ServerArgs
 
+    pp_rank = kwargs.pop("pp_rank", 0)
+    extra = {"cpu_kv_cache_bytes": kwargs.pop("cpu_kv_cache_bytes")} if "cpu_kv_cache_bytes" in kwargs else {}
     cfg = dict(model_path=str(path), device="cpu", dtype="float32", max_total_tokens=2048, max_running_requests=8,
-               tp_rank=tp_rank, tp_size=tp_size, dist_init_addr=dist_init_addr, dist_timeout=60)
+               tp_size=tp_size, dist_init_addr=dist_init_addr, dist_timeout=60)
     cfg.update(kwargs)
-    return ModelRunner(ModelRunnerConfig(**cfg))
+    return ModelRunner(ServerArgs(**cfg), tp_rank, pp_rank, **extra)
 
 
 # ---- tensor parallel: several gloo processes on CPU ---------------------------------------------

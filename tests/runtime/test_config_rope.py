@@ -128,10 +128,11 @@ def test_unsupported_architecture_is_named(tiny_checkpoint):
 
 
 def test_layers_share_one_rotary_table(tiny_checkpoint):
-    from shardline_runtime.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+    from shardline_runtime.model_executor.model_runner import ModelRunner
+    from shardline_runtime.server_args import ServerArgs
 
-    runner = ModelRunner(ModelRunnerConfig(model_path=str(tiny_checkpoint("llama", num_hidden_layers=3)), device="cpu",
-                                           max_total_tokens=64, max_running_requests=2))
+    runner = ModelRunner(ServerArgs(model_path=str(tiny_checkpoint("llama", num_hidden_layers=3)), device="cpu",
+                                    max_total_tokens=64, max_running_requests=2))
     ropes = [layer.self_attn.rotary_emb for layer in runner.model.model.layers]
     assert len(ropes) == 3 and all(r is ropes[0] for r in ropes)
     tables = {b.data_ptr() for name, b in runner.model.named_buffers() if name.endswith("cos_cached")}

@@ -7,6 +7,7 @@ import torch
 
 from shardline_runtime.mem_cache.memory_pool import DUMMY_SLOT
 from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner, get_batch_sizes_to_capture
+from shardline_runtime.model_executor.device_graphs import DeviceGraphs
 from shardline_runtime.sampling import SamplingParams
 
 from tests.runtime.engine_driver import make_worker, run_engine
@@ -26,7 +27,7 @@ def test_batch_sizes_to_capture():
 
 def attach_static_runner(worker, batch_sizes=(1, 2, 4)):
     runner = CudaGraphRunner(worker.model_runner, capture=False, batch_sizes=list(batch_sizes))
-    worker.model_runner.cuda_graph_runner = runner
+    worker.model_runner.graphs = DeviceGraphs(worker.model_runner, decode=runner)
     return runner
 
 
@@ -75,8 +76,8 @@ def test_real_capture_matches_eager_on_cuda(tiny_checkpoint):
     path = tiny_checkpoint("llama", seed=0)
     eager = make_worker(path, device_override="cuda", disable_cuda_graph=True)
     graphs = make_worker(path, device_override="cuda", cuda_graph_max_bs=8)
-    assert graphs.model_runner.cuda_graph_runner is not None
-    assert graphs.model_runner.cuda_graph_runner.graphs
+    assert graphs.model_runner.graphs.decode is not None
+    assert graphs.model_runner.graphs.decode.graphs
     expected = run_engine(eager, PROMPTS, GREEDY, mixed=False)
     assert run_engine(graphs, PROMPTS, GREEDY, mixed=False) == expected
 

@@ -49,3 +49,62 @@ def test_llama_attention_bias_follows_config_json(tiny_checkpoint):
 def test_config_parser_no_longer_decides_per_architecture_layers():
     assert not {"qkv_bias", "o_proj_bias", "qk_norm"} & set(ModelConfig.__dataclass_fields__)
     assert set(MUST_MATCH_FIELDS) <= set(ModelConfig.__dataclass_fields__)
+
+
+# ---- each model class declares its architecture and its config.json rules -------------------
+
+from shardline_runtime.models.registry import MODEL_REGISTRY, MODELS  # noqa: E402
+
+
+@pytest.mark.parametrize("model_cls", MODELS, ids=lambda m: m.__name__)
+def test_each_registered_class_declares_its_own_architecture(model_cls):
+    assert "architecture" in vars(model_cls)
+
+
+def test_the_registry_is_keyed_by_the_declared_names():
+    assert list(MODEL_REGISTRY) == [m.architecture for m in MODELS]
+
+
+def _config(arch: str, **extra) -> dict:
+    return dict(architectures=[arch], hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=100, **extra)
+
+
+@pytest.mark.parametrize("arch, extra, windows", [
+    ("LlamaForCausalLM", {"sliding_window": 8}, (None,) * 4),
+    ("MistralForCausalLM", {"sliding_window": 8}, (8,) * 4),
+    ("Qwen2ForCausalLM", {"sliding_window": 8}, (None,) * 4),
+    ("Qwen2ForCausalLM", {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 2}, (None, None, 8, 8)),
+    ("Qwen3ForCausalLM", {"sliding_window": 8, "use_sliding_window": True,
+                          "layer_types": ["sliding_attention", "full_attention"] * 2}, (8, None, 8, None)),
+])
+def test_sliding_windows_follow_the_model_class_rule(arch, extra, windows):
+    assert ModelConfig.from_dict(_config(arch, **extra)).sliding_windows == windows
+
+
+def test_mixtral_declares_its_moe_spelling():
+    cfg = ModelConfig.from_dict(_config("MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2))
+    assert (cfg.num_experts, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (4, 128, True)
+
+
+def test_qwen2_moe_declares_its_shared_expert():
+    cfg = ModelConfig.from_dict(_config("Qwen2MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, shared_expert_intermediate_size=64))
+    assert cfg.shared_expert_intermediate_size == 64
+
+
+def test_qwen3_moe_has_no_shared_expert():
+    cfg = ModelConfig.from_dict(_config("Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, shared_expert_intermediate_size=64))
+    assert cfg.shared_expert_intermediate_size == 0
+
+
+def test_a_dense_model_has_no_experts():
+    assert ModelConfig.from_dict(_config("Qwen3ForCausalLM", num_experts=4)).num_experts == 0
+
+
+def test_an_unknown_architecture_lists_the_registered_ones():
+    from shardline_runtime.configs.model_config import ModelConfigError
+
+    with pytest.raises(ModelConfigError, match="supported: LlamaForCausalLM, Qwen2ForCausalLM"):
+        ModelConfig.from_dict(_config("GPT2LMHeadModel"))

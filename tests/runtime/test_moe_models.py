@@ -96,16 +96,26 @@ def test_router_renormalises_only_when_asked():
     assert torch.allclose(w.sum(), torch.tensor(1.0))
 
 
-@pytest.mark.parametrize("tp, ep, redundant, match", [
-    (2, 3, 0, "ep_size 3 must divide tp_size 2"),
-    (2, 2, 1, r"8 \+ ep_num_redundant_experts 1 = 9 is not divisible by ep_size 2"),
-])
-def test_impossible_expert_layout_refused_before_loading(tiny_checkpoint, tmp_path, tp, ep, redundant, match):
+def test_impossible_expert_layout_refused_before_loading(tiny_checkpoint, tmp_path):
     cfg = json.loads((tiny_checkpoint("qwen3_moe") / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(cfg))  # no weights: refusal must come first
-    with pytest.raises(ModelConfigError, match=match):
-        harness.make_runner(tmp_path, tp_size=tp, ep_size=ep, ep_num_redundant_experts=redundant,
+    with pytest.raises(ModelConfigError, match=r"8 \+ ep_num_redundant_experts 1 = 9 is not divisible by ep_size 2"):
+        harness.make_runner(tmp_path, tp_size=2, ep_size=2, ep_num_redundant_experts=1,
                             dist_init_addr="127.0.0.1:1")
+
+
+def test_ep_size_that_does_not_divide_tp_size_is_refused_by_the_config(tiny_checkpoint):
+    config = ModelConfig.from_pretrained(tiny_checkpoint("qwen3_moe"))
+    with pytest.raises(ModelConfigError, match="ep_size 3 must divide tp_size 2"):
+        config.check_ep_size(2, 3, 0)
+
+
+def test_ep_size_that_does_not_divide_tp_size_is_refused_by_the_arguments(tiny_checkpoint):
+    # the runner can no longer be asked for it: ServerArgs refuses it first, naming the flags
+    from shardline_runtime.server_args import ServerArgs, ServerArgsError
+
+    with pytest.raises(ServerArgsError, match=r"--ep-size \(3\) must divide --tp-size \(2\)"):
+        ServerArgs(model_path=str(tiny_checkpoint("qwen3_moe")), tp_size=2, ep_size=3)
 
 
 def test_dense_model_refuses_expert_parallelism(tiny_checkpoint):
@@ -118,7 +128,7 @@ def test_dense_model_refuses_expert_parallelism(tiny_checkpoint):
 def test_cuda_moe_with_graphs_matches_transformers(tiny_checkpoint, arch):
     path = tiny_checkpoint(arch)
     runner = harness.make_runner(path, device="cuda", disable_cuda_graph=False, cuda_graph_max_bs=8)
-    assert runner.cuda_graph_runner is not None
+    assert runner.graphs.decode is not None
     ref = reference(path)
     seqs = harness.new_seqs(runner, 2)
     out = harness.extend(runner, seqs, [PROMPT, PROMPT[:4]])

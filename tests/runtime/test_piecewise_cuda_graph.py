@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import harness
+from shardline_runtime.model_executor.device_graphs import DeviceGraphs
 from shardline_runtime.model_executor.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner, get_token_buckets
 from shardline_runtime.sampling import SamplingParams
 
@@ -30,7 +31,8 @@ def test_static_path_equals_plain_extend(tiny_checkpoint):
     plain_first = harness.extend(runner, seqs, [PROMPTS[0][:9], PROMPTS[1]]).next_token_logits
     plain_prefix = harness.extend(runner, seqs, [PROMPTS[0][9:], [3]], return_logprob=True)
     harness.release(runner, seqs)
-    pw = runner.piecewise_cuda_graph_runner = PiecewiseCudaGraphRunner(runner, capture=False, token_buckets=[8, 16])
+    pw = PiecewiseCudaGraphRunner(runner, capture=False, token_buckets=[8, 16])
+    runner.graphs = DeviceGraphs(runner, piecewise=pw)
     calls = []
     original = pw.replay
     pw.replay = lambda fb: calls.append(fb.num_tokens) or original(fb)
@@ -55,7 +57,7 @@ def test_engine_with_piecewise_runner_matches_eager(tiny_checkpoint):
     expected = run_engine(worker, PROMPTS, GREEDY)
     expected_chunked = run_engine(worker, PROMPTS, GREEDY, chunk=4)
     runner = worker.model_runner
-    runner.piecewise_cuda_graph_runner = PiecewiseCudaGraphRunner(runner, capture=False, token_buckets=[4, 8])
+    runner.graphs = DeviceGraphs(runner, piecewise=PiecewiseCudaGraphRunner(runner, capture=False, token_buckets=[4, 8]))
     pool = runner.token_to_kv_pool
     before = pool.k_buffer[0].clone()
     assert run_engine(worker, PROMPTS, GREEDY) == expected
@@ -83,7 +85,7 @@ def test_real_piecewise_capture_matches_eager_and_recaptures_on_update(tiny_chec
     eager_b = run_engine(make_worker(path_b, device_override="cuda", disable_cuda_graph=True), PROMPTS, GREEDY)
     worker = make_worker(path_a, device_override="cuda", enable_piecewise_cuda_graph=True,
                          piecewise_cuda_graph_max_tokens=32, cuda_graph_max_bs=4)
-    pw = worker.model_runner.piecewise_cuda_graph_runner
+    pw = worker.model_runner.graphs.piecewise
     assert pw is not None and pw.graphs[32] and len(pw.graphs[32]) == 3  # 2 layers -> 3 pieces
     calls = []
     original = pw.replay

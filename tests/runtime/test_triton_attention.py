@@ -146,6 +146,7 @@ def test_tiny_model_triton_equals_transformers_and_torch_native(tiny_checkpoint)
     """Greedy tokens: triton backend == transformers == torch_native (float32), through the
     scheduler-shaped driver (mixed EXTEND + DECODE steps), then the decode-graph static path."""
     from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner
+    from shardline_runtime.model_executor.device_graphs import DeviceGraphs
     from shardline_runtime.sampling import SamplingParams
     from tests.runtime.engine_driver import hf_greedy, make_worker, run_engine
 
@@ -160,7 +161,7 @@ def test_tiny_model_triton_equals_transformers_and_torch_native(tiny_checkpoint)
                          disable_cuda_graph=True)
     assert run_engine(native, PROMPTS, params) == triton_tokens
     # graph-safe decode metadata: static kv_indptr / kv_indices refilled per replay (eager on CPU)
-    worker.model_runner.cuda_graph_runner = CudaGraphRunner(worker.model_runner, capture=DEVICE.type == "cuda",
-                                                            batch_sizes=[1, 4])
+    runner = worker.model_runner
+    runner.graphs = DeviceGraphs(runner, decode=CudaGraphRunner(runner, capture=DEVICE.type == "cuda", batch_sizes=[1, 4]))
     assert run_engine(worker, PROMPTS, params, mixed=False) == triton_tokens
     assert worker.model_runner.attn_backend.cuda_graph_kv_indices.shape[0] == 4 * worker.model_runner.req_to_token_pool.max_context_len

@@ -9,6 +9,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner
+from shardline_runtime.model_executor.device_graphs import DeviceGraphs
 from shardline_runtime.model_executor.weight_update import PhaseClock, WeightsPhase
 from shardline_runtime.sampling import SamplingParams
 
@@ -19,7 +20,8 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
 
 
 def with_static_graphs(worker):
-    worker.model_runner.cuda_graph_runner = CudaGraphRunner(worker.model_runner, capture=False, batch_sizes=[1, 2, 4])
+    runner = worker.model_runner
+    runner.graphs = DeviceGraphs(runner, decode=CudaGraphRunner(runner, capture=False, batch_sizes=[1, 2, 4]))
     return worker
 
 
@@ -168,7 +170,7 @@ def test_w2_w3_with_captured_cuda_graphs(ckpt_a, ckpt_b):
     """W2 and W3 for real: decode graphs captured on CUDA read the updated weights."""
     cold_b = run_engine(make_worker(ckpt_b, device_override="cuda", cuda_graph_max_bs=4), PROMPTS, GREEDY)
     worker = make_worker(ckpt_a, device_override="cuda", cuda_graph_max_bs=4)
-    assert worker.model_runner.cuda_graph_runner.graphs
+    assert worker.model_runner.graphs.decode.graphs
     batch_1, batch_3 = run_engine(worker, PROMPTS[:1], GREEDY), run_engine(worker, PROMPTS[:3], GREEDY)
     ok, message = worker.update_weights_from_disk(str(ckpt_a), recapture_cuda_graph=False)
     assert ok, message

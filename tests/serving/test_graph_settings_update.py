@@ -40,18 +40,18 @@ def test_update_applies_graph_settings(tiny_checkpoint):
     cold_b = _generate(make_scheduler(ckpt_b, device="cuda", disable_cuda_graph=True))
     scheduler = make_scheduler(ckpt_a, device="cuda", disable_cuda_graph=False, cuda_graph_max_bs=8)
     runner = scheduler.worker.model_runner
-    assert runner.cuda_graph_runner is not None and runner.cuda_graph_runner.max_bs == 8
+    assert runner.graphs.decode is not None and runner.graphs.decode.max_bs == 8
 
     phases = _update(scheduler, model_path=str(ckpt_b), revision="b", cuda_graph_max_bs=2)
     assert "recapturing" in phases and phases[-1] == "serving", phases
-    graphs = runner.cuda_graph_runner
+    graphs = runner.graphs.decode
     assert graphs is not None and graphs.max_bs == 2 and set(graphs.graphs) == set(graphs.capture_bs)
     assert _generate(scheduler) == cold_b  # decoded in the recaptured graph of batch size 2
 
     _update(scheduler, model_path=str(ckpt_b), revision="b", disable_cuda_graph=True)
-    assert runner.cuda_graph_runner is None
+    assert runner.graphs.decode is None
     assert _generate(scheduler) == cold_b
 
     _update(scheduler, model_path=str(ckpt_b), revision="b", disable_cuda_graph=False, cuda_graph_max_bs=8)
-    assert runner.cuda_graph_runner is not None and runner.cuda_graph_runner.max_bs == 8
+    assert runner.graphs.decode is not None and runner.graphs.decode.max_bs == 8
     assert _generate(scheduler) == cold_b

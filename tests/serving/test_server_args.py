@@ -84,3 +84,39 @@ def test_cli_writes_termination_log(tmp_path, argv, fragment):
     assert proc.returncode == 2
     assert fragment in log.read_text()
     assert "shardline-runtime serve: error:" in proc.stderr  # the message still reaches the container log
+
+
+def test_sections_hold_the_fields_and_flat_reads_match():
+    args = ServerArgs.from_cli(["--model-path", "/m", "--tp-size", "2", "--cuda-graph-max-bs", "8"])
+    assert args.parallel.tp_size == 2
+    assert args.graphs.cuda_graph_max_bs == args.cuda_graph_max_bs
+
+
+def test_max_prefill_tokens_is_raised_to_the_chunk_size():
+    args = ServerArgs.from_cli(["--model-path", "/m", "--chunked-prefill-size", "20000", "--max-prefill-tokens", "100"])
+    assert args.schedule.max_prefill_tokens == 20000
+
+
+def test_lora_paths_imply_enable_lora():
+    assert ServerArgs(model_path="/m", lora_paths=["a=/adapters/a"]).lora.enable_lora is True
+
+
+def test_unknown_field_is_a_type_error():
+    with pytest.raises(TypeError, match="cuda_graph_max_batch"):
+        ServerArgs(model_path="/m", cuda_graph_max_batch=8)
+
+
+def test_pickles_for_the_scheduler_processes():
+    import pickle
+
+    args = ServerArgs(model_path="/m", tp_size=2, api_key="k")
+    assert pickle.loads(pickle.dumps(args)) == args
+
+
+def test_replace_revalidates():
+    with pytest.raises(ServerArgsError, match="--node-rank"):
+        ServerArgs(model_path="/m").replace(node_rank=3)
+
+
+def test_keys_stay_out_of_repr():
+    assert "secret-key" not in repr(ServerArgs(model_path="/m", api_key="secret-key"))

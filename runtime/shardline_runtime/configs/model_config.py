@@ -16,18 +16,8 @@ from typing import Any
 
 import torch
 
-from shardline_runtime.configs.moe_config import (
-    MOE_ARCHITECTURES,
-    moe_parallel_problem,
-    parse_moe_fields,
-)
+from shardline_runtime.configs.moe_config import checked_moe_fields, moe_parallel_problem
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "MistralForCausalLM",
-) + MOE_ARCHITECTURES
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # Keys each RoPE type needs (besides rope_type and rope_theta), as transformers validates them.
 _ROPE_REQUIRED = {
@@ -178,6 +168,13 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] = ()
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    @property
+    def sliding_window_size(self) -> int | None:
+        """Tokens a windowed attention layer sees (the largest window when layers differ), or
+        None when no layer has a sliding window."""
+        windows = [w for w in self.sliding_windows if w is not None]
+        return max(windows) if windows else None
+
     @classmethod
     def from_pretrained(
         cls,
@@ -215,13 +212,17 @@ class ModelConfig:
         device_type: str = "cpu",
     ) -> ModelConfig:
         """Same as :meth:`from_pretrained` from an already parsed ``config.json`` dict."""
+        # the model classes declare their architecture's rules (models/registry.py lists them)
+        from shardline_runtime.models.registry import MODEL_REGISTRY
+
         path = Path(model_path)
         archs = cfg.get("architectures") or []
-        if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
+        if not archs or archs[0] not in MODEL_REGISTRY:
             raise ModelConfigError(
-                f"{path}: architectures[0] is {archs[0] if archs else None!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{path}: architectures[0] is {archs[0] if archs else None!r}; supported: {', '.join(MODEL_REGISTRY)}"
             )
         arch = archs[0]
+        model_cls = MODEL_REGISTRY[arch]
         hidden = int(_require(cfg, "hidden_size", path))
         heads = int(_require(cfg, "num_attention_heads", path))
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -235,7 +236,7 @@ class ModelConfig:
         if context_length is not None and context_length < 1:
             raise ModelConfigError(f"context_length must be >= 1, got {context_length}")
         try:
-            moe = parse_moe_fields(archs[0], cfg, layers, path)
+            moe = checked_moe_fields(model_cls.moe_fields(cfg, layers), arch, path)
         except ValueError as e:
             raise ModelConfigError(str(e)) from None
         act = cfg.get("hidden_act", "silu")
@@ -260,7 +261,7 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             hidden_act=act,
-            sliding_windows=_sliding_windows(arch, cfg, layers),
+            sliding_windows=model_cls.sliding_windows(cfg, layers),
             hf_config=cfg,
             **moe,
         )
@@ -327,21 +328,18 @@ class ModelConfig:
             )
 
 
-def _sliding_windows(arch: str, cfg: dict, layers: int) -> tuple[int | None, ...]:
-    window = cfg.get("sliding_window")
-    if arch in (
-        "Qwen2ForCausalLM",
-        "Qwen3ForCausalLM",
-        "Qwen2MoeForCausalLM",
-        "Qwen3MoeForCausalLM",
-    ):
-        if not cfg.get("use_sliding_window", False):
-            return (None,) * layers
-        types = cfg.get("layer_types") or [
-            "sliding_attention" if i >= cfg.get("max_window_layers", layers) else "full_attention"
-            for i in range(layers)
-        ]
-        return tuple(window if t == "sliding_attention" else None for t in types)
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
-        return (window,) * layers
-    return (None,) * layers
+def qwen_sliding_windows(cfg: dict, layers: int) -> tuple[int | None, ...]:
+    """Qwen2/Qwen3 (and their MoE): ``sliding_window`` on the layers ``layer_types`` marks
+    ``sliding_attention`` (else layers from ``max_window_layers`` on), with ``use_sliding_window``."""
+    if not cfg.get("use_sliding_window", False):
+        return (None,) * layers
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if i >= cfg.get("max_window_layers", layers) else "full_attention"
+        for i in range(layers)
+    ]
+    return tuple(cfg.get("sliding_window") if t == "sliding_attention" else None for t in types)
+
+
+def every_layer_sliding_window(cfg: dict, layers: int) -> tuple[int | None, ...]:
+    """Mistral/Mixtral: ``sliding_window`` (None: full attention) on every layer."""
+    return (cfg.get("sliding_window"),) * layers

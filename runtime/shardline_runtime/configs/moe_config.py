@@ -1,6 +1,7 @@
 """Mixture-of-experts fields of ``config.json``, read into :class:`ModelConfig`.
 
-The three supported MoE architectures spell the same things differently:
+Each MoE model class names its spelling in its ``moe_fields`` (``models/``); the supported
+architectures spell the same things differently:
 
 | field (ours)                   | Qwen3-MoE / Qwen2-MoE              | Mixtral                      |
 |--------------------------------|------------------------------------|------------------------------|
@@ -17,51 +18,59 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+
+def qwen_moe_fields(cfg: dict, layers: int, shared_expert: bool) -> dict[str, Any]:
+    """Qwen3-MoE / Qwen2-MoE spelling (``shared_expert``: Qwen2-MoE's shared expert)."""
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    only_dense = set(cfg.get("mlp_only_layers") or [])
+    return dict(
+        num_experts=cfg.get("num_experts") or cfg.get("num_local_experts"),  # transformers 5
+        num_experts_per_tok=cfg.get("num_experts_per_tok"),
+        moe_intermediate_size=cfg.get("moe_intermediate_size"),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=(
+            int(cfg.get("shared_expert_intermediate_size") or 0) if shared_expert else 0
+        ),
+        moe_layers=tuple(i not in only_dense and (i + 1) % step == 0 for i in range(layers)),
+    )
 
 
-def parse_moe_fields(arch: str, cfg: dict, layers: int, path: Path) -> dict[str, Any]:
-    """The MoE keyword arguments of ``ModelConfig`` for ``arch`` (empty for dense models).
+def mixtral_moe_fields(cfg: dict, layers: int) -> dict[str, Any]:
+    """Mixtral spelling: every layer sparse, weights always renormalised."""
+    return dict(
+        num_experts=cfg.get("num_local_experts"),
+        num_experts_per_tok=cfg.get("num_experts_per_tok"),
+        moe_intermediate_size=cfg.get("intermediate_size"),
+        norm_topk_prob=True,
+        shared_expert_intermediate_size=0,
+        moe_layers=(True,) * layers,
+    )
+
+
+def checked_moe_fields(fields: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
+    """The MoE keyword arguments of ``ModelConfig`` from a model class's ``moe_fields`` (empty
+    for dense models), with the counts checked and made ints.
 
     Raises:
         ValueError: ``num_experts_per_tok`` outside ``[1, num_experts]`` or a missing expert
             count (the caller wraps it into ``ModelConfigError``).
     """
-    if arch not in MOE_ARCHITECTURES:
+    if not fields:
         return {}
-    if arch == "MixtralForCausalLM":
-        experts = cfg.get("num_local_experts")
-        inter = cfg.get("intermediate_size")
-        norm, shared, moe_layers = True, 0, (True,) * layers
-    else:
-        experts = cfg.get("num_experts") or cfg.get(
-            "num_local_experts"
-        )  # transformers 5 writes the latter
-        inter = cfg.get("moe_intermediate_size")
-        norm = bool(cfg.get("norm_topk_prob", False))
-        shared = (
-            int(cfg.get("shared_expert_intermediate_size") or 0)
-            if arch == "Qwen2MoeForCausalLM"
-            else 0
-        )
-        step = int(cfg.get("decoder_sparse_step") or 1)
-        only_dense = set(cfg.get("mlp_only_layers") or [])
-        moe_layers = tuple(i not in only_dense and (i + 1) % step == 0 for i in range(layers))
+    experts, inter = fields["num_experts"], fields["moe_intermediate_size"]
     if not experts or int(experts) < 1 or not inter:
         raise ValueError(
             f"{path}: a {arch} config needs a positive expert count and expert intermediate size"
         )
-    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    top_k = int(fields["num_experts_per_tok"] or 0)
     if not 1 <= top_k <= int(experts):
         raise ValueError(f"{path}: num_experts_per_tok must be in [1, {experts}], got {top_k}")
-    return dict(
-        num_experts=int(experts),
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=int(inter),
-        norm_topk_prob=norm,
-        shared_expert_intermediate_size=shared,
-        moe_layers=moe_layers,
-    )
+    return {
+        **fields,
+        "num_experts": int(experts),
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": int(inter),
+    }
 
 
 def moe_parallel_problem(

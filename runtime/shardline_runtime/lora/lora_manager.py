@@ -14,6 +14,7 @@ import itertools
 import logging
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -35,7 +36,12 @@ from shardline_runtime.lora.lora_config import (
     LoRAConfig,
     LoRAPoolFullError,
     load_lora_tensors,
+    parse_lora_paths,
+    resolve_target_modules,
 )
+
+if TYPE_CHECKING:
+    from shardline_runtime.server_args_sections import LoRAArgs
 
 logger = logging.getLogger(__name__)
 
@@ -253,3 +259,27 @@ class LoRAManager:
             {"name": a.name, "path": a.path, "rank": a.rank, "slot": a.slot}
             for a in self.adapters.values()
         ]
+
+
+def build_lora_manager(model: nn.Module, lora: LoRAArgs) -> LoRAManager | None:
+    """The ``LoRAManager`` for ``lora`` (``--lora-paths`` loaded), or None without
+    ``--enable-lora``. ``max_lora_rank`` defaults to the largest start-up adapter's rank, else 16.
+
+    Raises:
+        LoRAAdapterError: a start-up adapter cannot be loaded.
+    """
+    if not lora.enable_lora:
+        return None
+    paths = parse_lora_paths(list(lora.lora_paths))
+    max_rank = lora.max_lora_rank or max(
+        [LoRAConfig.from_path(p).r for p in paths.values()] or [16]
+    )
+    manager = LoRAManager(
+        model,
+        lora.max_loras_per_batch,
+        max_rank,
+        resolve_target_modules(list(lora.lora_target_modules)),
+    )
+    for name, path in paths.items():
+        manager.load_adapter(name, path)
+    return manager

@@ -49,11 +49,7 @@ from shardline_runtime.managers.model_worker_batch import ModelWorkerBatch
 from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from shardline_runtime.model_executor.forward_batch_info import PPProxyTensors
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
-from shardline_runtime.model_executor.model_runner import (
-    ModelRunner,
-    ModelRunnerConfig,
-    resolve_device,
-)
+from shardline_runtime.model_executor.model_runner import ModelRunner
 from shardline_runtime.model_executor.weight_update import WeightsPhase
 
 logger = logging.getLogger(__name__)
@@ -86,7 +82,7 @@ class BaseTpWorker(ABC):
     @property
     def sliding_window_size(self) -> int | None:
         """The model's sliding attention window in tokens, or None (from the runner)."""
-        return self.model_runner.sliding_window_size
+        return self.model_runner.model_config.sliding_window_size
 
     @property
     def req_to_token_pool(self) -> ReqToTokenPool:
@@ -101,7 +97,7 @@ class TpModelWorker(BaseTpWorker):
     """The model side of one TP rank.
 
     Args:
-        server_args: a ``ServerArgs`` (or any object with the ``ModelRunnerConfig`` fields).
+        server_args: the ``ServerArgs`` (the runner takes its sections).
         tp_rank: this process's TP rank.
         model_runner: an already built runner (tests); default builds one.
         pp_rank: this process's pipeline stage.
@@ -135,19 +131,18 @@ class TpModelWorker(BaseTpWorker):
         if model_runner is not None:
             self.model_config = model_runner.model_config
             return
-        config = ModelRunnerConfig.from_server_args(self.server_args, self.tp_rank, self.pp_rank)
+        model = self.server_args.model
         self.model_config = ModelConfig.from_pretrained(
-            config.model_path,
-            dtype=config.dtype,
-            context_length=config.context_length,
-            device_type=resolve_device(config.device, config.local_rank).type,
+            model.model_path,
+            dtype=model.dtype,
+            context_length=model.context_length,
+            device_type=self.server_args.parallel.torch_device(self.tp_rank, self.pp_rank).type,
         )
 
     def _init_model_runner(self, model_runner: ModelRunner | None) -> None:
         if model_runner is None:
             model_runner = ModelRunner(
-                ModelRunnerConfig.from_server_args(self.server_args, self.tp_rank, self.pp_rank),
-                model_config=self.model_config,
+                self.server_args, self.tp_rank, self.pp_rank, model_config=self.model_config
             )
         self._model_runner = model_runner
         self.model_config = model_runner.model_config  # the loaded model's (same values)
@@ -290,7 +285,7 @@ class TpModelWorker(BaseTpWorker):
         on_phase: Callable[[WeightsPhase], None] | None = None,
     ) -> None:
         """New decode-graph settings from an update request; the runner rebuilds its graphs."""
-        self.model_runner.update_cuda_graph_settings(cuda_graph_max_bs, disable, on_phase)
+        self.model_runner.graphs.rebuild(cuda_graph_max_bs, disable, on_phase)
 
     # ---- weight sync from a trainer (model_executor/weight_sync.py) ----------------------------
 

@@ -62,8 +62,8 @@ class CudaGraphRunner:
 
     Args:
         model_runner: provides ``model``, ``device``, ``req_to_token_pool``,
-            ``token_to_kv_pool``, ``attn_backend`` and ``config`` (``cuda_graph_max_bs``,
-            ``max_running_requests``).
+            ``token_to_kv_pool``, ``attn_backend`` and ``args`` (``graphs.cuda_graph_max_bs``,
+            ``memory.max_running_requests``).
         capture: capture real CUDA graphs; default: when the model runs on CUDA.
         batch_sizes: override the captured sizes (default :func:`get_batch_sizes_to_capture`).
 
@@ -81,11 +81,13 @@ class CudaGraphRunner:
         self.model_runner = model_runner
         self.device = torch.device(model_runner.device)
         self.use_graphs = self.device.type == "cuda" if capture is None else capture
-        config = model_runner.config
+        args = model_runner.args
         self.capture_bs = (
             sorted(batch_sizes)
             if batch_sizes
-            else get_batch_sizes_to_capture(config.cuda_graph_max_bs, config.max_running_requests)
+            else get_batch_sizes_to_capture(
+                args.graphs.cuda_graph_max_bs, args.memory.max_running_requests
+            )
         )
         self.max_bs = self.capture_bs[-1]
         rows = model_runner.req_to_token_pool.alloc(1)
@@ -188,6 +190,12 @@ class CudaGraphRunner:
                 self.outputs[bs] = output
         torch.cuda.synchronize(self.device)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.capture_bs)
+
+    def release_graphs(self) -> None:
+        """Drop every captured graph, its output and the memory pool (``capture`` builds them again)."""
+        self.graphs.clear()
+        self.outputs.clear()
+        self.graph_pool = None
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         """True for a DECODE batch of at most ``max_bs`` requests."""

@@ -73,7 +73,8 @@ class MemorySaver:
     """Memory release state of one ModelRunner.
 
     Args:
-        model_runner: provides ``model``, ``device``, ``token_to_kv_pool``, ``cuda_graph_runner``.
+        model_runner: provides ``model``, ``device``, ``token_to_kv_pool`` and ``graphs``
+            (``DeviceGraphs``: released and resumed through it).
         cpu_backup: keep the weights on the CPU while released (``--enable-weights-cpu-backup``).
         use_torch_memory_saver: allocate through ``torch-memory-saver`` (CUDA only; ignored
             with a warning when the package is missing).
@@ -88,7 +89,6 @@ class MemorySaver:
         self.missing: set[str] = set()
         self._weights: dict[str, tuple[torch.nn.Parameter, torch.Size, torch.Tensor | None]] = {}
         self._kv_shapes: list[torch.Size] = []
-        self._graph_runner: Any = None  # the decode graphs held while released
         self.tms = None
         if use_torch_memory_saver and torch.device(model_runner.device).type == "cuda":
             self.tms = _torch_memory_saver()
@@ -140,17 +140,8 @@ class MemorySaver:
         runner = self.runner
         on_gpu = torch.device(runner.device).type == "cuda"
         # Graphs read fixed addresses: drop them whenever their inputs may move.
-        if runner.cuda_graph_runner is not None and (
-            "cuda_graph" in tags or (self.tms is None and tags)
-        ):
-            self._graph_runner, runner.cuda_graph_runner = runner.cuda_graph_runner, None
-            self._graph_runner.graphs.clear()
-            self._graph_runner.outputs.clear()
-            self._graph_runner.graph_pool = None
-        piecewise = getattr(runner, "piecewise_cuda_graph_runner", None)
-        if piecewise is not None and ("cuda_graph" in tags or (self.tms is None and tags)):
-            self._piecewise_runner, runner.piecewise_cuda_graph_runner = piecewise, None
-            piecewise.release_graphs()
+        if "cuda_graph" in tags or (self.tms is None and tags):
+            runner.graphs.release()
         if "weights" in tags:
             self._release_weights()
         if "kv_cache" in tags:
@@ -171,20 +162,8 @@ class MemorySaver:
         if "kv_cache" in tags:
             self._resume_kv()
         self.released.difference_update(tags)
-        graphs = self._graph_runner
-        if graphs is not None and not self.released.intersection(
-            {"weights", "kv_cache", "cuda_graph"}
-        ):
-            self._graph_runner = None
-            graphs.capture()
-            self.runner.cuda_graph_runner = graphs
-        piecewise = getattr(self, "_piecewise_runner", None)
-        if piecewise is not None and not self.released.intersection(
-            {"weights", "kv_cache", "cuda_graph"}
-        ):
-            self._piecewise_runner = None
-            piecewise.capture()
-            self.runner.piecewise_cuda_graph_runner = piecewise
+        if not self.released.intersection(TAGS):
+            self.runner.graphs.resume()
         note = (
             f"; {len(self.missing)} tensors need a weight update before serving"
             if self.missing

@@ -1,21 +1,17 @@
 """ModelRunner: one rank's model, KV pools, attention backend and graphs, and one step of it.
 
-A rank is one TP rank of one pipeline stage: it holds the stage's layers (``pipeline_stage``),
-its TP shard of them, and KV for those layers only.
+A rank is one TP rank of one pipeline stage: the stage's layers (``pipeline_stage``), its TP
+shard of them, and KV for those layers only. Life (the design notes' order, after SGLang's
+``ModelRunner``): refuse impossible TP / PP layouts before reading any weight -> join the groups
+and measure the free memory *before* loading -> sampler -> weights (then the EPLB manager of MoE
+models) -> KV cache dtype and fp8 scales -> LoRA manager (it wraps the layers before graphs are
+captured) -> ``build_kv_pools`` (``kv_pools.py``) -> attention backend -> ``DeviceGraphs.build``
+(``device_graphs.py``, the one owner of the graphs and of the rules for when they run).
 
-Life (the design notes' order, after SGLang's ``ModelRunner``): parse the config and refuse
-impossible TP / PP layouts before reading any weight -> ``init_torch_distributed`` (join the groups,
-measure the free memory *before* loading) -> the forward stream -> ``initialize``: sampler -> load
-the weights (this rank's shards; then Shardline's EPLB manager for MoE models) -> KV cache dtype
--> (Shardline: the LoRA manager, which must wrap the layers before graphs are captured) -> KV
-pools sized from the pre-load free memory (``model_runner_kv_cache.py``) -> attention backend ->
-decode CUDA graphs (``CudaGraphRunner``) -> piecewise CUDA graphs for EXTEND
-(``model_runner_graphs.py``, which also rebuilds the graphs for new settings).
-
-One step: :meth:`ModelRunner.forward_and_sample` runs :meth:`forward` (graph replay or eager,
-by ``ForwardMode``) and :meth:`sample` (the only sampling path: rows that want a token, logprobs,
-penalty counts, the TP broadcast of the result) and returns one ``GenerationBatchResult``. On a
-pipeline stage that is not the last it returns the stage's ``PPProxyTensors`` unsampled.
+One step: :meth:`ModelRunner.forward_and_sample` runs :meth:`forward` (a graph replay, else
+``model_forward.forward_eager``) and :meth:`sample` (``sample_step.sample_batch``) and returns
+one ``GenerationBatchResult``; a pipeline stage that is not the last returns its
+``PPProxyTensors`` unsampled.
 """
 
 from __future__ import annotations
@@ -31,95 +27,102 @@ from shardline_runtime.configs.model_config import ModelConfig
 from shardline_runtime.configs.pipeline_stage import PipelineStage
 from shardline_runtime.layers.logits_processor import LogitsProcessorOutput
 from shardline_runtime.layers.sampler import Sampler
+from shardline_runtime.model_executor.device_graphs import DeviceGraphs
 from shardline_runtime.model_executor.forward_batch_info import (
     ForwardBatch,
     ForwardMode,
     PPProxyTensors,
 )
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
-from shardline_runtime.model_executor.memory_saver import MemorySaver
-from shardline_runtime.model_executor.model_runner_config import (
-    DEVICES,
-    ModelRunnerConfig,
-    resolve_device,
-)
-from shardline_runtime.model_executor.model_runner_graphs import ModelRunnerGraphsMixin
-from shardline_runtime.model_executor.model_runner_kv_cache import (
+from shardline_runtime.model_executor.kv_cache_dtype import configure_kv_cache_dtype
+from shardline_runtime.model_executor.kv_pools import (
+    CPU_KV_CACHE_BYTES,
     KVCacheMemoryError,
-    ModelRunnerKVCacheMixin,
+    build_kv_pools,
+    memory_available,
+    stage_layers,
 )
+from shardline_runtime.model_executor.memory_saver import MemorySaver
+from shardline_runtime.model_executor.model_forward import forward_eager
 from shardline_runtime.model_executor.weight_update import WeightsPhase, update_weights_from_disk
 
 if TYPE_CHECKING:
-    from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner
-    from shardline_runtime.model_executor.piecewise_cuda_graph_runner import (
-        PiecewiseCudaGraphRunner,
-    )
     from shardline_runtime.models.llama import LlamaForCausalLM
+    from shardline_runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEVICES", "KVCacheMemoryError", "ModelRunner", "ModelRunnerConfig", "resolve_device"]
+__all__ = ["KVCacheMemoryError", "ModelRunner"]
 
 
-class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
-    """Runs the model of one TP rank.
+def _broadcast_from_rank0(ids: torch.Tensor) -> torch.Tensor:
+    return distributed.broadcast_tensor(ids, src=0)
 
-    Attributes set by the constructor: ``model_config``, ``device``, ``dtype``, ``tp_rank``,
-    ``tp_size``, ``is_generation``, ``forward_pass_id`` (steps run so far, monotonic),
-    ``forward_stream`` (the CUDA stream the overlap scheduler runs steps on; None on CPU),
-    ``model``, ``max_total_num_tokens``, ``req_to_token_pool``, ``token_to_kv_pool``,
-    ``token_to_kv_pool_allocator``, ``attn_backend``, ``cuda_graph_runner`` and
-    ``piecewise_cuda_graph_runner`` (None unless captured), ``sampler``, ``memory_saver``
-    (release/resume of weights, KV cache and graphs; ``model_executor/memory_saver.py``).
 
-    Raises (from the constructor):
-        ModelConfigError: config.json is invalid or the head count does not fit ``tp_size``
-            (before any weight is read).
-        CheckpointError: a shard is missing/short or a parameter is missing/unexpected.
-        KVCacheMemoryError: no memory is left for the KV cache.
+class ModelRunner:
+    """Runs the model of TP rank ``tp_rank`` of pipeline stage ``pp_rank``.
+
+    Args:
+        args: the server arguments; the runner reads the ``model``, ``parallel``, ``memory``,
+            ``experts``, ``graphs``, ``lora`` and ``weight_sync`` sections.
+        model_config: an already parsed config (default: parsed from ``args.model``).
+        cpu_kv_cache_bytes: the KV budget on the CPU without ``max_total_tokens`` (bytes).
+
+    Attributes: ``model_config``, ``device``, ``dtype``, ``tp_rank``/``tp_size``,
+    ``pp_rank``/``pp_size``, ``forward_pass_id`` (steps run, monotonic), ``forward_stream``
+    (the overlap scheduler's CUDA stream; None on CPU), ``model``, ``kv_cache_dtype``,
+    ``max_total_num_tokens`` and the three pools (from :func:`build_kv_pools`),
+    ``attn_backend``, ``graphs`` (:class:`DeviceGraphs`), ``sampler``, ``lora_manager``,
+    ``eplb_manager``, ``memory_saver`` (release/resume of weights, KV cache and graphs).
+
+    Raises (from the constructor): ValueError (a rank outside the layout), ModelConfigError
+    (bad config.json or a head count that does not fit ``tp_size``) and PipelineLayoutError,
+    both before any weight is read; CheckpointError (a missing or short shard or parameter);
+    KVCacheMemoryError (no memory left for the KV cache).
     """
 
     model: LlamaForCausalLM
-    cuda_graph_runner: CudaGraphRunner | None
-    piecewise_cuda_graph_runner: PiecewiseCudaGraphRunner | None
 
-    def __init__(self, config: ModelRunnerConfig, model_config: ModelConfig | None = None):
-        self.config = config
-        self.tp_rank = config.tp_rank
-        self.tp_size = config.tp_size
-        self.pp_rank = config.pp_rank
-        self.pp_size = config.pp_size
-        self.device = resolve_device(config.device, config.local_rank)
+    def __init__(
+        self,
+        args: ServerArgs,
+        tp_rank: int = 0,
+        pp_rank: int = 0,
+        *,
+        model_config: ModelConfig | None = None,
+        cpu_kv_cache_bytes: int = CPU_KV_CACHE_BYTES,
+    ):
+        self.args = args
+        par = args.parallel
+        self.tp_rank, self.pp_rank = tp_rank, pp_rank
+        self.tp_size, self.pp_size = par.tp_size, par.pp_size
+        self.cpu_kv_cache_bytes = cpu_kv_cache_bytes
+        self.device = par.torch_device(tp_rank, pp_rank)
         if model_config is None:
             model_config = ModelConfig.from_pretrained(
-                config.model_path,
-                dtype=config.dtype,
-                context_length=config.context_length,
+                args.model.model_path,
+                dtype=args.model.dtype,
+                context_length=args.model.context_length,
                 device_type=self.device.type,
             )
         self.model_config = model_config
         self.model_config.check_tp_size(self.tp_size)
         self.model_config.check_ep_size(
-            self.tp_size, config.ep_size, config.ep_num_redundant_experts
+            self.tp_size, par.ep_size, args.experts.ep_num_redundant_experts
         )
-        # raises PipelineLayoutError (fewer layers than stages, a bad partition) before the rendezvous
+        # raises PipelineLayoutError before the rendezvous
         self.pipeline_stage = PipelineStage.for_rank(
-            self.model_config.num_hidden_layers,
-            self.pp_rank,
-            self.pp_size,
-            config.pp_layer_partition,
+            self.model_config.num_hidden_layers, pp_rank, self.pp_size, par.pp_layer_partition
         )
         self.dtype = self.model_config.dtype
-        # Every architecture of models/registry.py is a causal LM that samples tokens (SGLang's
-        # is_generation); an embedding or reward model would be False and never sample.
-        self.is_generation = True
+        self.is_generation = True  # every registered architecture is a causal LM (SGLang's flag)
         self.forward_pass_id = 0
         pre_model_load_memory = self.init_torch_distributed()
         self.forward_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        torch.manual_seed(config.random_seed)
+        torch.manual_seed(args.operation.random_seed)
+        sync = args.weight_sync
         self.memory_saver = MemorySaver(
-            self, config.enable_weights_cpu_backup, config.enable_memory_saver
+            self, sync.enable_weights_cpu_backup, sync.enable_memory_saver
         )
         self.initialize(pre_model_load_memory)
 
@@ -128,110 +131,82 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
         bytes free before loading."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        par = self.args.parallel
         distributed.init_distributed_environment(
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
             device=self.device,
-            dist_init_addr=self.config.dist_init_addr,
-            timeout_s=self.config.dist_timeout,
+            dist_init_addr=par.dist_init_addr,
+            timeout_s=par.dist_timeout,
             pp_rank=self.pp_rank,
             pp_size=self.pp_size,
         )
-        distributed.init_expert_parallel(self.config.ep_size, self.config.ep_num_redundant_experts)
-        return self._memory_available()
+        distributed.init_expert_parallel(par.ep_size, self.args.experts.ep_num_redundant_experts)
+        return memory_available(self.device, self.cpu_kv_cache_bytes)
 
     def initialize(self, pre_model_load_memory: int) -> None:
-        """The design notes' order: sampler, model (+ EPLB manager for MoE models), KV dtype,
-        (LoRA), pool, backend, graphs, piecewise graphs."""
-        self.sampler = self._make_sampler()
+        """The design notes' order: sampler, model (+ EPLB manager for MoE models), KV dtype and
+        scales, (LoRA), pools, backend, graphs."""
+        from shardline_runtime.lora.lora_manager import build_lora_manager
+        from shardline_runtime.model_executor.eplb_manager import EPLBManager
+
+        # at tp_size > 1 the sampled ids are broadcast from TP rank 0 on the device group
+        self.sampler = Sampler(broadcast=_broadcast_from_rank0 if self.tp_size > 1 else None)
         with self.memory_saver.region("weights"):
             self.load_model()
-        self.init_eplb_manager()
-        self.configure_kv_cache_dtype()
-        self.init_lora_manager()
+        experts = self.args.experts
+        self.eplb_manager = EPLBManager.for_model(
+            self.model,
+            self.model_config.num_hidden_layers,
+            self.device,
+            rebalance_num_iterations=experts.eplb_rebalance_num_iterations,
+            recorder_dir=experts.expert_distribution_recorder_dir,
+        )
+        self.kv_cache_dtype = configure_kv_cache_dtype(
+            self.model, self.model_config.model_path, self.args.model.kv_cache_dtype, self.dtype
+        )
+        self.lora_manager = build_lora_manager(self.model, self.args.lora)
         with self.memory_saver.region("kv_cache"):
-            self.init_memory_pool(pre_model_load_memory)
+            pools = build_kv_pools(
+                self.model_config,
+                self.pipeline_stage,
+                self.kv_cache_dtype,
+                self.args.memory,
+                self.device,
+                self.tp_size,
+                pre_model_load_memory,
+                cpu_kv_cache_bytes=self.cpu_kv_cache_bytes,
+                weight_bytes=self.weight_bytes,
+                ranks=(self.tp_rank, self.pp_rank),
+            )
+        self.max_total_num_tokens = pools.max_total_num_tokens
+        self.req_to_token_pool = pools.req_to_token_pool
+        self.token_to_kv_pool = pools.token_to_kv_pool
+        self.token_to_kv_pool_allocator = pools.token_to_kv_pool_allocator
         self.init_attention_backend()
-        self.cuda_graph_runner = None
-        self.piecewise_cuda_graph_runner = None
-        self.init_device_graphs()
-        self.init_piecewise_cuda_graphs()
-
-    @property
-    def sliding_window_size(self) -> int | None:
-        """Tokens a windowed attention layer sees (the largest window when layers differ), or
-        None when no layer has a sliding window."""
-        windows = [w for w in self.model_config.sliding_windows if w is not None]
-        return max(windows) if windows else None
-
-    # ---- construction -------------------------------------------------------------------------
-
-    def _make_sampler(self) -> Sampler:
-        """The sampler; at tp_size > 1 its token ids are broadcast from TP rank 0 on the device
-        group (so no rank can diverge, and no host round trip is added)."""
-        if self.tp_size == 1:
-            return Sampler()
-        return Sampler(broadcast=lambda ids: distributed.broadcast_tensor(ids, src=0))
+        self.graphs = DeviceGraphs.build(self, self.args.graphs)
 
     def load_model(self) -> None:
         """Build the model for this rank's shard and load its weights from ``model_path``."""
         from shardline_runtime.model_loader.loader import load_model
 
-        before = self._memory_available()
+        before = memory_available(self.device, self.cpu_kv_cache_bytes)
+        stage = self.pipeline_stage
         self.model = load_model(
-            self.model_config, self.model_config.model_path, self.device, stage=self.pipeline_stage
+            self.model_config, self.model_config.model_path, self.device, stage=stage
         )
         self.model_config = self.model.config
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        stage = self.pipeline_stage
         logger.info(
             "[tp %d, pp %d] loaded %s layers [%d, %d): %.1f MiB of weights on this rank (available %.1f MiB before)",
             self.tp_rank,
             self.pp_rank,
             self.model_config.architecture,
             stage.start_layer,
-            stage.start_layer + self.num_stage_layers,
+            stage.start_layer + stage_layers(self.model_config, stage),
             self.weight_bytes / 2**20,
             before / 2**20,
         )
-
-    def init_eplb_manager(self) -> None:
-        """``eplb_manager`` (expert-distribution recorder and EPLB) for MoE models, else None."""
-        from shardline_runtime.model_executor.eplb_manager import EPLBManager
-
-        self.eplb_manager = EPLBManager.for_model(
-            self.model,
-            self.model_config.num_hidden_layers,
-            self.device,
-            rebalance_num_iterations=self.config.eplb_rebalance_num_iterations,
-            recorder_dir=self.config.expert_distribution_recorder_dir,
-        )
-
-    def init_lora_manager(self) -> None:
-        """``lora_manager`` (``lora/lora_manager.py``) with ``--lora-paths`` loaded, or None
-        without ``--enable-lora``. Raises LoRAAdapterError for a bad start-up adapter."""
-        self.lora_manager = None
-        if not self.config.enable_lora:
-            return
-        from shardline_runtime.lora.lora_config import (
-            LoRAConfig,
-            parse_lora_paths,
-            resolve_target_modules,
-        )
-        from shardline_runtime.lora.lora_manager import LoRAManager
-
-        paths = parse_lora_paths(list(self.config.lora_paths))
-        max_rank = self.config.max_lora_rank or max(
-            [LoRAConfig.from_path(p).r for p in paths.values()] or [16]
-        )
-        self.lora_manager = LoRAManager(
-            self.model,
-            self.config.max_loras_per_batch,
-            max_rank,
-            resolve_target_modules(list(self.config.lora_target_modules)),
-        )
-        for name, path in paths.items():
-            self.lora_manager.load_adapter(name, path)
 
     def init_attention_backend(self) -> None:
         """Create the backend ``--attention-backend`` names (auto: triton on CUDA, torch_native on CPU)."""
@@ -241,7 +216,7 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
         )
 
         self.attention_backend_name = resolve_attention_backend(
-            self.config.attention_backend, self.device
+            self.args.model.attention_backend, self.device
         )
         self.attn_backend = create_attention_backend(self.attention_backend_name, self)
 
@@ -250,9 +225,8 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
     def forward_and_sample(
         self, forward_batch: ForwardBatch, pp_proxy_tensors: PPProxyTensors | None = None
     ) -> GenerationBatchResult:
-        """Run one step and sample; the one path the worker calls.
-
-        ``pp_proxy_tensors``: the previous pipeline stage's output (every stage but the first).
+        """Run one step and sample; the one path the worker calls (``pp_proxy_tensors``: the
+        previous pipeline stage's output, on every stage but the first).
 
         Returns:
             a :class:`GenerationBatchResult` whose sampled ids and logprobs are still on the
@@ -274,14 +248,11 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
     def forward(
         self, forward_batch: ForwardBatch, pp_proxy_tensors: PPProxyTensors | None = None
     ) -> LogitsProcessorOutput | PPProxyTensors | None:
-        """Run one step; dispatches on ``forward_batch.forward_mode`` (increments ``forward_pass_id``).
-
-        A decode batch that fits a captured graph replays it, an EXTEND that fits a piecewise
-        bucket replays its pieces; everything else (DECODE, EXTEND, IDLE, SPLIT_PREFILL) runs
-        the model eagerly. Returns the logits of the last token of each request (``None`` from
-        a SPLIT_PREFILL call that does not reach the last layer; SPLIT_PREFILL carries hidden
-        states in ``forward_batch.split_hidden_states`` between calls). With pipeline
-        parallelism a stage that is not the last returns its ``PPProxyTensors`` (no graphs).
+        """Run one step (increments ``forward_pass_id``): a graph replay when
+        :meth:`DeviceGraphs.try_replay` allows it, else ``forward_eager`` (any mode). Returns the
+        last token's logits per request, a non-last stage's ``PPProxyTensors``, or ``None`` (a
+        SPLIT_PREFILL call short of the last layer; hidden states travel in
+        ``forward_batch.split_hidden_states``).
 
         Raises:
             ValueError: an unknown ``forward_mode``.
@@ -292,124 +263,19 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
                 f"unknown forward_mode {mode!r}; allowed: {[m.name for m in ForwardMode]}"
             )
         self.forward_pass_id += 1
-        if self.pp_size > 1:
-            return self._forward_eager(forward_batch, pp_proxy_tensors)
-        recording = (
-            self.eplb_manager is not None and self.eplb_manager.recorder.recording
-        )  # graphs do not record
-        graphs = self.cuda_graph_runner
-        if (
-            mode.is_decode()
-            and graphs is not None
-            and not recording
-            and graphs.can_run(forward_batch)
-        ):
-            return graphs.replay(forward_batch)
-        pieces = self.piecewise_cuda_graph_runner
-        # a graph embeds the token ids itself: caller-given embeddings run eagerly
-        if (
-            mode == ForwardMode.EXTEND
-            and pieces is not None
-            and not recording
-            and forward_batch.input_embeds_indices is None
-            and pieces.can_run(forward_batch)
-        ):
-            return pieces.replay(forward_batch)
-        return self._forward_eager(forward_batch)
-
-    def _forward_eager(
-        self, forward_batch: ForwardBatch, pp_proxy_tensors: PPProxyTensors | None = None
-    ):
-        if self.lora_manager is not None:
-            per_req = (
-                forward_batch.extend_seq_lens_cpu
-                if forward_batch.forward_mode.is_extend()
-                else None
-            )
-            per_req = per_req or [1] * forward_batch.batch_size
-            self.lora_manager.prepare_lora_batch(forward_batch.lora_names, per_req)
-        self.attn_backend.init_forward_metadata(forward_batch)
-        with torch.inference_mode():
-            embeds = self.input_embeds(forward_batch)
-            # the layer-range path of SPLIT_PREFILL is the model's own method, beside its plain forward
-            run = (
-                self.model.forward_split_prefill
-                if forward_batch.forward_mode.is_split_prefill()
-                else self.model.forward
-            )
-            out = run(
-                forward_batch.input_ids,
-                forward_batch.positions,
-                forward_batch,
-                input_embeds=embeds,
-                pp_proxy_tensors=pp_proxy_tensors,
-            )
-        if self.eplb_manager is not None:
-            self.eplb_manager.on_forward_pass_end()
-        return out
-
-    def input_embeds(self, forward_batch: ForwardBatch) -> torch.Tensor | None:
-        """(T, hidden_size): the token embeddings with rows ``input_embeds_indices`` replaced by
-        ``input_embeds_values`` (the placeholder mechanism of multimodal models), or None."""
-        if (
-            forward_batch.input_embeds_indices is None
-            or forward_batch.input_embeds_values is None
-            or not self.pipeline_stage.is_first
-        ):
-            return None
-        embeds = self.model.get_input_embeddings()(forward_batch.input_ids)  # (T, hidden)
-        rows = forward_batch.input_embeds_indices.to(self.device)
-        embeds[rows] = forward_batch.input_embeds_values.to(device=self.device, dtype=embeds.dtype)
-        return embeds
+        replayed = self.graphs.try_replay(forward_batch)
+        if replayed is not None:
+            return replayed
+        return forward_eager(self, forward_batch, pp_proxy_tensors)
 
     def sample(
         self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch
     ) -> GenerationBatchResult:
-        """Draw one token for each row that wants one; the only sampling path.
+        """Draw one token for each row that wants one; the only sampling path
+        (:func:`~shardline_runtime.model_executor.sample_step.sample_batch`)."""
+        from shardline_runtime.model_executor.sample_step import sample_batch
 
-        Rows with ``forward_batch.wants_token[i] == False`` (intermediate chunks,
-        ``max_new_tokens == 0``) get -1. Logprobs (raw, see ``layers/sampler.py``) for rows
-        with ``return_logprobs[i]``, top logprobs for ``top_logprobs_nums[i] > 0``. Penalty
-        counts of the sampled rows are updated. At tp_size > 1 the token ids and their logprobs
-        are broadcast from TP rank 0 on the device group, so every rank holds the same result.
-
-        Returns:
-            :class:`GenerationBatchResult` with ``next_token_ids`` (bs,) int64 on the device.
-        """
-        bs = forward_batch.batch_size
-        wants = forward_batch.wants_token
-        rows = list(range(bs)) if wants is None else [i for i, w in enumerate(wants) if w]
-        result = GenerationBatchResult(
-            logits_output=logits_output, forward_batch=forward_batch, sampled_rows=rows
-        )
-        result.next_token_ids = torch.full((bs,), -1, dtype=torch.int64, device=self.device)
-        if not rows:
-            return result
-        info = forward_batch.sampling_info
-        if len(rows) < bs:
-            info = info.copy_rows(rows)
-        row_index = torch.tensor(rows, device=self.device)
-        logits = logits_output.next_token_logits
-        if len(rows) < bs:
-            logits = logits[row_index]
-        asked = forward_batch.return_logprobs or [False] * bs
-        result.logprob_rows = [asked[i] for i in rows]
-        nums = forward_batch.top_logprobs_nums or [0] * bs
-        result.top_logprobs_nums = [nums[i] if asked[i] else 0 for i in rows]
-        top_nums = result.top_logprobs_nums if any(result.top_logprobs_nums) else None
-        out = self.sampler(logits, info, any(result.logprob_rows), top_nums)
-        if out.next_token_logprobs is not None and self.tp_size > 1:
-            distributed.broadcast_tensor(out.next_token_logprobs, src=0)
-        if forward_batch.sampling_info.penalties is not None:
-            forward_batch.sampling_info.penalties.cumulate_output_tokens(
-                out.next_token_ids, row_index
-            )
-        result.next_token_ids[row_index] = out.next_token_ids
-        result.sampled_logprobs = out.next_token_logprobs
-        result.top_values, result.top_indices = out.top_logprobs_val, out.top_logprobs_idx
-        return result
-
-    # ---- weights ------------------------------------------------------------------------------
+        return sample_batch(self.sampler, logits_output, forward_batch, self.device, self.tp_size)
 
     def update_weights_from_disk(
         self,
@@ -418,16 +284,11 @@ class ModelRunner(ModelRunnerKVCacheMixin, ModelRunnerGraphsMixin):
         recapture_cuda_graph: bool = True,
         on_phase: Callable[[WeightsPhase], None] | None = None,
     ) -> tuple[bool, str]:
-        """Load new weights in place on every rank (all or nothing); see ``weight_update.py``.
-
-        Args:
-            recapture_cuda_graph: capture the decode and piecewise graphs again after the copy
-                (the HTTP API's default, DESIGN 2.4).
-            on_phase: called with each :class:`WeightsPhase` as it begins.
-
-        Returns:
-            ``(success, message)``; on failure the old weights keep serving.
-        """
+        """Load new weights (and fp8 KV scales) in place on every rank, all or nothing
+        (``weight_update.py``); ``recapture_cuda_graph`` captures the graphs again after the copy
+        (the HTTP API's default, DESIGN 2.4); ``on_phase`` is called as each
+        :class:`WeightsPhase` begins. Returns ``(success, message)``; on failure the old weights
+        keep serving."""
         return update_weights_from_disk(
             self,
             model_path,

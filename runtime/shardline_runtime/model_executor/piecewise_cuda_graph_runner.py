@@ -77,8 +77,8 @@ class PiecewiseCudaGraphRunner:
     """Captures and replays the non-attention pieces of EXTEND steps of a ``ModelRunner``.
 
     Args:
-        model_runner: provides ``model``, ``device``, ``attn_backend`` and ``config``
-            (``piecewise_cuda_graph_max_tokens``).
+        model_runner: provides ``model``, ``device``, ``attn_backend`` and ``args``
+            (``graphs.piecewise_cuda_graph_max_tokens``).
         capture: capture real CUDA graphs; default: when the model runs on CUDA.
         token_buckets: override the captured token counts (default :func:`get_token_buckets`).
 
@@ -95,7 +95,7 @@ class PiecewiseCudaGraphRunner:
         self.buckets = (
             sorted(token_buckets)
             if token_buckets
-            else get_token_buckets(model_runner.config.piecewise_cuda_graph_max_tokens)
+            else get_token_buckets(model_runner.args.graphs.piecewise_cuda_graph_max_tokens)
         )
         self.max_tokens = self.buckets[-1]
         model = model_runner.model

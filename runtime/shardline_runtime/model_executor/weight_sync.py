@@ -32,6 +32,11 @@ import torch
 
 from shardline_runtime.distributed import all_gather_pyobj_world, all_reduce_min_int
 from shardline_runtime.layers.parameter import weight_loader_of
+from shardline_runtime.model_executor.kv_cache_dtype import (
+    is_kv_scale_name,
+    scales_of_named,
+    update_kv_scales,
+)
 from shardline_runtime.model_executor.weight_update import WeightUpdateError
 from shardline_runtime.models.llama import LlamaForCausalLM
 from shardline_runtime.models.weight_loading import full_checkpoint_shapes
@@ -102,29 +107,49 @@ def check_specs(
             raise WeightUpdateError(
                 f"parameter {name}: shape {tuple(shape)} given, the serving model has {tuple(want)}"
             )
-        if got_dtype != dtype:
+        if got_dtype != dtype and not is_kv_scale_name(name):  # scales: any float dtype
             raise WeightUpdateError(
                 f"parameter {name}: dtype {got_dtype} given, the serving model uses {dtype}"
             )
 
 
+def checked_kv_scales(named: list[tuple[str, torch.Tensor]]) -> dict[int, dict[str, float]]:
+    """The KV scales (``*.k_scale`` / ``*.v_scale``) among ``named``, checked before anything
+    is loaded. Raises WeightUpdateError naming a scale that is not one positive finite value."""
+    try:
+        return scales_of_named(named)
+    except ValueError as exc:
+        raise WeightUpdateError(str(exc)) from None
+
+
 @torch.no_grad()
 def load_named_tensors(
-    model: LlamaForCausalLM, named: Iterable[tuple[str, torch.Tensor]]
+    model: LlamaForCausalLM,
+    named: Iterable[tuple[str, torch.Tensor]],
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> list[str]:
-    """Load full tensors into their parameters through ``weight_loader`` (each rank its shard).
+    """Load full tensors into their parameters through ``weight_loader`` (each rank its shard);
+    KV scales (``*.k_scale`` / ``*.v_scale``, checked by :func:`checked_kv_scales`) go to this
+    stage's attention layers when the cache (``kv_cache_dtype``) is fp8.
 
     Unlike a checkpoint load, a subset of the parameters is fine. Returns the names loaded.
     """
     params = dict(model.named_parameters())
     loaded = []
+    scales = []
     for name, tensor in model.stage_weights(named):
+        if is_kv_scale_name(name):
+            scales.append((name, tensor))
+            loaded.append(name)
+            continue
         resolved = _resolve(model, params, name)
         if resolved is None:
             continue
         param, args = resolved
         weight_loader_of(param)(param, tensor, *args)
         loaded.append(name)
+    if kv_cache_dtype is not None:
+        update_kv_scales(model, scales_of_named(scales), kv_cache_dtype)
     if params and next(iter(params.values())).device.type == "cuda":
         torch.cuda.synchronize()
     return loaded
@@ -164,12 +189,13 @@ def update_weights_from_safetensors(model_runner: Any, data: bytes) -> tuple[boo
         check_specs(
             model_runner.model, model_runner.dtype, [(n, t.dtype, tuple(t.shape)) for n, t in named]
         )
+        checked_kv_scales(named)
     except WeightUpdateError as exc:
         reason = str(exc)
     ok, message = _agree(reason, "update_weights_from_tensor")
     if not ok:
         return False, message, []
-    loaded = load_named_tensors(model_runner.model, named)
+    loaded = load_named_tensors(model_runner.model, named, model_runner.kv_cache_dtype)
     return True, f"loaded {len(loaded)} tensors on tp rank {model_runner.tp_rank}", loaded
 
 
@@ -232,10 +258,15 @@ def update_weights_from_distributed(
         except WeightSyncGroupError as exc:
             broken = True
             reason = reason or f"after {len(staged)} of {len(specs)} tensors: {exc}"
+    if not reason:
+        try:
+            checked_kv_scales(staged)
+        except WeightUpdateError as exc:
+            reason = str(exc)
     ok, message = _agree(reason, "update_weights_from_distributed")
     if not ok:
         return False, message, [], broken
-    loaded = load_named_tensors(model_runner.model, staged)
+    loaded = load_named_tensors(model_runner.model, staged, model_runner.kv_cache_dtype)
     return (
         True,
         f"received and loaded {len(loaded)} tensors on tp rank {model_runner.tp_rank}",

@@ -12,7 +12,8 @@ Steps, each rank:
   2. All ranks agree: ``all_reduce_min`` of a success flag. Any failure on any rank -> every
      rank keeps its old weights and returns ``(False, message)``.
   3. Copy each new tensor into the existing parameter storage (``param.data.copy_``), so every
-     ``data_ptr`` stays the same and captured CUDA graphs read the new weights.
+     ``data_ptr`` stays the same and captured CUDA graphs read the new weights; set the fp8 KV
+     scales to the new checkpoint's (1.0 where it has none; read and checked in step 1).
   4. ``recapturing`` (when asked and graphs exist): capture the decode and piecewise graphs again.
   5. ``serving``; a failed update leaves ``failed`` (the old weights keep serving).
 
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from shardline_runtime.distributed import all_reduce_min_int
+from shardline_runtime.model_executor.kv_cache_dtype import checkpoint_kv_scales, set_kv_scales
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +113,7 @@ def load_candidate(model_runner: Any, model_path: str, load_format: str = "auto"
     new_config = ModelConfig.from_pretrained(
         model_path,
         dtype=_dtype_name(live.dtype),
-        context_length=model_runner.config.context_length,
+        context_length=model_runner.args.model.context_length,
         device_type=torch.device(model_runner.device).type,
     )
     if new_config.architecture != live.architecture:
@@ -129,7 +131,7 @@ def load_candidate(model_runner: Any, model_path: str, load_format: str = "auto"
         model_path,
         torch.device("cpu"),
         prepare=same_expert_placement,
-        stage=getattr(model_runner, "pipeline_stage", None),
+        stage=model_runner.pipeline_stage,
     )
 
 
@@ -203,8 +205,8 @@ def update_weights_from_disk(
     The one caller is ``ModelRunner.update_weights_from_disk`` (which holds the defaults).
 
     Args:
-        model_runner: the live ``ModelRunner`` (``model``, ``model_config``, ``config``,
-            ``device``, ``tp_size``, ``cuda_graph_runner``).
+        model_runner: the live ``ModelRunner`` (``model``, ``model_config``, ``args``,
+            ``device``, ``tp_size``, ``kv_cache_dtype``, ``graphs``).
         model_path: directory with ``config.json`` and safetensors.
         load_format: ``auto`` or ``safetensors``.
         recapture_cuda_graph: capture the decode graphs again after the copy (when captured).
@@ -218,9 +220,12 @@ def update_weights_from_disk(
     phase(WeightsPhase.LOADING)
     reason = ""
     new_config = new_model = None
+    kv_scales: dict[int, dict[str, float]] = {}
     try:
         new_config, new_model = load_candidate(model_runner, model_path, load_format)
         compare_models(model_runner.model_config, model_runner.model, new_config, new_model)
+        # the fp8 KV scales belong to the checkpoint: read (and check) them with its weights
+        kv_scales = checkpoint_kv_scales(model_path, model_runner.kv_cache_dtype)
     except Exception as exc:  # any failure here must leave the live weights alone
         reason = f"{type(exc).__name__}: {exc}"
         logger.warning(
@@ -234,20 +239,13 @@ def update_weights_from_disk(
         return False, f"update_weights_from_disk({model_path}) failed; old weights kept. {reason}"
     assert new_model is not None  # every rank loaded it (all_ok)
     copied = copy_weights_in_place(model_runner.model, new_model)
+    set_kv_scales(model_runner.model, kv_scales, model_runner.kv_cache_dtype)
     del new_model
     model_runner.model_config = new_config  # same shapes and behaviour; reports the new path
-    runners = [
-        r
-        for r in (
-            getattr(model_runner, "cuda_graph_runner", None),
-            getattr(model_runner, "piecewise_cuda_graph_runner", None),
-        )
-        if r is not None
-    ]
-    if recapture_cuda_graph and runners:
+    graphs = model_runner.graphs
+    if recapture_cuda_graph and graphs.present:
         phase(WeightsPhase.RECAPTURING)
-        for runner in runners:  # decode graphs, then the EXTEND pieces
-            runner.capture()
+        graphs.capture()  # decode graphs, then the EXTEND pieces
     phase(WeightsPhase.SERVING)
     return (
         True,

@@ -21,7 +21,7 @@ is handed in by the ModelRunner; the model never asks ``torch.distributed`` for 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -281,6 +281,19 @@ class LlamaForCausalLM(nn.Module):
     """
 
     layer_cls = LlamaDecoderLayer
+    architecture: ClassVar[str] = "LlamaForCausalLM"  # config.json architectures[0]
+
+    @classmethod
+    def sliding_windows(cls, cfg: dict, layers: int) -> tuple[int | None, ...]:
+        """``ModelConfig.sliding_windows`` from ``config.json`` ``cfg``: one window (tokens) or
+        None per layer. Llama: full attention everywhere."""
+        return (None,) * layers
+
+    @classmethod
+    def moe_fields(cls, cfg: dict, layers: int) -> dict[str, Any]:
+        """The MoE fields of ``ModelConfig`` in this architecture's spelling
+        (``configs/moe_config.py``); empty for a dense model."""
+        return {}
 
     def __init__(self, config: ModelConfig, stage: PipelineStage | None = None):
         super().__init__()

@@ -4,8 +4,12 @@ from ``ModelConfig``."""
 
 from __future__ import annotations
 
+from shardline_runtime.configs.model_config import every_layer_sliding_window
 from shardline_runtime.models.llama import LlamaForCausalLM
 
 
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral causal LM (same interface as :class:`LlamaForCausalLM`)."""
+
+    architecture = "MistralForCausalLM"
+    sliding_windows = staticmethod(every_layer_sliding_window)

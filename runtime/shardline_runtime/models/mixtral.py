@@ -5,6 +5,8 @@ Checkpoints name the block ``block_sparse_moe`` and the expert projections ``w1`
 
 from __future__ import annotations
 
+from shardline_runtime.configs.model_config import every_layer_sliding_window
+from shardline_runtime.configs.moe_config import mixtral_moe_fields
 from shardline_runtime.models.sparse_moe_block import MoeForCausalLM
 
 
@@ -13,3 +15,6 @@ class MixtralForCausalLM(MoeForCausalLM):
 
     moe_block_name = "block_sparse_moe"
     expert_names = {"w1": "w1", "w2": "w2", "w3": "w3"}
+    architecture = "MixtralForCausalLM"
+    sliding_windows = staticmethod(every_layer_sliding_window)
+    moe_fields = staticmethod(mixtral_moe_fields)

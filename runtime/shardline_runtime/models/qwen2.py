@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from shardline_runtime.configs.model_config import ModelConfig
+from shardline_runtime.configs.model_config import ModelConfig, qwen_sliding_windows
 from shardline_runtime.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 
@@ -27,3 +27,5 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2 causal LM (same interface as :class:`LlamaForCausalLM`)."""
 
     layer_cls = Qwen2DecoderLayer
+    architecture = "Qwen2ForCausalLM"
+    sliding_windows = staticmethod(qwen_sliding_windows)

@@ -5,7 +5,10 @@ says, default on; none on o_proj) and a sparse MoE block with a *shared expert* 
 
 from __future__ import annotations
 
-from shardline_runtime.configs.model_config import ModelConfig
+from typing import Any
+
+from shardline_runtime.configs.model_config import ModelConfig, qwen_sliding_windows
+from shardline_runtime.configs.moe_config import qwen_moe_fields
 from shardline_runtime.models.qwen2 import Qwen2Attention
 from shardline_runtime.models.sparse_moe_block import MoeDecoderLayer, MoeForCausalLM
 
@@ -24,3 +27,9 @@ class Qwen2MoeForCausalLM(MoeForCausalLM):
     """Qwen2-MoE causal LM (same interface as :class:`LlamaForCausalLM`)."""
 
     layer_cls = Qwen2MoeDecoderLayer
+    architecture = "Qwen2MoeForCausalLM"
+    sliding_windows = staticmethod(qwen_sliding_windows)
+
+    @staticmethod
+    def moe_fields(cfg: dict, layers: int) -> dict[str, Any]:
+        return qwen_moe_fields(cfg, layers, shared_expert=True)

@@ -4,6 +4,7 @@ of size ``head_dim``) before RoPE, and an explicit ``head_dim`` that may differ 
 
 from __future__ import annotations
 
+from shardline_runtime.configs.model_config import qwen_sliding_windows
 from shardline_runtime.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 
@@ -19,3 +20,5 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 causal LM (same interface as :class:`LlamaForCausalLM`)."""
 
     layer_cls = Qwen3DecoderLayer
+    architecture = "Qwen3ForCausalLM"
+    sliding_windows = staticmethod(qwen_sliding_windows)

@@ -4,6 +4,10 @@ no shared expert) on the layers ``decoder_sparse_step`` / ``mlp_only_layers`` se
 
 from __future__ import annotations
 
+from typing import Any
+
+from shardline_runtime.configs.model_config import qwen_sliding_windows
+from shardline_runtime.configs.moe_config import qwen_moe_fields
 from shardline_runtime.models.qwen3 import Qwen3Attention
 from shardline_runtime.models.sparse_moe_block import MoeDecoderLayer, MoeForCausalLM
 
@@ -16,3 +20,9 @@ class Qwen3MoeForCausalLM(MoeForCausalLM):
     """Qwen3-MoE causal LM (same interface as :class:`LlamaForCausalLM`)."""
 
     layer_cls = Qwen3MoeDecoderLayer
+    architecture = "Qwen3MoeForCausalLM"
+    sliding_windows = staticmethod(qwen_sliding_windows)
+
+    @staticmethod
+    def moe_fields(cfg: dict, layers: int) -> dict[str, Any]:
+        return qwen_moe_fields(cfg, layers, shared_expert=False)

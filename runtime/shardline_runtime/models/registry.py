@@ -1,4 +1,6 @@
-"""Model classes by ``config.json`` ``architectures[0]``."""
+"""Model classes by ``config.json`` ``architectures[0]``: each class declares its
+``architecture`` name and its rules for ``config.json`` (``sliding_windows``, ``moe_fields``), so
+registering an architecture is its model file plus one line of :data:`MODELS`."""
 
 from __future__ import annotations
 
@@ -11,15 +13,16 @@ from shardline_runtime.models.qwen2_moe import Qwen2MoeForCausalLM
 from shardline_runtime.models.qwen3 import Qwen3ForCausalLM
 from shardline_runtime.models.qwen3_moe import Qwen3MoeForCausalLM
 
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
-    "MixtralForCausalLM": MixtralForCausalLM,
-}
+MODELS: tuple[type[LlamaForCausalLM], ...] = (
+    LlamaForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+    MistralForCausalLM,
+    Qwen3MoeForCausalLM,
+    Qwen2MoeForCausalLM,
+    MixtralForCausalLM,
+)
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {m.architecture: m for m in MODELS}
 
 
 def get_model_class(architecture: str) -> type[LlamaForCausalLM]:

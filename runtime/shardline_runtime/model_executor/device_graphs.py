@@ -1,0 +1,230 @@
+"""DeviceGraphs: the one owner of a ModelRunner's decode CUDA graphs and piecewise EXTEND graphs.
+
+After mini-sglang's ``engine/graph.py`` ``GraphRunner`` (``can_use_cuda_graph``, ``replay``,
+``destroy_cuda_graphs``, one owner). Every rule for when a graph may run sits here:
+
+- never with pipeline parallelism (stages exchange hidden states eagerly), LoRA (the adapters
+  of a batch vary per step) or ``rope_type: dynamic`` (its frequencies depend on each step's
+  longest position, a host sync) - these keep graphs from being captured at all
+  (:func:`graphs_blocked_by`);
+- never while the expert-distribution recorder records (graphs do not record);
+- decode graphs for DECODE batches of at most ``cuda_graph_max_bs``; piecewise graphs for
+  EXTEND steps of at most ``piecewise_cuda_graph_max_tokens`` tokens without caller-given input
+  embeddings (a graph embeds the token ids itself) (:func:`replay_kind`).
+
+Life: :meth:`DeviceGraphs.build` captures at start-up (GPU only; the CPU runs eagerly),
+:meth:`capture` captures again after a weight update, :meth:`release` / :meth:`resume` drop the
+graphs while memory is released (``memory_saver.py``), :meth:`rebuild` applies new settings.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from shardline_runtime.model_executor.weight_update import WeightsPhase
+
+if TYPE_CHECKING:
+    from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner
+    from shardline_runtime.model_executor.piecewise_cuda_graph_runner import (
+        PiecewiseCudaGraphRunner,
+    )
+    from shardline_runtime.server_args_sections import GraphArgs
+
+logger = logging.getLogger(__name__)
+
+ReplayKind = Literal["decode", "piecewise"]
+
+
+def graphs_blocked_by(pp_size: int, lora: bool, dynamic_rope: bool) -> str | None:
+    """Why no graph of either kind may run on a runner, or None.
+
+    Args:
+        pp_size: pipeline stages. lora: LoRA adapters are served. dynamic_rope: the model's
+            ``rope_type`` is ``dynamic``.
+    """
+    if pp_size > 1:
+        return "stages exchange hidden states eagerly"
+    if lora:
+        return "LoRA batches vary per step"
+    if dynamic_rope:
+        return "rope_type 'dynamic' depends on each step's positions"
+    return None
+
+
+def replay_kind(
+    mode: ForwardMode,
+    *,
+    pp_size: int = 1,
+    lora: bool = False,
+    dynamic_rope: bool = False,
+    recording: bool = False,
+    input_embeds: bool = False,
+) -> ReplayKind | None:
+    """Which kind of graph a step of ``mode`` may replay (``None``: run it eagerly); the batch
+    must also fit the captured sizes (``can_run`` of that runner)."""
+    if graphs_blocked_by(pp_size, lora, dynamic_rope) or recording:
+        return None
+    if mode.is_decode():
+        return "decode"
+    if mode == ForwardMode.EXTEND and not input_embeds:
+        return "piecewise"
+    return None
+
+
+class DeviceGraphs:
+    """The decode and piecewise graph runners of one ``ModelRunner`` (either may be None).
+
+    Args:
+        runner: the ``ModelRunner`` (``device``, ``pp_size``, ``lora_manager``,
+            ``model_config``, ``eplb_manager``, ``req_to_token_pool``, ``tp_rank``).
+        decode: a :class:`CudaGraphRunner` (on CPU one built with ``capture=False`` runs the
+            same static-buffer path eagerly).
+        piecewise: a :class:`PiecewiseCudaGraphRunner`.
+    """
+
+    def __init__(
+        self,
+        runner: Any,
+        decode: CudaGraphRunner | None = None,
+        piecewise: PiecewiseCudaGraphRunner | None = None,
+    ) -> None:
+        self.runner = runner
+        self.decode = decode
+        self.piecewise = piecewise
+        self._released: tuple[Any, Any] | None = None
+
+    # ---- the rules ----------------------------------------------------------------------------
+
+    def blocked_by(self) -> str | None:
+        """:func:`graphs_blocked_by` for this runner."""
+        r = self.runner
+        return graphs_blocked_by(
+            r.pp_size,
+            r.lora_manager is not None,
+            r.model_config.rope_parameters["rope_type"] == "dynamic",
+        )
+
+    def _recording(self) -> bool:
+        eplb = self.runner.eplb_manager
+        return eplb is not None and eplb.recorder.recording
+
+    def try_replay(self, forward_batch: ForwardBatch) -> Any | None:
+        """Replay ``forward_batch`` through a graph when every rule allows it.
+
+        Returns:
+            the model's ``LogitsProcessorOutput``, or None when the step must run eagerly.
+        """
+        r = self.runner
+        kind = replay_kind(
+            forward_batch.forward_mode,
+            pp_size=r.pp_size,
+            lora=r.lora_manager is not None,
+            dynamic_rope=r.model_config.rope_parameters["rope_type"] == "dynamic",
+            recording=self._recording(),
+            input_embeds=forward_batch.input_embeds_indices is not None,
+        )
+        graphs = self.decode if kind == "decode" else self.piecewise if kind else None
+        if graphs is None or not graphs.can_run(forward_batch):
+            return None
+        return graphs.replay(forward_batch)
+
+    # ---- life ---------------------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, runner: Any, settings: GraphArgs) -> DeviceGraphs:
+        """Capture what ``settings`` ask for on a CUDA runner the rules allow (none on CPU)."""
+        graphs = cls(runner)
+        reason = graphs.blocked_by()
+        wanted = not settings.disable_cuda_graph or settings.enable_piecewise_cuda_graph
+        if runner.device.type != "cuda" or not wanted:
+            return graphs
+        if reason is not None:
+            logger.warning("[tp %d] CUDA graphs disabled: %s", runner.tp_rank, reason)
+            return graphs
+        from shardline_runtime.model_executor.cuda_graph_runner import (
+            CudaGraphRunner,
+            get_batch_sizes_to_capture,
+        )
+        from shardline_runtime.model_executor.piecewise_cuda_graph_runner import (
+            PiecewiseCudaGraphRunner,
+            get_token_buckets,
+        )
+
+        if not settings.disable_cuda_graph:
+            sizes = get_batch_sizes_to_capture(
+                settings.cuda_graph_max_bs, runner.args.memory.max_running_requests
+            )
+            graphs.decode = CudaGraphRunner(runner, batch_sizes=sizes)
+        if settings.enable_piecewise_cuda_graph:
+            buckets = get_token_buckets(settings.piecewise_cuda_graph_max_tokens)
+            graphs.piecewise = PiecewiseCudaGraphRunner(runner, token_buckets=buckets)
+        return graphs
+
+    @property
+    def present(self) -> bool:
+        """Whether any graph runner is held (captured, or the CPU static-buffer path)."""
+        return self.decode is not None or self.piecewise is not None
+
+    def capture(self) -> None:
+        """Capture every held runner again (decode, then the EXTEND pieces), e.g. after a
+        weight update that asks for it."""
+        for graphs in (self.decode, self.piecewise):
+            if graphs is not None:
+                graphs.capture()
+
+    def release(self) -> None:
+        """Drop the captured graphs and their memory pools; :meth:`resume` captures them again."""
+        if not self.present:
+            return
+        self._released = (self.decode, self.piecewise)
+        if self.decode is not None:
+            self.decode.release_graphs()
+        if self.piecewise is not None:
+            self.piecewise.release_graphs()
+        self.decode = self.piecewise = None
+
+    def resume(self) -> None:
+        """Capture the graphs dropped by :meth:`release` again (a no-op when none were)."""
+        if self._released is None:
+            return
+        self.decode, self.piecewise = self._released
+        self._released = None
+        self.capture()
+
+    def rebuild(
+        self,
+        cuda_graph_max_bs: int | None,
+        disable: bool,
+        on_phase: Callable[[WeightsPhase], None] | None = None,
+    ) -> None:
+        """New decode-graph settings (GPU only; the CPU runs eagerly): ``disable`` drops the
+        decode graphs; a new ``cuda_graph_max_bs`` captures the sizes up to it
+        (``on_phase(RECAPTURING)`` first). Frees the old runner's padding row."""
+        r = self.runner
+        reason = self.blocked_by()
+        if r.device.type != "cuda" or reason is not None:
+            return
+        from shardline_runtime.model_executor.cuda_graph_runner import (
+            CudaGraphRunner,
+            get_batch_sizes_to_capture,
+        )
+
+        old = self.decode
+        if old is not None and (disable or cuda_graph_max_bs is not None):
+            r.req_to_token_pool.free(old.dummy_req_row)
+            self.decode = None
+        if not disable and cuda_graph_max_bs is not None:
+            if on_phase is not None:
+                on_phase(WeightsPhase.RECAPTURING)
+            sizes = get_batch_sizes_to_capture(
+                cuda_graph_max_bs, r.args.memory.max_running_requests
+            )
+            self.decode = CudaGraphRunner(r, batch_sizes=sizes)
+        logger.info(
+            "[tp %d] CUDA graphs: %s",
+            r.tp_rank,
+            "disabled" if disable else f"max batch size {cuda_graph_max_bs}",
+        )

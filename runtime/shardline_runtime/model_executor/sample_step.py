@@ -1,0 +1,61 @@
+"""One sampling step of a ModelRunner: the tokens (and logprobs) of the rows that want one."""
+
+from __future__ import annotations
+
+import torch
+
+from shardline_runtime import distributed
+from shardline_runtime.layers.logits_processor import LogitsProcessorOutput
+from shardline_runtime.layers.sampler import Sampler
+from shardline_runtime.model_executor.forward_batch_info import ForwardBatch
+from shardline_runtime.model_executor.generation_result import GenerationBatchResult
+
+
+def sample_batch(
+    sampler: Sampler,
+    logits_output: LogitsProcessorOutput,
+    forward_batch: ForwardBatch,
+    device: torch.device,
+    tp_size: int,
+) -> GenerationBatchResult:
+    """Draw one token for each row that wants one; the only sampling path.
+
+    Rows with ``forward_batch.wants_token[i] == False`` (intermediate chunks,
+    ``max_new_tokens == 0``) get -1. Logprobs (raw, see ``layers/sampler.py``) for rows
+    with ``return_logprobs[i]``, top logprobs for ``top_logprobs_nums[i] > 0``. Penalty
+    counts of the sampled rows are updated. At tp_size > 1 the token ids and their logprobs
+    are broadcast from TP rank 0 on the device group, so every rank holds the same result.
+
+    Returns:
+        :class:`GenerationBatchResult` with ``next_token_ids`` (bs,) int64 on the device.
+    """
+    bs = forward_batch.batch_size
+    wants = forward_batch.wants_token
+    rows = list(range(bs)) if wants is None else [i for i, w in enumerate(wants) if w]
+    result = GenerationBatchResult(
+        logits_output=logits_output, forward_batch=forward_batch, sampled_rows=rows
+    )
+    result.next_token_ids = torch.full((bs,), -1, dtype=torch.int64, device=device)
+    if not rows:
+        return result
+    info = forward_batch.sampling_info
+    if len(rows) < bs:
+        info = info.copy_rows(rows)
+    row_index = torch.tensor(rows, device=device)
+    logits = logits_output.next_token_logits
+    if len(rows) < bs:
+        logits = logits[row_index]
+    asked = forward_batch.return_logprobs or [False] * bs
+    result.logprob_rows = [asked[i] for i in rows]
+    nums = forward_batch.top_logprobs_nums or [0] * bs
+    result.top_logprobs_nums = [nums[i] if asked[i] else 0 for i in rows]
+    top_nums = result.top_logprobs_nums if any(result.top_logprobs_nums) else None
+    out = sampler(logits, info, any(result.logprob_rows), top_nums)
+    if out.next_token_logprobs is not None and tp_size > 1:
+        distributed.broadcast_tensor(out.next_token_logprobs, src=0)
+    if forward_batch.sampling_info.penalties is not None:
+        forward_batch.sampling_info.penalties.cumulate_output_tokens(out.next_token_ids, row_index)
+    result.next_token_ids[row_index] = out.next_token_ids
+    result.sampled_logprobs = out.next_token_logprobs
+    result.top_values, result.top_indices = out.top_logprobs_val, out.top_logprobs_idx
+    return result

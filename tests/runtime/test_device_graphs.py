@@ -1,0 +1,116 @@
+"""DeviceGraphs: the one table of when a graph may run, and its CPU static-buffer path."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner
+from shardline_runtime.model_executor.device_graphs import DeviceGraphs, graphs_blocked_by, replay_kind
+from shardline_runtime.model_executor.forward_batch_info import ForwardMode
+from shardline_runtime.model_executor.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
+from shardline_runtime.sampling import SamplingParams
+
+from tests.runtime.engine_driver import make_worker, run_engine
+
+PROMPTS = [[5, 17, 33, 80, 9], [7, 8], [300, 12, 55, 66, 77, 88]]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    "mode, facts, expected",
+    [
+        (ForwardMode.DECODE, {}, "decode"),
+        (ForwardMode.EXTEND, {}, "piecewise"),
+        (ForwardMode.IDLE, {}, None),
+        (ForwardMode.SPLIT_PREFILL, {}, None),
+        (ForwardMode.DECODE, {"pp_size": 2}, None),
+        (ForwardMode.EXTEND, {"pp_size": 2}, None),
+        (ForwardMode.DECODE, {"lora": True}, None),
+        (ForwardMode.EXTEND, {"lora": True}, None),
+        (ForwardMode.DECODE, {"dynamic_rope": True}, None),
+        (ForwardMode.EXTEND, {"dynamic_rope": True}, None),
+        (ForwardMode.DECODE, {"recording": True}, None),
+        (ForwardMode.EXTEND, {"recording": True}, None),
+        (ForwardMode.EXTEND, {"input_embeds": True}, None),
+        (ForwardMode.DECODE, {"input_embeds": True}, "decode"),
+    ],
+)
+def test_eligibility_table(mode, facts, expected):
+    assert replay_kind(mode, **facts) == expected
+
+
+@pytest.mark.parametrize(
+    "pp_size, lora, dynamic_rope, fragment",
+    [
+        (1, False, False, None),
+        (2, False, False, "stages exchange hidden states"),
+        (1, True, False, "LoRA"),
+        (1, False, True, "dynamic"),
+    ],
+)
+def test_what_keeps_graphs_from_being_captured(pp_size, lora, dynamic_rope, fragment):
+    reason = graphs_blocked_by(pp_size, lora, dynamic_rope)
+    assert (reason is None) if fragment is None else (fragment in reason)
+
+
+def test_a_cpu_runner_builds_no_graphs(tiny_checkpoint):
+    worker = make_worker(tiny_checkpoint("llama", seed=0))
+    assert not worker.model_runner.graphs.present
+
+
+def test_cpu_static_buffer_decode_path_equals_eager(tiny_checkpoint):
+    worker = make_worker(tiny_checkpoint("llama", seed=0))
+    runner = worker.model_runner
+    eager = run_engine(worker, PROMPTS, GREEDY)
+    decode = CudaGraphRunner(runner, capture=False, batch_sizes=[1, 2, 4])
+    runner.graphs = DeviceGraphs(runner, decode=decode)
+    replayed = []
+    original = decode.replay
+    decode.replay = lambda fb: replayed.append(fb.batch_size) or original(fb)
+    assert run_engine(worker, PROMPTS, GREEDY) == eager
+    assert replayed  # the static path ran (bs 3 padded to 4)
+
+
+def test_cpu_static_buffer_piecewise_path_equals_eager(tiny_checkpoint):
+    worker = make_worker(tiny_checkpoint("llama", seed=0))
+    runner = worker.model_runner
+    eager = run_engine(worker, PROMPTS, GREEDY, mixed=False)
+    pieces = PiecewiseCudaGraphRunner(runner, capture=False, token_buckets=[8, 16])
+    runner.graphs = DeviceGraphs(runner, piecewise=pieces)
+    replayed = []
+    original = pieces.replay
+    pieces.replay = lambda fb: replayed.append(fb.num_tokens) or original(fb)
+    assert run_engine(worker, PROMPTS, GREEDY, mixed=False) == eager
+    assert replayed
+
+
+def test_recording_experts_runs_eagerly(tiny_checkpoint):
+    worker = make_worker(tiny_checkpoint("qwen3_moe", seed=0))
+    runner = worker.model_runner
+    decode = CudaGraphRunner(runner, capture=False, batch_sizes=[1, 2, 4])
+    runner.graphs = DeviceGraphs(runner, decode=decode)
+    decode.replay = lambda fb: pytest.fail("replayed while recording")
+    runner.eplb_manager.recorder.start()
+    run_engine(worker, PROMPTS, GREEDY)
+
+
+def test_release_drops_the_runners_and_resume_brings_them_back(tiny_checkpoint):
+    worker = make_worker(tiny_checkpoint("llama", seed=0))
+    runner = worker.model_runner
+    decode = CudaGraphRunner(runner, capture=False, batch_sizes=[1, 2])
+    graphs = DeviceGraphs(runner, decode=decode)
+    graphs.release()
+    assert graphs.decode is None
+    graphs.resume()
+    assert graphs.decode is decode
+
+
+def test_a_memory_release_goes_through_the_graphs(tiny_checkpoint):
+    worker = make_worker(tiny_checkpoint("llama", seed=0), enable_weights_cpu_backup=True)
+    runner = worker.model_runner
+    decode = CudaGraphRunner(runner, capture=False, batch_sizes=[1, 2])
+    runner.graphs = DeviceGraphs(runner, decode=decode)
+    runner.memory_saver.release(["cuda_graph"])
+    assert not runner.graphs.present
+    runner.memory_saver.resume(["cuda_graph"])
+    assert runner.graphs.decode is decode
