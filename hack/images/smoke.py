@@ -22,9 +22,10 @@ def _buildah(*args: str) -> str:
 
 def bundle_config(rootfs: str, env: list[str], argv: list[str], cwd: str) -> dict:
     """An OCI runtime config: ``argv`` as 10001:10001, read-only ``rootfs``, every capability
-    dropped, no new privileges, tmpfs at each :data:`WRITABLE` path and /dev/shm."""
+    dropped, no new privileges, tmpfs at each :data:`WRITABLE` path and /dev/shm, owned by
+    10001 (runc gives a tmpfs the mode of the directory it covers; a kubelet emptyDir is 0777)."""
     tmpfs = [{"destination": path, "type": "tmpfs", "source": "tmpfs",
-              "options": ["nosuid", "nodev", "mode=1777", "size=1g"]}
+              "options": ["nosuid", "nodev", "uid=10001", "gid=10001", "size=1g"]}
              for path in (*WRITABLE, "/dev/shm")]
     return {
         "ociVersion": "1.0.2",
