@@ -8,6 +8,10 @@
 #   3. bench/engine.py --device cuda: the decode table (tokens/s at batch 1, 8, 32, 64 and
 #      contexts 512, 4096; torch_native / triton, eager / graphs, transformers; HBM-roofline share)
 #      on a random bf16 Llama shaped like a 1B model.
+# Nothing GPU-marked may skip here: the script sets SHARDLINE_GPU_CHECK=1, under which the
+# memory-saver test fails without torch-memory-saver, and it fails when tests/serving cannot run.
+# Packages the GPU image lacks come as wheels in .whl/ (bash bench/fetch_gpu_wheels.sh, on a
+# machine with network access), installed into /tmp/site first.
 # Usage: bash bench/gpu_check.sh        (or: make gpu-check)
 # CPU dry run of the same steps (tiny sizes, Triton's interpreter): GPU_CHECK_DRY_RUN=1 bash bench/gpu_check.sh
 set -uo pipefail
@@ -16,6 +20,12 @@ export PYTHONPATH="runtime:operator:.${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 status=0
 start=$SECONDS
+export SHARDLINE_GPU_CHECK=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "bench/gpu_check.sh: installing .whl/*.whl failed"; exit 1; }
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 
 if [[ "${GPU_CHECK_DRY_RUN:-0}" == "1" ]]; then
   export TRITON_INTERPRET=1
@@ -41,11 +51,18 @@ PY
 
 echo "== gpu tests ($((SECONDS - start)) s)"
 if [[ "$device" == "cuda" ]]; then
-  gpu_dirs=(tests/runtime)
-  # tests/serving's gpu tests start the HTTP server: only where its packages are installed.
-  if python3 -c "import zmq, fastapi, uvicorn" 2>/dev/null; then gpu_dirs+=(tests/serving)
-  else echo "(skipping tests/serving: zmq/fastapi/uvicorn not installed on this machine)"; fi
-  timeout 150 python3 -m pytest -m gpu "${gpu_dirs[@]}" -q -p no:cacheprovider -p no:tests.kube_fixtures --durations=8 || status=$?
+  # tests/serving's gpu tests (test_graph_settings_update.py) start the HTTP server: its packages
+  # must be there (wheels in .whl/); the check fails instead of skipping them.
+  if ! python3 -c "import zmq, fastapi, uvicorn, torch_memory_saver" 2>/dev/null; then
+    echo "bench/gpu_check.sh: zmq/fastapi/uvicorn/torch_memory_saver missing: run bash bench/fetch_gpu_wheels.sh where"
+    echo "pip can download and bring .whl/ along"
+    status=1
+  fi
+  # -rs lists skips; any skip of a gpu test is a failure of the check.
+  timeout 150 python3 -m pytest -m gpu tests/runtime tests/serving tests/lora -q -rs -p no:cacheprovider -p no:tests.kube_fixtures \
+    --durations=8 2>&1 | tee /tmp/gpu_check_pytest.log
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  if grep -q "^SKIPPED" /tmp/gpu_check_pytest.log; then echo "bench/gpu_check.sh: gpu tests were skipped"; status=1; fi
 fi
 
 echo "== triton kernels on $device ($((SECONDS - start)) s)"

@@ -49,10 +49,11 @@ class Context:
     applied: dict[str, tuple[str, float]] = field(default_factory=dict)
     operator_namespace: str | None = None
 
-    def leaders_with_token(self, token: str) -> LeaderClient:
-        """The leader client sending ``token`` as the admin key (when it can send one)."""
+    def leaders_with_token(self, token: str, api_key: str | None = None) -> LeaderClient:
+        """The leader client sending ``token`` as the admin key and ``api_key`` on the canary
+        gate's serving calls (when it can send keys)."""
         with_token = getattr(self.leaders, "with_token", None)
-        return with_token(token) if with_token is not None else self.leaders
+        return with_token(token, api_key) if with_token is not None else self.leaders
 
     def apply(self, obj: Mapping[str, Any], now: float) -> None:
         """Server-side apply, skipped when the same content was applied under a minute ago."""

@@ -46,9 +46,10 @@ class ReconcileResult:
 
 def credentials(
     kube: KubeClient, spec: DeploymentSpec, events: list[Event]
-) -> tuple[DeploymentSpec, str]:
+) -> tuple[DeploymentSpec, str, str | None]:
     """Read (or create, once) the admin-token Secret and read the API-key Secret; returns the
-    spec with the keys' digest (see ``credentials.py``) and the admin token.
+    spec with the keys' digest (see ``credentials.py``), the admin token and the API key (None
+    without ``spec.auth``).
 
     Raises:
         SpecError: the API-key Secret is missing or unusable, or the admin-token Secret has no
@@ -71,7 +72,7 @@ def credentials(
     if ref is not None:
         raw = kube.get("v1", "Secret", spec.namespace, ref.name)
         api_key = api_key_from_secret(raw, ref.name, ref.key, spec.namespace)
-    return replace(spec, credentials_digest=credentials_digest(token, api_key)), token
+    return replace(spec, credentials_digest=credentials_digest(token, api_key)), token, api_key
 
 
 def reconcile(ctx: Context, body: Mapping[str, Any]) -> ReconcileResult:
@@ -84,15 +85,15 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> ReconcileResult:
     events: list[Event] = []
     try:
         spec = parse_spec(name, namespace, meta.get("uid", ""), body.get("spec") or {})
-        spec, admin_token = credentials(ctx.kube, spec, events)
+        spec, admin_token, api_key = credentials(ctx.kube, spec, events)
     except SpecError as exc:
         if previous.get("message") != str(exc):
             events.append(("Warning", "InvalidSpec", str(exc)))
         status = invalid_spec_status(str(exc), generation, previous, now)
         written = write_status(ctx.kube, (namespace, name), previous, status, generation)
         return ReconcileResult(written, events)
-    # Every call to a leader carries the admin token (control and info endpoints).
-    leaders = ctx.leaders_with_token(admin_token)
+    # Control and info calls carry the admin token; the canary gate's serving calls the API key.
+    leaders = ctx.leaders_with_token(admin_token, api_key)
     observed = observe(ctx.kube, leaders, spec, generation, previous)
     plan = decide(spec, observed, previous, now, ctx.operator_namespace)
     failures = execute(ctx, leaders, spec, plan, now)

@@ -2,8 +2,11 @@
 
 An update can take minutes (weight load + graph recapture) and the runtime answers only when
 it is done, so the POST runs on a background thread and the reconciler polls it by key.
-Every call carries the deployment's admin token as ``Authorization: Bearer`` when given one
-(:meth:`HttpLeaderClient.with_token`).
+Control and info calls carry the deployment's admin token as ``Authorization: Bearer``; the
+canary gate calls serving endpoints (``/health_generate``, ``/v1/completions``), which the
+runtime opens only to the API key, so it carries the deployment's API key instead
+(:meth:`HttpLeaderClient.with_token`). Tested against a real runtime with both keys set in
+``tests/serving/test_operator_calls_with_keys.py``.
 """
 
 from __future__ import annotations
@@ -33,9 +36,12 @@ class HttpLeaderClient:
         self._seconds: dict[str, dict[str, float]] = {}  # what poll last handed out, per key
         self._lock = threading.Lock()
 
-    def with_token(self, token: str | None) -> TokenLeaderClient:
-        """This client as a ``rollout.LeaderClient`` that sends ``token`` on every call."""
-        return TokenLeaderClient(self, token)
+    def with_token(self, token: str | None, api_key: str | None = None) -> TokenLeaderClient:
+        """This client as a ``rollout.LeaderClient`` that sends the admin ``token`` on control and
+        info calls and ``api_key`` (``spec.auth``'s key; the first one of a comma-separated
+        rotation list) on the canary gate's serving calls. Without ``api_key`` the gate sends no
+        key: the runtime's serving endpoints are then open."""
+        return TokenLeaderClient(self, token, api_key)
 
     def start_update(
         self,
@@ -123,7 +129,8 @@ class HttpLeaderClient:
     def verify(self, url: str, verify: Any = None, token: str | None = None) -> tuple[bool, str]:
         """The canary gate: ``GET /health_generate`` must answer 200; then, with ``verify`` (a
         ``spec.VerifySpec``), a greedy ``/v1/completions`` of ``verify.prompt`` must answer 200
-        within ``verify.max_latency_seconds``. Returns ``(passed, what failed or took)``."""
+        within ``verify.max_latency_seconds``. Returns ``(passed, what failed or took)``.
+        ``token`` is the serving (API) key: both calls are serving endpoints."""
         try:
             response = httpx.get(
                 f"{url}/health_generate", headers=_auth(token), timeout=GATE_TIMEOUT_SECONDS
@@ -200,10 +207,13 @@ class HttpLeaderClient:
 
 
 class TokenLeaderClient:
-    """A view of an :class:`HttpLeaderClient` (same requests in flight) that sends one admin token."""
+    """A view of an :class:`HttpLeaderClient` (same requests in flight) that sends the admin
+    token on control and info calls and the API key on the canary gate."""
 
-    def __init__(self, client: HttpLeaderClient, token: str | None) -> None:
+    def __init__(self, client: HttpLeaderClient, token: str | None, api_key: str | None) -> None:
         self._client, self._token = client, token
+        keys = [key.strip() for key in (api_key or "").split(",") if key.strip()]
+        self._serving_key = keys[0] if keys else None
 
     def start_update(
         self, key: str, url: str, body: Mapping[str, Any], timeout_seconds: float
@@ -223,7 +233,7 @@ class TokenLeaderClient:
         return self._client.update_seconds(key)
 
     def verify(self, url: str, verify: Any = None) -> tuple[bool, str]:
-        return self._client.verify(url, verify, self._token)
+        return self._client.verify(url, verify, self._serving_key)
 
     def lora_adapters(self, url: str) -> Mapping[str, str] | None:
         return self._client.lora_adapters(url, self._token)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import uuid
 
+import openai
 import pytest
 
 from hack.scenario.examples import inference_deployments
@@ -81,7 +82,10 @@ def test_adapters_are_added_and_removed_in_place(lora_job):
     cluster.kubectl("patch", "infd", name, "-n", ns, "--type", "merge", "-p", json.dumps({"spec": {"loraAdapters": adapters[1:]}}))
     watch.wait(loaded(["tiny-b"]), 120, "tiny-a removed")
     assert chat(ip, "tiny-b", PROMPT) == b and chat(ip, model, PROMPT) == base
-    with pytest.raises(Exception):
+    with pytest.raises(openai.BadRequestError) as removed:  # docs/api.md: an unknown adapter is a 400 naming model
         chat(ip, "tiny-a", PROMPT)
+    assert removed.value.status_code == 400
+    body = removed.value.body  # the error object, or the whole reply, depending on the client version
+    assert body.get("error", body)["param"] == "model", body
     pods = json.loads(cluster.kubectl("get", "pods", "-n", ns, "-o", "json").stdout)["items"]
     assert sorted(p["metadata"]["uid"] for p in pods) == uids, "adapter changes must not restart pods"

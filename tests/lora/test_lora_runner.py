@@ -155,3 +155,12 @@ def test_scheduler_refuses_a_request_for_an_adapter_not_loaded(adapters):
     assert reasons == [{"type": "abort", "message": "LoRA adapter 'gone' is not loaded"}]
     assert not queued
     assert lora.is_loaded("a")
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_are_off_with_lora_and_on_without(adapters):
+    base, a, _ = adapters
+    plain = harness.make_runner(base, device="cuda")
+    assert plain.graphs.decode is not None  # else this test could not tell
+    with_lora = lora_runner(base, device="cuda", lora_paths=(f"a={a}",))
+    assert with_lora.graphs.decode is None

@@ -171,3 +171,46 @@ def test_input_embeds_and_replace_embeds_over_http(lora_setup):
         r = srv.post("/generate", {**body, "sampling_params": sampling})
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["param"] == param, r.text
+
+
+def test_unload_answers_once_the_adapters_running_requests_finished(lora_setup):
+    import threading
+    import time
+
+    srv, adapters, _ = lora_setup
+    r = srv.post("/load_lora_adapter", {"lora_name": "busy", "lora_path": str(adapters["c"])})
+    assert r.status_code == 200, r.text
+    finished: dict = {}
+
+    def generate(i: int) -> None:
+        body = {"input_ids": PROMPT, "lora_path": "busy",
+                "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
+        try:
+            reply = srv.post("/generate", body, timeout=600)
+            finished[i] = (time.monotonic(), reply.status_code, len(reply.json().get("output_ids", [])))
+        except Exception as exc:  # reported below with the others' results
+            finished[i] = (time.monotonic(), repr(exc), 0)
+
+    runners = [threading.Thread(target=generate, args=(i,)) for i in range(2)]
+    for t in runners:
+        t.start()
+    deadline = time.monotonic() + 60
+    while srv.get("/get_server_info").json()["num_running_reqs"] < 2:
+        assert time.monotonic() < deadline, "the adapter's requests did not start"
+        time.sleep(0.02)
+    unload = srv.post("/unload_lora_adapter", {"lora_name": "busy"}, timeout=300)
+    unloaded_at = time.monotonic()
+    for t in runners:
+        t.join(300)
+    assert unload.status_code == 200, unload.text
+    assert [finished[i][1:] for i in range(2)] == [(200, 200), (200, 200)]  # ran to the end on the adapter
+    assert unloaded_at >= max(finished[i][0] for i in range(2)), "the unload answered before its requests ended"
+    assert gen(srv, "busy").status_code == 400
+
+
+def test_prefix_cache_is_off_with_lora(lora_setup):
+    srv, _, _ = lora_setup
+    first = gen(srv).json()["meta_info"]
+    second = gen(srv).json()["meta_info"]  # the same prompt again: with a prefix cache it would hit
+    assert first["cached_tokens"] == 0
+    assert second["cached_tokens"] == 0

@@ -142,12 +142,14 @@ class TestCredentials:
 
 
 class TokenLeaders(FakeLeaders):
-    """Records the admin token the reconciler hands to the leader client."""
+    """Records the admin token and API key the reconciler hands to the leader client."""
 
     tokens: list = []
+    api_keys: list = []
 
-    def with_token(self, token):
+    def with_token(self, token, api_key=None):
         TokenLeaders.tokens.append(token)
+        TokenLeaders.api_keys.append(api_key)
         return self
 
 
@@ -170,6 +172,7 @@ def world(spec_dict):
         return result
 
     TokenLeaders.tokens = []
+    TokenLeaders.api_keys = []
     return kube, run
 
 
@@ -192,6 +195,13 @@ class TestReconcile:
         run()
         assert credentials.secret_value(kube.get("v1", "Secret", "default", "llama-admin-token"), "token") == token
         assert TokenLeaders.tokens == [token, token]
+
+    def test_the_api_key_from_the_secret_goes_to_the_leader_client_for_the_canary_gate(self, world):
+        kube, run = world
+        run()
+        user_secret(kube, "sk-1")
+        run(auth=AUTH)
+        assert TokenLeaders.api_keys == [None, "sk-1"]
 
     def test_missing_api_key_secret_fails_with_the_field_then_recovers(self, world):
         kube, run = world

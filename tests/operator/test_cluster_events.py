@@ -45,6 +45,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_operator(kube_cluster, log: Path, attempts: int = 3) -> tuple[subprocess.Popen, int]:
+    """Start the operator and wait until its ``/metrics`` answers; returns ``(process, port)``.
+
+    The operator binds ``--metrics-port`` in ``cli.main`` before Kopf starts, so the endpoint
+    exists before the first pass, and a port it cannot bind ends the process (exit 2, "cannot
+    listen"): it never runs without metrics. The port is picked free here and released before the
+    operator binds it, so on a busy machine another process can take it in between; then the
+    operator is started again on another port instead of the test failing on a refused scrape.
+    """
+    for _ in range(attempts):
+        port = free_port()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "shardline_operator.cli", "--namespace", NAMESPACE, "--resync-seconds", "3600",
+             "--metrics-port", str(port), "--liveness-endpoint", "http://127.0.0.1:0/healthz"],
+            env=dict(kube_cluster.env, PYTHONPATH=str(ROOT / "operator")), stdout=log.open("w"),
+            stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).status_code == 200:
+                    return process, port
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        if process.poll() is None:
+            process.kill()
+            raise AssertionError(f"the operator's /metrics did not answer within 120 s:\n{log.read_text()[-3000:]}")
+        if "cannot listen" not in log.read_text():
+            raise AssertionError(f"the operator exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+    raise AssertionError(f"no free metrics port after {attempts} attempts")
+
+
 @pytest.fixture(scope="module")
 def env(kube_cluster, tmp_path_factory):
     kube_cluster.kubectl("apply", "-f", str(ROOT / "crds" / "inferencedeployment.yaml"))
@@ -55,12 +86,7 @@ def env(kube_cluster, tmp_path_factory):
     ensure_node(client)
     kubelet = FakeKubelet(client, NAMESPACE).start()
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "shardline_operator.cli", "--namespace", NAMESPACE, "--resync-seconds", "3600",
-         "--metrics-port", str(port), "--liveness-endpoint", "http://127.0.0.1:0/healthz"],
-        env=dict(kube_cluster.env, PYTHONPATH=str(ROOT / "operator")), stdout=log.open("w"),
-        stderr=subprocess.STDOUT)
+    process, port = start_operator(kube_cluster, log)
     try:
         yield {"cluster": kube_cluster, "client": client, "kubelet": kubelet, "log": log,
                "metrics": f"http://127.0.0.1:{port}/metrics"}
@@ -107,6 +133,8 @@ def test_pod_events_drive_status_and_metrics(env):
     wait_for(lambda: status(env, name).get("phase") == "Initializing", 60, f"Initializing\n{log()}")
     ready["value"] = True  # only the pods' status events can carry this into the object's status
     wait_for(lambda: status(env, name).get("phase") == "Ready", 60, f"Ready\n{log()}")
+    obj = env["client"].get(f"/apis/shardline.dev/v1alpha1/namespaces/{NAMESPACE}/inferencedeployments/{name}")
+    assert "shardline.dev/finalizer" in obj["metadata"].get("finalizers", []), obj["metadata"]  # docs/operations.md
     sample = wait_for(lambda: gauges(env, name).get(("shardline_operator_restart_budget", "")) == 3 and gauges(env, name),
                       30, "restart budget gauge")
     assert sample[("shardline_operator_group_restarts", "0")] == 0

@@ -8,7 +8,9 @@ import copy
 import pytest
 
 from shardline_operator import labels
-from shardline_operator.lora_sync import plan
+from shardline_operator.lora_sync import decide_lora, plan
+from shardline_operator.observed import GroupObservation, LeaderObservation, PodObservation
+from shardline_operator.pass_plan import LoadAdapter, Observation
 from shardline_operator.reconcile import Context, reconcile
 from shardline_operator.runtime_args import ServedModel, runtime_args
 from shardline_operator.spec import LoRAAdapterSpec, SpecError
@@ -132,3 +134,21 @@ def test_reconcile_adds_and_removes_adapters_in_place(spec_dict):
     assert {n: p["metadata"]["uid"] for n, p in kube.pods().items()} == uids  # no pod restarted
     assert result.status["phase"] == "Ready"
     assert all(p["metadata"]["annotations"][labels.ANNOTATION_RESTART_HASH] for p in kube.pods().values())
+
+
+def _ready_group(index: int) -> GroupObservation:
+    pod = PodObservation(name=f"llama-g{index}-0", uid=f"u{index}", rank=0, ip=f"10.0.0.{index + 1}", phase="Running",
+                         ready=True, deleting=False, restart_count=0, terminated=False, error_message=None,
+                         restart_hash=None)
+    return GroupObservation(index=index, size=1, statefulset={}, pods=(pod,), answers=LeaderObservation(adapters={}))
+
+
+def test_adapters_are_not_synced_to_a_group_updating_weights():
+    """docs/operations.md: leaders get load/unload calls each pass, not a group updating weights
+    (the pass leaves out the groups of the rollout's wave)."""
+    desired = (LoRAAdapterSpec(name="a", path=f"{ROOT}/a"),)
+    groups = [_ready_group(0), _ready_group(1)]
+    observed = Observation(generation=1, groups={g.index: g for g in groups}, lora_client=True)
+    actions, decision = decide_lora(desired, groups, observed, busy={0})
+    assert actions == [LoadAdapter(1, "http://10.0.0.2:8000", "a", f"{ROOT}/a")]  # group 1 only
+    assert decision.pending  # group 0 is synced on a later pass, once its update has ended

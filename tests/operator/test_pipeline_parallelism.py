@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from test_status_build import observed
 
@@ -12,10 +17,26 @@ from shardline_operator.render import render_children
 from shardline_operator.spec import RestartPolicySpec, SpecError
 from shardline_operator.status import GroupReport, build_status
 
-# The runtime's error for a model with fewer layers than stages (the i12 runtime's
-# PipelineLayoutError, as the scheduler process writes it to the termination log).
-LAYER_ERROR = ("[tp 0] PipelineLayoutError: the model has 2 layers but --pp-size is 4: every pipeline stage "
-               "needs at least one layer; use --pp-size <= 2")
+REPO = Path(__file__).resolve().parents[2]
+
+@pytest.fixture(scope="module")
+def layer_error(tmp_path_factory):
+    """What the runtime itself writes to its termination log (Kubernetes' terminated message)
+    when asked for more stages than the model has layers: ``serve --pp-size 4`` on a 2-layer model."""
+    from shardline_runtime.tiny_checkpoint import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("pp-layers")
+    make_tiny_checkpoint(root / "model", arch="llama", seed=0, num_hidden_layers=2)
+    log = root / "termination-log"
+    env = {**os.environ, "SHARDLINE_TERMINATION_LOG": str(log),
+           "PYTHONPATH": os.pathsep.join([str(REPO / "runtime"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "shardline_runtime", "serve", "--model-path", str(root / "model"),
+                           "--pp-size", "4", "--device", "cpu", "--port", "1"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode != 0, done.stdout
+    message = log.read_text().strip()
+    assert "--pp-size" in message, message  # the runtime's PipelineLayoutError, not another failure
+    return message
 
 
 def args_of(spec, group=0):
@@ -147,31 +168,31 @@ def test_a_failed_last_stage_restarts_the_whole_group(make_pod):
     assert decision.record.restarts == 1 and decision.record.pod_uids == {}
 
 
-def test_fewer_layers_than_stages_becomes_the_groups_failed_reason(make_spec, make_pod):
+def test_fewer_layers_than_stages_becomes_the_groups_failed_reason(make_spec, make_pod, layer_error):
     spec = make_spec({"replicas": 1, "parallelism": {"tensor": 1, "pipeline": 4, "gpusPerPod": 1},
                       "restartPolicy": {"maxGroupRestarts": 0}})
-    group = pp_group(make_pod, restarts=1, terminated_message=f"{LAYER_ERROR}\nTraceback (most recent call last):")
+    group = pp_group(make_pod, restarts=1, terminated_message=f"{layer_error}\nTraceback (most recent call last):")
     decision = decide(group, GroupRecord(), spec.restart_policy, now=10.0)
     assert decision.action == "fail"
-    assert decision.record.failed_message == LAYER_ERROR
+    assert decision.record.failed_message == layer_error
     status = build_status(spec, 1, [GroupReport(group, decision.record)], None, {}, now=10.0)
     assert status["phase"] == "Failed"
-    assert status["groups"][0]["phase"] == "Failed" and status["groups"][0]["message"] == LAYER_ERROR
-    assert status["message"] == f"group 0: {LAYER_ERROR}"
-    assert status["groups"][0]["ranks"][3]["lastError"] == LAYER_ERROR[:256]
+    assert status["groups"][0]["phase"] == "Failed" and status["groups"][0]["message"] == layer_error
+    assert status["message"] == f"group 0: {layer_error}"
+    assert status["groups"][0]["ranks"][3]["lastError"] == layer_error[:256]
 
 
-def test_a_restarting_group_shows_the_error_it_restarts_after(make_spec, make_pod):
+def test_a_restarting_group_shows_the_error_it_restarts_after(make_spec, make_pod, layer_error):
     """Before the budget is spent, status already says why the group restarts (not just Degraded)."""
     spec = make_spec({"replicas": 1, "parallelism": {"tensor": 1, "pipeline": 4, "gpusPerPod": 1}})
-    group = pp_group(make_pod, restarts=1, terminated_message=LAYER_ERROR)
+    group = pp_group(make_pod, restarts=1, terminated_message=layer_error)
     decision = decide(group, GroupRecord(), spec.restart_policy, now=10.0)
     assert decision.action == "restart"
     status = build_status(spec, 1, [GroupReport(group, decision.record, "Restarting")], None, {}, now=10.0)
     assert status["phase"] == "Degraded"
-    assert status["groups"][0]["message"] == f"restarting after: {LAYER_ERROR}"
+    assert status["groups"][0]["message"] == f"restarting after: {layer_error}"
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
-    assert degraded["message"] == f"group 0: restarting after: {LAYER_ERROR}"
+    assert degraded["message"] == f"group 0: restarting after: {layer_error}"
     planned = build_status(spec, 1, [GroupReport(group, decision.record, "Restarting", planned=True)], None, {},
                            now=10.0)
     assert planned["groups"][0]["message"] == ""

@@ -237,3 +237,34 @@ def test_fleet_split_by_a_failure_without_rollback_is_held_and_told(world):
     assert conditions(status)["Ready"]["status"] == "False"
     assert leaders.sent == [("default/llama/g0", "rev-b"), ("default/llama/g1", "rev-b")]
     assert run().status["servedRevision"] == "rev-b,rev-a" and len(leaders.sent) == 2  # held
+
+
+def test_operator_restart_after_the_leader_finished_moves_on_from_status_and_the_leader(world):
+    """docs/operations.md "Operator restart": a new operator has no record of the update in flight
+    (its client forgot it); status.rollout and the leader's /get_server_info carry the rollout on."""
+    kube, leaders, run = world
+    run(path=REV_B, revision="rev-b")
+    assert leaders.sent == [("default/llama/g0", "rev-b")]
+    leaders.finish("default/llama/g0")  # the leader finished while no operator ran ...
+    leaders.flights.clear()  # ... and the new operator's client knows of no update
+    run()
+    result = run()
+    assert leaders.sent == [("default/llama/g0", "rev-b"), ("default/llama/g1", "rev-b")]  # g0 not sent again
+    assert result.status["groups"][0]["revision"] == "rev-b"
+    leaders.finish("default/llama/g1")
+    run()
+    result = run()
+    assert result.status["phase"] == "Ready"
+    assert result.status["servedRevision"] == "rev-b"
+
+
+def test_operator_restart_after_a_lost_update_sends_it_again(world):
+    """The update never reached the leader (or died with the old operator): the leader serves the
+    old revision and is not updating, so the new operator sends the update again."""
+    kube, leaders, run = world
+    run(path=REV_B, revision="rev-b")
+    leaders.flights.clear()  # lost: the leader never loads it, and the new operator knows nothing
+    run()
+    run()
+    assert leaders.sent[-1] == ("default/llama/g0", "rev-b")
+    assert leaders.sent.count(("default/llama/g0", "rev-b")) == 2

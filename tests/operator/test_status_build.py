@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from shardline_operator import labels
 from shardline_operator.group_health import GroupRecord
 from shardline_operator.observed import GroupObservation, PodObservation
@@ -106,8 +108,16 @@ def test_rolling_out_lasts_until_every_group_is_ready_again(make_spec, make_pod)
     assert build_status(spec, 1, reports, None, {"phase": "Ready"}, now=0.0)["phase"] == "Initializing"
 
 
-def test_served_revision_order():
-    assert served_revision([]) == ""
+@pytest.mark.parametrize("revisions, expected", [
+    ([], ""),
+    (["rev-a"], "rev-a"),
+    (["rev-a", "rev-a"], "rev-a"),
+    (["rev-b", "rev-a", "rev-b"], "rev-b,rev-a"),  # group order, each revision once
+    (["rev-a", "rev-b"], "rev-a,rev-b"),
+    (["", "rev-a", ""], "rev-a"),  # groups with no revision (not serving) are left out
+])
+def test_served_revision_lists_revisions_in_group_order_without_repeats(revisions, expected):
+    assert served_revision(revisions) == expected
 
 
 def test_status_patch_deletes_removed_keys():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from safetensors.torch import load_file, save
@@ -77,7 +79,10 @@ def test_release_and_resume_keep_outputs(ckpts, cpu_backup):
 
 @pytest.mark.gpu
 def test_torch_memory_saver_keeps_addresses_and_frees_the_gpu(ckpts):
-    pytest.importorskip("torch_memory_saver")
+    if os.environ.get("SHARDLINE_GPU_CHECK") == "1":  # bench/gpu_check.sh: run or fail, never skip
+        import torch_memory_saver  # noqa: F401
+    else:
+        pytest.importorskip("torch_memory_saver")
     a, _ = ckpts
     worker = make_worker(a, device_override="cuda", enable_memory_saver=True, enable_weights_cpu_backup=True,
                          max_total_tokens=1 << 20)
@@ -85,12 +90,32 @@ def test_torch_memory_saver_keeps_addresses_and_frees_the_gpu(ckpts):
     assert runner.memory_saver.tms is not None
     expected = run_engine(worker, PROMPTS, GREEDY)
     pointers = [p.data_ptr() for p in runner.model.parameters()]
+    graphs = runner.graphs.decode
+    assert graphs is not None and graphs.graphs
     free_before = torch.cuda.mem_get_info()[0]
     runner.memory_saver.release(["weights", "kv_cache"])
     freed = torch.cuda.mem_get_info()[0] - free_before
     assert freed > 0.8 * runner.token_to_kv_pool.mem_usage_bytes()
+    assert runner.graphs.decode is graphs  # same addresses at resume: the graphs stay
     runner.memory_saver.resume(["weights", "kv_cache"])
     assert [p.data_ptr() for p in runner.model.parameters()] == pointers
+    assert runner.graphs.decode is graphs
+    assert run_engine(worker, PROMPTS, GREEDY) == expected
+
+
+@pytest.mark.gpu
+def test_without_memory_saver_decode_graphs_are_captured_again_at_resume(ckpts):
+    a, _ = ckpts
+    worker = make_worker(a, device_override="cuda", enable_weights_cpu_backup=True)
+    runner = worker.model_runner
+    assert runner.memory_saver.tms is None
+    assert runner.graphs.decode is not None and runner.graphs.decode.graphs
+    expected = run_engine(worker, PROMPTS, GREEDY)
+    runner.memory_saver.release(["kv_cache"])
+    assert runner.graphs.decode is None  # new KV addresses at resume: the old graphs are dropped
+    runner.memory_saver.resume(["kv_cache"])
+    assert runner.graphs.decode is not None
+    assert runner.graphs.decode.graphs  # captured again
     assert run_engine(worker, PROMPTS, GREEDY) == expected
 
 

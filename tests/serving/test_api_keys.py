@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 
 import httpx
 import openai
@@ -22,7 +23,13 @@ from shardline_runtime.server_args import ServerArgs, ServerArgsError
 
 API_KEY = "sk-user-7d1c0e"
 ADMIN_KEY = "adm-2b9f44a1"
+# The documented table (docs/api.md, "API keys"), written out here: routes are checked against
+# it, never against auth.access_class (the code under test). Every other path is a control
+# endpoint. test_documented_table_is_the_one_in_the_docs keeps it equal to the docs.
 OPEN = ("/health", "/ready", "/metrics")
+SERVING = ("/v1/completions", "/v1/chat/completions", "/generate", "/health_generate")
+INFO = ("/v1/models", "/v1/models/{model}", "/get_model_info", "/get_server_info")
+REPO = Path(__file__).resolve().parents[2]
 # Bodies that make each request succeed once it is let in.
 VALID = {
     ("POST", "/v1/chat/completions"): {"model": "tiny-llama", "max_tokens": 2,
@@ -67,8 +74,34 @@ def _send(server, method: str, path: str, key: str | None = None, body=None) -> 
     return httpx.request(method, server.url + path, headers=headers, json=body, timeout=120)
 
 
+def documented_class(path: str) -> str:
+    """``open``, ``serving``, ``info`` or ``admin`` for a path, from the documented table."""
+    if path in OPEN:
+        return "open"
+    if path in SERVING:
+        return "serving"
+    if path in INFO or path == "/v1/models/tiny-llama":
+        return "info"
+    return "admin"
+
+
 def _right_key(path: str) -> str:
-    return API_KEY if access_class(path) in ("serving", "info") else ADMIN_KEY
+    return API_KEY if documented_class(path) in ("serving", "info") else ADMIN_KEY
+
+
+def test_documented_table_is_the_one_in_the_docs():
+    lines = (REPO / "docs/api.md").read_text().splitlines()
+    rows = {line.split("|")[1].strip(): line.split("|")[2] for line in lines if line.startswith("| `--api-key`")
+            or line.startswith("| either key") or line.startswith("| none |")}
+    assert set(rows) == {"`--api-key` (`SHARDLINE_API_KEY`)", "either key", "none"}, rows
+    assert re.findall(r"`(/[^`]*)`", rows["`--api-key` (`SHARDLINE_API_KEY`)"]) == list(SERVING)
+    assert re.findall(r"`(/[^`]*)`", rows["either key"]) == list(INFO)
+    assert re.findall(r"`(/[^`]*)`", rows["none"]) == list(OPEN)
+
+
+def test_every_route_is_in_the_documented_class(routes):
+    for _, path in routes:
+        assert access_class(path) == documented_class(path), path
 
 
 def _assert_refused(response: httpx.Response, what: str) -> None:
@@ -111,13 +144,13 @@ def test_open_endpoints_need_no_key(guarded):
 
 def test_admin_key_is_refused_on_serving_endpoints(guarded, routes):
     for method, path in routes:
-        if access_class(path) == "serving":
+        if documented_class(path) == "serving":
             _assert_refused(_send(guarded, method, path, ADMIN_KEY, VALID.get((method, path))),
                             f"{method} {path} with the admin key")
 
 
 def test_api_key_is_refused_on_control_endpoints(guarded, routes):
-    control = [(m, p) for m, p in routes if access_class(p) == "admin"]
+    control = [(m, p) for m, p in routes if documented_class(p) == "admin"]
     assert ("POST", "/update_weights_from_disk") in control and ("POST", "/flush_cache") in control
     for method, path in control:
         _assert_refused(_send(guarded, method, path, API_KEY, VALID.get((method, path))),

@@ -100,3 +100,13 @@ def test_flush_cache_drops_the_prefix_cache_and_refuses_while_requests_run(serve
     assert result["r"].json()["meta_info"]["finish_reason"]["type"] == "abort", "the request ended before the flush"
     assert _ok(server.post("/generate", body))["meta_info"]["cached_tokens"] > 0  # the refused flush kept the cache
     wait_for_baseline(server)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/load_lora_adapter", {"lora_name": "a", "lora_path": "/adapters/a"}),
+    ("/unload_lora_adapter", {"lora_name": "a"}),
+])
+def test_adapter_endpoints_without_enable_lora_are_400_naming_the_flag(server, path, body):
+    r = server.post(path, body)
+    assert r.status_code == 400, r.text
+    assert "--enable-lora" in r.text

@@ -197,3 +197,46 @@ def test_r6_utf8_streaming_equals_full_text(parrot_server, tokenizer):
     chat_deltas, _ = _stream_text(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": text}],
                                                                    "max_tokens": 30, "temperature": 0, "ignore_eos": True})
     assert "".join(chat_deltas) == chat["choices"][0]["message"]["content"]
+
+
+# ---------------------------------------------------------------- F6 assistant prefill
+
+PREFILL = [{"role": "user", "content": "name a colour"}, {"role": "assistant", "content": "The colour is"}]
+
+
+def _prefill_ids(tokenizer) -> list[int]:
+    """What transformers renders for an open final assistant message."""
+    return tokenizer.apply_chat_template(PREFILL, continue_final_message=True, add_generation_prompt=False,
+                                         tokenize=True, return_dict=False)
+
+
+def test_continue_final_message_continues_the_assistant_message(server, tokenizer):
+    body = {"model": "tiny-llama", "messages": PREFILL, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "continue_final_message": True, "add_generation_prompt": False}
+    r = server.post("/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    expected_ids = _prefill_ids(tokenizer)
+    assert r.json()["usage"]["prompt_tokens"] == len(expected_ids)
+    same_prompt = server.post("/generate", {"input_ids": expected_ids, "sampling_params": {
+        "max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}).json()
+    assert r.json()["choices"][0]["message"]["content"] == same_prompt["text"]
+
+
+def test_continue_final_message_renders_differently_from_a_closed_turn(tokenizer):
+    closed = tokenizer.apply_chat_template(PREFILL, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert _prefill_ids(tokenizer) != closed  # else the test above could not tell them apart
+
+
+def test_continue_final_message_without_add_generation_prompt_turns_it_off(server, tokenizer):
+    body = {"model": "tiny-llama", "messages": PREFILL, "max_tokens": 2, "continue_final_message": True}
+    r = server.post("/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(_prefill_ids(tokenizer))
+
+
+def test_continue_final_message_with_add_generation_prompt_is_400_naming_it(server):
+    body = {"model": "tiny-llama", "messages": PREFILL, "max_tokens": 2, "continue_final_message": True,
+            "add_generation_prompt": True}
+    error = _error(server.post("/v1/chat/completions", body))
+    assert error["param"] == "continue_final_message"
+    assert "add_generation_prompt" in error["message"]

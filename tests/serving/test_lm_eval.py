@@ -41,6 +41,9 @@ def _assert_agree(api: dict[str, list], hf: dict[str, list]) -> None:
             assert [str(r[1]) for r in got if isinstance(r, (list, tuple))] == \
                    [str(r[1]) for r in want if isinstance(r, (list, tuple))], task
             assert all(v < 0 for v in got_lls)  # a real score, not the 0.0 of an ignored prompt
+    assert len(api["shardline_tiny_gen"]) == 4
+    for got in api["shardline_tiny_gen"]:  # two empty answers (errors, ignored prompts) would agree too
+        assert any(str(text).strip() for text in got), api["shardline_tiny_gen"]
     assert api["shardline_tiny_gen"] == hf["shardline_tiny_gen"]
 
 

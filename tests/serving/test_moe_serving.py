@@ -10,15 +10,19 @@ from serving_server import start_server
 PROMPTS = ["the model serves tokens", "hello world how are you", "one two three four five"]
 
 
-@pytest.fixture(scope="module")
-def moe_server(checkpoint_dir):
+def start_moe_server(checkpoint_dir, *args: str):
+    """A CPU server of the tiny Qwen3-MoE (8 experts, top-2, two layers) with ``args``."""
     from shardline_runtime.tiny_checkpoint import make_tiny_checkpoint
 
     path = checkpoint_dir / "qwen3-moe"
     if not (path / "config.json").exists():
         make_tiny_checkpoint(path, arch="qwen3_moe", seed=0)
-    srv = start_server(path, checkpoint_dir, "--tp-size", "2", "--ep-size", "2", "--ep-num-redundant-experts", "2",
-                       "--device", "cpu", "--max-total-tokens", "1024", timeout=300)
+    return start_server(path, checkpoint_dir, *args, "--device", "cpu", "--max-total-tokens", "1024", timeout=300)
+
+
+@pytest.fixture(scope="module")
+def moe_server(checkpoint_dir):
+    srv = start_moe_server(checkpoint_dir, "--tp-size", "2", "--ep-size", "2", "--ep-num-redundant-experts", "2")
     yield srv
     srv.stop()
 
@@ -60,3 +64,30 @@ def test_recorder_requests_the_server_cannot_satisfy_are_400(moe_server):
     out = moe_server.post("/dump_expert_distribution_record", {"to_file": True})
     assert out.status_code == 400
     assert "--expert-distribution-recorder-dir" in out.json()["message"]
+
+
+@pytest.fixture(scope="module")
+def moe_pp2_server(checkpoint_dir):
+    """Two pipeline stages of the tiny Qwen3-MoE (two MoE layers: one per stage)."""
+    srv = start_moe_server(checkpoint_dir, "--pp-size", "2")
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["stat", "per_pass"])
+def test_expert_record_under_pp_covers_every_stage_layers(moe_pp2_server, mode):
+    assert moe_pp2_server.post("/start_expert_distribution_record", {"mode": mode}).status_code == 200
+    greedy_texts(moe_pp2_server)
+    assert moe_pp2_server.post("/stop_expert_distribution_record").status_code == 200
+    record = moe_pp2_server.post("/dump_expert_distribution_record").json()
+    per_layer = [sum(layer) for layer in record["logical_count"]]
+    assert len(per_layer) == 2
+    assert per_layer[0] > 0
+    assert per_layer[1] == per_layer[0], f"tokens x top_k per layer differ between stages: {per_layer}"
+    assert per_layer[0] % 2 == 0  # top_k 2: every token counts twice
+    assert record["physical_to_logical_map"] == [list(range(8)), list(range(8))]  # the default placement
+    if mode == "per_pass":
+        assert all(len(entry) == 2 for entry in record["physical_count"])
+        totals = [sum(sum(entry[layer]) for entry in record["physical_count"]) for layer in (0, 1)]
+        assert totals == per_layer

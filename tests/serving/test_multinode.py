@@ -66,6 +66,7 @@ def tp2_pods(serving_checkpoint, checkpoint_dir):
         node1.stop()
 
 
+@pytest.mark.slow  # two pods (TP ranks over gloo): not a quick-tier test
 def test_group_answers_503_until_every_rank_loaded(tp2_pods):
     node0, node1, _, startup = tp2_pods
     assert startup == {"/health": 503, "/ready": 503, "/v1/models": 503}, startup

@@ -136,19 +136,33 @@ def test_mixed_chunk_equals_separate_steps(ckpt):
         assert scheduler.cache.used_tokens() == 0
 
 
-def test_weight_update_waits_for_a_chunked_prefill(ckpt):
+def test_weight_update_waits_for_a_chunked_prefill(ckpt, tiny_checkpoint):
+    """An update to another checkpoint that arrives between the chunks of a prefill waits for the
+    request: it answers exactly as a cold run on the old weights, and the request sent after the
+    update exactly as a cold run on the new ones."""
     from shardline_runtime.managers.io_struct import UpdateWeightsFromDiskReqInput, UpdateWeightsFromDiskReqOutput
 
+    long_prompt, later_prompt = _prompts(7, 1, 200, 200)[0], [5, 6, 7, 8]
+    other = tiny_checkpoint("llama", 1, max_position_embeddings=2048)
+    cold = {}
+    for name, path in (("a", ckpt), ("b", other)):
+        cold_scheduler = make_scheduler(path, chunked_prefill_size=32, max_prefill_tokens=32)
+        cold_scheduler.process_input_requests([greedy("long", long_prompt, 4), greedy("later", later_prompt, 4)])
+        cold[name] = run_to_completion(cold_scheduler)
+    assert cold["a"]["later"]["ids"] != cold["b"]["later"]["ids"]  # the two checkpoints answer differently
     scheduler = make_scheduler(ckpt, chunked_prefill_size=32, max_prefill_tokens=32)
-    scheduler.process_input_requests([greedy("long", _prompts(7, 1, 200, 200)[0], 4)])
+    scheduler.process_input_requests([greedy("long", long_prompt, 4)])
     batch = scheduler.get_next_batch_to_run()  # first chunk only
     scheduler.results.process(batch, scheduler.run_batch(batch))
     assert scheduler.prefill_manager.chunked_req is not None
-    scheduler.process_input_requests([UpdateWeightsFromDiskReqInput(str(ckpt)), greedy("later", [5, 6], 2)])
+    scheduler.process_input_requests([UpdateWeightsFromDiskReqInput(str(other), revision="b"),
+                                      greedy("later", later_prompt, 4)])
     results = run_to_completion(scheduler)
     replies = [m for m in scheduler.sender.socket.messages if isinstance(m, UpdateWeightsFromDiskReqOutput)]
-    assert len(replies) == 1 and replies[0].success
-    assert len(results["long"]["ids"]) == 4 and len(results["later"]["ids"]) == 2
+    assert len(replies) == 1
+    assert replies[0].success, replies[0].message
+    assert results["long"]["ids"] == cold["a"]["long"]["ids"], "the chunked prefill must finish on the old weights"
+    assert results["later"]["ids"] == cold["b"]["later"]["ids"], "a request after the update runs on the new weights"
     assert scheduler.cache.used_tokens() == 0
 
 

@@ -80,6 +80,51 @@ def test_unknown_query_parameter_of_raw_tensor_update_is_400(moe_server):
     assert out.status_code == 400 and out.json()["error"]["param"] == "weight_verison", out.text
 
 
+class _CreatesAFile:
+    """Unpickling this creates ``path``: the proof that request bytes were unpickled."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"load_format": None, "flush_cache": True}, "serialized_named_tensors"),  # SGLang's HTTP body
+    ({"load_format": "direct"}, "serialized_named_tensors"),
+])
+def test_sglang_pickled_tensor_list_is_400_naming_the_field_and_never_unpickled(moe_server, tmp_path, body, param):
+    import base64
+    import pickle
+
+    marker = tmp_path / "unpickled"
+    payload = base64.b64encode(pickle.dumps([("model.norm.weight", _CreatesAFile(marker))])).decode()
+    before = _state(moe_server)
+    out = moe_server.post("/update_weights_from_tensor", {"serialized_named_tensors": [payload], **body})
+    assert out.status_code == 400, out.text
+    err = out.json()["error"]
+    assert err["param"] == param, err
+    assert "safetensors" in err["message"], err
+    assert "docs/api.md" in err["message"], err
+    assert not marker.exists(), "the request's pickle was executed"
+    assert _state(moe_server) == before
+
+
+@pytest.mark.parametrize("load_format", [None, "direct", "flattened_bucket"])
+def test_pickle_load_formats_are_400_naming_load_format(moe_server, tmp_path, load_format):
+    import base64
+    import pickle
+
+    marker = tmp_path / "unpickled"
+    payload = base64.b64encode(pickle.dumps(_CreatesAFile(marker))).decode()
+    out = moe_server.post("/update_weights_from_tensor",
+                          {"serialized_named_tensors": payload, "load_format": load_format})
+    assert out.status_code == 400, out.text
+    assert out.json()["error"]["param"] == "load_format", out.text
+    assert not marker.exists(), "the request's pickle was executed"
+
+
 def _join_group(server, name: str):
     """The test process as the trainer (rank 0) of weight-sync group ``name`` with the server."""
     from shardline_runtime.distributed.weight_sync_group import init_weights_update_group
@@ -217,7 +262,10 @@ def test_sigterm_while_paused_answers_the_held_requests(serving_checkpoint, chec
         senders = [threading.Thread(target=send, args=(s,)) for s in (False, True)]
         for t in senders:
             t.start()
-        time.sleep(1.0)  # both are held by the pause now
+        deadline = time.monotonic() + 60
+        while srv.get("/get_server_info").json()["num_held_reqs"] < 2:  # both held by the pause
+            assert time.monotonic() < deadline, "the two requests were never held by the pause"
+            time.sleep(0.05)
         started = time.monotonic()
         assert srv.stop(signal.SIGTERM, timeout=60) == 0
         for t in senders:

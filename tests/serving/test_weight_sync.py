@@ -145,8 +145,8 @@ def test_broadcast_update_matches_a_cold_start(tp2_server, serving_checkpoint_b,
     checkpoint = load_file(str(serving_checkpoint_b / "model.safetensors"))
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.v_proj.weight",
                  "model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight", "lm_head.weight"):
-        got = tp2_server.post("/get_weights_by_name", {"name": name, "truncate_size": 5}).json()["parameter"]
-        assert got == checkpoint[name][:5].tolist(), name
+        got = tp2_server.post("/get_weights_by_name", {"name": name, "truncate_size": 5}).json()
+        assert got == checkpoint[name][:5].tolist(), name  # SGLang's answer: the bare list
     info = tp2_server.get("/get_server_info").json()
     assert info["weight_version"] == "step-1"
     body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}}
@@ -155,10 +155,23 @@ def test_broadcast_update_matches_a_cold_start(tp2_server, serving_checkpoint_b,
     assert 'weight_version="step-1"' in tp2_server.get("/metrics").text
 
 
-def test_update_from_tensor_in_buckets(tp2_server, serving_checkpoint, expected):
-    """Bucket 1 as the raw safetensors body (options in the query), bucket 2 as SGLang's base64 JSON."""
+def test_get_weights_by_name_of_an_unknown_name_is_400_naming_it(tp2_server):
+    reply = tp2_server.post("/get_weights_by_name", {"name": "model.nope.weight"})
+    assert reply.status_code == 400, reply.text
+    assert "model.nope.weight" in reply.json()["message"]
+
+
+def test_update_from_tensor_in_buckets(tp2_server, serving_checkpoint, serving_checkpoint_b, expected):
+    """Bucket 1 as the raw safetensors body (options in the query), bucket 2 as SGLang's base64 JSON.
+    The server is first moved to rev-b in one update, so the buckets must change the answers
+    whatever ran before."""
     import httpx
 
+    other = load_file(str(serving_checkpoint_b / "model.safetensors"))
+    reply = tp2_server.post("/update_weights_from_tensor",
+                            {"serialized_named_tensors": base64.b64encode(save(other)).decode()})
+    assert reply.status_code == 200, reply.text
+    assert outputs(tp2_server) == expected["b"]
     weights = load_file(str(serving_checkpoint / "model.safetensors"))
     names = sorted(weights)
     first, second = names[: len(names) // 2], names[len(names) // 2:]

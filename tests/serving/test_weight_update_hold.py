@@ -117,6 +117,33 @@ def test_requests_during_update_are_held_and_run_on_new_weights(hold_server, ser
 
 
 @pytest.mark.slow
+def test_held_requests_are_counted_in_server_info(hold_server, serving_checkpoint):
+    server = hold_server
+    done: dict = {}
+    stream = threading.Thread(target=_long_stream, args=(server, 3000, done))
+    stream.start()
+    _wait_running(server, 1)  # the update waits for it, so the requests below are held
+    with cf.ThreadPoolExecutor(4) as pool:
+        update = pool.submit(server.post, "/update_weights_from_disk",
+                             {"model_path": str(serving_checkpoint), "revision": "rev-a"})
+        while server.get("/ready").status_code == 200:
+            assert not update.done(), "the update ended before the stream did"
+            time.sleep(0.01)
+        held = [pool.submit(_greedy, server, "held") for _ in range(2)]
+        deadline = time.monotonic() + 60
+        while (count := server.get("/get_server_info").json()["num_held_reqs"]) < 2:
+            assert time.monotonic() < deadline, f"num_held_reqs stayed {count} with two requests held"
+            time.sleep(0.02)
+        assert count == 2
+        assert server.post("/abort_request", {"abort_all": True}).status_code == 200  # end the stream
+        assert update.result().json()["success"] is True
+        assert [f.result().status_code for f in held] == [200, 200]
+    stream.join(120)
+    assert server.get("/get_server_info").json()["num_held_reqs"] == 0
+    wait_for_baseline(server)
+
+
+@pytest.mark.slow
 def test_hold_past_timeout_is_503_with_retry_after(short_hold_server, serving_checkpoint, serving_checkpoint_b):
     server = short_hold_server
     done: dict = {}

@@ -8,14 +8,17 @@ store at the trainer's ``master_address:master_port``, its own ranks (trainer 0,
 so a dead trainer ends every collective in an error within ``timeout_s`` seconds instead of
 hanging, and never disturbs the TP group.
 
-The trainer builds its side with the same function (``rank=0`` hosts the store)::
+The group is formed exactly as SGLang's ``init_custom_process_group``
+(python/sglang/srt/utils) forms it, which verl, slime and OpenRLHF use on the trainer's side: a
+``tcp://master_address:master_port`` rendezvous whose rank 0 hosts the store,
+``PrefixStore(group_name, store)``, a process group on that store with no other collective,
+then one broadcast per tensor from rank 0. So a trainer written for SGLang joins unchanged
+(tested with such a trainer, gloo, TP=1 and TP=2: ``tests/serving/test_weight_sync_sglang_trainer.py``).
+A trainer may also build its side with this function (``rank=0`` hosts the store)::
 
     group = init_weights_update_group("10.0.0.5", 29600, rank=0, world_size=1 + tp_size,
                                       group_name="sync", backend="nccl")
     broadcast(group, tensor)          # once per tensor, in the order named in the request
-
-It is plain ``torch.distributed`` (``TCPStore`` + ``PrefixStore(group_name)`` +
-``ProcessGroupGloo`` / ``ProcessGroupNCCL``), so a trainer may also copy these few lines.
 """
 
 from __future__ import annotations
@@ -58,7 +61,6 @@ def init_weights_update_group(
     group_name: str,
     backend: str = "gloo",
     timeout_s: float = 60.0,
-    device: torch.device | None = None,
 ) -> WeightSyncGroup:
     """Join (``rank > 0``) or host (``rank == 0``) a weight-sync group.
 
@@ -69,7 +71,6 @@ def init_weights_update_group(
         group_name: namespaces the store keys, so several groups can share one store.
         backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors).
         timeout_s: rendezvous and per-collective timeout in seconds.
-        device: the CUDA device of this rank (``nccl`` only).
 
     Raises:
         WeightSyncGroupError: bad backend, or the rendezvous failed within ``timeout_s``.
@@ -77,21 +78,32 @@ def init_weights_update_group(
     if backend not in BACKENDS:
         raise WeightSyncGroupError(f"backend must be one of {BACKENDS}, got {backend!r}")
     timeout = timedelta(seconds=timeout_s)
+    host = f"[{master_address}]" if ":" in master_address else master_address
     try:
-        store = dist.TCPStore(
-            master_address, master_port, world_size, is_master=rank == 0, timeout=timeout
+        # SGLang's init_custom_process_group: a tcp:// rendezvous (rank 0 hosts the store), then
+        # PrefixStore(group_name) with no trailing slash.
+        store, _, _ = next(
+            dist.rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=timeout)
         )
-        prefixed = dist.PrefixStore(f"{group_name}/", store)
-        pg: Any  # ProcessGroupGloo or ProcessGroupNCCL (no common typed base with allreduce)
+        store.set_timeout(timeout)
+        group_store = dist.PrefixStore(group_name, store)
+        # torch's own group constructor (which SGLang calls) nests two more prefixes:
+        # "{group_name}/" for the group and "{device}/" for its backend ("cpu/" for gloo, whose
+        # first device is the CPU; "cuda/" for NCCL). Built here directly, so the group is not
+        # registered in torch's global group table (a name can be used again after destroy)
+        # and is never split from this rank's default NCCL group, which the trainer is not in.
+        backend_store = dist.PrefixStore(
+            "cpu/" if backend == "gloo" else "cuda/",
+            dist.PrefixStore(f"{group_name}/", group_store),
+        )
+        pg: Any  # ProcessGroupGloo or ProcessGroupNCCL (no common typed base with broadcast)
         if backend == "gloo":
-            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+            # Connects to every member before it returns (a full mesh over the store).
+            pg = dist.ProcessGroupGloo(backend_store, rank, world_size, timeout)
         else:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-        # One tiny collective proves every member is there before the caller relies on it.
-        probe = torch.zeros(1, device=device if backend == "nccl" else "cpu")
-        pg.allreduce([probe]).wait(timeout)
+            pg = dist.ProcessGroupNCCL(backend_store, rank, world_size, options)
     except Exception as exc:  # the store and the backends raise several types
         raise WeightSyncGroupError(
             f"rank {rank}/{world_size} could not join weight-sync group {group_name!r} at "

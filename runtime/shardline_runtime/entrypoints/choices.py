@@ -177,9 +177,22 @@ def chat_prompt_ids(req: ChatCompletionRequest, tm: TokenizerManager) -> list[in
         raise RequestValidationError(
             "this model's tokenizer has no chat template; use /v1/completions", "messages"
         )
+    add_generation_prompt = req.add_generation_prompt
+    if req.continue_final_message:  # as vLLM: both explicitly true is a 400; unset means off
+        if add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+            raise RequestValidationError(
+                "continue_final_message: cannot be true together with add_generation_prompt "
+                "true (one continues the final message, the other opens a new one); send "
+                "add_generation_prompt false",
+                "continue_final_message",
+            )
+        add_generation_prompt = False
     try:
         text = tm.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=req.add_generation_prompt
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=req.continue_final_message,
         )
     except Exception as exc:  # whatever a template raises on these messages is a bad request
         raise RequestValidationError(

@@ -107,6 +107,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     logit_bias: dict[str, float] | None = None
     add_generation_prompt: bool = True
+    # Leave the final (assistant) message open and continue it (vLLM's and transformers' name).
+    continue_final_message: bool = False
     add_special_tokens: bool = False
     # Not supported: a request that sets them gets a 400 instead of silently free text.
     response_format: dict[str, Any] | None = None

@@ -53,6 +53,8 @@ class UpdateWeightsFromDistributedRequest(BaseModel):
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: WeightVersion = _VERSION
+    # SGLang's clients send it (null: one broadcast per tensor, the only layout served here).
+    load_format: None = None
 
 
 class UpdateWeightsFromTensorRequest(BaseModel):

@@ -4,15 +4,17 @@ The routes are left out of ``/openapi.json``: they are stateful administrative c
 release memory, join a process group at a caller-given address) that a schema-driven client or
 fuzzer must not drive blindly; docs/api.md documents them and targeted tests cover their errors.
 
-Every route answers ``{"success", "message", "weight_version"}`` (plus ``parameter`` for
-``/get_weights_by_name``): 200 on success, 400 when the request was refused (the message names
-the parameter or field; no weight changed on any rank), 503 while another weight update runs.
+Every route answers ``{"success", "message", "weight_version"}``: 200 on success, 400 when the
+request was refused (the message names the parameter or field; no weight changed on any rank),
+503 while another weight update runs. ``/get_weights_by_name`` answers the bare list of values on
+success, as SGLang does.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import json
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -49,7 +51,7 @@ def add_weight_sync_routes(
     """Register the routes on ``app`` (``error_response(status, message)`` builds 503s;
     ``tp_size x pp_size`` engine ranks join a weight-sync group)."""
 
-    async def call(req: Any, **extra: Any) -> JSONResponse:
+    async def call(req: Any) -> JSONResponse:
         out = await tm.control_request(req)
         if metrics is not None:
             metrics.set_weight_version(tm.weight_version)
@@ -57,10 +59,7 @@ def add_weight_sync_routes(
             "success": out.success,
             "message": out.message,
             "weight_version": tm.weight_version,
-            **extra,
         }
-        if out.data is not None:
-            body["parameter"] = out.data
         return JSONResponse(body, status_code=200 if out.success else 400)
 
     def busy() -> JSONResponse | None:
@@ -133,6 +132,7 @@ def add_weight_sync_routes(
                     "the body must be the bytes of a safetensors file", "body"
                 )
         else:
+            _refuse_pickled_tensors(await raw.body())
             try:
                 body = UpdateWeightsFromTensorRequest.model_validate_json(await raw.body())
             except ValidationError as exc:
@@ -152,7 +152,14 @@ def add_weight_sync_routes(
 
     @app.post("/get_weights_by_name", include_in_schema=False)
     async def get_weights_by_name(body: GetWeightsByNameRequest):
-        return await call(GetWeightsByNameReqInput(body.name, body.truncate_size), name=body.name)
+        # SGLang answers the bare (truncated) list, which clients compare with a tensor's tolist().
+        out = await tm.control_request(GetWeightsByNameReqInput(body.name, body.truncate_size))
+        if out.success:
+            return JSONResponse(out.data)
+        return JSONResponse(
+            {"success": False, "message": out.message, "weight_version": tm.weight_version},
+            status_code=400,
+        )
 
     @app.post("/pause_generation", include_in_schema=False)
     async def pause_generation(body: PauseGenerationRequest | None = None):
@@ -176,3 +183,37 @@ def add_weight_sync_routes(
     @app.post("/resume_memory_occupation", include_in_schema=False)
     async def resume_memory_occupation(body: MemoryOccupationRequest | None = None):
         return await call(ResumeMemoryOccupationReqInput(body.tags if body is not None else None))
+
+
+PICKLED_TENSORS_MESSAGE = (
+    "{field}: SGLang's list of pickled tensors (MultiprocessingSerializer, load_format null, "
+    "'direct' or 'flattened_bucket') is not accepted: unpickling a request would run code the "
+    "client sent. Send 'serialized_named_tensors' as one base64 string of a safetensors file "
+    "(safetensors.torch.save({{name: tensor}})) with load_format 'safetensors' or absent, or the "
+    "safetensors bytes as an application/octet-stream body; see docs/api.md, "
+    "'/update_weights_from_tensor'"
+)
+
+
+def _refuse_pickled_tensors(raw: bytes) -> None:
+    """400 naming the field when a body has SGLang's shape (a list of serialized tensors, or a
+    ``load_format`` other than safetensors, null included: SGLang's null means pickle). The
+    bytes are only parsed as JSON, never unpickled.
+
+    Raises:
+        RequestValidationError: ``serialized_named_tensors`` is a list, or ``load_format`` names
+            a pickle-based format.
+    """
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return  # not JSON: the model's validation reports it
+    if not isinstance(body, dict):
+        return
+    if isinstance(body.get("serialized_named_tensors"), list):
+        field = "serialized_named_tensors"
+    elif "load_format" in body and body["load_format"] != "safetensors":
+        field = "load_format"
+    else:
+        return
+    raise RequestValidationError(PICKLED_TENSORS_MESSAGE.format(field=field), field)

@@ -30,16 +30,22 @@ class ExpertControl:
     Args:
         eplb_manager: the runner's ``EPLBManager``, or None when the model has no experts.
         memory_saver: the runner's ``MemorySaver`` (no expert moves while weights are released).
-        tp_rank: this rank (rank 0 answers ``dump`` and writes its file).
+        tp_rank, pp_rank: this rank (world rank 0 answers ``dump`` and writes its file; every
+            rank takes part in the dump's gather of every pipeline stage's layers).
         send: rank 0's sender of replies (a no-op on other ranks).
     """
 
     def __init__(
-        self, eplb_manager: Any, memory_saver: Any, tp_rank: int, send: Callable[[Any], None]
+        self,
+        eplb_manager: Any,
+        memory_saver: Any,
+        tp_rank: int,
+        send: Callable[[Any], None],
+        pp_rank: int = 0,
     ):
         self.manager = eplb_manager
         self.memory_saver = memory_saver
-        self.tp_rank = tp_rank
+        self.tp_rank, self.pp_rank = tp_rank, pp_rank
         self.send = send
 
     def handlers(self) -> dict[type, Callable[[Any], None]]:
@@ -80,8 +86,11 @@ class ExpertControl:
             if msg.action == "stop":
                 manager.recorder.stop()
                 return ExpertDistributionReqOutput(True, "stopped")
-            if self.tp_rank != 0:  # every rank holds the same record; rank 0 answers (and writes)
-                return ExpertDistributionReqOutput(True, "dumped by tp rank 0")
-            return ExpertDistributionReqOutput(True, "", manager.dump(to_file=msg.to_file))
+            # Every rank gathers every stage's layers; world rank 0 answers (and writes the file).
+            answer = self.tp_rank == 0 and self.pp_rank == 0
+            record = manager.dump(to_file=msg.to_file, answer=answer)
+            if record is None:
+                return ExpertDistributionReqOutput(True, "dumped by rank 0")
+            return ExpertDistributionReqOutput(True, "", record)
         except (RecorderError, OSError) as e:
             return ExpertDistributionReqOutput(False, str(e))

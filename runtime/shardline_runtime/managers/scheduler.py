@@ -175,7 +175,7 @@ class Scheduler:
         )
         runner = worker.model_runner
         self.experts = ExpertControl(
-            runner.eplb_manager, runner.memory_saver, tp_rank, self.sender.send
+            runner.eplb_manager, runner.memory_saver, tp_rank, self.sender.send, worker.pp_rank
         )
         self.dispatch = TypeBasedDispatcher.merge(
             {

@@ -354,7 +354,11 @@ class TokenizerManager:
         ``/continue_generation``); a shutdown releases the held requests with a 503."""
         if self.paused is None:
             return
-        await self._unpaused.wait()
+        self.held += 1  # counted in /get_server_info's num_held_reqs, as a weight update's holds
+        try:
+            await self._unpaused.wait()
+        finally:
+            self.held -= 1
         if self.paused is not None and self.draining:
             raise ServerNotReadyError("the server is shutting down")
         self.check_ready()

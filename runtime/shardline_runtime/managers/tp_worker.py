@@ -318,7 +318,6 @@ class TpModelWorker(BaseTpWorker):
                     msg.group_name,
                     msg.backend,
                     msg.timeout_s,
-                    self.device,
                 )
             except WeightSyncGroupError as exc:
                 reason = str(exc)

@@ -15,7 +15,11 @@ from typing import Any
 
 import torch
 
-from shardline_runtime.distributed import broadcast_pyobj, get_expert_parallel_layout
+from shardline_runtime.distributed import (
+    all_gather_pyobj_world,
+    broadcast_pyobj,
+    get_expert_parallel_layout,
+)
 from shardline_runtime.layers.moe.eplb_algorithm import (
     expected_physical_counts,
     rank_imbalance,
@@ -90,9 +94,44 @@ class EPLBManager:
             p2l[layer.layer_id] = layer.physical_to_logical_map.cpu()
         return p2l
 
-    def dump(self, to_file: bool = False) -> dict[str, Any]:
-        """The recorder's record (see ``ExpertDistributionRecorder.dump``)."""
-        return self.recorder.dump(self.physical_to_logical(), self.num_experts, to_file=to_file)
+    def dump(self, to_file: bool = False, answer: bool = True) -> dict[str, Any] | None:
+        """The record of every MoE layer of every pipeline stage (see
+        ``ExpertDistributionRecorder.dump``), or None where ``answer`` is false.
+
+        Each stage holds and records only its own layers, so every rank sends its MoE layers'
+        placement rows and counts to every other (``all_gather_pyobj_world``; TP ranks of a
+        stage hold the same rows). Every rank of the world must call it together; only the
+        answering rank (world rank 0) builds the record or writes the file.
+
+        Raises:
+            RecorderError: ``to_file`` without ``--expert-distribution-recorder-dir``.
+        """
+        ids = self.layer_ids
+        passes = self.recorder.pass_counts()
+        mine = (
+            ids,
+            self.physical_to_logical()[ids],
+            self.recorder.physical_counts()[ids],
+            [p[ids] for p in passes] if passes is not None else None,
+        )
+        p2l = torch.zeros(self.recorder.num_layers, self.num_physical, dtype=torch.int64)
+        total = torch.zeros_like(p2l)
+        merged: list[torch.Tensor] = []
+        for layer_ids, p2l_rows, total_rows, pass_rows in all_gather_pyobj_world(mine):
+            p2l[layer_ids], total[layer_ids] = p2l_rows, total_rows
+            for i, rows in enumerate(pass_rows or []):
+                if i == len(merged):  # a stage may have closed one pass more than another
+                    merged.append(torch.zeros_like(p2l))
+                merged[i][layer_ids] = rows
+        if not answer:
+            return None
+        return self.recorder.dump(
+            p2l,
+            self.num_experts,
+            to_file=to_file,
+            total=total,
+            passes=merged if passes is not None else None,
+        )
 
     def on_forward_pass_end(self) -> None:
         """Called by the ModelRunner after every forward pass (cheap when nothing records)."""

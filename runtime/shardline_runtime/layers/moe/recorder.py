@@ -152,21 +152,35 @@ class ExpertDistributionRecorder:
             )
         return self._stat.cpu()
 
-    def to_dict(self, physical_to_logical: torch.Tensor, num_experts: int) -> dict[str, Any]:
+    def pass_counts(self) -> list[torch.Tensor] | None:
+        """Per-pass counts, each (num_layers, num_physical) int64 on CPU (``per_pass`` mode), or
+        None in ``stat`` mode."""
+        return [p.cpu() for p in self._passes] if self.mode == "per_pass" else None
+
+    def to_dict(
+        self,
+        physical_to_logical: torch.Tensor,
+        num_experts: int,
+        total: torch.Tensor | None = None,
+        passes: list[torch.Tensor] | None = None,
+    ) -> dict[str, Any]:
         """The record as JSON-ready lists.
 
         Args:
             physical_to_logical: (num_layers, num_physical) int64 (current placement; rows of
                 dense layers are ignored).
             num_experts: logical experts.
+            total, passes: counts to report instead of this recorder's own (every pipeline
+                stage's rows gathered: see ``EPLBManager.dump``); ``total`` (num_layers,
+                num_physical), ``passes`` one such tensor per pass (``per_pass`` mode).
 
         Returns:
             ``{"mode", "recording", "num_forward_passes", "physical_to_logical_map",
             "physical_count" (stat: [layer][physical]; per_pass: [pass][layer][physical]),
             "logical_count" ([layer][logical], summed over passes)}``.
         """
-        passes = [p.cpu() for p in self._passes] if self.mode == "per_pass" else None
-        total = self.physical_counts()
+        if total is None:
+            total, passes = self.physical_counts(), self.pass_counts()
         logical = torch.zeros(self.num_layers, num_experts, dtype=torch.int64)
         logical.scatter_add_(1, physical_to_logical.cpu(), total)
         return {
@@ -181,7 +195,12 @@ class ExpertDistributionRecorder:
         }
 
     def dump(
-        self, physical_to_logical: torch.Tensor, num_experts: int, to_file: bool = False
+        self,
+        physical_to_logical: torch.Tensor,
+        num_experts: int,
+        to_file: bool = False,
+        total: torch.Tensor | None = None,
+        passes: list[torch.Tensor] | None = None,
     ) -> dict[str, Any]:
         """:meth:`to_dict`, or (``to_file``) write it as JSON into ``dump_dir`` and return
         ``{"path": ...}``.
@@ -189,7 +208,7 @@ class ExpertDistributionRecorder:
         Raises:
             RecorderError: ``to_file`` without a ``dump_dir`` configured.
         """
-        record = self.to_dict(physical_to_logical, num_experts)
+        record = self.to_dict(physical_to_logical, num_experts, total, passes)
         if not to_file:
             return record
         if not self.dump_dir:
