@@ -1,36 +1,80 @@
 # Shardline images. Two targets share one wheel build:
-#   docker build --target runtime  -t shardline-runtime:0.1.0 .    (CUDA PyTorch + the runtime extra)
-#   docker build --target operator -t shardline-operator:0.1.0 .   (slim Python, no CUDA, no torch)
+#   docker build --target runtime  -t REGISTRY/shardline-runtime:0.1.0 .   (PyTorch + the runtime extra)
+#   docker build --target operator -t REGISTRY/shardline-operator:0.1.0 .  (slim Python, no torch)
+#
+# Both bases are Debian bookworm with CPython 3.11. `make images` (hack/images) overrides them
+# with a bookworm base bootstrapped by mmdebstrap (PYTHON_IMAGE, RUNTIME_BASE_IMAGE) and points
+# pip at a local wheelhouse only (PIP_FIND_LINKS, PIP_NO_INDEX=1), so the same steps run where
+# no registry is reachable.
+#
+# Both images run as uid 10001 with a read-only root file system: every path they write is a
+# volume the chart or the operator mounts (an emptyDir): HOME, the cache root below (Triton,
+# torch inductor, Hugging Face) and /tmp.
 
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
-ARG PYTORCH_IMAGE=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
+# torch comes from PyPI at TORCH_VERSION (pyproject's lower bound, checked by
+# tests/chart/test_dockerfile.py); its wheels bring the CUDA libraries.
+ARG RUNTIME_BASE_IMAGE=${PYTHON_IMAGE}
 
 FROM ${PYTHON_IMAGE} AS wheel
+ARG PIP_FIND_LINKS=""
+ARG PIP_NO_INDEX
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY operator/ operator/
 COPY runtime/ runtime/
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+RUN python3 -m venv /opt/build \
+    && /opt/build/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE} AS operator
+ARG PIP_FIND_LINKS=""
+ARG PIP_NO_INDEX
 ENV PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1
+    PYTHONUNBUFFERED=1 \
+    PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    HOME=/tmp
 COPY --from=wheel /wheels/ /wheels/
-RUN pip install --no-cache-dir "$(ls /wheels/shardline-*.whl)[operator]" \
+RUN python3 -m venv /opt/venv \
+    && /opt/venv/bin/pip install --no-cache-dir "$(ls /wheels/shardline-*.whl)[operator]" \
     && rm -rf /wheels \
     && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin shardline
 USER 10001:10001
 EXPOSE 8080
 ENTRYPOINT ["shardline-operator"]
 
-FROM ${PYTORCH_IMAGE} AS runtime
+FROM ${RUNTIME_BASE_IMAGE} AS runtime
+ARG TORCH_VERSION=2.15.0
+ARG PIP_FIND_LINKS=""
+ARG PIP_NO_INDEX
+# Cache root: one emptyDir ("cache") in the pod; HOME and /tmp are two more.
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
+    PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    HOME=/home/shardline \
+    TMPDIR=/tmp \
+    XDG_CACHE_HOME=/var/cache/shardline \
+    TRITON_HOME=/var/cache/shardline \
+    TRITON_CACHE_DIR=/var/cache/shardline/triton \
+    TORCHINDUCTOR_CACHE_DIR=/var/cache/shardline/torchinductor \
+    TORCH_HOME=/var/cache/shardline/torch \
+    HF_HOME=/var/cache/shardline/huggingface \
     HF_HUB_OFFLINE=1
+# Triton compiles its GPU launcher (C, including Python.h) at run time: gcc and the libc
+# headers stay in the image. Package versions follow the base's Debian point release.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+# torch (with its CUDA wheels, the bulk of the image) in a layer of its own: a source change
+# rebuilds only the layers below it.
+RUN python3 -m venv /opt/venv \
+    && /opt/venv/bin/pip install --no-cache-dir "torch==${TORCH_VERSION}"
 COPY --from=wheel /wheels/ /wheels/
-RUN pip install --no-cache-dir "$(ls /wheels/shardline-*.whl)[runtime]" \
+RUN /opt/venv/bin/pip install --no-cache-dir "torch==${TORCH_VERSION}" \
+        "$(ls /wheels/shardline-*.whl)[runtime]" \
     && rm -rf /wheels \
-    && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin shardline
+    && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin shardline \
+    && install -d -o 10001 -g 10001 /var/cache/shardline
 USER 10001:10001
 WORKDIR /home/shardline
 EXPOSE 8000 29500

@@ -1,5 +1,7 @@
 """Build (or reuse) the local control-plane binaries: etcd, kube-apiserver,
-kube-controller-manager, kube-scheduler at Kubernetes v1.37.2, and the helm 3 CLI.
+kube-controller-manager, kube-scheduler at Kubernetes v1.37.2, and the helm 3 CLI; and, for
+the real node (``NODE_BINARIES``), the kubelet and kube-proxy from the same wrapper module,
+crictl and CoreDNS.
 
 Nothing built here is committed. Binaries go to a versioned cache outside the repository,
 ``~/.cache/shardline/k8s-v1.37.2/bin/`` (override the root with ``SHARDLINE_CACHE``), and are
@@ -29,8 +31,19 @@ from pathlib import Path
 
 K8S_VERSION = "v1.37.2"
 HELM_VERSION = "v3.22.0"
+CRICTL_VERSION = "v1.37.0"
+COREDNS_VERSION = "v1.15.0"
 CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+# Built from the Kubernetes wrapper module too, but only when a real node is asked for.
+K8S_NODE = ("kubelet", "kube-proxy")
+K8S_COMMANDS = CONTROL_PLANE + K8S_NODE
 ALL_BINARIES = CONTROL_PLANE + ("helm",)
+NODE_BINARIES = K8S_NODE + ("crictl", "coredns")
+# Standalone Go commands installed with ``go install PKG@VERSION`` (no replace directives).
+GO_INSTALLS = {
+    "crictl": f"sigs.k8s.io/cri-tools/cmd/crictl@{CRICTL_VERSION}",
+    "coredns": f"github.com/coredns/coredns@{COREDNS_VERSION}",
+}
 # Used only when the machine's Go is older than the module's go directive.
 FALLBACK_TOOLCHAIN = "go1.27.3"
 
@@ -56,10 +69,11 @@ def bin_dir(version: str = K8S_VERSION) -> Path:
     return cache_root() / f"k8s-{version}" / "bin"
 
 
-def missing_binaries(version: str = K8S_VERSION) -> list[str]:
-    """Names of the binaries not yet present (and executable) in the cache."""
+def missing_binaries(version: str = K8S_VERSION,
+                     names: tuple[str, ...] = ALL_BINARIES) -> list[str]:
+    """Names among ``names`` not yet present (and executable) in the cache."""
     d = bin_dir(version)
-    return [b for b in ALL_BINARIES if not os.access(d / b, os.X_OK)]
+    return [b for b in names if not os.access(d / b, os.X_OK)]
 
 
 def _log(msg: str) -> None:
@@ -140,7 +154,7 @@ def _prepare_module(work: Path, env: dict[str, str], version: str) -> None:
     (work / "etcd").mkdir(exist_ok=True)
     (work / "etcd" / "main.go").write_text(ETCD_MAIN)
     _log(f"wrapper module at {work}: {len(staging)} staging replaces -> {staging_version}")
-    pkgs = [f"k8s.io/kubernetes/cmd/{b}@{version}" for b in CONTROL_PLANE if b != "etcd"]
+    pkgs = [f"k8s.io/kubernetes/cmd/{b}@{version}" for b in K8S_COMMANDS if b != "etcd"]
     _run(["go", "get"] + pkgs, work, env, "resolve kubernetes commands")
     # Pin etcd to the version the Kubernetes module graph already selected, so adding the
     # etcd main upgrades nothing the control-plane binaries link.
@@ -166,14 +180,24 @@ def _k8s_ldflags(version: str) -> str:
     return "-s -w " + " ".join(f"-X {k}={v}" for k, v in x.items())
 
 
+def _go_install(out: Path, name: str, target: str, env: dict[str, str], flags: str) -> None:
+    """``go install target`` into a private GOBIN, then move the binary to ``out/name``."""
+    henv = dict(env, GOBIN=str(out / f".{name}-gobin"))
+    _run(["go", "install", "-v", "-trimpath", "-ldflags", flags, target], out.parent, henv,
+         f"build {name}", quiet_lines=True)
+    built = target.split("@")[0].rsplit("/", 1)[1]
+    (out / f".{name}-gobin" / built).replace(out / name)
+    shutil.rmtree(out / f".{name}-gobin", ignore_errors=True)
+
+
 def build(version: str = K8S_VERSION, helm_version: str = HELM_VERSION,
-          force: bool = False) -> Path:
-    """Build whatever is missing into ``bin_dir(version)``; return that directory.
+          force: bool = False, names: tuple[str, ...] = ALL_BINARIES) -> Path:
+    """Build whichever of ``names`` is missing into ``bin_dir(version)``; return that directory.
 
     Raises RuntimeError with the failing command and its output tail when a build fails.
     """
     out = bin_dir(version)
-    todo = ALL_BINARIES if force else tuple(missing_binaries(version))
+    todo = names if force else tuple(missing_binaries(version, names))
     if not todo:
         return out
     if shutil.which("go") is None:
@@ -183,7 +207,7 @@ def build(version: str = K8S_VERSION, helm_version: str = HELM_VERSION,
     out.mkdir(parents=True, exist_ok=True)
     work = out.parent / "src"
     env = _go_env(work)
-    k8s_todo = [b for b in todo if b in CONTROL_PLANE]
+    k8s_todo = [b for b in todo if b in K8S_COMMANDS]
     if k8s_todo:
         _prepare_module(work, env, version)
         ldflags = _k8s_ldflags(version)
@@ -195,29 +219,26 @@ def build(version: str = K8S_VERSION, helm_version: str = HELM_VERSION,
             tmp.replace(out / name)
     if "helm" in todo:
         minor = version.lstrip("v").split(".")[1]
-        henv = dict(env, GOBIN=str(out / ".helm-gobin"))
         # The capabilities helm assumes without a cluster (template, lint) and the version
         # its deprecation lint checks against; both default to Kubernetes 1.20.
         flags = "-s -w " + " ".join(
             f"-X helm.sh/helm/v3/pkg/{pkg}.k8sVersion{part}={value}"
             for pkg in ("chartutil", "lint/rules")
             for part, value in (("Major", "1"), ("Minor", minor)))
-        _run(["go", "install", "-v", "-trimpath", "-ldflags", flags,
-              f"helm.sh/helm/v3/cmd/helm@{helm_version}"], out.parent, henv, "build helm",
-             quiet_lines=True)
-        (out / ".helm-gobin" / "helm").replace(out / "helm")
-        shutil.rmtree(out / ".helm-gobin", ignore_errors=True)
+        _go_install(out, "helm", f"helm.sh/helm/v3/cmd/helm@{helm_version}", env, flags)
+    for name in (b for b in todo if b in GO_INSTALLS):
+        _go_install(out, name, GO_INSTALLS[name], env, "-s -w")
     elapsed = time.monotonic() - started
     (out.parent / "build-time.txt").write_text(f"{elapsed:.0f} s for {', '.join(todo)}\n")
     _log(f"done in {elapsed:.0f} s")
     return out
 
 
-def ensure_binaries(version: str = K8S_VERSION) -> Path:
-    """Return the cache bin directory, building on a miss (prints progress). Concurrent
-    callers (two test sessions on a fresh machine) take turns on a lock file; the second
-    finds the binaries built."""
-    if not missing_binaries(version):
+def ensure_binaries(version: str = K8S_VERSION, names: tuple[str, ...] = ALL_BINARIES) -> Path:
+    """Return the cache bin directory, building any of ``names`` on a miss (prints progress).
+    Concurrent callers (two test sessions on a fresh machine) take turns on a lock file; the
+    second finds the binaries built."""
+    if not missing_binaries(version, names):
         return bin_dir(version)
     lock_path = bin_dir(version).parent / ".build.lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
@@ -227,8 +248,8 @@ def ensure_binaries(version: str = K8S_VERSION) -> Path:
         except BlockingIOError:
             _log(f"another process is building into {bin_dir(version)}; waiting for it")
             fcntl.flock(lock, fcntl.LOCK_EX)
-        if missing_binaries(version):
-            return build(version)
+        if missing_binaries(version, names):
+            return build(version, names=names)
     return bin_dir(version)
 
 
@@ -236,12 +257,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--force", action="store_true", help="rebuild even when cached")
     p.add_argument("--print-bin-dir", action="store_true", help="print the bin dir and exit")
+    p.add_argument("--node", action="store_true",
+                   help="also build the node: kubelet, kube-proxy, crictl, coredns")
     args = p.parse_args(argv)
     if args.print_bin_dir:
         print(bin_dir())
         return 0
-    d = build(force=args.force)
-    for b in ALL_BINARIES:
+    names = ALL_BINARIES + (NODE_BINARIES if args.node else ())
+    d = build(force=args.force, names=names)
+    for b in names:
         print(d / b)
     return 0
 

@@ -1,5 +1,6 @@
 """Start and stop a real Kubernetes 1.37.2 control plane on loopback: etcd, kube-apiserver,
-kube-controller-manager, kube-scheduler, fake GPU nodes and the node agent.
+kube-controller-manager, kube-scheduler, and either fake GPU nodes run by the node agent or,
+with ``real_node=True``, one real node (kubelet, containerd, runc; see ``node/``).
 
 Flags follow ``LOCAL_CLUSTER.md`` (the shared notes). Each cluster owns a state directory
 (certificates, kubeconfig, logs, ``state.json`` with every PID) and a *slot*: a lock file that
@@ -23,6 +24,9 @@ from pathlib import Path
 import httpx
 
 from . import build, pki, processes
+from .node import netns as node_netns
+from .node.config import NodeLayout
+from .node.real_node import RealNode
 from .nodes import create_gpu_nodes
 from .rest import RestClient
 
@@ -32,6 +36,8 @@ SLOT_BASE = 77
 MAX_SLOTS = 200
 CONTROLLERS = ("statefulset-controller,garbage-collector-controller,endpointslice-controller,"
                "namespace-controller,replicaset-controller,deployment-controller")
+# A real kubelet mounts each pod's ServiceAccount token and the cluster CA (kube-root-ca.crt).
+REAL_NODE_CONTROLLERS = CONTROLLERS + ",serviceaccount-controller,root-ca-cert-publisher"
 
 
 def _log(msg: str) -> None:
@@ -61,6 +67,8 @@ class LocalCluster:
     Args:
         state_dir: where certificates, kubeconfig, logs and ``state.json`` go.
         nodes: names of the fake GPU nodes (each with ``gpus_per_node`` ``nvidia.com/gpu``).
+        real_node: run one real node (the first name) instead of the node agent; ``images``
+            maps image names to docker-archives to import into its containerd.
     """
 
     state_dir: Path
@@ -69,6 +77,9 @@ class LocalCluster:
     pids: dict[str, int] = field(default_factory=dict)
     server: str = ""
     slot: int = 0
+    real_node: bool = False
+    images: dict[str, Path] = field(default_factory=dict)
+    node: RealNode | None = None
     _slot_fd: int = -1
 
     @property
@@ -118,7 +129,8 @@ class LocalCluster:
     def start(self, with_agent: bool = True) -> "LocalCluster":
         """Build binaries on a cache miss, then start everything; raises RuntimeError with the
         failing component's log tail if one does not come up."""
-        bins = build.ensure_binaries()
+        bins = build.ensure_binaries(names=build.ALL_BINARIES + (
+            build.NODE_BINARIES if self.real_node else ()))
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.slot, self._slot_fd = acquire_slot()
         try:
@@ -129,7 +141,14 @@ class LocalCluster:
         return self
 
     def _start_all(self, bins: Path, with_agent: bool) -> None:
-        creds = pki.generate(self.state_dir / "pki")
+        layout = NodeLayout(self.slot, self.nodes[0], self.state_dir / "node")
+        bind = "127.0.0.1"
+        if self.real_node:
+            # The API server listens on the host end of the node's veth pair (a local address,
+            # so this machine's clients reach it too); see node/config.py.
+            node_netns.create(layout)
+            bind = layout.host_ip
+        creds = pki.generate(self.state_dir / "pki", extra_ips=(bind,))
         etcd_port, peer_port, api_port = (processes.free_port() for _ in range(3))
         data = Path("/dev/shm") if Path("/dev/shm").is_dir() else self.state_dir
         etcd_dir = Path(tempfile.mkdtemp(prefix="shardline-etcd-", dir=data))
@@ -144,11 +163,11 @@ class LocalCluster:
                              f"--initial-cluster=local=http://127.0.0.1:{peer_port}",
                              "--unsafe-no-fsync", "--log-level=warn"])
         self._wait_http("etcd", f"{etcd_url}/health", verify=False)
-        self.server = f"https://127.0.0.1:{api_port}"
+        self.server = f"https://{bind}:{api_port}"
         _log(f"starting kube-apiserver on {self.server}")
         self._spawn("kube-apiserver", [
             str(bins / "kube-apiserver"), f"--etcd-servers={etcd_url}",
-            "--bind-address=127.0.0.1", f"--secure-port={api_port}",
+            f"--bind-address={bind}", f"--secure-port={api_port}",
             f"--tls-cert-file={creds.serving_cert}", f"--tls-private-key-file={creds.serving_key}",
             f"--cert-dir={self.state_dir / 'pki'}", f"--token-auth-file={creds.token_file}",
             "--authorization-mode=RBAC",
@@ -156,8 +175,7 @@ class LocalCluster:
             f"--service-account-key-file={creds.sa_public_key}",
             f"--service-account-signing-key-file={creds.sa_signing_key}",
             "--service-cluster-ip-range=10.0.0.0/24",
-            "--disable-admission-plugins=ServiceAccount,TaintNodesByCondition",
-            "--endpoint-reconciler-type=none", "--allow-privileged=true", "--v=1"])
+            *self._api_node_flags(bind), "--allow-privileged=true", "--v=1"])
         pki.write_kubeconfig(self.kubeconfig, self.server, creds.ca_cert, creds.admin_token)
         self._wait_http("kube-apiserver", f"{self.server}/readyz",
                         verify=ssl.create_default_context(cafile=str(creds.ca_cert)),
@@ -167,12 +185,21 @@ class LocalCluster:
         _log("starting kube-controller-manager and kube-scheduler")
         self._spawn("kube-controller-manager", [
             str(bins / "kube-controller-manager"), *common,
-            f"--secure-port={processes.free_port()}", f"--controllers={CONTROLLERS}",
+            f"--secure-port={processes.free_port()}",
+            f"--controllers={REAL_NODE_CONTROLLERS if self.real_node else CONTROLLERS}",
+            f"--root-ca-file={creds.ca_cert}",
             "--concurrent-statefulset-syncs=5", "--v=1"])
         self._spawn("kube-scheduler", [str(bins / "kube-scheduler"), *common,
                                        f"--secure-port={processes.free_port()}", "--v=1"])
         client = self.client()
         try:
+            if self.real_node:
+                self.node = RealNode(layout, self.kubeconfig, self._spawn_pid,
+                                     self.gpus_per_node, dict(self.images))
+                self.node.start(client)
+                self._save()
+                _log("cluster ready (real node)")
+                return
             create_gpu_nodes(client, self.nodes, self.gpus_per_node)
             _log(f"created fake GPU nodes {', '.join(self.nodes)} "
                  f"({self.gpus_per_node} nvidia.com/gpu each)")
@@ -203,6 +230,26 @@ class LocalCluster:
             time.sleep(0.2)
         _log(f"node agent running (pod IPs 127.{SLOT_BASE}.{self.slot}.0/24)")
 
+    def _api_node_flags(self, bind: str) -> list[str]:
+        """With the node agent: no ServiceAccount admission (the agent requests tokens itself)
+        and no endpoints for ``kubernetes``. With a real node: the kubelet mounts the token
+        admission adds, and pods reach the API server through the ``kubernetes`` Service."""
+        if not self.real_node:
+            return ["--disable-admission-plugins=ServiceAccount,TaintNodesByCondition",
+                    "--endpoint-reconciler-type=none"]
+        return ["--disable-admission-plugins=TaintNodesByCondition",
+                f"--advertise-address={bind}", "--endpoint-reconciler-type=lease",
+                "--kubelet-preferred-address-types=InternalIP"]
+
+    def _stop_pid(self, name: str) -> None:
+        pid = self.pids.pop(name, None)
+        if pid is not None:
+            processes.stop(pid, grace_s=10)
+
+    def _spawn_pid(self, name: str, argv: list[str]) -> int:
+        self._spawn(name, argv)
+        return self.pids[name]
+
     def _spawn(self, name: str, argv: list[str], env: dict | None = None,
                pass_fds: tuple[int, ...] = ()) -> None:
         proc = processes.start(name, argv, self.log_dir, env=env, pass_fds=pass_fds,
@@ -212,7 +259,7 @@ class LocalCluster:
 
     def _save(self) -> None:
         state = {"server": self.server, "kubeconfig": str(self.kubeconfig), "slot": self.slot,
-                 "pids": self.pids, "nodes": list(self.nodes)}
+                 "pids": self.pids, "nodes": list(self.nodes), "real_node": self.real_node}
         (self.state_dir / "state.json").write_text(json.dumps(state, indent=2))
 
     def _log_tail(self, name: str, lines: int = 30) -> str:
@@ -243,7 +290,13 @@ class LocalCluster:
                            + self._log_tail(name))
 
     def stop(self) -> None:
-        """Stop the agent first (it finishes its pods), then the control plane, by PID."""
+        """Stop the node first (the agent finishes its pods; a real node removes its pod
+        sandboxes), then the control plane, by PID."""
+        if self.node is not None:
+            self.node.stop(self._stop_pid)
+            self.node = None
+        elif self.real_node:
+            node_netns.delete(NodeLayout(self.slot, self.nodes[0], self.state_dir / "node"))
         for name in ("node-agent", "kube-scheduler", "kube-controller-manager",
                      "kube-apiserver", "etcd"):
             pid = self.pids.pop(name, None)
@@ -278,8 +331,15 @@ class LocalCluster:
     def load(cls, state_dir: Path) -> "LocalCluster":
         """Re-attach to a cluster started by another process (e.g. ``up`` from the shell)."""
         state = json.loads((state_dir / "state.json").read_text())
-        return cls(state_dir=state_dir, nodes=tuple(state["nodes"]), pids=state["pids"],
-                   server=state["server"], slot=state["slot"])
+        cluster = cls(state_dir=state_dir, nodes=tuple(state["nodes"]), pids=state["pids"],
+                      server=state["server"], slot=state["slot"],
+                      real_node=state.get("real_node", False))
+        if cluster.real_node:
+            layout = NodeLayout(cluster.slot, cluster.nodes[0], state_dir / "node")
+            cluster.node = RealNode(layout, cluster.kubeconfig, cluster._spawn_pid,
+                                    pids={k: v for k, v in state["pids"].items()
+                                          if k in RealNode.PROCESSES})
+        return cluster
 
 
 def kubectl_binary() -> str:

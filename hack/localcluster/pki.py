@@ -57,9 +57,10 @@ def _cert(subject: str, key, issuer_key, issuer_name: x509.Name | None, *, ca: b
     return builder.sign(issuer_key, hashes.SHA256())
 
 
-def generate(directory: Path, service_ip: str = "10.0.0.1") -> ClusterCredentials:
-    """Write CA, serving cert (localhost, 127.0.0.1, the kubernetes Service IP and names),
-    service-account keys and a token CSV into ``directory``; return their paths."""
+def generate(directory: Path, service_ip: str = "10.0.0.1",
+             extra_ips: tuple[str, ...] = ()) -> ClusterCredentials:
+    """Write CA, serving cert (localhost, 127.0.0.1, ``extra_ips``, the kubernetes Service IP
+    and names), service-account keys and a token CSV into ``directory``; return their paths."""
     directory.mkdir(parents=True, exist_ok=True)
     ca_key = _key()
     ca = _cert("shardline-local-ca", ca_key, ca_key, None, ca=True)
@@ -70,6 +71,7 @@ def generate(directory: Path, service_ip: str = "10.0.0.1") -> ClusterCredential
         x509.DNSName("kubernetes.default.svc.cluster.local"),
         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
         x509.IPAddress(ipaddress.ip_address(service_ip)),
+        *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in extra_ips),
     ]
     serving = _cert("kube-apiserver", serving_key, ca_key, ca.subject, ca=False, sans=sans)
     sa_key = _key()

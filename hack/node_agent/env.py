@@ -4,8 +4,10 @@ values, command and args (kubelet's ``third_party/forked/golang/expansion`` rule
 from __future__ import annotations
 
 import base64
+import os
 import re
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 # fetch(kind, namespace, name) -> the object's "data" dict (Secret data still base64), or None
 Fetch = Callable[[str, str, str], "dict | None"]
@@ -137,3 +139,31 @@ def container_argv(container: dict, env: Mapping[str, str]) -> list[str]:
         raise EnvError(f"container {container.get('name')!r} has no command; the node agent "
                        "runs local processes and cannot use an image entrypoint")
     return [expand(a, env) for a in [*command, *container.get("args", [])]]
+
+
+def empty_dir_paths(pod: dict, container: dict, pod_dir: Path) -> dict[str, str]:
+    """``{mountPath: host directory}`` for the container's ``emptyDir`` mounts (not /dev/shm):
+    a process on the host cannot see a mount, so each emptyDir is a directory of the pod's
+    (``/tmp`` is ``pod_dir`` itself, which keeps ZMQ ``ipc://`` paths under 108 bytes)."""
+    empty = {v["name"] for v in pod["spec"].get("volumes", []) if "emptyDir" in v}
+    out: dict[str, str] = {}
+    for mount in container.get("volumeMounts", []):
+        path = os.path.normpath(mount["mountPath"])
+        if mount["name"] not in empty or path == "/dev/shm":
+            continue
+        host = pod_dir if path == "/tmp" else pod_dir / mount["name"]
+        host.mkdir(parents=True, exist_ok=True)
+        out[path] = str(host)
+    return out
+
+
+def remap_paths(env: dict[str, str], paths: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with each value at or under a mount path (``paths``' keys) moved to its host
+    directory: ``HOME=/home/shardline`` becomes ``HOME=<pod dir>/home``."""
+    out = dict(env)
+    for name, value in env.items():
+        for mount, host in paths.items():
+            if value == mount or value.startswith(mount + "/"):
+                out[name] = host + value[len(mount):]
+                break
+    return out

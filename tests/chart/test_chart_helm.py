@@ -42,7 +42,7 @@ def test_operator_pod_is_locked_down(helm):
     pod = deployment["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     (container,) = pod["containers"]
-    assert container["image"] == "ghcr.io/shardline/shardline-operator:0.1.0"  # appVersion, pinned
+    assert container["image"] == "localhost/shardline-operator:0.1.0"  # appVersion, pinned
     assert container["command"] == ["shardline-operator"]
     assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                              "capabilities": {"drop": ["ALL"]}}

@@ -5,7 +5,15 @@ import base64
 
 import pytest
 
-from hack.node_agent.env import EnvError, container_argv, container_env, expand, field_ref
+from hack.node_agent.env import (
+    EnvError,
+    container_argv,
+    container_env,
+    empty_dir_paths,
+    expand,
+    field_ref,
+    remap_paths,
+)
 
 POD = {
     "metadata": {"name": "demo-g0-1", "namespace": "ns1", "uid": "u-1",
@@ -77,3 +85,22 @@ def test_missing_required_key_and_command_are_clear_errors():
         container_env(POD, c, lambda *a: None)
     with pytest.raises(EnvError, match="has no command"):
         container_argv({"name": "c"}, {})
+
+
+def test_empty_dir_env_moves_to_the_pods_directory(tmp_path):
+    pod = {"spec": {"volumes": [{"name": "home", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}},
+                                {"name": "dshm", "emptyDir": {"medium": "Memory"}}]}}
+    container = {"volumeMounts": [{"name": "home", "mountPath": "/home/shardline"},
+                                  {"name": "tmp", "mountPath": "/tmp"},
+                                  {"name": "dshm", "mountPath": "/dev/shm"}]}
+    paths = empty_dir_paths(pod, container, tmp_path)
+    env = remap_paths({"HOME": "/home/shardline", "TMPDIR": "/tmp", "X": "/home/shardline/.cache/t",
+                       "Y": "/home/shardlinex"}, paths)
+    assert env == {"HOME": f"{tmp_path}/home", "TMPDIR": str(tmp_path), "X": f"{tmp_path}/home/.cache/t",
+                   "Y": "/home/shardlinex"}
+
+
+def test_dev_shm_is_not_remapped(tmp_path):
+    pod = {"spec": {"volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]}}
+    container = {"volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}]}
+    assert empty_dir_paths(pod, container, tmp_path) == {}

@@ -1,5 +1,5 @@
 """Pipeline parallelism on CPU: world ranks (tp x pp gloo processes) each run a real
-TpModelWorker + Scheduler over the same messages, driven by the scheduler's own ``pp_step``.
+TpModelWorker + Scheduler over the same messages, driven by the scheduler's own ``PipelineLoop.step``.
 
 Stage 0 gets each scenario's messages through its ``receiver`` (instead of ZMQ); the other
 stages receive them from the stage before, as in serving. Every rank records the tokens it

@@ -8,13 +8,12 @@ from typing import Any
 from .. import labels
 from ..runtime_args import RUNTIME_COMMAND, ServedModel, runtime_args
 from ..spec import ADMIN_API_KEY_ENV, API_KEY_ENV, GPU_RESOURCE, DeploymentSpec
+from .volumes import pod_volumes, writable_env
 
 PROBE_PERIOD_SECONDS = 10
 # Pre-stop delay: a deleted pod leaves the Service's ready endpoints at once, but clients and
 # proxies take a moment to notice; the runtime keeps serving meanwhile, then drains on SIGTERM.
 PRE_STOP_SECONDS = 5
-MODEL_VOLUME = "model"
-SHM_VOLUME = "dshm"
 
 
 def _field_env(name: str, field_path: str) -> dict[str, Any]:
@@ -26,7 +25,8 @@ def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
 
 
 def _env(spec: DeploymentSpec) -> list[dict[str, Any]]:
-    """Downward-API env, the keys from Secrets (never in args, which ``ps`` shows), user env."""
+    """Downward-API env, the writable paths (HOME, TMPDIR, caches), the keys from Secrets
+    (never in args, which ``ps`` shows), then the user's env (which may override any)."""
     keys = [
         _secret_env(ADMIN_API_KEY_ENV, labels.admin_secret_name(spec.name), labels.ADMIN_TOKEN_KEY)
     ]
@@ -39,6 +39,7 @@ def _env(spec: DeploymentSpec) -> list[dict[str, Any]]:
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_NAMESPACE", "metadata.namespace"),
         _field_env("POD_INDEX", f"metadata.labels['{labels.LABEL_POD_INDEX}']"),
+        *writable_env(),
         *keys,
         *[dict(item) for item in spec.runtime.env],
     ]
@@ -62,15 +63,6 @@ def _probe(path: str, failure_threshold: int, period: int = PROBE_PERIOD_SECONDS
     }
 
 
-def _volumes(spec: DeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    volumes: list[dict[str, Any]] = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
-    mounts: list[dict[str, Any]] = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
-    if spec.model.volume is not None:
-        volumes.append({"name": MODEL_VOLUME, **dict(spec.model.volume)})
-        mounts.append({"name": MODEL_VOLUME, "mountPath": spec.model.mount_path, "readOnly": True})
-    return volumes, mounts
-
-
 def build_pod_template(spec: DeploymentSpec, group: int, served: ServedModel) -> dict[str, Any]:
     """Pod template of group ``group`` serving ``served``.
 
@@ -85,10 +77,12 @@ def build_pod_template(spec: DeploymentSpec, group: int, served: ServedModel) ->
 
     Security: the pod meets the ``restricted`` Pod Security Standard (non-root user 10001 of
     the runtime image, ``RuntimeDefault`` seccomp, no privilege escalation, every capability
-    dropped); GPUs come from the device plugin and need none of them. A ``hostPath`` model
+    dropped) and its root file system is read-only: HOME, the caches and /tmp are emptyDirs,
+    /dev/shm a memory emptyDir sized for NCCL (:mod:`.volumes`); GPUs come from the device
+    plugin and need none of the capabilities. A ``hostPath`` model
     volume is the user's choice and is outside ``restricted`` (and ``baseline``).
     """
-    volumes, mounts = _volumes(spec)
+    volumes, mounts = pod_volumes(spec)
     container = {
         "name": "runtime",
         "image": spec.runtime.image,
@@ -110,7 +104,13 @@ def build_pod_template(spec: DeploymentSpec, group: int, served: ServedModel) ->
         "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "runAsUser": labels.RUNTIME_UID,
+            "capabilities": {"drop": ["ALL"]},
+        },
     }
     pod_spec: dict[str, Any] = {
         "securityContext": {

@@ -226,8 +226,10 @@ class ControlPlane:
     def maybe_run_weight_update(self) -> None:
         """Once no request runs (admission is paused meanwhile), load, flush the prefix cache,
         publish the new :class:`WeightsState`, reply."""
+        if self.pending_update is None:
+            return
         started = not self.generation_blocked() and any(r.output_ids for r in self.waiting())
-        if self.pending_update is None or self.holds_kv() or started:
+        if self.holds_kv() or started:
             # Retracted requests that began on the old weights finish on them too; paused with
             # ``retract`` (an RL loop's pause -> update -> continue) they resume on the new ones.
             return

@@ -1,0 +1,1 @@
+"""Container images: the mmdebstrap base, both Dockerfile targets, containerd import."""
