@@ -26,7 +26,7 @@ PHASE_POLL_SECONDS = 0.1
 
 
 class HttpLeaderClient:
-    """Implements ``rollout_executor.LeaderClient`` over HTTP with a small thread pool."""
+    """Implements ``observe.LeaderClient`` over HTTP with a small thread pool."""
 
     def __init__(self, max_workers: int = 4) -> None:
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="leader-update")

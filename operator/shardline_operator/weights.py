@@ -1,6 +1,6 @@
 """What a group's leader says it serves: the ``weights`` block of ``/get_server_info``.
 
-The runtime serialises its one ``WeightsState`` record (``managers/weights_state.py``) as the
+The runtime serialises its one ``WeightsState`` record (``weights_state.py``) as the
 ``weights`` block: ``{model_path, revision, weight_version, phase, digest, last_update}``, with
 ``phase`` one of :class:`WeightsPhase`'s values and ``last_update`` either None or
 ``{success, model_path, load_seconds, recapture_seconds}``. The operator never imports the

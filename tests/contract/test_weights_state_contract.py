@@ -14,7 +14,7 @@ import pytest
 
 from shardline_operator.weights import LeaderReport
 from shardline_operator.weights import WeightsPhase as OperatorPhase
-from shardline_runtime.managers.weights_state import UpdateTimings, WeightsPhase, WeightsState
+from shardline_runtime.weights_state import UpdateTimings, WeightsPhase, WeightsState
 
 DIGEST = "sha256:" + "ab" * 32
 TIMINGS = UpdateTimings(success=True, model_path="/m/rev-b", load_seconds=1.25, recapture_seconds=0.5)

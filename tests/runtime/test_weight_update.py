@@ -10,9 +10,9 @@ from safetensors.torch import load_file, save_file
 
 from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner
 from shardline_runtime.model_executor.device_graphs import DeviceGraphs
-from shardline_runtime.model_executor.weight_update import PhaseClock, WeightsPhase
+from shardline_runtime.model_executor.weight_update import PhaseClock
 from shardline_runtime.sampling import SamplingParams
-
+from shardline_runtime.weights_state import WeightsPhase
 from tests.runtime.engine_driver import make_worker, run_engine
 
 PROMPTS = [[5, 17, 33, 80, 9], [7, 8], [300, 12, 55, 66, 77, 88], [42, 43, 44, 45], [1, 2, 3, 4, 5, 6, 7]]

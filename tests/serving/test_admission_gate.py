@@ -12,7 +12,7 @@ from shardline_runtime.managers.admission_gate import (
     WeightUpdateHoldTimeout,
 )
 from shardline_runtime.managers.update_hold import HELD_SECONDS
-from shardline_runtime.managers.weights_state import WeightsPhase
+from shardline_runtime.weights_state import WeightsPhase
 
 
 def run(coro):

@@ -19,7 +19,7 @@ from shardline_runtime.managers.scheduler_output import OutputSender
 from shardline_runtime.managers.tp_worker import TpModelWorker
 from shardline_runtime.managers.watchdog import Watchdog
 from shardline_runtime.managers.weight_update_run import initial_weights_state
-from shardline_runtime.managers.weights_state import WeightsPhase, WeightsState
+from shardline_runtime.weights_state import WeightsPhase, WeightsState
 from shardline_runtime.mem_cache.radix_cache import RadixCache
 from shardline_runtime.model_loader.checkpoint_digest import checkpoint_digest
 from shardline_runtime.server_args import ServerArgs

@@ -12,7 +12,7 @@ from shardline_runtime.managers.io_struct import (
     UpdateWeightsFromDiskReqInput,
     UpdateWeightsFromDiskReqOutput,
 )
-from shardline_runtime.managers.weights_state import WeightsState
+from shardline_runtime.weights_state import WeightsState
 
 PROMPTS = {f"p{i}": [5 + i, 17, 29 + i, 41] for i in range(2)}  # one decode batch of 2
 

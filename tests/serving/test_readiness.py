@@ -19,7 +19,7 @@ import zmq.asyncio
 from shardline_runtime.entrypoints.http_server import build_app
 from shardline_runtime.managers.io_struct import SchedulerInfo
 from shardline_runtime.managers.tokenizer_manager import TokenizerManager
-from shardline_runtime.managers.weights_state import WeightsPhase, WeightsState
+from shardline_runtime.weights_state import WeightsPhase, WeightsState
 from shardline_runtime.server_args import ServerArgs
 
 

@@ -170,7 +170,7 @@ def test_weight_update_reports_each_phase_while_it_runs(ckpt, tiny_checkpoint):
     """The HTTP process mirrors weights_phase (and the operator mirrors it in turn): rank 0 sends
     every phase the worker enters, before the final reply, not only the end state."""
     from shardline_runtime.managers.io_struct import UpdateWeightsFromDiskReqInput, UpdateWeightsFromDiskReqOutput
-    from shardline_runtime.managers.weights_state import WeightsState
+    from shardline_runtime.weights_state import WeightsState
 
     scheduler = make_scheduler(ckpt)
     other = tiny_checkpoint("llama", 1, max_position_embeddings=2048)

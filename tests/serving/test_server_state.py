@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from shardline_runtime.managers.io_struct import SchedulerInfo
 from shardline_runtime.managers.server_state import ServerState
-from shardline_runtime.managers.weights_state import UpdateTimings, WeightsPhase, WeightsState
+from shardline_runtime.weights_state import UpdateTimings, WeightsPhase, WeightsState
 
 
 def _state() -> ServerState:

@@ -27,7 +27,7 @@ from shardline_runtime.managers.admission_gate import ServerNotReadyError
 from shardline_runtime.managers.io_struct import SchedulerInfo, TokenizedGenerateReqInput
 from shardline_runtime.managers.request_validation import RequestValidationError
 from shardline_runtime.managers.tokenizer_manager import TokenizerManager
-from shardline_runtime.managers.weights_state import WeightsPhase, WeightsState
+from shardline_runtime.weights_state import WeightsPhase, WeightsState
 from shardline_runtime.sampling.sampling_params import SamplingParams
 from shardline_runtime.server_args import ServerArgs
 

@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from shardline_runtime.managers.update_hold import HELD_SECONDS, first_chunk
-from shardline_runtime.managers.weights_state import WeightsPhase
+from shardline_runtime.weights_state import WeightsPhase
 
 
 class ServerNotReadyError(RuntimeError):

@@ -50,10 +50,10 @@ from shardline_runtime.managers.req import Req
 from shardline_runtime.managers.scheduler_output import OutputSender
 from shardline_runtime.managers.watchdog import Watchdog
 from shardline_runtime.managers.weight_update_run import run_weight_update
-from shardline_runtime.managers.weights_state import UpdateTimings, WeightsState
 from shardline_runtime.mem_cache.radix_cache import RadixCache
 from shardline_runtime.model_executor.memory_saver import MemorySaver, MemorySaverError
 from shardline_runtime.model_executor.weight_update import WeightUpdateError
+from shardline_runtime.weights_state import UpdateTimings, WeightsState
 
 logger = logging.getLogger(__name__)
 

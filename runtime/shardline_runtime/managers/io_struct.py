@@ -14,7 +14,7 @@ Direction and meaning:
   in a step), ``FlushCacheReqOutput``, ``UpdateWeightsFromDiskReqOutput``,
   ``ExpertDistributionReqOutput``, ``RebalanceExpertsReqOutput``, ``ControlReqOutput`` (reply to
   every weight-sync and memory control), ``LoRAAdapterReqOutput``, the whole
-  :class:`~shardline_runtime.managers.weights_state.WeightsState` whenever it changes,
+  :class:`~shardline_runtime.weights_state.WeightsState` whenever it changes,
   ``ServingStateOut``, and ``SchedulerStats`` whenever load or KV usage changed.
 
 Token ids are Python ints; logprobs are natural-log floats.
@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from shardline_runtime.managers.weights_state import WeightsState
 from shardline_runtime.sampling.sampling_params import SamplingParams
+from shardline_runtime.weights_state import WeightsState
 
 
 @dataclass(kw_only=True)

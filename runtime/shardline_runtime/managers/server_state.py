@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardline_runtime.managers.io_struct import SchedulerInfo, SchedulerStats
-from shardline_runtime.managers.weights_state import WeightsPhase, WeightsState
+from shardline_runtime.weights_state import WeightsPhase, WeightsState
 
 
 class ServerState:

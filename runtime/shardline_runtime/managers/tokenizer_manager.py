@@ -36,7 +36,7 @@ from shardline_runtime.managers.request_validation import (
 )
 from shardline_runtime.managers.server_state import ServerState
 from shardline_runtime.managers.step_detokenizer import GenerateChunk
-from shardline_runtime.managers.weights_state import WeightsPhase, WeightsState
+from shardline_runtime.weights_state import WeightsPhase, WeightsState
 
 logger = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoo
 from shardline_runtime.model_executor.forward_batch_info import PPProxyTensors
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
 from shardline_runtime.model_executor.model_runner import ModelRunner
-from shardline_runtime.model_executor.weight_update import WeightsPhase
+from shardline_runtime.weights_state import WeightsPhase
 
 logger = logging.getLogger(__name__)
 

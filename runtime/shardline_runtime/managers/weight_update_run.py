@@ -19,9 +19,9 @@ from shardline_runtime.managers.io_struct import (
     UpdateWeightsFromDiskReqInput,
     UpdateWeightsFromTensorReqInput,
 )
-from shardline_runtime.managers.weights_state import UpdateTimings, WeightsPhase, WeightsState
 from shardline_runtime.model_executor.weight_update import PhaseClock
 from shardline_runtime.model_loader.checkpoint_digest import checkpoint_digest
+from shardline_runtime.weights_state import UpdateTimings, WeightsPhase, WeightsState
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +104,8 @@ def _from_disk(
 ) -> UpdateOutcome:
     reported: list[WeightsPhase] = [WeightsPhase.LOADING]
 
-    def runner_phase(phase: Any) -> None:
-        reported.append(WeightsPhase(phase.value))
+    def runner_phase(phase: WeightsPhase) -> None:
+        reported.append(phase)
         if reported[-1].updating:  # the end (serving or failed) comes with the new record
             on_phase(reported[-1])
 

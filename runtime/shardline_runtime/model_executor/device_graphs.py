@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from shardline_runtime.model_executor.weight_update import WeightsPhase
+from shardline_runtime.weights_state import WeightsPhase
 
 if TYPE_CHECKING:
     from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner

@@ -44,7 +44,8 @@ from shardline_runtime.model_executor.kv_pools import (
 )
 from shardline_runtime.model_executor.memory_saver import MemorySaver
 from shardline_runtime.model_executor.model_forward import forward_eager
-from shardline_runtime.model_executor.weight_update import WeightsPhase, update_weights_from_disk
+from shardline_runtime.model_executor.weight_update import update_weights_from_disk
+from shardline_runtime.weights_state import WeightsPhase
 
 if TYPE_CHECKING:
     from shardline_runtime.models.llama import LlamaForCausalLM

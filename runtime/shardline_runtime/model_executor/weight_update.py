@@ -22,7 +22,6 @@ Peak extra memory is one CPU copy of this rank's weights; device memory does not
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections.abc import Callable
@@ -32,19 +31,11 @@ import torch
 
 from shardline_runtime.distributed import all_reduce_min_int
 from shardline_runtime.model_executor.kv_cache_dtype import checkpoint_kv_scales, set_kv_scales
+from shardline_runtime.weights_state import WeightsPhase
 
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors")
-
-
-class WeightsPhase(str, enum.Enum):
-    """What a rank's weights are doing (``/get_server_info`` ``weights_phase``)."""
-
-    SERVING = "serving"
-    LOADING = "loading"
-    RECAPTURING = "recapturing"
-    FAILED = "failed"
 
 
 class PhaseClock:
