@@ -88,6 +88,8 @@ def test_the_label_is_enforced(kube_cluster, restricted):
     assert refused.returncode != 0 and "violates PodSecurity" in refused.stderr and "hostPath" in refused.stderr
     as_root = as_pod(template, restricted, "root")
     del as_root["spec"]["securityContext"]["runAsNonRoot"]
+    for container in as_root["spec"]["containers"]:  # the containers repeat it (defence in depth)
+        container.get("securityContext", {}).pop("runAsNonRoot", None)
     refused = dry_run(kube_cluster, as_root)
     assert refused.returncode != 0 and "runAsNonRoot" in refused.stderr, refused.stderr
 
