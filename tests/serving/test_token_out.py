@@ -13,7 +13,7 @@ from shardline_runtime.sampling.sampling_params import SamplingParams
 
 
 def _req(rid: str = "r", **kw) -> Req:
-    return Req(rid, [5, 6, 7], SamplingParams(max_new_tokens=3), [2], **kw)
+    return Req(rid, [5, 6, 7], SamplingParams(max_new_tokens=3), eos_token_ids=[2], **kw)
 
 
 def test_each_record_carries_only_the_tokens_since_the_last_one():

@@ -50,6 +50,7 @@ class Req:
         rid: str,
         origin_input_ids: Sequence[int],
         sampling_params: SamplingParams,
+        *,
         eos_token_ids: Sequence[int] = (),
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
