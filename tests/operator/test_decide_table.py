@@ -189,7 +189,7 @@ def test_an_unfinished_update_keeps_its_wave(make_spec, make_pod, phase):
 
 
 def _base(key):
-    from conftest import BASE_SPEC
+    from tests.operator.conftest import BASE_SPEC
 
     return copy.deepcopy(BASE_SPEC[key])
 
