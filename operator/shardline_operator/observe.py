@@ -43,7 +43,8 @@ class LeaderClient(Protocol):
 
     def update_seconds(self, key: str) -> Mapping[str, float]:
         """The runtime's ``load_seconds`` / ``recapture_seconds`` for the update ``poll`` last
-        handed out under ``key`` (empty when it reported none)."""
+        handed out under ``key``, until the next update under ``key`` starts (empty when it
+        reported none)."""
 
     def verify(self, url: str, verify: VerifySpec | None) -> tuple[bool, str]:
         """The canary gate: ``/health_generate``, then ``verify``'s completion within its bound."""
@@ -83,8 +84,8 @@ def observe_leader(
     if rollout is not None and index in rollout.wave:
         update = client.poll(key)
         phases = tuple(WeightsPhase.parse(p) for p in client.observed_phases(key))
-        if update[0] in ("success", "failure"):
-            seconds = dict(client.update_seconds(key))
+        # Also after the reply was handed out: a success counts once the group is Ready again.
+        seconds = dict(client.update_seconds(key))
     ready = _ready(pods, spec.parallelism.pods_per_group)
     gate = None
     canary = spec.weight_update.canary

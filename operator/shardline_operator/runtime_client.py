@@ -67,6 +67,7 @@ class HttpLeaderClient:
             self._futures[key] = future
             self._samplers[key] = sampler
             self._phases[key] = []
+            self._seconds.pop(key, None)
         sampler.start()
 
     def _sample_phases(self, key: str, url: str, future: Future, token: str | None) -> None:
@@ -109,10 +110,12 @@ class HttpLeaderClient:
 
     def update_seconds(self, key: str) -> dict[str, float]:
         """``load_seconds`` / ``recapture_seconds`` (floats, seconds) that the runtime reported in
-        its reply to the update :meth:`poll` last handed out under ``key`` (once; empty when it
-        reported none: an older runtime, or a refused or unreachable update)."""
+        its reply to the update :meth:`poll` last handed out under ``key``; kept until the next
+        update under ``key`` starts, so a success held back until the group is Ready again still
+        has them when it counts (empty when it reported none: an older runtime, or a refused or
+        unreachable update)."""
         with self._lock:
-            return self._seconds.pop(key, {})
+            return dict(self._seconds.get(key, {}))
 
     def server_info(self, url: str, token: str | None = None) -> Mapping[str, Any] | None:
         """``GET {url}/get_server_info`` as a dict, or None when unreachable, refused or not JSON."""

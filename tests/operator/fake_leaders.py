@@ -43,7 +43,7 @@ class FakeLeaders:
         return self.phases.pop(key, [])
 
     def update_seconds(self, key):
-        return self.seconds.pop(key, {})
+        return dict(self.seconds.get(key, {}))
 
     def verify(self, url, verify):
         self.verified.append(url)
