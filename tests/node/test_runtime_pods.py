@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import uuid
 
 import pytest
 
@@ -15,12 +16,13 @@ from tests.node.deployments import Served, adapted
 
 pytestmark = [pytest.mark.node, pytest.mark.slow]
 
-NS = "node-single"
+NS = f"node-single-{uuid.uuid4().hex[:5]}"
 
 
 def single_pod_example() -> dict:
     docs = [d for _, d in inference_deployments()
-            if d["spec"]["parallelism"] == {"tensor": 1, "gpusPerPod": 1}]
+            if d["spec"]["parallelism"] == {"tensor": 1, "gpusPerPod": 1}
+            and not d["spec"].get("loraAdapters")]
     assert docs, "examples/ has no TP=1 single-pod InferenceDeployment"
     return docs[0]
 

@@ -3,6 +3,8 @@ through the headless rank Service's DNS name (CoreDNS), and clients reach the gr
 client Service's ClusterIP (kube-proxy)."""
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
 from hack.scenario.examples import tp2_example
@@ -10,7 +12,7 @@ from tests.node.deployments import Served, adapted, chat_in_node
 
 pytestmark = [pytest.mark.node, pytest.mark.slow]
 
-NS = "node-tp2"
+NS = f"node-tp2-{uuid.uuid4().hex[:5]}"
 PROMPT = "The capital of France is"
 
 
