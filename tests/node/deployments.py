@@ -68,7 +68,7 @@ class Served:
         self.watch = StatusWatcher(self.client, self.namespace, self.name).start()
 
     def kubectl(self, *args, **kw):
-        return self.cluster.kubectl(*args, "-n", self.namespace, **kw)
+        return self.cluster.kubectl("-n", self.namespace, *args, **kw)
 
     def apply(self) -> None:
         self.kubectl("apply", "-f", "-", input=yaml.safe_dump(self.doc))
