@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -56,6 +57,44 @@ def chat_in_node(cluster: LocalCluster, ip: str, model: str, prompt: str,
     """Greedy chat completion from ``http://ip:8000/v1`` with the OpenAI client, sent from the
     node's network namespace (``ip``: a pod IP or a Service's ClusterIP)."""
     return python_in_node(cluster, CHAT, ip, model, prompt, *([api_key] if api_key else []))
+
+
+class PodEnds:
+    """Watch the pods of one deployment and keep, per pod UID, the last ``terminated`` state
+    of its container before the pod went away, and when deletion was asked for."""
+
+    def __init__(self, served: "Served"):
+        self.served = served
+        self.ends: dict[str, dict] = {}  # uid -> {"name", "deleted_at", "terminated"}
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        path = f"/api/v1/namespaces/{self.served.namespace}/pods"
+        params = {"labelSelector": f"shardline.dev/deployment={self.served.name}"}
+        client = self.served.cluster.client()
+        while not self._stop.is_set():
+            try:
+                rv = client.get(path, params=params)["metadata"]["resourceVersion"]
+                for ev in client.watch(path, rv, timeout_seconds=30, params=params):
+                    if self._stop.is_set():
+                        return
+                    pod = ev.get("object", {})
+                    meta = pod.get("metadata", {})
+                    if "uid" not in meta:
+                        continue
+                    end = self.ends.setdefault(meta["uid"], {"name": meta["name"]})
+                    if meta.get("deletionTimestamp") and "deleted_at" not in end:
+                        end["deleted_at"] = time.monotonic()
+                    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+                        done = (status.get("state") or {}).get("terminated")
+                        if done and "terminated" not in end:
+                            end["terminated"] = dict(done, seen_at=time.monotonic())
+            except Exception:  # relist after a dropped watch
+                time.sleep(0.5)
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 class Served:
