@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from hack.localcluster import LocalCluster
+from hack.scenario.examples import inference_deployments
 from hack.scenario.operator_install import operator_logs
 from hack.scenario.status_watch import StatusWatcher
 
@@ -22,6 +23,15 @@ READY_TIMEOUT = 420
 # The examples request 1 CPU and 2 GiB per pod, sized for a GPU node. This node has 2 CPUs for
 # the operator and every runtime pod of a test, so requests shrink; limits are not set.
 NODE_REQUESTS = {"cpu": "100m", "memory": "256Mi"}
+
+
+def single_pod_example() -> dict:
+    """The examples' plain TP=1 InferenceDeployment (one pod, no LoRA adapters)."""
+    docs = [d for _, d in inference_deployments()
+            if d["spec"]["parallelism"] == {"tensor": 1, "gpusPerPod": 1}
+            and not d["spec"].get("loraAdapters")]
+    assert docs, "examples/ has no TP=1 single-pod InferenceDeployment"
+    return docs[0]
 
 
 def adapted(doc: dict, namespace: str, name: str | None = None,
@@ -145,6 +155,16 @@ class Served:
             for p in self.pod_uids())
         return (f"status history:\n{phases}\npods:\n{pods}\nevents:\n{events[-4000:]}\n{logs}\n"
                 f"{operator_logs(self.cluster)}")
+
+    def wait_failed(self, timeout: float = 300) -> str:
+        """Wait for phase Failed; return group 0's status message."""
+        try:
+            self.watch.wait(lambda s: s.phase == "Failed", timeout, f"{self.name} Failed")
+        except TimeoutError as e:
+            raise AssertionError(f"{e}\n{self.diagnostics()}") from None
+        obj = self.client.get(f"/apis/shardline.dev/v1alpha1/namespaces/{self.namespace}/"
+                              f"inferencedeployments/{self.name}")
+        return obj["status"]["groups"][0].get("message", "")
 
     def delete(self) -> None:
         self.watch.stop()

@@ -11,20 +11,11 @@ import pytest
 
 from hack.images.build import image_name
 from hack.localcluster.node.config import POD_CIDR
-from hack.scenario.examples import inference_deployments
-from tests.node.deployments import Served, adapted
+from tests.node.deployments import Served, adapted, single_pod_example
 
 pytestmark = [pytest.mark.node, pytest.mark.slow]
 
 NS = f"node-single-{uuid.uuid4().hex[:5]}"
-
-
-def single_pod_example() -> dict:
-    docs = [d for _, d in inference_deployments()
-            if d["spec"]["parallelism"] == {"tensor": 1, "gpusPerPod": 1}
-            and not d["spec"].get("loraAdapters")]
-    assert docs, "examples/ has no TP=1 single-pod InferenceDeployment"
-    return docs[0]
 
 
 @pytest.fixture(scope="module")
