@@ -55,7 +55,6 @@ FROM ${RUNTIME_BASE_IMAGE} AS runtime
 ARG TORCH_VERSION=2.15.0
 ARG PIP_FIND_LINKS=""
 ARG PIP_NO_INDEX
-ARG REQUIREMENTS
 # Cache root: one emptyDir ("cache") in the pod; HOME and /tmp are two more.
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -79,7 +78,9 @@ RUN apt-get update \
 # rebuilds only the layers below it.
 RUN python3 -m venv /opt/venv \
     && /opt/venv/bin/pip install --no-cache-dir "torch==${TORCH_VERSION}"
-# The other dependencies, then the project's wheel alone (as in the operator target).
+# The other dependencies, then the project's wheel alone (as in the operator target). The
+# ARG comes only here: declared above, it would be part of the torch layer's cache key.
+ARG REQUIREMENTS
 COPY pyproject.toml /tmp/build/
 RUN /opt/venv/bin/python -c "$REQUIREMENTS" runtime > /tmp/build/requirements.txt \
     && /opt/venv/bin/pip install --no-cache-dir "torch==${TORCH_VERSION}" \
