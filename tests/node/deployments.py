@@ -73,7 +73,7 @@ class PodEnds:
     """Watch the pods of one deployment and keep, per pod UID, the last ``terminated`` state
     of its container before the pod went away, and when deletion was asked for."""
 
-    def __init__(self, served: "Served"):
+    def __init__(self, served: Served):
         self.served = served
         self.ends: dict[str, dict] = {}  # uid -> {"name", "deleted_at", "terminated"}
         self._stop = threading.Event()
