@@ -5,8 +5,8 @@ Every request path falls in one access class:
 - ``open``: ``/health``, ``/ready``, ``/metrics`` (probes and scraping), never guarded;
 - ``serving``: the inference endpoints, guarded by the API key (``--api-key``);
 - ``info``: read-only model and server information (``/v1/models``, ``/v1/models/{model}``,
-  ``/get_model_info``, ``/get_server_info``), open to the API key *and* the admin key (the
-  operator reads ``/get_server_info`` with its admin token);
+  ``/get_model_info``, ``/get_server_info`` and its SGLang alias ``/server_info``), open to the
+  API key *and* the admin key (the operator reads ``/get_server_info`` with its admin token);
 - ``admin``: everything else. A path is a control endpoint unless it is listed above, so an
   endpoint added later (weight sync, memory release, adapters, ...) is guarded by default.
 
@@ -51,7 +51,7 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 SERVING_PATHS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/generate", "/health_generate"}
 )
-INFO_PATHS = frozenset({"/v1/models", "/get_model_info", "/get_server_info"})
+INFO_PATHS = frozenset({"/v1/models", "/get_model_info", "/get_server_info", "/server_info"})
 INFO_PREFIXES = ("/v1/models/",)  # GET /v1/models/{model}: OpenAI's model retrieve
 UNAUTHORIZED_MESSAGE = "missing or invalid API key: send the key as 'Authorization: Bearer <key>'"
 

@@ -197,7 +197,10 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
             "context_length": tm.info.context_len,
         }
 
+    # SGLang serves the same document at /server_info (its newer name); the model gateway (smg)
+    # probes that path to recognise an SGLang-API worker.
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def server_info():
         s = tm.state.stats
         return {
