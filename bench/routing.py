@@ -40,7 +40,7 @@ def run_route(name: str, urls: list[str], servers: list[ServerProcess], args) ->
     for s in servers:
         s.post("/flush_cache").raise_for_status()
     before = [counter(s, "cached_tokens") for s in servers]
-    trace = prefix_trace(args.prefixes, args.per_prefix, args.seed)
+    trace = prefix_trace(args.prefixes, args.per_prefix, args.seed, args.prefix_words)
     outcomes = asyncio.run(replay(urls, MODEL, trace, args.concurrency, args.max_tokens))
     grew = [counter(s, "cached_tokens") - b for s, b in zip(servers, before)]
     ttfts = [o.ttft * 1000 for o in outcomes]
@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefix-words", type=int, default=160, help="words in each shared system prompt")
     args = ap.parse_args(argv)
     if smg_binary() is None:
         print("smg is not installed: pip install 'shardline[gateway]'", file=sys.stderr)
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in servers:
             s.stop()
     print(f"trace: {args.prefixes} prefixes x {args.per_prefix} requests, seed {args.seed}, "
-          f"concurrency {args.concurrency}, max_tokens {args.max_tokens}, 2 workers")
+          f"{args.prefix_words}-word prefixes, concurrency {args.concurrency}, max_tokens {args.max_tokens}, 2 workers")
     print("| route | requests | TTFT p50 (ms) | TTFT p99 (ms) | prefix-cache hit rate | cached tokens per worker (/metrics) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
