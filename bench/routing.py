@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -25,15 +24,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "runtime"))
 sys.path.insert(0, str(REPO / "tests" / "serving"))
 
+from serving import percentile  # noqa: E402  (bench/serving.py)
 from serving_server import ServerProcess, start_server  # noqa: E402
 from smg_gateway import counter, prefix_trace, replay, smg_binary, start_smg  # noqa: E402
 
 MODEL = "tiny-llama"
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
 def run_route(name: str, urls: list[str], servers: list[ServerProcess], args) -> dict:
@@ -44,8 +39,8 @@ def run_route(name: str, urls: list[str], servers: list[ServerProcess], args) ->
     outcomes = asyncio.run(replay(urls, MODEL, trace, args.concurrency, args.max_tokens))
     grew = [counter(s, "cached_tokens") - b for s, b in zip(servers, before)]
     ttfts = [o.ttft * 1000 for o in outcomes]
-    return {"route": name, "requests": len(outcomes), "ttft_p50_ms": statistics.median(ttfts),
-            "ttft_p99_ms": pct(ttfts, 99),
+    return {"route": name, "requests": len(outcomes), "ttft_p50_ms": percentile(ttfts, 50),
+            "ttft_p99_ms": percentile(ttfts, 99),
             "hit_rate": sum(o.cached_tokens for o in outcomes) / sum(o.prompt_tokens for o in outcomes),
             "metrics_cached": [int(g) for g in grew]}
 
