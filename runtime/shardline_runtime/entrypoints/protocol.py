@@ -48,6 +48,10 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
+    # Constrained decoding (entrypoints/structured_output.py): at most one per request.
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None  # the whole output matches this regular expression (SGLang's field)
+    ebnf: str | None = None  # the output is this EBNF grammar's root rule (SGLang's field)
 
     def sampling_dict(self, max_new_tokens: int | None) -> dict[str, Any]:
         """Keyword arguments for ``SamplingParams`` (only the fields the client set)."""
@@ -111,7 +115,6 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     # Not supported: a request that sets them gets a 400 instead of silently free text.
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any | None = None
 

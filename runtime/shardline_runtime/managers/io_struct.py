@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from shardline_runtime.constrained.grammar_spec import GrammarSpec
 from shardline_runtime.sampling.sampling_params import SamplingParams
 from shardline_runtime.weights_state import WeightsState
 
@@ -53,6 +54,8 @@ class TokenizedGenerateReqInput:
     input_embeds_positions: list[int] | None = None
     input_embeds_values: list[list[float]] | None = None
     include_stop_str_in_output: bool = False
+    # Constrained decoding (validated by compiling it in the HTTP process); None: free text.
+    grammar: GrammarSpec | None = None
 
 
 @dataclass

@@ -86,6 +86,7 @@ class ResultProcessor:
                 req.append_output(
                     next_ids[i], result.next_token_logprobs[i] if req.return_logprob else None, top
                 )
+                req.advance_grammar(next_ids[i])
             req.check_finished(self.max_req_len)
         for req in batch.reqs:
             if req.finished() and id(req) not in done_before:

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from shardline_runtime.constrained.xgrammar_backend import allow_all_bitmask
 from shardline_runtime.managers.model_worker_batch import ModelWorkerBatch
 from shardline_runtime.managers.overlap import future_placeholder
 from shardline_runtime.managers.req import FinishReason, Req
@@ -317,7 +318,19 @@ class ScheduleBatch:
             batch.lora_names = [r.lora_name for r in reqs]
         if extend and any(r.input_embeds_positions is not None for r in reqs):
             self._attach_input_embeds(batch)
+        if any(r.grammar is not None for r in reqs):
+            batch.grammar_bitmask = self._grammar_bitmask()
         return batch
+
+    def _grammar_bitmask(self) -> torch.Tensor:
+        """(bs, ceil(vocab / 32)) int32: each constrained row that samples this step gets its
+        matcher's allowed tokens (the matcher holds every token accepted so far: with overlap
+        the scheduler settles the step in flight first, see ``OverlapSteps.holds_grammar``)."""
+        bitmask = allow_all_bitmask(len(self.reqs), self.vocab_size)
+        for i, req in enumerate(self.reqs):
+            if req.grammar is not None and req.wants_token:
+                req.grammar.fill_bitmask(bitmask, i)
+        return bitmask
 
     def _attach_input_embeds(self, batch: ModelWorkerBatch) -> None:
         """Rows of this step's packed tokens whose embedding the request gave (prompt

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from shardline_runtime.constrained.xgrammar_backend import LazyGrammars
 from shardline_runtime.managers.batch_planner import BatchPlanner
 from shardline_runtime.managers.cache_manager import CacheManager
 from shardline_runtime.managers.control_plane import ControlPlane, PauseMode
@@ -150,13 +151,16 @@ class Scheduler:
         )
         lora_parts = (worker.model_runner.lora_manager, self.planner.all_requests, self.sender.send)
         self.lora = LoRAControl(*lora_parts) if lora else None
+        eos = eos_token_ids(worker.model_config)
+        tokenizer_path = args.tokenizer_path or worker.model_config.model_path
         self.intake = RequestIntake(
             worker.max_req_input_len,
             worker.max_req_len,
-            eos_token_ids(worker.model_config),
+            eos,
             self.lora,
             self.sender,
             self.prefill_manager.add,
+            LazyGrammars(tokenizer_path, worker.model_config.vocab_size, eos),
         )
         path, version = worker.model_config.model_path, str(args.weight_version)
         weights = initial_weights_state(path, args.revision, version, with_digest=first)
@@ -225,7 +229,8 @@ class Scheduler:
         batch is launched and then the *previous* step's result is processed, so the host
         prepares step N+1 while step N computes. A control message, an abort or a waiting weight
         update first drains the step in flight (they act on settled state); so does a retraction
-        (``DecodeManager.schedule(settle=...)``).
+        (``DecodeManager.schedule(settle=...)``), and a step in flight that samples for a
+        constrained request (its next bitmask needs that token accepted first).
         """
         if self.control.pending_update is not None or any(
             not isinstance(m, TokenizedGenerateReqInput) for m in messages
@@ -233,6 +238,8 @@ class Scheduler:
             self.overlap.drain()
         self.process_input_requests(messages)
         self.overlap.join_in_flight_extend()
+        if self.overlap.holds_grammar():
+            self.overlap.drain()  # the sync point of constrained decoding (OverlapSteps)
         batch = self.get_next_batch_to_run()
         if batch is None:
             self.overlap.drain()

@@ -132,6 +132,8 @@ class ForwardBatch:
     # Caller-given embeddings: packed token rows (K,) int64 and their vectors (K, hidden_size).
     input_embeds_indices: torch.Tensor | None = None
     input_embeds_values: torch.Tensor | None = None
+    # Constrained decoding: (bs, ceil(vocab / 32)) int32 allowed-token bits per row, or None.
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ from shardline_runtime.layers.logits_processor import LogitsProcessorOutput
 from shardline_runtime.layers.sampler import Sampler
 from shardline_runtime.model_executor.forward_batch_info import ForwardBatch
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
+from shardline_runtime.sampling.token_bitmask import apply_token_bitmask
 
 
 def sample_batch(
@@ -22,7 +23,9 @@ def sample_batch(
 
     Rows with ``forward_batch.wants_token[i] == False`` (intermediate chunks,
     ``max_new_tokens == 0``) get -1. Logprobs (raw, see ``layers/sampler.py``) for rows
-    with ``return_logprobs[i]``, top logprobs for ``top_logprobs_nums[i] > 0``. Penalty
+    with ``return_logprobs[i]``, top logprobs for ``top_logprobs_nums[i] > 0``. Rows of a
+    constrained request (``forward_batch.grammar_bitmask``) sample only the tokens their grammar
+    allows; their logprobs are those of the masked distribution (disallowed tokens ``-inf``). Penalty
     counts of the sampled rows are updated. At tp_size > 1 the token ids and their logprobs
     are broadcast from TP rank 0 on the device group, so every rank holds the same result.
 
@@ -45,6 +48,17 @@ def sample_batch(
     logits = logits_output.next_token_logits
     if len(rows) < bs:
         logits = logits[row_index]
+    if forward_batch.grammar_bitmask is not None:
+        # constrained rows: disallowed tokens to -inf before penalties, logprobs and the draw
+        # (every TP rank fills the same mask from the same matchers; PP: the last stage samples)
+        bitmask = forward_batch.grammar_bitmask
+        if len(rows) < bs:
+            bitmask = bitmask[rows]  # logits are already a copy of these rows
+        else:
+            logits = (
+                logits.clone()
+            )  # the runner's logits (a graph's output buffer) stay as they are
+        apply_token_bitmask(logits, bitmask)
     asked = forward_batch.return_logprobs or [False] * bs
     result.logprob_rows = [asked[i] for i in rows]
     nums = forward_batch.top_logprobs_nums or [0] * bs
