@@ -108,6 +108,7 @@ def test_regex_and_ebnf_outputs_match(ckpt, tokenizer, spec, pattern):
         assert re.fullmatch(pattern, _text(tokenizer, results[f"g{i}"]["ids"])), results[f"g{i}"]
 
 
+@pytest.mark.slow
 def test_retracted_constrained_requests_still_produce_valid_json(ckpt, tokenizer):
     """A KV pool too small for every request retracts some; re-prefilled, they keep their grammar."""
     rng = random.Random(4)
@@ -118,6 +119,7 @@ def test_retracted_constrained_requests_still_produce_valid_json(ckpt, tokenizer
         jsonschema.validate(json.loads(_text(tokenizer, results[f"t{i}"]["ids"])), SCHEMA)
 
 
+@pytest.mark.slow
 def test_constrained_requests_survive_an_in_place_weight_update(ckpt, tokenizer, tiny_checkpoint):
     """Requests held across an in-place update run on the new weights under their grammars."""
     other = tiny_checkpoint("llama", 1, max_position_embeddings=2048)

@@ -1,8 +1,8 @@
 """The grammar library behind one small interface: xgrammar (what SGLang and vLLM default to).
 
 :class:`GrammarBackend` compiles a :class:`GrammarSpec` against the model's tokenizer (compiled
-grammars are cached per spec: xgrammar's compiler cache, keyed by the schema / regex / grammar
-text and its options) and makes a :class:`RequestGrammar` per request: the matcher that fills
+grammars are cached per spec: the last ``CACHE_SIZE`` specs, keyed by kind, text and
+``strict``) and makes a :class:`RequestGrammar` per request: the matcher that fills
 the request's row of the token bitmask and is advanced with each accepted token.
 
 Choices, documented in docs/api.md:
@@ -18,6 +18,7 @@ Choices, documented in docs/api.md:
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ import torch
 from shardline_runtime.constrained.grammar_spec import GrammarError, GrammarSpec
 
 BITS_PER_WORD = 32
+CACHE_SIZE = 256
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -92,9 +94,13 @@ class GrammarBackend:
         info = xgrammar.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=stops
         )
+        self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = stops
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=max_threads, cache_enabled=True)
+        self._compiler = xgrammar.GrammarCompiler(
+            info, max_threads=max_threads, cache_enabled=False
+        )
+        self._cache: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
 
     @classmethod
     def from_tokenizer_path(
@@ -106,11 +112,22 @@ class GrammarBackend:
         return cls(AutoTokenizer.from_pretrained(path), vocab_size, stop_token_ids)
 
     def compile(self, spec: GrammarSpec) -> Any:
-        """The compiled grammar of ``spec`` (cached per spec).
+        """The compiled grammar of ``spec`` (cached per spec, least recently used out first).
 
         Raises:
             GrammarError: the library rejects the schema, regex or grammar (names ``spec.param``).
         """
+        key = (spec.kind, spec.source, spec.strict)
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = self._compile(spec)
+            if len(self._cache) >= CACHE_SIZE:
+                self._cache.popitem(last=False)
+            self._cache[key] = compiled
+        self._cache.move_to_end(key)
+        return compiled
+
+    def _compile(self, spec: GrammarSpec) -> Any:
         try:
             if spec.kind == "json_schema":
                 schema = bounded_strings_without_control_characters(json.loads(spec.source))
