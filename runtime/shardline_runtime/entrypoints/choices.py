@@ -18,6 +18,10 @@ from fastapi.responses import JSONResponse
 
 from shardline_runtime.constrained.grammar_spec import GrammarSpec
 from shardline_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from shardline_runtime.entrypoints.refused_fields import (
+    check_refused_chat_fields,
+    template_kwargs,
+)
 from shardline_runtime.entrypoints.structured_output import request_grammar
 from shardline_runtime.managers.io_struct import FinishReason, TokenizedGenerateReqInput
 from shardline_runtime.managers.request_validation import RequestValidationError
@@ -197,12 +201,14 @@ def chat_prompt_ids(req: ChatCompletionRequest, tm: TokenizerManager) -> list[in
                 "continue_final_message",
             )
         add_generation_prompt = False
+    extra_kwargs = template_kwargs(req.chat_template_kwargs)
     try:
         text = tm.tokenizer.apply_chat_template(
             messages,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=req.continue_final_message,
+            **extra_kwargs,
         )
     except Exception as exc:  # whatever a template raises on these messages is a bad request
         raise RequestValidationError(
@@ -218,6 +224,7 @@ def chat_prompt_ids(req: ChatCompletionRequest, tm: TokenizerManager) -> list[in
 
 
 def chat_choices(req: ChatCompletionRequest, tm: TokenizerManager) -> list[ChoiceSpec]:
+    check_refused_chat_fields(req.model_extra or {})
     grammar = _check_common(req, tm)
     if req.tools:
         raise RequestValidationError("tools: tool calling is not supported", "tools")

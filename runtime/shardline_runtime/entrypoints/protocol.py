@@ -102,7 +102,10 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """``POST /v1/chat/completions``."""
+    """``POST /v1/chat/completions``. Unknown fields are kept (``model_extra``) so that the
+    ones that would change the output are refused by name (``refused_fields.py``)."""
+
+    model_config = ConfigDict(extra="allow")
 
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = None
@@ -114,6 +117,8 @@ class ChatCompletionRequest(_SamplingFields):
     # Leave the final (assistant) message open and continue it (vLLM's and transformers' name).
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    # Passed to the chat template (e.g. {"enable_thinking": false}; vLLM's and SGLang's field).
+    chat_template_kwargs: dict[str, Any] | None = None
     # Not supported: a request that sets them gets a 400 instead of silently free text.
     tools: list[Any] | None = None
     tool_choice: Any | None = None
