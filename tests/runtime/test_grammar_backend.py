@@ -11,9 +11,9 @@ from shardline_runtime.constrained.grammar_spec import GrammarError, GrammarSpec
 from shardline_runtime.constrained.xgrammar_backend import (
     GrammarBackend,
     allow_all_bitmask,
+    apply_token_bitmask,
     bounded_strings_without_control_characters,
 )
-from shardline_runtime.sampling.token_bitmask import apply_token_bitmask
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +31,9 @@ def test_bitmask_keeps_allowed_tokens_and_sets_the_rest_to_minus_infinity():
     assert torch.isfinite(logits).nonzero().tolist() == [[0, 5], [1, 65]]
 
 
-def test_a_narrow_bitmask_is_refused():
+def test_a_bitmask_of_other_rows_is_refused():
     with pytest.raises(ValueError, match="does not cover"):
-        apply_token_bitmask(torch.zeros(1, 70), torch.zeros(1, 2, dtype=torch.int32))
+        apply_token_bitmask(torch.zeros(2, 70), torch.zeros(1, 3, dtype=torch.int32))
 
 
 def test_allow_all_bitmask_leaves_logits_unchanged():

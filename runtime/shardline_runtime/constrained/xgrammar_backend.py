@@ -41,6 +41,32 @@ def allow_all_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
     return torch.full((batch_size, bitmask_width(vocab_size)), -1, dtype=torch.int32)
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set the logits of disallowed tokens to ``-inf``, in place (xgrammar's kernel: its C++
+    loop on the CPU, its CUDA/Triton kernel on the GPU; about 5x faster than the same in torch
+    element-wise ops on the CPU, measured in ``bench/structured.py``'s write-up).
+
+    Args:
+        logits: (bs, V) float32 logits; columns past ``32 * width`` (TP padding, which the
+            sampler drops) are left alone.
+        bitmask: (bs, width) int32 (:func:`bitmask_width`), moved to the logits' device.
+
+    Returns:
+        ``logits``.
+
+    Raises:
+        ValueError: the row counts differ.
+    """
+    import xgrammar
+
+    if bitmask.shape[0] != logits.shape[0]:
+        raise ValueError(
+            f"bitmask of shape {tuple(bitmask.shape)} does not cover logits {tuple(logits.shape)}"
+        )
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
+    return logits
+
+
 class RequestGrammar:
     """One request's matcher: which tokens may come next, advanced with each accepted token.
 

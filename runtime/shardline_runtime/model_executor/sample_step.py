@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from shardline_runtime import distributed
+from shardline_runtime.constrained.xgrammar_backend import apply_token_bitmask
 from shardline_runtime.layers.logits_processor import LogitsProcessorOutput
 from shardline_runtime.layers.sampler import Sampler
 from shardline_runtime.model_executor.forward_batch_info import ForwardBatch
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
-from shardline_runtime.sampling.token_bitmask import apply_token_bitmask
 
 
 def sample_batch(
