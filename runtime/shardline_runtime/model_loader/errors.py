@@ -4,3 +4,13 @@
 class CheckpointError(ValueError):
     """A checkpoint is unusable: missing or short shard, missing/unexpected/duplicate parameter,
     shape or dtype mismatch, or a config that differs from the running model."""
+
+
+class ModelSourceError(ValueError):
+    """A model reference cannot be fetched: malformed (names the field), not found (repository,
+    revision, bucket, prefix), refused (401/403), or its bytes do not match the source's
+    checksums. ``reason`` is a short CamelCase code for status conditions."""
+
+    def __init__(self, message: str, reason: str = "InvalidModelSource") -> None:
+        super().__init__(message)
+        self.reason = reason
