@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def fetch_model_args(args: ServerArgs) -> ServerArgs:
     """``args`` with a remote ``--model-path`` (hf://, s3://, ORG/NAME) fetched into
     ``--download-dir`` and replaced by the local, verified directory. The served model name
-    stays the reference the user gave (as vLLM serves ``Org/Name``), and ``--revision`` defaults
+    defaults to the repository id (as vLLM serves ``Org/Name``) or the ``s3://`` reference, and ``--revision`` defaults
     to the resolved commit or S3 listing digest.
 
     Raises:
@@ -78,7 +78,8 @@ def fetch_model_args(args: ServerArgs) -> ServerArgs:
     fetched = fetch_model(source, args.download_dir, revision=args.revision)
     return args.replace(
         model_path=str(fetched.path),
-        served_model_name=args.served_model_name or args.model_path,
+        served_model_name=args.served_model_name
+        or (source.location if source.scheme == "hf" else str(source)),
         revision=args.revision or fetched.revision,
     )
 

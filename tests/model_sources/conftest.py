@@ -31,3 +31,29 @@ def hub(monkeypatch, tiny_checkpoint):
         monkeypatch.delenv("HF_TOKEN", raising=False)
         monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         yield double
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A running versitygw (built once into the Shardline cache) for the whole session."""
+    from hack.s3server import S3Server
+
+    with S3Server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch, tiny_checkpoint, request):
+    """``s3_server`` with a fresh bucket holding the tiny llama checkpoint under ``tiny/v1``;
+    the environment points boto3 (and the runtime) at it. Yields ``(server, bucket)``."""
+    from shardline_runtime.model_loader.s3_source import s3_client
+
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    bucket = "models-" + request.node.name.replace("_", "-")[:40].strip("-").lower()
+    client = s3_client()
+    client.create_bucket(Bucket=bucket)
+    for name, data in checkpoint_files(Path(tiny_checkpoint("llama"))).items():
+        client.put_object(Bucket=bucket, Key=f"tiny/v1/{name}", Body=data)
+    yield s3_server, bucket
