@@ -34,7 +34,8 @@ def s3_client() -> Any:
         s3={"addressing_style": "path" if custom else "auto"},
         retries={"max_attempts": 3, "mode": "standard"},
     )
-    return boto3.client("s3", config=config)
+    # A new session reads the environment now (boto3's default session caches credentials).
+    return boto3.session.Session().client("s3", config=config)
 
 
 def list_prefix(client: Any, bucket: str, prefix: str) -> dict[str, tuple[str, int]]:
@@ -164,7 +165,15 @@ class _s3_errors:
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
         if exc is None or isinstance(exc, ModelSourceError):
             return
-        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+        from botocore.exceptions import (
+            BotoCoreError,
+            ClientError,
+            FlexibleChecksumError,
+            NoCredentialsError,
+        )
+
+        if isinstance(exc, FlexibleChecksumError):  # the server's CRC of the body disagrees
+            raise ModelSourceError(f"{self.where}: {exc}", "ChecksumMismatch") from exc
 
         if isinstance(exc, NoCredentialsError):
             raise ModelSourceError(
