@@ -28,6 +28,8 @@ MAX_REPLICAS = 100
 # Flags the operator renders itself; a user repeating one in runtime.args would contradict it.
 RESERVED_FLAGS = (
     "--model-path",
+    "--download-dir",
+    "--download-max-bytes",
     "--served-model-name",
     "--revision",
     "--host",
@@ -63,13 +65,27 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """``spec.model``: ``name`` is the OpenAI model name, ``path`` an absolute directory in the pod."""
+    """``spec.model``: ``name`` is the OpenAI model name; ``path`` an absolute directory in the
+    pod, or for an ``hf://`` / ``s3://`` ``uri`` the uri itself (the runtime fetches it into the
+    model cache volume; see ``spec_model.py``). A ``pvc://`` uri becomes ``volume`` + ``path``.
+    ``cache_max_bytes`` 0: no eviction bound."""
 
     name: str
     path: str
     revision: str
     mount_path: str
     volume: Mapping[str, Any] | None = None
+    uri: str | None = None
+    s3_endpoint: str | None = None
+    s3_region: str | None = None
+    credentials_secret: str | None = None
+    cache_volume: Mapping[str, Any] | None = None
+    cache_max_bytes: int = 0
+
+    @property
+    def is_remote(self) -> bool:
+        """True for an ``hf://`` or ``s3://`` uri (fetched by the runtime, not mounted)."""
+        return self.uri is not None and not self.uri.startswith("pvc://")
 
 
 @dataclass(frozen=True)
@@ -226,6 +242,14 @@ class DeploymentSpec:
             "modelName": self.model.name,
             "mountPath": self.model.mount_path,
             "volume": self.model.volume,
+            "modelStore": [
+                self.model.s3_endpoint,
+                self.model.s3_region,
+                self.model.credentials_secret,
+                self.model.cache_volume,
+                self.model.cache_max_bytes,
+                self.model.is_remote,
+            ],
             "parallelism": self.parallelism.restart_fields(),
             "runtime": {k: v for k, v in asdict(self.runtime).items() if k != "cuda_graph"},
             "scheduling": asdict(self.scheduling),

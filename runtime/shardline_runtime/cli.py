@@ -65,17 +65,23 @@ def fetch_model_args(args: ServerArgs) -> ServerArgs:
     """``args`` with a remote ``--model-path`` (hf://, s3://, ORG/NAME) fetched into
     ``--download-dir`` and replaced by the local, verified directory. The served model name
     defaults to the repository id (as vLLM serves ``Org/Name``) or the ``s3://`` reference, and ``--revision`` defaults
-    to the resolved commit or S3 listing digest.
+    to the resolved commit or S3 listing digest. With ``--download-max-bytes`` the cache is then
+    cut to that many bytes, least recently used revisions first, never the one fetched.
 
     Raises:
         ModelSourceError: see :func:`shardline_runtime.model_loader.model_source.fetch_model`.
     """
-    from shardline_runtime.model_loader.model_source import fetch_model, parse_model_source
+    from shardline_runtime.model_loader.model_source import fetch_to_local, parse_model_source
 
     source = parse_model_source(args.model_path)
     if not source.is_remote:
         return args
-    fetched = fetch_model(source, args.download_dir, revision=args.revision)
+    fetched = fetch_to_local(
+        args.model_path,
+        args.download_dir,
+        revision=args.revision,
+        max_bytes=args.download_max_bytes,
+    )
     return args.replace(
         model_path=str(fetched.path),
         served_model_name=args.served_model_name

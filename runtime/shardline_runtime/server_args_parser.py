@@ -90,6 +90,12 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
         help="Cache of fetched hf:// and s3:// models, one directory per resolved revision.",
     )
     m.add_argument(
+        "--download-max-bytes",
+        type=_int_range("--download-max-bytes", 0),
+        default=default("download_max_bytes"),
+        help="LRU bound of --download-dir in bytes (0: none); the served revision is never evicted.",
+    )
+    m.add_argument(
         "--served-model-name",
         default=None,
         help="Name clients pass as the OpenAI 'model' field (default: --model-path).",

@@ -37,6 +37,7 @@ class ModelArgs:
 
     model_path: str
     download_dir: str = str(Path.home() / ".cache" / "shardline" / "models")
+    download_max_bytes: int = 0
     served_model_name: str | None = None
     revision: str | None = None
     tokenizer_path: str | None = None

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from shardline_runtime.cli import fetch_model_args, main
 from shardline_runtime.model_loader.errors import ModelSourceError
 from shardline_runtime.model_loader.model_source import parse_model_source
 from shardline_runtime.server_args import ServerArgs
+from tests.model_sources.conftest import checkpoint_files
+from tests.model_sources.hub_double import HubDouble, HubRepo
 from tests.serving.serving_server import start_server
 
 
@@ -67,14 +71,41 @@ def test_unsupported_load_format_is_refused_naming_the_choices(capsys):
     assert "--load-format" in capsys.readouterr().err
 
 
+@pytest.fixture(scope="module")
+def hub_server(tiny_checkpoint, tmp_path_factory):
+    """A runtime serving ``hf://shardline/tiny-llama@v1`` from a Hub double that also holds a
+    second checkpoint on branch ``v2``. Yields ``(server, hub)``."""
+    root = tmp_path_factory.mktemp("hub-server")
+    with HubDouble() as hub:
+        repo = HubRepo()
+        repo.commit(checkpoint_files(Path(tiny_checkpoint("llama"))), ref="v1")
+        repo.commit(checkpoint_files(Path(tiny_checkpoint("llama", seed=1))), ref="v2")
+        hub.repos["shardline/tiny-llama"] = repo
+        server = start_server(
+            "hf://shardline/tiny-llama@v1", root, "--download-dir", str(root / "models"),
+            "--max-total-tokens", "512", env={"HF_ENDPOINT": hub.endpoint},
+        )
+        try:
+            yield server, hub
+        finally:
+            server.stop()
+
+
 @pytest.mark.slow
-def test_runtime_serves_a_hub_model_under_its_repository_name(hub, tmp_path):
-    server = start_server(
-        "hf://shardline/tiny-llama@v1", tmp_path, "--download-dir", str(tmp_path / "models"),
-        "--max-total-tokens", "512", env={"HF_ENDPOINT": hub.endpoint},
-    )
-    try:
-        models = server.get("/v1/models").json()["data"]
-        assert [m["id"] for m in models] == ["shardline/tiny-llama"]
-    finally:
-        server.stop()
+def test_runtime_serves_a_hub_model_under_its_repository_name(hub_server):
+    server, _ = hub_server
+    assert [m["id"] for m in server.get("/v1/models").json()["data"]] == ["shardline/tiny-llama"]
+
+
+@pytest.mark.slow
+def test_update_to_a_missing_revision_is_refused_naming_it(hub_server):
+    server, _ = hub_server
+    reply = server.post("/update_weights_from_disk", {"model_path": "hf://shardline/tiny-llama@v9"})
+    assert reply.json()["message"].startswith("NotFound:")
+
+
+@pytest.mark.slow
+def test_update_to_a_hub_revision_loads_its_commit(hub_server):
+    server, hub = hub_server
+    reply = server.post("/update_weights_from_disk", {"model_path": "hf://shardline/tiny-llama@v2"})
+    assert reply.json()["model_path"].endswith(hub.repos["shardline/tiny-llama"].refs["v2"])

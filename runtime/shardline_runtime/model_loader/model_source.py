@@ -147,3 +147,26 @@ def fetch_model(
 
     path, digest = fetch_s3(source.location, source.prefix, root, progress)
     return FetchedModel(path, digest, source)
+
+
+def fetch_to_local(
+    text: str,
+    download_dir: str | Path,
+    *,
+    revision: str | None = None,
+    max_bytes: int = 0,
+    keep: tuple[str, ...] = (),
+) -> FetchedModel:
+    """Parse ``text`` and fetch it (:func:`fetch_model`); then, with ``max_bytes`` > 0, cut the
+    cache to that bound, least recently used revisions first, never the fetched one nor the
+    cache keys in ``keep`` (the revision still served during an update).
+
+    Raises:
+        ModelSourceError: as :func:`parse_model_source` and :func:`fetch_model`.
+    """
+    fetched = fetch_model(parse_model_source(text), download_dir, revision=revision)
+    if max_bytes and fetched.source.is_remote:
+        from shardline_runtime.model_loader.revision_cache import evict
+
+        evict(fetched.path.parent, max_bytes, keep={fetched.path.name, *keep})
+    return fetched
