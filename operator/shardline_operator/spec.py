@@ -232,12 +232,20 @@ def parse_spec(name: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> 
             f"spec.loraAdapters are not served with spec.parallelism.pipeline > 1 (got pipeline "
             f"{parallelism.pipeline}); use pipeline 1 or remove the adapters"
         )
+    model = parse_model(field_value(spec, "model", "spec", dict, required=True))
+    shared_cache = "persistentVolumeClaim" in (model.cache_volume or {})
+    if model.is_remote and parallelism.pods_per_group > 1 and not shared_cache:
+        # The leader fetches an update's revision; the other pods must read the same directory.
+        raise SpecError(
+            "spec.model.cache.volume must be a shared (ReadWriteMany) persistentVolumeClaim when "
+            f"an hf:// or s3:// spec.model.uri serves groups of {parallelism.pods_per_group} pods"
+        )
     return DeploymentSpec(
         name=name,
         namespace=namespace,
         uid=uid,
         replicas=int_in(spec, "replicas", "spec", 1, 0, MAX_REPLICAS),
-        model=parse_model(field_value(spec, "model", "spec", dict, required=True)),
+        model=model,
         parallelism=parallelism,
         runtime=parse_runtime(field_value(spec, "runtime", "spec", dict, required=True)),
         weight_update=parse_weight_update(update_raw),

@@ -63,7 +63,7 @@ def parse_model(raw: Mapping[str, Any]) -> ModelSpec:
         pvc = PVC_URI.match(uri)
         if pvc is not None:
             sub = posixpath.normpath(pvc.group(3) or "/").lstrip("/")
-            if sub.startswith(".."):
+            if ".." in (pvc.group(3) or "").split("/"):
                 raise SpecError(f"{path}.uri: the sub-path of {uri!r} leaves the claim")
             volume = {"persistentVolumeClaim": {"claimName": pvc.group(1), "readOnly": True}}
             model_path = posixpath.join(mount_path, sub) if sub != "." else mount_path
