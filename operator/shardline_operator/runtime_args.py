@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from . import labels
 from .spec import CudaGraphSpec, DeploymentSpec
-from .spec_model import MODEL_CACHE_DIR
+from .spec_model import MODEL_CACHE_ENV
 
 RUNTIME_COMMAND = ("shardline-runtime", "serve")
 
@@ -70,7 +70,7 @@ def runtime_args(spec: DeploymentSpec, group: int, served: ServedModel) -> list[
         repr(spec.runtime.mem_fraction_static),
     ]
     if spec.model.is_remote:
-        args += ["--download-dir", MODEL_CACHE_DIR]
+        args += ["--download-dir", f"$({MODEL_CACHE_ENV})"]  # env: remapped by hosts that must
         if spec.model.cache_max_bytes:
             args += ["--download-max-bytes", str(spec.model.cache_max_bytes)]
     if spec.parallelism.pipeline > 1:

@@ -35,6 +35,7 @@ URI_FORMS = "hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX or pvc://CLAIM[/SUB/PA
 DEFAULT_MOUNT_PATH = "/var/lib/shardline/models"
 # Where the runtime keeps fetched revisions (the cache volume's mount, --download-dir).
 MODEL_CACHE_DIR = "/var/lib/shardline/model-cache"
+MODEL_CACHE_ENV = "SHARDLINE_MODEL_CACHE"
 CREDENTIAL_KEYS = ("HF_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 
 

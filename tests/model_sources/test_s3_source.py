@@ -1,4 +1,4 @@
-"""s3:// models through boto3 against a real S3 server (versitygw)."""
+"""s3:// models through boto3 against a real S3 server (versitygw, built once: slow)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ from shardline_runtime.model_loader.errors import ModelSourceError
 from shardline_runtime.model_loader.model_source import fetch_model, parse_model_source
 from shardline_runtime.model_loader.revision_cache import PARTIAL
 from shardline_runtime.model_loader.s3_source import file_etag, s3_client
+
+# The server is a Go build on a cold machine (measured: 23 min wall on a busy 2-core host).
+pytestmark = pytest.mark.slow
 
 
 def _fetch(bucket: str, download_dir, prefix: str = "tiny/v1"):

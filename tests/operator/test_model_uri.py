@@ -45,8 +45,13 @@ def test_s3_uri_revision_is_the_last_prefix_component(make_spec):
 
 def test_remote_uri_downloads_into_the_cache_volume(make_spec):
     spec = make_spec({**ONE_POD, "model": HF})
+    assert _env(spec)["SHARDLINE_MODEL_CACHE"]["value"] == MODEL_CACHE_DIR
+
+
+def test_download_dir_flag_reads_the_cache_env(make_spec):
+    spec = make_spec({**ONE_POD, "model": HF})
     args = runtime_args(spec, 0, ServedModel.desired(spec))
-    assert args[args.index("--download-dir") + 1] == MODEL_CACHE_DIR
+    assert args[args.index("--download-dir") + 1] == "$(SHARDLINE_MODEL_CACHE)"
 
 
 def test_cache_volume_defaults_to_an_empty_dir(make_spec):

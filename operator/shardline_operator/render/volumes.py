@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..spec import DeploymentSpec
-from ..spec_model import CREDENTIAL_KEYS, MODEL_CACHE_DIR
+from ..spec_model import CREDENTIAL_KEYS, MODEL_CACHE_DIR, MODEL_CACHE_ENV
 
 MODEL_VOLUME = "model"
 MODEL_CACHE_VOLUME = "model-cache"
@@ -71,10 +71,12 @@ def pod_volumes(spec: DeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[s
 
 
 def model_store_env(spec: DeploymentSpec) -> list[dict[str, Any]]:
-    """``env`` of an hf:// or s3:// model: the S3 endpoint and region from the spec, and each
+    """``env`` of an hf:// or s3:// model: the cache directory (``--download-dir`` reads it), the S3 endpoint and region from the spec, and each
     credential key (``HF_TOKEN``, ``AWS_*``) from ``spec.model.credentialsSecretRef`` as an
     optional ``secretKeyRef`` (a Secret holds only the keys its store needs)."""
-    env: list[dict[str, Any]] = []
+    if not spec.model.is_remote:
+        return []
+    env: list[dict[str, Any]] = [{"name": MODEL_CACHE_ENV, "value": MODEL_CACHE_DIR}]
     if spec.model.s3_endpoint is not None:
         env.append({"name": "AWS_ENDPOINT_URL_S3", "value": spec.model.s3_endpoint})
     if spec.model.s3_region is not None:
