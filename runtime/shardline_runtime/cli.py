@@ -84,6 +84,7 @@ def fetch_model_args(args: ServerArgs) -> ServerArgs:
     )
     return args.replace(
         model_path=str(fetched.path),
+        model_source=args.model_path,
         served_model_name=args.served_model_name
         or (source.location if source.scheme == "hf" else str(source)),
         revision=args.revision or fetched.revision,

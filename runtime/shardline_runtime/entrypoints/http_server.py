@@ -292,6 +292,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
             body.disable_cuda_graph,
             body.weight_version,
             body.flush_cache,
+            model_source=body.model_path if model_path != body.model_path else None,
         )
         out = await tm.update_weights_from_disk(req)
         weights = tm.state.weights

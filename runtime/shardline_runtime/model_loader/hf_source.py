@@ -39,7 +39,7 @@ def fetch_hf(
     api = HfApi(endpoint=endpoint, token=os.environ.get("HF_TOKEN") or None)
     where = f"hf://{repo_id}" + (f"@{revision}" if revision else "")
     with _hub_errors(where):
-        info = api.repo_info(repo_id, revision=revision)
+        info = api.model_info(repo_id, revision=revision)
     commit = str(info.sha)
     files = {
         s.rfilename: s.size or 0
