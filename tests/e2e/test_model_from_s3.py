@@ -87,7 +87,8 @@ def _traffic(fleet) -> Traffic:
 
 def _failed_update(fleet, mark: int):
     return fleet["watch"].wait(
-        lambda s: s.conditions.get("WeightsUpdated", ("",))[0] == "False", READY_TIMEOUT,
+        lambda s: s.conditions.get("WeightsUpdated", ("", ""))[:2] == ("False", "UpdateFailed"),
+        READY_TIMEOUT,
         "the update failed", mark)
 
 

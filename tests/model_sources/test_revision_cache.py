@@ -30,23 +30,20 @@ def test_filled_revision_appears_under_its_key(tmp_path):
     assert (path / "f").read_text() == "x"
 
 
-def test_failed_fill_leaves_no_revision(tmp_path):
-    def fail(directory):
-        (directory / "f").write_text("half")
-        raise OSError("disk full")
+def _fail_halfway(directory):
+    (directory / "f").write_text("half")
+    raise OSError("disk full")
 
+
+def test_failed_fill_leaves_no_revision(tmp_path):
     with pytest.raises(OSError):
-        stage_revision(tmp_path, "k", fail)
+        stage_revision(tmp_path, "k", _fail_halfway)
     assert not (tmp_path / "k").exists()
 
 
 def test_failed_fill_keeps_its_partial_for_the_next_try(tmp_path):
-    def fail(directory):
-        (directory / "f").write_text("half")
-        raise OSError("disk full")
-
     with pytest.raises(OSError):
-        stage_revision(tmp_path, "k", fail)
+        stage_revision(tmp_path, "k", _fail_halfway)
     assert (tmp_path / PARTIAL / "k" / "f").read_text() == "half"
 
 

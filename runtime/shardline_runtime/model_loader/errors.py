@@ -14,3 +14,22 @@ class ModelSourceError(ValueError):
     def __init__(self, message: str, reason: str = "InvalidModelSource") -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class SourceErrors:
+    """A context manager turning a client library's errors into :class:`ModelSourceError`:
+    subclasses implement :meth:`translate` (raise the typed error, or return to let ``exc``
+    propagate); ``where`` names the source in every message."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
+        if exc is not None and not isinstance(exc, ModelSourceError):
+            self.translate(exc)
+
+    def translate(self, exc: BaseException) -> None:
+        raise NotImplementedError

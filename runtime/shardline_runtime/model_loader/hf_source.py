@@ -15,7 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-from shardline_runtime.model_loader.errors import ModelSourceError
+from shardline_runtime.model_loader.errors import ModelSourceError, SourceErrors
 from shardline_runtime.model_loader.model_source import Progress
 from shardline_runtime.model_loader.revision_cache import revision_key, stage_revision
 
@@ -87,18 +87,10 @@ def fetch_hf(
     return stage_revision(root, revision_key("hf", repo_id, commit), fill), commit
 
 
-class _hub_errors:
+class _hub_errors(SourceErrors):
     """Turn huggingface_hub's errors into ``ModelSourceError`` with a reason code."""
 
-    def __init__(self, where: str) -> None:
-        self.where = where
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
-        if exc is None or isinstance(exc, ModelSourceError):
-            return
+    def translate(self, exc: BaseException) -> None:
         from huggingface_hub.errors import (
             GatedRepoError,
             HfHubHTTPError,

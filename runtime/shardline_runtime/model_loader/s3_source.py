@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shardline_runtime.model_loader.errors import ModelSourceError
+from shardline_runtime.model_loader.errors import ModelSourceError, SourceErrors
 from shardline_runtime.model_loader.model_source import Progress
 from shardline_runtime.model_loader.revision_cache import revision_key, stage_revision
 
@@ -153,18 +153,10 @@ def file_etag(path: Path, part_size: int | None = None) -> str:
     return f"{combined}-{len(digests)}"
 
 
-class _s3_errors:
+class _s3_errors(SourceErrors):
     """Turn botocore's errors into ``ModelSourceError`` with a reason code."""
 
-    def __init__(self, where: str) -> None:
-        self.where = where
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
-        if exc is None or isinstance(exc, ModelSourceError):
-            return
+    def translate(self, exc: BaseException) -> None:
         from botocore.exceptions import (
             BotoCoreError,
             ClientError,
