@@ -242,18 +242,18 @@ class DeploymentSpec:
             "modelName": self.model.name,
             "mountPath": self.model.mount_path,
             "volume": self.model.volume,
-            "modelStore": [
+            "parallelism": self.parallelism.restart_fields(),
+            "runtime": {k: v for k, v in asdict(self.runtime).items() if k != "cuda_graph"},
+            "scheduling": asdict(self.scheduling),
+        }
+        if self.model.is_remote:  # the store's env, cache volume and bound are read at start
+            relevant["modelStore"] = [
                 self.model.s3_endpoint,
                 self.model.s3_region,
                 self.model.credentials_secret,
                 self.model.cache_volume,
                 self.model.cache_max_bytes,
-                self.model.is_remote,
-            ],
-            "parallelism": self.parallelism.restart_fields(),
-            "runtime": {k: v for k, v in asdict(self.runtime).items() if k != "cuda_graph"},
-            "scheduling": asdict(self.scheduling),
-        }
+            ]
         if self.lora_adapters:  # --enable-lora needs a restart; adding/removing adapters does not
             relevant["lora"] = True
         if self.auth.api_key_secret is not None or self.credentials_digest:

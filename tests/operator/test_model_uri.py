@@ -123,3 +123,9 @@ def test_multi_pod_groups_accept_a_shared_cache_claim(make_spec):
     cache = {"volume": {"persistentVolumeClaim": {"claimName": "cache"}}}
     spec = make_spec({**ONE_POD, "model": {**HF, "cache": cache}, "parallelism": {"tensor": 2, "gpusPerPod": 1}})
     assert spec.model.cache_volume == cache["volume"]
+
+
+def test_changing_the_credentials_secret_changes_the_restart_hash(make_spec):
+    before = make_spec({**ONE_POD, "model": S3}).restart_hash()
+    other = {**S3, "credentialsSecretRef": {"name": "other-keys"}}
+    assert make_spec({**ONE_POD, "model": other}).restart_hash() != before
