@@ -114,3 +114,33 @@ def test_a_memory_release_goes_through_the_graphs(tiny_checkpoint):
     assert not runner.graphs.present
     runner.memory_saver.resume(["cuda_graph"])
     assert runner.graphs.decode is decode
+
+
+def test_a_cpu_runner_reports_that_it_captured_nothing_and_why(tiny_checkpoint):
+    report = make_worker(tiny_checkpoint("llama", seed=0)).captured_graphs()
+    assert (report.decode_batch_sizes, report.reason) == ((), "cpu: no CUDA graphs")
+
+
+def test_the_static_buffer_path_is_not_reported_as_captured(tiny_checkpoint):
+    """A runner built with ``capture=False`` (the CPU path) holds buffers but no graph."""
+    worker = make_worker(tiny_checkpoint("llama", seed=0))
+    runner = worker.model_runner
+    runner.graphs = DeviceGraphs(runner, decode=CudaGraphRunner(runner, capture=False, batch_sizes=[1, 2]))
+    assert runner.graphs.report().captured is False
+
+
+def test_the_report_lists_the_batch_sizes_that_hold_a_graph(tiny_checkpoint):
+    worker = make_worker(tiny_checkpoint("llama", seed=0))
+    runner = worker.model_runner
+    decode = CudaGraphRunner(runner, capture=False, batch_sizes=[1, 2, 4])
+    decode.graphs = {4: object(), 1: object()}  # what capture() leaves behind on a GPU
+    runner.graphs = DeviceGraphs(runner, decode=decode)
+    assert runner.graphs.report().decode_batch_sizes == (1, 4)
+
+
+def test_a_released_runner_reports_why_it_holds_no_graph(tiny_checkpoint):
+    worker = make_worker(tiny_checkpoint("llama", seed=0))
+    runner = worker.model_runner
+    graphs = DeviceGraphs(runner, decode=CudaGraphRunner(runner, capture=False, batch_sizes=[1]))
+    graphs.release()
+    assert graphs.report().reason == "released with the GPU memory"

@@ -159,7 +159,9 @@ class Scheduler:
             self.prefill_manager.add,
         )
         path, version = worker.model_config.model_path, str(args.weight_version)
-        weights = initial_weights_state(path, args.revision, version, with_digest=first)
+        weights = initial_weights_state(
+            path, args.revision, version, with_digest=first, graphs=worker.captured_graphs()
+        )
         self.control = ControlPlane(
             worker,
             self.tree_cache,

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from shardline_runtime.weights_state import WeightsPhase
+from shardline_runtime.weights_state import CapturedGraphs, WeightsPhase
 
 if TYPE_CHECKING:
     from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner
@@ -95,6 +95,7 @@ class DeviceGraphs:
         self.decode = decode
         self.piecewise = piecewise
         self._released: tuple[Any, Any] | None = None
+        self.skipped: str | None = None  # why nothing was captured (see :meth:`report`)
 
     # ---- the rules ----------------------------------------------------------------------------
 
@@ -139,10 +140,15 @@ class DeviceGraphs:
         graphs = cls(runner)
         reason = graphs.blocked_by()
         wanted = not settings.disable_cuda_graph or settings.enable_piecewise_cuda_graph
-        if runner.device.type != "cuda" or not wanted:
+        if runner.device.type != "cuda":
+            graphs.skipped = f"{runner.device.type}: no CUDA graphs"
+            return graphs
+        if not wanted:
+            graphs.skipped = "disabled by flag: --disable-cuda-graph"
             return graphs
         if reason is not None:
             logger.warning("[tp %d] CUDA graphs disabled: %s", runner.tp_rank, reason)
+            graphs.skipped = reason
             return graphs
         from shardline_runtime.model_executor.cuda_graph_runner import (
             CudaGraphRunner,
@@ -167,6 +173,22 @@ class DeviceGraphs:
     def present(self) -> bool:
         """Whether any graph runner is held (captured, or the CPU static-buffer path)."""
         return self.decode is not None or self.piecewise is not None
+
+    def report(self) -> CapturedGraphs:
+        """What this runner really captured: the batch sizes and token buckets of its graphs
+        (a runner on the CPU static-buffer path captured none), or why there are none."""
+        decode = sorted(self.decode.graphs) if self.decode is not None else []
+        piecewise = sorted(self.piecewise.graphs) if self.piecewise is not None else []
+        reason = None
+        if not decode and not piecewise:
+            reason = self.skipped or (
+                "released with the GPU memory" if self._released else "no graph was captured"
+            )
+        return CapturedGraphs(
+            decode_batch_sizes=tuple(decode),
+            piecewise_token_buckets=tuple(piecewise),
+            reason=reason,
+        )
 
     def capture(self) -> None:
         """Capture every held runner again (decode, then the EXTEND pieces), e.g. after a
@@ -216,6 +238,8 @@ class DeviceGraphs:
         if old is not None and (disable or cuda_graph_max_bs is not None):
             r.req_to_token_pool.free(old.dummy_req_row)
             self.decode = None
+        if disable:
+            self.skipped = "disabled by the update request: disable_cuda_graph"
         if not disable and cuda_graph_max_bs is not None:
             if on_phase is not None:
                 on_phase(WeightsPhase.RECAPTURING)
@@ -223,6 +247,7 @@ class DeviceGraphs:
                 cuda_graph_max_bs, r.args.memory.max_running_requests
             )
             self.decode = CudaGraphRunner(r, batch_sizes=sizes)
+            self.skipped = None
         logger.info(
             "[tp %d] CUDA graphs: %s",
             r.tp_rank,
