@@ -30,6 +30,7 @@ import torch
 
 from shardline_runtime.mem_cache.memory_pool import DUMMY_SLOT
 from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from shardline_runtime.model_executor.graph_mode_buffers import ModeBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ class CudaGraphRunner:
         self.input_ids, self.positions, self.out_cache_loc = zeros(), zeros(), zeros()
         self.req_pool_indices = zeros()
         self.seq_lens = zeros()
+        self.modes = ModeBuffers(model_runner, self.max_bs, self.device)  # LoRA, recorder
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Any] = {}
         self.graph_pool: Any = None  # the first graph's memory pool, shared by the others
@@ -119,6 +121,7 @@ class CudaGraphRunner:
         self.out_cache_loc[start:end] = DUMMY_SLOT
         self.req_pool_indices[start:end] = self.dummy_req_row
         self.seq_lens[start:end] = 1
+        self.modes.fill_padding(start, end)
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         """A DECODE ForwardBatch whose tensors are views of the first ``bs`` buffer rows; it
@@ -163,7 +166,7 @@ class CudaGraphRunner:
                 self._fill_padding(0, bs)
                 batch = self._static_batch(bs)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
+                with torch.cuda.stream(stream), self.modes.bound(bs):
                     for _ in range(
                         2
                     ):  # warm up: lazy inits and allocator state happen outside the graph
@@ -177,7 +180,10 @@ class CudaGraphRunner:
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 try:
-                    with torch.cuda.graph(graph, pool=self.graph_pool, stream=stream):
+                    with (
+                        torch.cuda.graph(graph, pool=self.graph_pool, stream=stream),
+                        self.modes.bound(bs),
+                    ):
                         output = self._run_model(batch)
                 except RuntimeError as exc:
                     raise RuntimeError(
@@ -228,6 +234,7 @@ class CudaGraphRunner:
         self.req_pool_indices[:bs].copy_(forward_batch.req_pool_indices)
         self.seq_lens[:bs].copy_(forward_batch.seq_lens)
         self._fill_padding(bs, padded)
+        self.modes.fill(forward_batch.lora_names, bs, padded)
         # The start of this pass: the backend refills its static metadata from the static
         # buffers (the triton backend: kv_indptr / kv_indices of the real lengths).
         self.model_runner.attn_backend.init_forward_metadata_replay_cuda_graph(
@@ -237,6 +244,6 @@ class CudaGraphRunner:
             self.graphs[padded].replay()
             output = self.outputs[padded]
         else:
-            with torch.inference_mode():
+            with torch.inference_mode(), self.modes.bound(padded):
                 output = self._run_model(self._static_batch(padded))
         return dataclasses.replace(output, next_token_logits=output.next_token_logits[:bs].clone())

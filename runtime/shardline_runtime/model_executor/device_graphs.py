@@ -3,14 +3,17 @@
 After mini-sglang's ``engine/graph.py`` ``GraphRunner`` (``can_use_cuda_graph``, ``replay``,
 ``destroy_cuda_graphs``, one owner). Every rule for when a graph may run sits here:
 
-- never with pipeline parallelism (stages exchange hidden states eagerly), LoRA (the adapters
-  of a batch vary per step) or ``rope_type: dynamic`` (its frequencies depend on each step's
-  longest position, a host sync) - these keep graphs from being captured at all
-  (:func:`graphs_blocked_by`);
-- never while the expert-distribution recorder records (graphs do not record);
-- decode graphs for DECODE batches of at most ``cuda_graph_max_bs``; piecewise graphs for
-  EXTEND steps of at most ``piecewise_cuda_graph_max_tokens`` tokens without caller-given input
-  embeddings (a graph embeds the token ids itself) (:func:`replay_kind`).
+- never with pipeline parallelism (stages exchange hidden states eagerly) or ``rope_type:
+  dynamic`` (its frequencies depend on each step's longest position, a host sync) - these keep
+  graphs from being captured at all (:func:`graphs_blocked_by`);
+- decode graphs for DECODE batches of at most ``cuda_graph_max_bs``, with LoRA (each row's
+  adapter slot is a static buffer the segment kernel reads inside the graph) and while the
+  expert-distribution recorder records (its counts are written into static buffers inside the
+  graph; padded rows are masked out): ``graph_mode_buffers.py``;
+- piecewise graphs for EXTEND steps of at most ``piecewise_cuda_graph_max_tokens`` tokens
+  without caller-given input embeddings (a graph embeds the token ids itself), without LoRA and
+  while nothing records (their pieces have no per-token adapter or mask buffers)
+  (:func:`replay_kind`).
 
 Life: :meth:`DeviceGraphs.build` captures at start-up (GPU only; the CPU runs eagerly),
 :meth:`capture` captures again after a weight update, :meth:`release` / :meth:`resume` drop the
@@ -38,17 +41,14 @@ logger = logging.getLogger(__name__)
 ReplayKind = Literal["decode", "piecewise"]
 
 
-def graphs_blocked_by(pp_size: int, lora: bool, dynamic_rope: bool) -> str | None:
+def graphs_blocked_by(pp_size: int, dynamic_rope: bool) -> str | None:
     """Why no graph of either kind may run on a runner, or None.
 
     Args:
-        pp_size: pipeline stages. lora: LoRA adapters are served. dynamic_rope: the model's
-            ``rope_type`` is ``dynamic``.
+        pp_size: pipeline stages. dynamic_rope: the model's ``rope_type`` is ``dynamic``.
     """
     if pp_size > 1:
         return "stages exchange hidden states eagerly"
-    if lora:
-        return "LoRA batches vary per step"
     if dynamic_rope:
         return "rope_type 'dynamic' depends on each step's positions"
     return None
@@ -65,11 +65,11 @@ def replay_kind(
 ) -> ReplayKind | None:
     """Which kind of graph a step of ``mode`` may replay (``None``: run it eagerly); the batch
     must also fit the captured sizes (``can_run`` of that runner)."""
-    if graphs_blocked_by(pp_size, lora, dynamic_rope) or recording:
+    if graphs_blocked_by(pp_size, dynamic_rope):
         return None
     if mode.is_decode():
         return "decode"
-    if mode == ForwardMode.EXTEND and not input_embeds:
+    if mode == ForwardMode.EXTEND and not (input_embeds or lora or recording):
         return "piecewise"
     return None
 
@@ -103,9 +103,7 @@ class DeviceGraphs:
         """:func:`graphs_blocked_by` for this runner."""
         r = self.runner
         return graphs_blocked_by(
-            r.pp_size,
-            r.lora_manager is not None,
-            r.model_config.rope_parameters["rope_type"] == "dynamic",
+            r.pp_size, r.model_config.rope_parameters["rope_type"] == "dynamic"
         )
 
     def _recording(self) -> bool:
@@ -130,7 +128,10 @@ class DeviceGraphs:
         graphs = self.decode if kind == "decode" else self.piecewise if kind else None
         if graphs is None or not graphs.can_run(forward_batch):
             return None
-        return graphs.replay(forward_batch)
+        output = graphs.replay(forward_batch)
+        if r.eplb_manager is not None:  # the graph recorded into the pass counts: close the pass
+            r.eplb_manager.on_forward_pass_end()
+        return output
 
     # ---- life ---------------------------------------------------------------------------------
 
@@ -164,7 +165,7 @@ class DeviceGraphs:
                 settings.cuda_graph_max_bs, runner.args.memory.max_running_requests
             )
             graphs.decode = CudaGraphRunner(runner, batch_sizes=sizes)
-        if settings.enable_piecewise_cuda_graph:
+        if settings.enable_piecewise_cuda_graph and runner.lora_manager is None:
             buckets = get_token_buckets(settings.piecewise_cuda_graph_max_tokens)
             graphs.piecewise = PiecewiseCudaGraphRunner(runner, token_buckets=buckets)
         return graphs
