@@ -24,7 +24,7 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
         (ForwardMode.EXTEND, {}, "piecewise"),
         (ForwardMode.IDLE, {}, None),
         (ForwardMode.SPLIT_PREFILL, {}, None),
-        (ForwardMode.DECODE, {"pp_size": 2}, None),
+        (ForwardMode.DECODE, {"pp_size": 2}, "decode"),
         (ForwardMode.EXTEND, {"pp_size": 2}, None),
         (ForwardMode.DECODE, {"lora": True}, "decode"),
         (ForwardMode.EXTEND, {"lora": True}, None),
@@ -41,16 +41,9 @@ def test_eligibility_table(mode, facts, expected):
     assert replay_kind(mode, **facts) == expected
 
 
-@pytest.mark.parametrize(
-    "pp_size, dynamic_rope, fragment",
-    [
-        (1, False, None),
-        (2, False, "stages exchange hidden states"),
-        (1, True, "dynamic"),
-    ],
-)
-def test_what_keeps_graphs_from_being_captured(pp_size, dynamic_rope, fragment):
-    reason = graphs_blocked_by(pp_size, dynamic_rope)
+@pytest.mark.parametrize("dynamic_rope, fragment", [(False, None), (True, "dynamic")])
+def test_what_keeps_graphs_from_being_captured(dynamic_rope, fragment):
+    reason = graphs_blocked_by(dynamic_rope)
     assert (reason is None) if fragment is None else (fragment in reason)
 
 

@@ -3,9 +3,10 @@
 After mini-sglang's ``engine/graph.py`` ``GraphRunner`` (``can_use_cuda_graph``, ``replay``,
 ``destroy_cuda_graphs``, one owner). Every rule for when a graph may run sits here:
 
-- never with pipeline parallelism (stages exchange hidden states eagerly) or ``rope_type:
-  dynamic`` (its frequencies depend on each step's longest position, a host sync) - these keep
-  graphs from being captured at all (:func:`graphs_blocked_by`);
+- never with ``rope_type: dynamic`` (its frequencies depend on each step's longest position, a
+  host sync) - this keeps graphs from being captured at all (:func:`graphs_blocked_by`);
+- under pipeline parallelism each stage captures its own decode graphs (the previous stage's
+  proxy tensors are static buffers); piecewise graphs only with one stage;
 - decode graphs for DECODE batches of at most ``cuda_graph_max_bs``, with LoRA (each row's
   adapter slot is a static buffer the segment kernel reads inside the graph) and while the
   expert-distribution recorder records (its counts are written into static buffers inside the
@@ -26,7 +27,11 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from shardline_runtime.model_executor.forward_batch_info import (
+    ForwardBatch,
+    ForwardMode,
+    PPProxyTensors,
+)
 from shardline_runtime.weights_state import CapturedGraphs, WeightsPhase
 
 if TYPE_CHECKING:
@@ -41,14 +46,12 @@ logger = logging.getLogger(__name__)
 ReplayKind = Literal["decode", "piecewise"]
 
 
-def graphs_blocked_by(pp_size: int, dynamic_rope: bool) -> str | None:
+def graphs_blocked_by(dynamic_rope: bool) -> str | None:
     """Why no graph of either kind may run on a runner, or None.
 
     Args:
-        pp_size: pipeline stages. dynamic_rope: the model's ``rope_type`` is ``dynamic``.
+        dynamic_rope: the model's ``rope_type`` is ``dynamic``.
     """
-    if pp_size > 1:
-        return "stages exchange hidden states eagerly"
     if dynamic_rope:
         return "rope_type 'dynamic' depends on each step's positions"
     return None
@@ -65,11 +68,11 @@ def replay_kind(
 ) -> ReplayKind | None:
     """Which kind of graph a step of ``mode`` may replay (``None``: run it eagerly); the batch
     must also fit the captured sizes (``can_run`` of that runner)."""
-    if graphs_blocked_by(pp_size, dynamic_rope):
+    if graphs_blocked_by(dynamic_rope):
         return None
     if mode.is_decode():
         return "decode"
-    if mode == ForwardMode.EXTEND and not (input_embeds or lora or recording):
+    if mode == ForwardMode.EXTEND and not (input_embeds or lora or recording or pp_size > 1):
         return "piecewise"
     return None
 
@@ -102,19 +105,21 @@ class DeviceGraphs:
     def blocked_by(self) -> str | None:
         """:func:`graphs_blocked_by` for this runner."""
         r = self.runner
-        return graphs_blocked_by(
-            r.pp_size, r.model_config.rope_parameters["rope_type"] == "dynamic"
-        )
+        return graphs_blocked_by(r.model_config.rope_parameters["rope_type"] == "dynamic")
 
     def _recording(self) -> bool:
         eplb = self.runner.eplb_manager
         return eplb is not None and eplb.recorder.recording
 
-    def try_replay(self, forward_batch: ForwardBatch) -> Any | None:
-        """Replay ``forward_batch`` through a graph when every rule allows it.
+    def try_replay(
+        self, forward_batch: ForwardBatch, pp_proxy_tensors: PPProxyTensors | None = None
+    ) -> Any | None:
+        """Replay ``forward_batch`` through a graph when every rule allows it
+        (``pp_proxy_tensors``: the previous stage's output, every stage but the first).
 
         Returns:
-            the model's ``LogitsProcessorOutput``, or None when the step must run eagerly.
+            the model's ``LogitsProcessorOutput`` (a stage that is not the last: its
+            ``PPProxyTensors``), or None when the step must run eagerly.
         """
         r = self.runner
         kind = replay_kind(
@@ -128,7 +133,11 @@ class DeviceGraphs:
         graphs = self.decode if kind == "decode" else self.piecewise if kind else None
         if graphs is None or not graphs.can_run(forward_batch):
             return None
-        output = graphs.replay(forward_batch)
+        output = (
+            self.decode.replay(forward_batch, pp_proxy_tensors)
+            if graphs is self.decode
+            else graphs.replay(forward_batch)
+        )
         if r.eplb_manager is not None:  # the graph recorded into the pass counts: close the pass
             r.eplb_manager.on_forward_pass_end()
         return output
@@ -165,7 +174,11 @@ class DeviceGraphs:
                 settings.cuda_graph_max_bs, runner.args.memory.max_running_requests
             )
             graphs.decode = CudaGraphRunner(runner, batch_sizes=sizes)
-        if settings.enable_piecewise_cuda_graph and runner.lora_manager is None:
+        if (
+            settings.enable_piecewise_cuda_graph
+            and runner.lora_manager is None
+            and runner.pp_size == 1
+        ):
             buckets = get_token_buckets(settings.piecewise_cuda_graph_max_tokens)
             graphs.piecewise = PiecewiseCudaGraphRunner(runner, token_buckets=buckets)
         return graphs
