@@ -53,7 +53,7 @@ else
   modes_args=(--device cuda --preset llama-1b --dtype bfloat16 --experts 8 --context 4096 --prompt-len 512
               --prefill-batch 4 --steps 32 --repeats 3)
   serving_args=(--device cuda --preset llama-1b --concurrency 1 16 64 --compare-overlap --baseline none
-                --requests-per-level 64 --max-total-tokens 262144)
+                --max-total-tokens 262144)  # max(16, 4 x concurrency) requests per level
 fi
 
 python3 - "$device" <<'PY' || exit 1
