@@ -133,11 +133,9 @@ class DeviceGraphs:
         graphs = self.decode if kind == "decode" else self.piecewise if kind else None
         if graphs is None or not graphs.can_run(forward_batch):
             return None
-        output = (
-            self.decode.replay(forward_batch, pp_proxy_tensors)
-            if graphs is self.decode
-            else graphs.replay(forward_batch)
-        )
+        # only a decode graph of a stage after the first takes proxy tensors (piecewise: pp 1)
+        proxy = () if pp_proxy_tensors is None else (pp_proxy_tensors,)
+        output = graphs.replay(forward_batch, *proxy)
         if r.eplb_manager is not None:  # the graph recorded into the pass counts: close the pass
             r.eplb_manager.on_forward_pass_end()
         return output
