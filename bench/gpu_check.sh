@@ -20,6 +20,8 @@
 # machine with network access), installed into /tmp/site first.
 # Usage: bash bench/gpu_check.sh        (or: make gpu-check)
 # CPU dry run of the same steps (tiny sizes, Triton's interpreter): GPU_CHECK_DRY_RUN=1 bash bench/gpu_check.sh
+# (tests/test_gpu_check_dry_run.py runs the graph-modes and serving steps of it; the Triton and
+# decode-table steps have their own CPU tests.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="runtime:operator:.${PYTHONPATH:+:$PYTHONPATH}"
@@ -33,6 +35,9 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 
+# GPU_CHECK_STEPS picks steps (default all: tests triton table modes serving).
+steps=" ${GPU_CHECK_STEPS:-tests triton table modes serving} "
+wants() { [[ "$steps" == *" $1 "* ]]; }
 # A step's time cap on the GPU; the CPU dry run (a busy CI machine) gets 600 s per step.
 cap() { if [[ "${GPU_CHECK_DRY_RUN:-0}" == "1" ]]; then echo 600; else echo "$1"; fi; }
 
@@ -66,7 +71,7 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton.__v
 PY
 
 echo "== gpu tests ($((SECONDS - start)) s)"
-if [[ "$device" == "cuda" ]]; then
+if [[ "$device" == "cuda" ]] && wants tests; then
   # tests/serving's gpu tests (test_graph_settings_update.py) start the HTTP server: its packages
   # must be there (wheels in .whl/); the check fails instead of skipping them.
   if ! python3 -c "import zmq, fastapi, uvicorn, torch_memory_saver" 2>/dev/null; then
@@ -81,16 +86,21 @@ if [[ "$device" == "cuda" ]]; then
   if grep -q "^SKIPPED" /tmp/gpu_check_pytest.log; then echo "bench/gpu_check.sh: gpu tests were skipped"; status=1; fi
 fi
 
-echo "== triton kernels on $device ($((SECONDS - start)) s)"
-timeout "$(cap 45)" python3 -m pytest -q -p no:cacheprovider -p no:tests.kube_fixtures "${test_args[@]}" || status=$?
-
-echo "== decode table ($((SECONDS - start)) s)"
-timeout "$(cap 140)" python3 bench/engine.py "${bench_args[@]}" || status=$?
-
-echo "== graphs in every mode ($((SECONDS - start)) s)"
-timeout "$(cap 90)" python3 bench/graph_modes.py "${modes_args[@]}" || status=$?
-
-echo "== serving on $device ($((SECONDS - start)) s)"
-timeout "$(cap 140)" python3 bench/serving.py "${serving_args[@]}" || status=$?
+if wants triton; then
+  echo "== triton kernels on $device ($((SECONDS - start)) s)"
+  timeout "$(cap 45)" python3 -m pytest -q -p no:cacheprovider -p no:tests.kube_fixtures "${test_args[@]}" || status=$?
+fi
+if wants table; then
+  echo "== decode table ($((SECONDS - start)) s)"
+  timeout "$(cap 140)" python3 bench/engine.py "${bench_args[@]}" || status=$?
+fi
+if wants modes; then
+  echo "== graphs in every mode ($((SECONDS - start)) s)"
+  timeout "$(cap 90)" python3 bench/graph_modes.py "${modes_args[@]}" || status=$?
+fi
+if wants serving; then
+  echo "== serving on $device ($((SECONDS - start)) s)"
+  timeout "$(cap 140)" python3 bench/serving.py "${serving_args[@]}" || status=$?
+fi
 echo "== done in $((SECONDS - start)) s, status $status"
 exit "$status"
