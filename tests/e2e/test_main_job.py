@@ -25,7 +25,7 @@ import yaml
 
 from hack.scenario.models import write_revisions
 from hack.scenario.operator_install import install_operator, operator_logs
-from hack.scenario.serving import chat, leader_ip
+from hack.scenario.serving import HTTP_PORT, admin_headers, chat, leader_ip
 from hack.scenario.status_watch import StatusWatcher
 from tests.kube_fixtures import agent_nodes_only
 
@@ -52,8 +52,19 @@ class Job:
         return self.kube.kubectl(*args, "-n", self.namespace, **kw)
 
     def patch_model(self, revision: str) -> None:
-        body = {"spec": {"model": {"path": str(self.revisions[revision]), "revision": revision}}}
-        self.kubectl("patch", "infd", self.name, "--type", "merge", "-p", json.dumps(body))
+        self.patch_spec({"model": {"path": str(self.revisions[revision]), "revision": revision}})
+
+    def patch_spec(self, spec: dict) -> None:
+        self.kubectl("patch", "infd", self.name, "--type", "merge", "-p", json.dumps({"spec": spec}))
+
+    def server_info(self, group: int = 0) -> dict:
+        """The group leader's ``/get_server_info`` (read with the admin token)."""
+        ip = leader_ip(self.client, self.namespace, self.name, group)
+        headers = admin_headers(self.client, self.namespace, self.name)
+        return httpx.get(f"http://{ip}:{HTTP_PORT}/get_server_info", headers=headers, timeout=30).json()
+
+    def status(self) -> dict:
+        return json.loads(self.kubectl("get", "infd", self.name, "-o", "json").stdout)["status"]
 
     def ask(self, group: int = 0) -> list[str]:
         ip = leader_ip(self.client, self.namespace, self.name, group)
@@ -137,8 +148,17 @@ def test_b_roll_to_revision_b_in_place(job):
     job.patch_model("rev-b")
     job.wait_ready("rev-b", mark)
     phases = job.watch.phases_since(mark)
-    assert "UpdatingWeights" in phases and "RecapturingGraphs" in phases, phases
-    assert phases.index("UpdatingWeights") < phases.index("RecapturingGraphs")
+    assert "UpdatingWeights" in phases, phases
+    # RecapturingGraphs is a step exactly when the runtime recaptured (these CPU pods capture none)
+    info = job.server_info()
+    recaptured = info["last_weight_update"]["recapture_seconds"] > 0
+    assert ("RecapturingGraphs" in phases) == recaptured, (phases, info["last_weight_update"])
+    if recaptured:
+        assert phases.index("UpdatingWeights") < phases.index("RecapturingGraphs")
+    condition = next(c for c in job.status()["conditions"] if c["type"] == "GraphsCaptured")
+    assert condition["status"] == ("True" if info["cuda_graphs"]["decode_batch_sizes"] else "False"), condition
+    if not info["cuda_graphs"]["decode_batch_sizes"]:
+        assert info["cuda_graphs"]["reason"] in condition["message"], (condition, info["cuda_graphs"])
     assert _pod_uids(job) == uids, "an in-place update must not restart pods"
     job.answers["rev-b"] = job.ask()
     assert job.answers["rev-b"] != job.answers["rev-a"], "revision B must change the answers"
@@ -195,6 +215,35 @@ def test_e_scale_to_two_groups(job):
     job.wait_ready("rev-b", mark, replicas=2)
     assert job.ask(group=0) == job.answers["rev-b"]
     assert job.ask(group=1) == job.answers["rev-b"]
+
+
+def test_e2_canary_gate_with_keys_passes(job):
+    """Issue 27: with ``spec.auth`` on, the canary gate sends the serving key (it got 401 with the
+    admin token) and the updates go through the admin token. A bound the gate can meet passes and
+    the fleet moves to rev-a. (A canary needs a second group to hold back, so this runs after the
+    scale to two groups.)"""
+    mark = job.watch.mark()
+    job.patch_spec({"model": {"path": str(job.revisions["rev-a"]), "revision": "rev-a"},
+                    "weightUpdate": {"canary": {"verify": {"prompt": "Hello", "maxTokens": 4,
+                                                           "maxLatencySeconds": 120}}}})
+    job.wait_ready("rev-a", mark, replicas=2)
+    assert job.ask(group=1) == job.answers["rev-a"]
+
+
+def test_e3_canary_gate_with_keys_fails_and_rolls_back(job):
+    """The same gate with a bound it cannot meet (1 us) rolls the canary back through the admin
+    token; both groups serve rev-a again, and the fleet stays Degraded until the spec changes."""
+    mark = job.watch.mark()
+    job.patch_spec({"model": {"path": str(job.revisions["rev-b"]), "revision": "rev-b"},
+                    "weightUpdate": {"canary": {"verify": {"prompt": "Hello", "maxTokens": 4,
+                                                           "maxLatencySeconds": 0.000001}}}})
+    snap = job.watch.wait(lambda s: s.conditions.get("WeightsUpdated", ("",))[0] == "False"
+                          and "rolled back" in s.conditions["WeightsUpdated"][2], READY_TIMEOUT,
+                          "the canary rolled back", mark)
+    assert "failed verification" in snap.conditions["WeightsUpdated"][2], snap.conditions
+    job.watch.wait(lambda s: s.served_revision == "rev-a" and s.ready_replicas == 2 and s.phase == "Degraded",
+                   120, "both groups back on rev-a", mark)
+    assert job.ask(group=0) == job.answers["rev-a"]
 
 
 def test_f_delete_removes_all_children(job):
