@@ -32,6 +32,9 @@ Usage::
     python bench/engine.py --device cuda --preset llama-1b --dtype bfloat16   # the decode table
     python bench/engine.py --device cuda --graphs --graph-batch-sizes 1 8 32
     python bench/engine.py --threads 1 --profile     # per-operator profile of a decode step
+    python bench/engine.py --host-overhead --threads 1 --clock cpu --baseline-tree /tmp/base
+        # host work per decode step outside the forward, batch 1 and 64, two trees side by side
+        # (bench/host_overhead.py)
     python bench/engine.py --arch qwen3_moe --layers 4 --hidden 512 --heads 8 --kv-heads 8 \
         --experts 16 --top-k 2 --moe-intermediate 512 --vocab 8000 --threads 1 --clock cpu   # tiny MoE
 """
@@ -331,6 +334,12 @@ def main(argv=None) -> None:
     parser.add_argument("--compare", action="store_true", help="Shardline vs transformers prefill/decode table (CPU default)")
     parser.add_argument("--profile", action="store_true",
                         help="per-operator torch.profiler table of one decode step of each side, then exit")
+    parser.add_argument("--host-overhead", action="store_true",
+                        help="host work per decode step outside the model forward (bench/host_overhead.py)")
+    parser.add_argument("--host-batch-sizes", type=int, nargs="+", default=[1, 64],
+                        help="--host-overhead: decode batch sizes")
+    parser.add_argument("--baseline-tree", default=None,
+                        help="--host-overhead: another source tree measured side by side (its runtime/)")
     args = parser.parse_args(argv)
     for key, value in PRESETS.get(args.preset, {}).items():
         setattr(args, key, value)
@@ -340,6 +349,12 @@ def main(argv=None) -> None:
         raise SystemExit("--clock cpu measures one CPU thread: use it with --device cpu --threads 1")
     global _clock
     _clock = _CLOCKS[args.clock]
+    if args.host_overhead:
+        import host_overhead
+
+        with tempfile.TemporaryDirectory() as tmp:
+            host_overhead.run(args, make_checkpoint(Path(tmp) / "model", args))
+        return
     if args.graphs:
         graphs(args)
         return

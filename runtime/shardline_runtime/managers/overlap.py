@@ -9,8 +9,13 @@ wrote it there after N's sampling; both run on the forward stream, so N's write 
 Nothing waits for the device between the two launches.
 
 On CUDA a step runs on the runner's ``forward_stream`` and its sampled ids are copied to the host
-without blocking (``GenerationBatchResult.copy_to_cpu`` records an event). On the CPU the same
-loop runs; the forward is synchronous there, so only the order of the work changes.
+without blocking (``GenerationBatchResult.copy_to_cpu`` records an event). The host waits for the
+device only in ``GenerationBatchResult.wait`` (that event), when it processes a step: slot
+indices, sequence lengths, finish checks, the prefix cache and sampling flags are host state, and
+copies to the device are non-blocking (``device_copy.to_device``); a CPU test marks device tensors
+and fails on any host read of them while a step is in flight
+(``tests/serving/test_overlap_never_waits.py``). On the CPU the same loop runs; the forward is
+synchronous there, so only the order of the work changes.
 
 Why a placeholder is keyed by the request row: a row holds one request at a time and each step
 samples at most one token per row, so "the latest token sampled for row r" is exactly the token
@@ -25,6 +30,7 @@ from typing import Any
 
 import torch
 
+from shardline_runtime.device_copy import to_device
 from shardline_runtime.managers.model_worker_batch import ModelWorkerBatch
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
 
@@ -101,14 +107,10 @@ def launch_step(
         context = torch.cuda.stream(stream)
     with context:
         if future_map is not None:
-            batch.input_ids = future_map.resolve(
-                batch.input_ids.to(future_map.device, non_blocking=True)
-            )
+            batch.input_ids = future_map.resolve(to_device(batch.input_ids, future_map.device))
         result = worker.forward_batch_generation(batch)
         if future_map is not None:
-            rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64).to(
-                future_map.device, non_blocking=True
-            )
+            rows = to_device(batch.req_pool_indices, future_map.device, torch.int64)
             future_map.store(rows, result.next_token_ids)
         result.copy_to_cpu()
     return result

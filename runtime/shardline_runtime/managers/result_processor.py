@@ -114,9 +114,7 @@ class ResultProcessor:
         if in_flight is not None and req.req_pool_idx is not None and in_flight.holds(req):
             req.kv_len -= 1
             in_flight.deferred_free.append(
-                self.cache.req_to_token_pool.req_to_token[
-                    req.req_pool_idx, req.kv_len : req.kv_len + 1
-                ].clone()
+                self.cache.req_to_token_pool.slots(req.req_pool_idx, req.kv_len, req.kv_len + 1)
             )
         self.cache.release(req)
 

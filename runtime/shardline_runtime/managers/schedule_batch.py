@@ -112,7 +112,7 @@ class ScheduleBatch:
             raise KVCacheFullError(
                 f"need {n} KV slots, {self.token_to_kv_pool_allocator.available_size()} free"
             )
-        return slots.cpu()
+        return slots  # host indices: the allocator's free list is on the host
 
     def _alloc_rows(self, reqs: list[Req]) -> None:
         new = [r for r in reqs if r.req_pool_idx is None]
@@ -279,8 +279,8 @@ class ScheduleBatch:
         if req.req_pool_idx is None:
             return
         row = req.req_pool_idx
-        slots = self.req_to_token_pool.req_to_token[row, keep_prefix_len : req.kv_len]
-        self.token_to_kv_pool_allocator.free(slots.clone())
+        slots = self.req_to_token_pool.slots(row, keep_prefix_len, req.kv_len)
+        self.token_to_kv_pool_allocator.free(slots)
         self.req_to_token_pool.free(row)
         req.req_pool_idx, req.kv_len = None, 0
         req.prefix_indices = torch.zeros(0, dtype=torch.int64)

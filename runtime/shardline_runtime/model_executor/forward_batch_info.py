@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shardline_runtime.device_copy import to_device
+
 if TYPE_CHECKING:
     from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 
@@ -74,8 +76,8 @@ def _as_int64(name: str, value: Any, device: torch.device) -> torch.Tensor:
             raise TypeError(
                 f"ForwardBatch.{name} must be an integer tensor, got dtype {value.dtype}"
             )
-        return value.to(device=device, dtype=torch.int64)
-    return torch.as_tensor(list(value), dtype=torch.int64, device=device)
+        return to_device(value, device, torch.int64)
+    return to_device(list(value), device, torch.int64)
 
 
 @dataclass
@@ -202,10 +204,7 @@ class ForwardBatch:
         extend_seq_lens = extend_seq_lens_cpu = extend_prefix_lens_cpu = None
         if forward_mode.is_extend():
             if extend_prefix_lens is None:
-                extend_prefix_lens, prefix_cpu = (
-                    torch.zeros(bs, dtype=torch.int64, device=device),
-                    [0] * bs,
-                )
+                extend_prefix_lens, prefix_cpu = [0] * bs, [0] * bs
             extend_prefix_lens = _as_int64("extend_prefix_lens", extend_prefix_lens, device)
             if extend_prefix_lens.shape[0] != bs:
                 raise ValueError(

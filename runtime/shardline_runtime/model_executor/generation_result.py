@@ -59,12 +59,18 @@ class GenerationBatchResult:
     pp_hidden_states_proxy_tensors: Any = None
 
     def copy_to_cpu(self) -> GenerationBatchResult:
-        """Start copying the sampled ids and logprobs to the host (non-blocking on CUDA)."""
+        """Start copying the sampled ids and logprobs to the host (non-blocking on CUDA), and,
+        for an EXTEND step that returns prompt logprobs, the logits output the result processor
+        reads (so processing this step never reads the device while the next one runs)."""
         cuda = self.next_token_ids is not None and self.next_token_ids.device.type == "cuda"
         for name in ("next_token_ids", "sampled_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.to("cpu", non_blocking=cuda))
+        batch = self.forward_batch
+        if self.logits_output is not None and batch is not None and batch.return_logprob:
+            if batch.forward_mode.is_extend():
+                self.logits_output = _logits_to_cpu(self.logits_output, cuda)
         if cuda:
             self.copy_done = torch.cuda.Event()
             self.copy_done.record()
@@ -89,3 +95,16 @@ class GenerationBatchResult:
             ):
                 self.next_token_top_logprobs[row] = (self.top_values[j], self.top_indices[j])
         return self
+
+
+def _logits_to_cpu(logits_output: Any, non_blocking: bool) -> Any:
+    """A copy of a ``LogitsProcessorOutput`` whose tensors (and lists of tensors) are on the host."""
+
+    def host(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to("cpu", non_blocking=non_blocking)
+        if isinstance(value, list):
+            return [host(v) for v in value]
+        return value
+
+    return type(logits_output)(**{k: host(v) for k, v in vars(logits_output).items()})
