@@ -55,13 +55,31 @@ class FutureMap:
         self.token_ids = torch.zeros(num_rows, dtype=torch.int64, device=device)
 
     def resolve(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(T,) int64 ids on the device with every placeholder replaced by its row's token."""
-        rows = (-input_ids - 1).clamp(min=0)
-        return torch.where(input_ids < 0, self.token_ids[rows], input_ids)
+        """(T,) int64 ids on the device with every placeholder replaced by its row's token.
 
-    def store(self, req_pool_indices: torch.Tensor, next_token_ids: torch.Tensor) -> None:
-        """Record each row's sampled token ((bs,) int64 on the device; -1 rows keep theirs).
-        Device ops only: no host synchronisation."""
+        Args:
+            input_ids: (T,) int64 on the host (which ids are placeholders is known there, so a
+                step of placeholders only, a decode step after another, is one gather).
+        """
+        placeholders = input_ids < 0
+        count = int(placeholders.sum())
+        if count == 0:
+            return to_device(input_ids, self.device)
+        rows = to_device((-input_ids - 1).clamp(min=0), self.device)
+        if count == input_ids.shape[0]:
+            return self.token_ids[rows]
+        ids = to_device(input_ids, self.device)
+        return torch.where(to_device(placeholders, self.device), self.token_ids[rows], ids)
+
+    def store(
+        self, req_pool_indices: torch.Tensor, next_token_ids: torch.Tensor, every_row: bool = False
+    ) -> None:
+        """Record each row's sampled token ((bs,) int64 on the device; -1 rows keep theirs, unless
+        ``every_row`` says, from the host, that every row sampled). Device ops only: no host
+        synchronisation."""
+        if every_row:
+            self.token_ids[req_pool_indices] = next_token_ids
+            return
         old = self.token_ids[req_pool_indices]
         self.token_ids[req_pool_indices] = torch.where(next_token_ids >= 0, next_token_ids, old)
 
@@ -107,10 +125,10 @@ def launch_step(
         context = torch.cuda.stream(stream)
     with context:
         if future_map is not None:
-            batch.input_ids = future_map.resolve(to_device(batch.input_ids, future_map.device))
+            batch.input_ids = future_map.resolve(batch.input_ids)
         result = worker.forward_batch_generation(batch)
         if future_map is not None:
             rows = to_device(batch.req_pool_indices, future_map.device, torch.int64)
-            future_map.store(rows, result.next_token_ids)
+            future_map.store(rows, result.next_token_ids, every_row=all(batch.wants_token))
         result.copy_to_cpu()
     return result

@@ -48,21 +48,16 @@ from shardline_runtime.distributed import (
 from shardline_runtime.managers.model_worker_batch import ModelWorkerBatch
 from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from shardline_runtime.model_executor.forward_batch_info import PPProxyTensors
-from shardline_runtime.model_executor.generation_result import GenerationBatchResult
+from shardline_runtime.model_executor.generation_result import (
+    GenerationBatchResult,
+    logits_output_to_cpu,
+)
 from shardline_runtime.model_executor.model_runner import ModelRunner
 from shardline_runtime.weights_state import WeightsPhase
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["BaseTpWorker", "GenerationBatchResult", "TpModelWorker"]
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.cpu()
-    if isinstance(value, list):
-        return [_to_cpu(v) for v in value]
-    return value
 
 
 class BaseTpWorker(ABC):
@@ -227,7 +222,7 @@ class TpModelWorker(BaseTpWorker):
         batch = result.forward_batch
         logits = result.logits_output if batch.return_logprob else None
         if logits is not None:  # tensors travel pickled: move them off the device first
-            logits = type(logits)(**{k: _to_cpu(v) for k, v in vars(logits).items()})
+            logits = logits_output_to_cpu(logits)
         assert result.next_token_ids is not None  # the last stage sampled
         payload = (
             result.next_token_ids.tolist(),

@@ -70,7 +70,7 @@ class GenerationBatchResult:
         batch = self.forward_batch
         if self.logits_output is not None and batch is not None and batch.return_logprob:
             if batch.forward_mode.is_extend():
-                self.logits_output = _logits_to_cpu(self.logits_output, cuda)
+                self.logits_output = logits_output_to_cpu(self.logits_output, cuda)
         if cuda:
             self.copy_done = torch.cuda.Event()
             self.copy_done.record()
@@ -97,8 +97,9 @@ class GenerationBatchResult:
         return self
 
 
-def _logits_to_cpu(logits_output: Any, non_blocking: bool) -> Any:
-    """A copy of a ``LogitsProcessorOutput`` whose tensors (and lists of tensors) are on the host."""
+def logits_output_to_cpu(logits_output: Any, non_blocking: bool = False) -> Any:
+    """A copy of a ``LogitsProcessorOutput`` whose tensors (and lists of tensors) are on the host
+    (``non_blocking``: queued copies, valid after the step's ``copy_done`` event)."""
 
     def host(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
