@@ -293,6 +293,16 @@ def graphs(args) -> None:
         print(f"| {bs} | {times[0] * 1e3:.3f} | {times[1] * 1e3:.3f} | {times[0] / times[1]:.2f}x{match} |", flush=True)
 
 
+def add_model_shape_args(parser: argparse.ArgumentParser) -> None:
+    """The Llama shape options (the defaults: GPT-2-small-sized), shared by the bench scripts."""
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--kv-heads", type=int, default=12)
+    parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=32000)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -301,12 +311,7 @@ def main(argv=None) -> None:
     parser.add_argument("--experts", type=int, default=16, help="MoE archs: experts per layer")
     parser.add_argument("--top-k", type=int, default=2, help="MoE archs: experts per token")
     parser.add_argument("--moe-intermediate", type=int, default=512, help="MoE archs: intermediate size of one expert")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--kv-heads", type=int, default=12)
-    parser.add_argument("--intermediate", type=int, default=2048)
-    parser.add_argument("--vocab", type=int, default=32000)
+    add_model_shape_args(parser)
     parser.add_argument("--batch-size", type=int, default=16, help="decode batch size")
     parser.add_argument("--prefill-batch", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=128)

@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine import PRESETS, make_checkpoint  # noqa: E402
+from engine import PRESETS, add_model_shape_args, make_checkpoint  # noqa: E402
 
 from shardline_runtime.managers.io_struct import TokenizedGenerateReqInput  # noqa: E402
 from shardline_runtime.managers.scheduler import Scheduler  # noqa: E402
@@ -141,12 +141,7 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--kv-heads", type=int, default=12)
-    parser.add_argument("--intermediate", type=int, default=2048)
-    parser.add_argument("--vocab", type=int, default=32000)
+    add_model_shape_args(parser)
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--warmup-steps", type=int, default=8)
