@@ -61,13 +61,17 @@ class FutureMap:
             input_ids: (T,) int64 on the host (which ids are placeholders is known there, so a
                 step of placeholders only, a decode step after another, is one gather).
         """
+        if input_ids.shape[0] <= 256:  # a decode step: Python over a short list is cheaper
+            ids_list = input_ids.tolist()
+            rows_list = [-i - 1 for i in ids_list if i < 0]
+            if not rows_list:
+                return to_device(input_ids, self.device)
+            if len(rows_list) == len(ids_list):
+                return self.token_ids[to_device(rows_list, self.device, torch.int64)]
         placeholders = input_ids < 0
-        count = int(placeholders.sum())
-        if count == 0:
+        if not bool(placeholders.any()):
             return to_device(input_ids, self.device)
         rows = to_device((-input_ids - 1).clamp(min=0), self.device)
-        if count == input_ids.shape[0]:
-            return self.token_ids[rows]
         ids = to_device(input_ids, self.device)
         return torch.where(to_device(placeholders, self.device), self.token_ids[rows], ids)
 
