@@ -159,7 +159,14 @@ class Scheduler:
             self.prefill_manager.add,
         )
         path, version = worker.model_config.model_path, str(args.weight_version)
-        weights = initial_weights_state(path, args.revision, version, with_digest=first)
+        weights = initial_weights_state(
+            path,
+            args.revision,
+            version,
+            with_digest=first,
+            model_source=args.model_source,
+            graphs=worker.captured_graphs(),
+        )
         self.control = ControlPlane(
             worker,
             self.tree_cache,
@@ -292,4 +299,5 @@ class Scheduler:
         if self.sender.enabled:
             kv = (self.cache.used_tokens(), self.tree_cache.evictable_size())
             total = self.cache.max_total_num_tokens
-            self.sender.send_stats(SchedulerStats(*self.planner.load(), *kv, total))
+            stats = SchedulerStats(*self.planner.load(), *kv, total, *self.planner.lora_load())
+            self.sender.send_stats(stats)
