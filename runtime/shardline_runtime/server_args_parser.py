@@ -21,6 +21,7 @@ from shardline_runtime.server_args_sections import (
     RECORDER_MODES,
     default,
 )
+from shardline_runtime.speculative.spec_args import add_speculative_flags
 
 API_KEY_ENV = "SHARDLINE_API_KEY"
 ADMIN_API_KEY_ENV = "SHARDLINE_ADMIN_API_KEY"
@@ -244,7 +245,7 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
     mem.add_argument(
         "--disable-overlap-schedule",
         action="store_true",
-        help="Process each step's result before preparing the next step (default: the next step is prepared and launched while the current one computes; off with --enable-lora and with --pp-size > 1, whose micro-batches keep the stages busy instead).",
+        help="Process each step's result before preparing the next step (default: the next step is prepared and launched while the current one computes; off with --enable-lora, with --speculative-algorithm, and with --pp-size > 1, whose micro-batches keep the stages busy instead).",
     )
 
     e = p.add_argument_group("experts (MoE models)")
@@ -356,6 +357,7 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
         default=default("weight_update_hold_timeout"),
         help="Seconds a request arriving during a weight update waits for it to finish (then 503 with Retry-After); 0 refuses at once.",
     )
+    add_speculative_flags(p, _int_range)
     w = p.add_argument_group("weight sync and memory release")
     w.add_argument(
         "--weight-version",

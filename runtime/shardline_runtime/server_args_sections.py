@@ -20,6 +20,7 @@ from shardline_runtime.configs.model_config import DTYPE_CHOICES
 from shardline_runtime.layers.moe.recorder import RECORDER_MODES
 from shardline_runtime.model_executor.kv_cache_dtype import KV_CACHE_TORCH_DTYPES
 from shardline_runtime.model_executor.weight_update import LOAD_FORMATS
+from shardline_runtime.speculative.spec_args import SpeculativeArgs
 
 DTYPES = DTYPE_CHOICES
 DEVICES = ("auto", "cuda", "cpu")
@@ -224,6 +225,7 @@ SECTIONS: dict[str, type] = {
     "lora": LoRAArgs,
     "operation": OperationArgs,
     "weight_sync": WeightSyncArgs,
+    "speculative": SpeculativeArgs,
 }
 SECTION_OF: dict[str, str] = {f.name: s for s, cls in SECTIONS.items() for f in fields(cls)}
 

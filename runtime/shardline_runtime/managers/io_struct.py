@@ -205,6 +205,8 @@ class SchedulerStats:
     kv_used_tokens: int
     kv_evictable_tokens: int
     max_total_num_tokens: int
+    # with --speculative-algorithm: a copy of the cumulative SpeculativeStats
+    speculative: Any = None
 
     @property
     def kv_usage(self) -> float:
