@@ -7,7 +7,6 @@ distribution (a chi-square test of homogeneity); every KV slot comes back."""
 from __future__ import annotations
 
 import random
-import shutil
 from collections import Counter
 
 import pytest
@@ -103,28 +102,11 @@ CYCLE = [11, 12, 13, 14, 15, 16]
 @pytest.fixture(scope="module")
 def cycle_ckpt(ckpt, tmp_path_factory):
     """The tiny model made to continue the cycle ``CYCLE`` with probability about 1/2 at
-    temperature 1 (logit 6.2 against 0 for the other 511 ids; after parrot_checkpoint.py), so
+    temperature 1 (logit 6.2 against 0 for the other 511 ids), so
     n-gram drafts from a cyclic prompt are kept about half the time and rejected otherwise."""
-    from safetensors.torch import load_file, save_file
+    from shardline_runtime.tiny_checkpoint import make_cycle_checkpoint
 
-    dst = tmp_path_factory.mktemp("cycle")
-    shutil.copytree(ckpt, dst, dirs_exist_ok=True)
-    (path,) = sorted(dst.glob("*.safetensors"))
-    weights = load_file(str(path))
-    embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
-    hidden = embed.shape[1]
-    for name, tensor in weights.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            tensor.zero_()
-    weights["model.norm.weight"].fill_(1.0)
-    head.zero_()
-    for j, token in enumerate(CYCLE):
-        embed[token] = torch.zeros(hidden)
-        embed[token, j] = 1.0
-        # the final RMSNorm scales a basis vector by sqrt(hidden)
-        head[CYCLE[(j + 1) % len(CYCLE)], j] = 6.2 / hidden**0.5
-    save_file(weights, str(path), metadata={"format": "pt"})
-    return dst
+    return make_cycle_checkpoint(ckpt, tmp_path_factory.mktemp("cycle"), CYCLE, 6.2)
 
 
 def _sampled_triples(ckpt, spec: bool, n: int) -> tuple[Counter, object]:
@@ -172,3 +154,17 @@ def test_combinations_that_do_not_compose_are_refused(flags, message):
 def test_speculation_turns_the_overlap_scheduler_off(ckpt):
     scheduler = make_scheduler(ckpt, speculative_algorithm="NGRAM")
     assert scheduler.overlap.enabled is False
+
+
+def test_weight_update_with_speculation_equals_no_speculation(ckpt, tiny_checkpoint):
+    from shardline_runtime.managers.io_struct import UpdateWeightsFromDiskReqInput
+
+    ckpt_b = tiny_checkpoint("llama", 1, max_position_embeddings=2048, tokenizer=False)
+    rng = random.Random(3)
+    old = [greedy(f"old{i}", _prompt(rng, 8) * 3, 16) for i in range(3)]
+    new = greedy("new", _prompt(rng, 8) * 3, 16)
+    arrivals = {0: old, 4: [UpdateWeightsFromDiskReqInput(model_path=str(ckpt_b), revision="b"), new]}
+    plain, _ = _run(ckpt, arrivals, spec=False)
+    spec, scheduler = _run(ckpt, arrivals, spec=True)
+    assert {k: v["ids"] for k, v in spec.items()} == {k: v["ids"] for k, v in plain.items()}
+    _assert_settled(scheduler)

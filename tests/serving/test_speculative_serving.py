@@ -64,3 +64,23 @@ def test_metrics_report_the_accept_length(spec_server):
     _complete(spec_server, max_tokens=40)
     assert _metric(spec_server, "shardline:spec_accept_length") >= 1.0
     assert _metric(spec_server, "shardline:spec_verify_steps") > 0
+
+
+@pytest.fixture(scope="module")
+def spec_tp2_server(serving_checkpoint, checkpoint_dir):
+    srv = start_server(serving_checkpoint, checkpoint_dir, "--max-total-tokens", str(POOL),
+                       "--served-model-name", MODEL, "--speculative-algorithm", "NGRAM", "--tp-size", "2")
+    yield srv
+    srv.stop()
+
+
+def test_tp2_greedy_text_equals_the_server_without_speculation(spec_tp2_server, server):
+    spec = _complete(spec_tp2_server, max_tokens=40)["choices"][0]["text"]
+    plain = _complete(server, max_tokens=40)["choices"][0]["text"]
+    assert spec == plain
+
+
+def test_tp2_sampled_requests_finish_on_every_rank(spec_tp2_server):
+    body = _complete(spec_tp2_server, max_tokens=24, n=2, temperature=1.0, seed=3)
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "length"]
+    assert _metric(spec_tp2_server, "shardline:spec_verify_steps") > 0
