@@ -29,6 +29,7 @@ from .spec_types import (
     RESERVED_ENV,
     RESERVED_FLAGS,
     SERVICE_TYPES,
+    SPECULATIVE_ALGORITHMS,
     STRATEGIES,
     AuthSpec,
     CanarySpec,
@@ -43,6 +44,7 @@ from .spec_types import (
     SecretKeyRef,
     ServiceSpec,
     SpecError,
+    SpeculativeSpec,
     VerifySpec,
     WeightUpdateSpec,
 )
@@ -164,6 +166,14 @@ def parse_runtime(raw: Mapping[str, Any]) -> RuntimeSpec:
                 f"{path}.resources.{section} must not set {GPU_RESOURCE}: "
                 "GPUs come from spec.parallelism.gpusPerPod"
             )
+    spec_raw = field_value(raw, "speculative", path, dict)
+    speculative = None
+    if spec_raw is not None:
+        spath = f"{path}.speculative"
+        speculative = SpeculativeSpec(
+            algorithm=one_of(spec_raw, "algorithm", spath, "", SPECULATIVE_ALGORITHMS),
+            num_draft_tokens=int_in(spec_raw, "numDraftTokens", spath, 5, 2, 16),
+        )
     return RuntimeSpec(
         image=image,
         image_pull_policy=one_of(raw, "imagePullPolicy", path, "IfNotPresent", PULL_POLICIES),
@@ -176,6 +186,7 @@ def parse_runtime(raw: Mapping[str, Any]) -> RuntimeSpec:
         env=env,
         resources=resources,
         startup_timeout_seconds=int_in(raw, "startupTimeoutSeconds", path, 1800, 10, 86400),
+        speculative=speculative,
     )
 
 
@@ -270,6 +281,16 @@ def parse_spec(name: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> 
         raise SpecError(
             f"spec.loraAdapters are not served with spec.parallelism.pipeline > 1 (got pipeline "
             f"{parallelism.pipeline}); use pipeline 1 or remove the adapters"
+        )
+    speculative = field_value(
+        field_value(spec, "runtime", "spec", dict, {}), "speculative", "spec.runtime", dict
+    )
+    if speculative is not None and (
+        parallelism.pipeline > 1 or field_value(spec, "loraAdapters", "spec", list, [])
+    ):
+        raise SpecError(
+            "spec.runtime.speculative is not served with spec.parallelism.pipeline > 1 or "
+            "spec.loraAdapters; remove one of them"
         )
     return DeploymentSpec(
         name=name,

@@ -48,7 +48,11 @@ RESERVED_FLAGS = (
     "--lora-paths",
     "--pp-size",
     "--pp-layer-partition",
+    "--speculative-algorithm",
+    "--speculative-num-draft-tokens",
 )
+# speculative decoding algorithms the runtime implements (its --speculative-algorithm)
+SPECULATIVE_ALGORITHMS = ("NGRAM",)
 DEFAULT_MAX_LORAS_PER_BATCH = 8  # the runtime's --max-loras-per-batch default
 # The keys reach the runtime only through these env vars, filled from Secrets (spec.auth).
 API_KEY_ENV = "SHARDLINE_API_KEY"
@@ -85,6 +89,15 @@ class CudaGraphSpec:
 
 
 @dataclass(frozen=True)
+class SpeculativeSpec:
+    """``spec.runtime.speculative``: the runtime's ``--speculative-algorithm`` and
+    ``--speculative-num-draft-tokens`` (tokens one verify forward scores per request)."""
+
+    algorithm: str
+    num_draft_tokens: int = 5
+
+
+@dataclass(frozen=True)
 class RuntimeSpec:
     """``spec.runtime``: container image and runtime flags; times in seconds."""
 
@@ -99,6 +112,7 @@ class RuntimeSpec:
     env: tuple[Mapping[str, Any], ...] = ()
     resources: Mapping[str, Any] = field(default_factory=dict)
     startup_timeout_seconds: int = 1800
+    speculative: SpeculativeSpec | None = None
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ SPECS = {
                           "runtime": {"image": "r:1"}},
     "pp4-two-stages-per-pod": {"model": {"name": "pp", "path": "/models/pp/v1"},
                                "parallelism": {"tensor": 1, "pipeline": 4, "gpusPerPod": 2}, "runtime": {"image": "r:1"}},
+    "tp2-speculative-ngram": {"model": {"name": "tiny", "path": "/models/tiny/rev-a"}, "parallelism": {"tensor": 2, "gpusPerPod": 2},
+                              "runtime": {"image": "r:1", "speculative": {"algorithm": "NGRAM", "numDraftTokens": 6}}},
 }
 
 
@@ -109,3 +111,17 @@ def test_runtime_runs_the_ranks_the_operator_reports_for_each_pod(spec_name):
         reported = spec.parallelism.pod_ranks(rank)
         assert started == {(pp, tp) for pp in reported.pp_ranks for tp in reported.tp_ranks}
         assert len(started) == spec.parallelism.gpus_per_pod
+
+
+def test_speculative_spec_reaches_the_runtime_section():
+    _, _, _, _, args = next(pods("tp2-speculative-ngram"))
+    parsed = server_args.ServerArgs.from_cli(args)
+    assert parsed.speculative.speculative_algorithm == "NGRAM"
+    assert parsed.speculative.speculative_num_draft_tokens == 6
+
+
+def test_every_crd_speculative_algorithm_is_implemented_by_the_runtime():
+    from shardline_operator.spec_types import SPECULATIVE_ALGORITHMS
+    from shardline_runtime.speculative.spec_args import IMPLEMENTED_ALGORITHMS
+
+    assert set(SPECULATIVE_ALGORITHMS) <= set(IMPLEMENTED_ALGORITHMS)
