@@ -304,4 +304,6 @@ class Scheduler:
             kv = (self.cache.used_tokens(), self.tree_cache.evictable_size())
             total = self.cache.max_total_num_tokens
             spec = self.speculative.stats.snapshot() if self.speculative is not None else None
-            self.sender.send_stats(SchedulerStats(*self.planner.load(), *kv, total, spec))
+            stats = SchedulerStats(*self.planner.load(), *kv, total, *self.planner.lora_load())
+            stats.speculative = spec
+            self.sender.send_stats(stats)
