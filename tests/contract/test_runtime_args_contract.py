@@ -125,3 +125,10 @@ def test_every_crd_speculative_algorithm_is_implemented_by_the_runtime():
     from shardline_runtime.speculative.spec_args import IMPLEMENTED_ALGORITHMS
 
     assert set(SPECULATIVE_ALGORITHMS) <= set(IMPLEMENTED_ALGORITHMS)
+
+
+def test_operator_knows_the_runtimes_default_drain_timeout():
+    from shardline_operator.spec_types import RUNTIME_DRAIN_TIMEOUT_SECONDS
+
+    parsed = server_args.ServerArgs.from_cli(["--model-path", "/m"])
+    assert parsed.drain_timeout == RUNTIME_DRAIN_TIMEOUT_SECONDS
