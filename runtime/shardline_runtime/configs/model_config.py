@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from shardline_runtime.configs.moe_config import checked_moe_fields, moe_parallel_problem
+from shardline_runtime.layers.quantization.base import QuantizationConfig, QuantizationError
+from shardline_runtime.layers.quantization.registry import quantization_config_from
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # Keys each RoPE type needs (besides rope_type and rope_theta), as transformers validates them.
@@ -52,6 +54,7 @@ MUST_MATCH_FIELDS = (
     "num_experts_per_tok",
     "norm_topk_prob",
     "moe_layers",
+    "quantization",
 )
 
 
@@ -166,6 +169,8 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple[bool, ...] = ()
     sliding_windows: tuple[int | None, ...] = ()
+    # the checkpoint's quantization_config (layers/quantization/); None: unquantized
+    quantization: QuantizationConfig | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -239,6 +244,15 @@ class ModelConfig:
             moe = checked_moe_fields(model_cls.moe_fields(cfg, layers), arch, path)
         except ValueError as e:
             raise ModelConfigError(str(e)) from None
+        try:
+            quantization = quantization_config_from(cfg, str(path / "config.json"))
+        except QuantizationError as e:
+            raise ModelConfigError(str(e)) from None
+        if quantization is not None and moe.get("num_experts"):
+            raise ModelConfigError(
+                f"{path / 'config.json'}: quantization_config ({quantization.scheme}) with a "
+                f"mixture-of-experts model ({arch}) is not supported; supported: dense models"
+            )
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ModelConfigError(f"{path}: hidden_act {act!r} is not supported (only 'silu')")
@@ -262,6 +276,7 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             hidden_act=act,
             sliding_windows=model_cls.sliding_windows(cfg, layers),
+            quantization=quantization,
             hf_config=cfg,
             **moe,
         )

@@ -13,14 +13,15 @@ from pathlib import Path
 import torch
 
 from shardline_runtime.configs.model_config import ModelConfig, ModelConfigError, first_mismatch
+from shardline_runtime.layers.parameter import loadable_dtype_problem
 from shardline_runtime.model_loader.checkpoint_files import (
-    FLOAT_DTYPES,
+    SAFETENSORS_DTYPES,
     TensorInfo,
     discover_checkpoint,
 )
 from shardline_runtime.model_loader.errors import CheckpointError
 from shardline_runtime.model_loader.loader import build_model
-from shardline_runtime.models.weight_loading import checkpoint_shapes
+from shardline_runtime.models.weight_loading import checkpoint_tensors
 
 
 def _fmt(shape: tuple[int, ...] | None) -> str:
@@ -35,7 +36,9 @@ def validate_checkpoint(
     Checks, in order: ``config.json`` parses and names the same architecture; every tensor
     the running model needs is present with the same full shape (the first mismatch is
     reported with the running and the new shape); no unexpected tensor; floating dtypes;
-    every shard present and complete; ``MUST_MATCH_FIELDS`` of the config are equal.
+    every shard present and complete; ``MUST_MATCH_FIELDS`` of the config are equal (the
+    quantization scheme among them). Dtypes: a high-precision float parameter takes any float
+    dtype; a quantized one (FP8, packed int32, int64 shapes) only its own.
 
     Args:
         model_path: checkpoint directory.
@@ -60,19 +63,23 @@ def validate_checkpoint(
         )
     tensors = discover_checkpoint(model_path)
     expected = build_model(model_config, torch.device("meta"))
-    want = checkpoint_shapes(expected)
+    want = checkpoint_tensors(expected)
     ignored = expected.ignored_checkpoint_names()
-    for name, shape in want.items():
+    for name, (shape, param) in want.items():
         info = tensors.get(name)
         if info is None or info.shape != shape:
             got = info.shape if info else None
             raise CheckpointError(
                 f"parameter {name}: shape {_fmt(shape)} in the running model, {_fmt(got)} in {model_path}"
             )
-        if info.dtype not in FLOAT_DTYPES:
-            raise CheckpointError(
-                f"parameter {name}: dtype {info.dtype} in {info.file}; expected one of {FLOAT_DTYPES}"
-            )
+        dtype = SAFETENSORS_DTYPES.get(info.dtype)
+        problem = (
+            f"dtype {info.dtype}; expected one of {tuple(SAFETENSORS_DTYPES)}"
+            if dtype is None
+            else loadable_dtype_problem(param, dtype)
+        )
+        if problem is not None:
+            raise CheckpointError(f"parameter {name}: {problem} (in {info.file})")
     for name in tensors:
         if name not in want and not name.endswith(ignored):
             raise CheckpointError(
