@@ -84,7 +84,8 @@ class LeaderReport:
     """``/get_server_info`` of a group's leader, as far as the operator cares.
 
     ``revision``/``digest``: what serves (``digest`` is ``sha256:<hex>`` of the checkpoint, None
-    when the runtime could not read it); ``message``: the runtime's last error line.
+    when the runtime could not read it); ``message``: the runtime's last error line;
+    ``quantization``: the served scheme (None from a runtime that does not report it).
     """
 
     weights_phase: WeightsPhase
@@ -94,6 +95,7 @@ class LeaderReport:
     message: str = ""
     weight_version: str | None = None
     last_update: LastUpdate | None = None
+    quantization: str | None = None  # the served scheme (``unquantized``, ``fp8-...``)
 
     def __post_init__(self) -> None:  # a plain string phase (a test's literal) reads as the enum
         object.__setattr__(self, "weights_phase", WeightsPhase.parse(self.weights_phase))
@@ -115,4 +117,5 @@ class LeaderReport:
             str(info.get("message") or ""),
             _text(version),
             LastUpdate.from_block(source.get("last_update")),
+            _text(source.get("quantization")),
         )

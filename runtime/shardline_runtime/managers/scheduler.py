@@ -51,6 +51,7 @@ from shardline_runtime.managers.watchdog import Watchdog
 from shardline_runtime.managers.weight_update_run import initial_weights_state
 from shardline_runtime.mem_cache.radix_cache import RadixCache
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
+from shardline_runtime.model_loader.validate import scheme_name
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +160,13 @@ class Scheduler:
             self.prefill_manager.add,
         )
         path, version = worker.model_config.model_path, str(args.weight_version)
-        weights = initial_weights_state(path, args.revision, version, with_digest=first)
+        weights = initial_weights_state(
+            path,
+            args.revision,
+            version,
+            with_digest=first,
+            quantization=scheme_name(worker.model_config),
+        )
         self.control = ControlPlane(
             worker,
             self.tree_cache,

@@ -36,15 +36,21 @@ def safe_checkpoint_digest(model_path: str) -> str | None:
 
 
 def initial_weights_state(
-    model_path: str, revision: str | None, weight_version: str, with_digest: bool
+    model_path: str,
+    revision: str | None,
+    weight_version: str,
+    with_digest: bool,
+    quantization: str = "unquantized",
 ) -> WeightsState:
-    """The :class:`WeightsState` of the weights loaded at start (``phase`` serving). The digest
-    is computed only ``with_digest`` (rank 0, which reports it)."""
+    """The :class:`WeightsState` of the weights loaded at start (``phase`` serving), serving the
+    ``quantization`` scheme. The digest is computed only ``with_digest`` (rank 0, which reports
+    it)."""
     return WeightsState(
         model_path=model_path,
         revision=revision,
         weight_version=weight_version,
         digest=safe_checkpoint_digest(model_path) if with_digest else None,
+        quantization=quantization,
     )
 
 

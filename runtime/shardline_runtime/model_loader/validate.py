@@ -24,6 +24,11 @@ from shardline_runtime.model_loader.loader import build_model
 from shardline_runtime.models.weight_loading import checkpoint_tensors
 
 
+def scheme_name(config: ModelConfig) -> str:
+    """The quantization scheme ``config`` serves (``unquantized`` without one)."""
+    return "unquantized" if config.quantization is None else config.quantization.scheme
+
+
 def _fmt(shape: tuple[int, ...] | None) -> str:
     return "absent" if shape is None else str(tuple(shape))
 
@@ -60,6 +65,11 @@ def validate_checkpoint(
     if new.architecture != model_config.architecture:
         raise CheckpointError(
             f"config field architectures[0]: running {model_config.architecture!r}, new checkpoint {new.architecture!r}"
+        )
+    if new.quantization != model_config.quantization:
+        raise CheckpointError(
+            f"config field quantization_config: running {scheme_name(model_config)!r}, new "
+            f"checkpoint {scheme_name(new)!r}; an update keeps the scheme (restart to change it)"
         )
     tensors = discover_checkpoint(model_path)
     expected = build_model(model_config, torch.device("meta"))
