@@ -18,6 +18,7 @@ import torch
 
 from shardline_runtime.configs.moe_config import checked_moe_fields, moe_parallel_problem
 from shardline_runtime.layers.quantization.base import QuantizationConfig, QuantizationError
+from shardline_runtime.layers.quantization.online_fp8 import requested_quantization
 from shardline_runtime.layers.quantization.registry import quantization_config_from
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -187,8 +188,10 @@ class ModelConfig:
         dtype: str = "auto",
         context_length: int | None = None,
         device_type: str = "cpu",
+        quantization: str = "auto",
     ) -> ModelConfig:
-        """Read ``<model_path>/config.json``.
+        """Read ``<model_path>/config.json``; ``quantization`` is ``--quantization`` (``auto``:
+        the checkpoint's ``quantization_config``; ``fp8``: online FP8 of a bf16 checkpoint).
 
         Raises:
             ModelConfigError: missing file/field, unsupported architecture or RoPE type.
@@ -204,7 +207,12 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ModelConfigError(f"{cfg_file}: not valid JSON: {e}") from None
         return cls.from_dict(
-            cfg, str(path), dtype=dtype, context_length=context_length, device_type=device_type
+            cfg,
+            str(path),
+            dtype=dtype,
+            context_length=context_length,
+            device_type=device_type,
+            quantization=quantization,
         )
 
     @classmethod
@@ -215,6 +223,7 @@ class ModelConfig:
         dtype: str = "auto",
         context_length: int | None = None,
         device_type: str = "cpu",
+        quantization: str = "auto",
     ) -> ModelConfig:
         """Same as :meth:`from_pretrained` from an already parsed ``config.json`` dict."""
         # the model classes declare their architecture's rules (models/registry.py lists them)
@@ -245,12 +254,15 @@ class ModelConfig:
         except ValueError as e:
             raise ModelConfigError(str(e)) from None
         try:
-            quantization = quantization_config_from(cfg, str(path / "config.json"))
+            source = str(path / "config.json")
+            served = requested_quantization(
+                quantization, quantization_config_from(cfg, source), source
+            )
         except QuantizationError as e:
             raise ModelConfigError(str(e)) from None
-        if quantization is not None and moe.get("num_experts"):
+        if served is not None and moe.get("num_experts"):
             raise ModelConfigError(
-                f"{path / 'config.json'}: quantization_config ({quantization.scheme}) with a "
+                f"{path / 'config.json'}: quantization_config ({served.scheme}) with a "
                 f"mixture-of-experts model ({arch}) is not supported; supported: dense models"
             )
         act = cfg.get("hidden_act", "silu")
@@ -276,7 +288,7 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             hidden_act=act,
             sliding_windows=model_cls.sliding_windows(cfg, layers),
-            quantization=quantization,
+            quantization=served,
             hf_config=cfg,
             **moe,
         )

@@ -24,12 +24,19 @@ from shardline_runtime.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from shardline_runtime.layers.linear_params import create_params
-from shardline_runtime.layers.parameter import ShardId, checkpoint_shapes_of, shard_layout_of
+from shardline_runtime.layers.parameter import (
+    ShardId,
+    checkpoint_shapes_of,
+    quantizes_on_load,
+    shard_layout_of,
+)
 from shardline_runtime.layers.quantization.base import (
     LinearMethod,
     QuantizationConfig,
     UnquantizedLinearMethod,
+    layer_tensor,
 )
+from shardline_runtime.layers.quantization.fp8_numerics import quantize_into
 
 # CPU only: a GEMM of a few rows (decode) against a wide weight runs slower as one MKL call than
 # in pieces of this many output features (one thread, M=16: gate/up 768 -> 4096 about 8%, the
@@ -182,9 +189,13 @@ class ColumnParallelLinear(_TPLinear):
             return
         dim, block = layout.output_dim, layout.output_block
         assert dim is not None
-        param.data.narrow(dim, offset // block, n // block).copy_(
-            loaded.narrow(dim, src * n // block, n // block)
-        )
+        rows = loaded.narrow(dim, src * n // block, n // block)
+        dest = param.data.narrow(dim, offset // block, n // block)
+        if quantizes_on_load(param):
+            scale = layer_tensor(self, "weight_scale").data.narrow(0, offset, n)
+            quantize_into(rows, dest, scale)
+        else:
+            dest.copy_(rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x, self.bias)  # (T, out / tp)
@@ -366,7 +377,11 @@ class RowParallelLinear(_TPLinear):
         else:
             dim, block = layout.input_dim, layout.input_block
             n = self.input_size_per_partition // block
-            param.data.copy_(loaded.narrow(dim, self.tp_rank * n, n))
+            columns = loaded.narrow(dim, self.tp_rank * n, n)
+            if quantizes_on_load(param):
+                quantize_into(columns, param.data, layer_tensor(self, "weight_scale").data)
+            else:
+                param.data.copy_(columns)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (T, out) partial sum over this rank's input columns

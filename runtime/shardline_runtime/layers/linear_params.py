@@ -7,7 +7,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardline_runtime.layers.parameter import WeightLoader, set_shard_layout, set_weight_attrs
+from shardline_runtime.layers.parameter import (
+    WeightLoader,
+    mark_quantize_on_load,
+    set_shard_layout,
+    set_weight_attrs,
+)
 from shardline_runtime.layers.quantization.base import BIAS_LAYOUT, LinearMethod, QuantParam
 
 
@@ -41,6 +46,8 @@ def create_params(
         checkpoint = {
             s: tuple(spec.checkpoint_shape(n, input_size)) for s, n in shard_sizes.items()
         }
+        if not spec.in_checkpoint:
+            checkpoint = {}
         if layout.per_shard:
             shape = (len(shard_sizes),) + next(iter(checkpoint.values()))
         else:
@@ -53,6 +60,8 @@ def create_params(
         param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
         set_weight_attrs(param, loader, checkpoint)
         set_shard_layout(param, layout)
+        if spec.online:
+            mark_quantize_on_load(param)
         layer.register_parameter(spec.name, param)
     if not bias:
         layer.register_parameter("bias", None)

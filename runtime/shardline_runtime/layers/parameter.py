@@ -65,14 +65,25 @@ def shard_layout_of(param: nn.Parameter) -> Any:
     return param.shard_layout  # type: ignore[attr-defined]
 
 
+def mark_quantize_on_load(param: nn.Parameter) -> nn.Parameter:
+    """``param`` (online FP8) takes high-precision tensors and quantizes them as they load."""
+    param.quantize_on_load = True  # type: ignore[attr-defined]
+    return param
+
+
+def quantizes_on_load(param: nn.Parameter) -> bool:
+    """Whether :func:`mark_quantize_on_load` marked ``param``."""
+    return bool(getattr(param, "quantize_on_load", False))
+
+
 def loadable_dtype_problem(param: nn.Parameter, loaded: torch.dtype) -> str | None:
     """Why a checkpoint tensor of dtype ``loaded`` cannot fill ``param`` (None: it can).
 
     A parameter in a high-precision float dtype takes any of them (converted on copy); a
     quantized one (FP8, packed integers, integer shapes) takes only its own dtype, since a
-    plain cast would drop the scale.
+    plain cast would drop the scale; an online FP8 weight takes high-precision tensors only.
     """
-    if param.dtype in HIGH_PRECISION:
+    if param.dtype in HIGH_PRECISION or quantizes_on_load(param):
         if loaded in HIGH_PRECISION:
             return None
         return f"dtype {loaded}; a floating-point dtype ({', '.join(map(str, HIGH_PRECISION))}) is expected"

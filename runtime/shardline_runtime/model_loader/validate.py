@@ -14,6 +14,7 @@ import torch
 
 from shardline_runtime.configs.model_config import ModelConfig, ModelConfigError, first_mismatch
 from shardline_runtime.layers.parameter import loadable_dtype_problem
+from shardline_runtime.layers.quantization.online_fp8 import requested_by
 from shardline_runtime.model_loader.checkpoint_files import (
     SAFETENSORS_DTYPES,
     TensorInfo,
@@ -58,7 +59,10 @@ def validate_checkpoint(
     """
     try:
         new = ModelConfig.from_pretrained(
-            model_path, dtype="float32", context_length=model_config.context_len
+            model_path,
+            dtype="float32",
+            context_length=model_config.context_len,
+            quantization=requested_by(model_config.quantization),
         )
     except ModelConfigError as e:
         raise CheckpointError(str(e)) from None

@@ -69,12 +69,18 @@ class QuantParam:
         layout: how it is split over TP ranks.
         checkpoint_shape: ``(out, in) -> full checkpoint shape`` of one shard's tensor, given the
             shard's full output features and the layer's full input features.
+        in_checkpoint: False for a parameter without a checkpoint tensor (an online FP8 scale,
+            written by the weight's loader).
+        online: the loader takes a high-precision tensor and quantizes it (online FP8), writing
+            the layer's ``weight_scale`` with it.
     """
 
     name: str
     dtype: torch.dtype | None
     layout: ShardLayout
     checkpoint_shape: Any  # Callable[[int, int], tuple[int, ...]]
+    in_checkpoint: bool = True
+    online: bool = False
 
 
 class LinearMethod(ABC):

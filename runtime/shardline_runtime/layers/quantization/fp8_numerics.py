@@ -46,6 +46,14 @@ def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, tor
     return quantize_fp8(weight, scale), scale
 
 
+def quantize_into(weight: torch.Tensor, dest: torch.Tensor, dest_scale: torch.Tensor) -> None:
+    """Online FP8: write :func:`quantize_weight_per_channel` of ``weight (N, K)`` into ``dest``
+    (N, K) fp8 and ``dest_scale`` (N, 1) float32."""
+    quantized, scale = quantize_weight_per_channel(weight)
+    dest.copy_(quantized)
+    dest_scale.copy_(scale)
+
+
 def dequantize_blocks(
     weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
 ) -> torch.Tensor:
