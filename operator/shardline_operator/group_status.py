@@ -136,6 +136,9 @@ def group_status(report: GroupReport, phase: str, parallelism: ParallelismSpec) 
         item["lastRestartTime"] = to_rfc3339(record.last_restart_time)
     if report.weight_version is not None:
         item["weightVersion"] = report.weight_version
+    leader = report.view.leader if report.view is not None else None
+    if leader is not None and leader.quantization is not None:
+        item["quantization"] = leader.quantization  # the scheme the leader serves
     return item
 
 
