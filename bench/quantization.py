@@ -10,7 +10,8 @@ FP8_DYNAMIC and W4A16 group 128). Each checkpoint is loaded by a CPU ModelRunner
   ``(budget * 0.85 - weight bytes) / KV bytes per token`` (the GPU sizing rule of
   ``kv_pools.profile_max_num_token``; bf16 KV cache);
 - CPU decode step: batch ``--batch`` after a 32-token prompt each, best and median of
-  ``--steps`` steps, with ``--threads`` threads.
+  ``--steps`` steps, with ``--threads`` threads, the model in ``--decode-dtype`` (float32, what
+  the CPU runs a bf16 checkpoint in by default; the quantized weights stay FP8 / int4).
 
 Usage::
 
@@ -81,6 +82,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--decode-dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -91,7 +93,8 @@ def main() -> None:
             "w4a16-g128": quantize_checkpoint(base, Path(tmp) / "w4", "W4A16", group_size=128),
         }
         print(f"llama hidden {args.hidden}, {args.layers} layers, vocab 32000; "
-              f"budget {args.budget_gib} GiB x 0.85; batch {args.batch}; {args.threads} threads")
+              f"budget {args.budget_gib} GiB x 0.85; decode {args.decode_dtype}, batch {args.batch}, "
+              f"{args.threads} threads")
         print(f"{'scheme':<26} {'weight MiB':>10} {'KV tokens':>10} {'best ms':>8} {'median ms':>9}")
         for name, path in paths.items():
             runner = harness.make_runner(path, dtype="bfloat16", max_total_tokens=4096)
@@ -100,8 +103,11 @@ def main() -> None:
                 cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.bfloat16
             )
             tokens = int((args.budget_gib * 2**30 * 0.85 - runner.weight_bytes) // per_token)
+            weight_bytes = runner.weight_bytes
+            if args.decode_dtype != "bfloat16":
+                runner = harness.make_runner(path, dtype=args.decode_dtype, max_total_tokens=4096)
             times = decode_times(runner, args.batch, args.steps)[3:]
-            print(f"{name:<26} {runner.weight_bytes / 2**20:>10.1f} {tokens:>10} "
+            print(f"{name:<26} {weight_bytes / 2**20:>10.1f} {tokens:>10} "
                   f"{min(times) * 1e3:>8.1f} {statistics.median(times) * 1e3:>9.1f}")
 
 

@@ -54,3 +54,24 @@ def test_w4a16_kernel_equals_dequantized_reference(m):
     out = w4a16_matmul(x, packed, scale, group)
     expect = x @ dequantize_w4(packed, scale, group, torch.float32).t()
     assert (out - expect).abs().max().item() <= 1e-4 * expect.abs().max().item()
+
+
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="torch._scaled_mm needs a GPU")
+@pytest.mark.parametrize("m", [1, 16, 33])
+def test_scaled_mm_fp8_linear_equals_the_dequantized_reference(m):
+    from shardline_runtime.layers.quantization.fp8_linear import Fp8LinearMethod
+    from shardline_runtime.layers.quantization.fp8_numerics import (
+        fake_quantize_fp8,
+        per_token_scale,
+        quantize_weight_per_channel,
+    )
+
+    torch.manual_seed(m)
+    layer = torch.nn.Module()
+    weight, scale = quantize_weight_per_channel(torch.randn(256, 128, device="cuda"))
+    layer.weight, layer.weight_scale = weight, scale
+    x = torch.randn(m, 128, device="cuda", dtype=torch.bfloat16)
+    out = Fp8LinearMethod(per_channel=True, activation="dynamic").apply(layer, x)
+    x32 = x.float()
+    expect = fake_quantize_fp8(x32, per_token_scale(x32)) @ (weight.float() * scale).t()
+    assert (out.float() - expect).abs().max().item() <= 2e-2 * expect.abs().max().item()
