@@ -8,12 +8,23 @@ from typing import Any
 from .. import labels
 from ..runtime_args import RUNTIME_COMMAND, ServedModel, runtime_args
 from ..spec import ADMIN_API_KEY_ENV, API_KEY_ENV, GPU_RESOURCE, DeploymentSpec
-from .volumes import pod_volumes, writable_env
+from .volumes import model_store_env, pod_volumes, writable_env
 
 PROBE_PERIOD_SECONDS = 10
 # Pre-stop delay: a deleted pod leaves the Service's ready endpoints at once, but clients and
 # proxies take a moment to notice; the runtime keeps serving meanwhile, then drains on SIGTERM.
 PRE_STOP_SECONDS = 5
+# After the drain: uvicorn's own graceful close (the drain timeout + 3 s), the schedulers'
+# exit and the process teardown. The kubelet's grace period counts from the preStop hook on
+# and SIGKILLs what still runs at its end, so the period is preStop + drain + this margin.
+SHUTDOWN_MARGIN_SECONDS = 25
+
+
+def termination_grace_seconds(spec: DeploymentSpec) -> int:
+    """``terminationGracePeriodSeconds``: :data:`PRE_STOP_SECONDS` + the runtime's drain
+    timeout (``--drain-timeout``, default 30 s) + :data:`SHUTDOWN_MARGIN_SECONDS`; 60 s by
+    default. A fixed period would SIGKILL a runtime told to drain for longer mid-request."""
+    return PRE_STOP_SECONDS + spec.runtime.drain_timeout_seconds() + SHUTDOWN_MARGIN_SECONDS
 
 
 def _field_env(name: str, field_path: str) -> dict[str, Any]:
@@ -41,6 +52,7 @@ def _env(spec: DeploymentSpec) -> list[dict[str, Any]]:
         _field_env("POD_INDEX", f"metadata.labels['{labels.LABEL_POD_INDEX}']"),
         *writable_env(),
         *keys,
+        *model_store_env(spec),
         *[dict(item) for item in spec.runtime.env],
     ]
 
@@ -122,7 +134,7 @@ def build_pod_template(spec: DeploymentSpec, group: int, served: ServedModel) ->
         "containers": [container],
         "volumes": volumes,
         "restartPolicy": "Always",
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
     }
     sched = spec.scheduling
     if sched.node_selector:

@@ -8,9 +8,11 @@ draining). Pydantic's 422 is turned into 400.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import typing
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -48,6 +50,7 @@ from shardline_runtime.managers.io_struct import (
 )
 from shardline_runtime.managers.request_validation import RequestValidationError
 from shardline_runtime.managers.tokenizer_manager import TokenizerManager
+from shardline_runtime.model_loader.errors import ModelSourceError
 from shardline_runtime.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -79,6 +82,29 @@ def _pydantic_message(
         allowed = _body_fields(request) if request is not None else []
         msg = f"unknown field; allowed fields: {allowed}" if allowed else "unknown field"
     return (f"{'.'.join(loc)}: {msg}" if loc else msg), param
+
+
+async def local_model_path(text: str, server_args: Any, tm: TokenizerManager) -> str:
+    """The local directory of an update's ``model_path``: itself, or for an hf:// / s3://
+    reference the revision fetched into ``--download-dir`` (in a worker thread, so serving goes
+    on), keeping the revision being served when the cache is cut to ``--download-max-bytes``.
+
+    Raises:
+        ModelSourceError: malformed, missing, refused or corrupt (the reason names which).
+    """
+    from shardline_runtime.model_loader.model_source import fetch_to_local, parse_model_source
+
+    if not parse_model_source(text, "model_path").is_remote:
+        return text
+    served = Path(tm.state.weights.model_path or "").name
+    fetched = await asyncio.to_thread(
+        fetch_to_local,
+        text,
+        server_args.download_dir,
+        max_bytes=server_args.download_max_bytes,
+        keep=(served,) if served else (),
+    )
+    return str(fetched.path)
 
 
 def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any]) -> FastAPI:
@@ -251,8 +277,13 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
         busy = update_running(tm, error_response)
         if busy is not None:
             return busy
+        try:  # fetched and verified while the group still serves the old weights
+            model_path = await local_model_path(body.model_path, server_args, tm)
+        except ModelSourceError as exc:
+            message = f"{exc.reason}: {exc}"
+            return JSONResponse({"success": False, "message": message}, status_code=400)
         req = UpdateWeightsFromDiskReqInput(
-            body.model_path,
+            model_path,
             body.load_format,
             body.revision,
             body.recapture_cuda_graph,
@@ -261,6 +292,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
             body.disable_cuda_graph,
             body.weight_version,
             body.flush_cache,
+            model_source=body.model_path if model_path != body.model_path else None,
         )
         out = await tm.update_weights_from_disk(req)
         weights = tm.state.weights

@@ -165,6 +165,8 @@ class Scheduler:
             args.revision,
             version,
             with_digest=first,
+            model_source=args.model_source,
+            graphs=worker.captured_graphs(),
             quantization=scheme_name(worker.model_config),
         )
         self.control = ControlPlane(
