@@ -213,6 +213,8 @@ class SchedulerStats:
     max_total_num_tokens: int
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    # with --speculative-algorithm: a copy of the cumulative SpeculativeStats
+    speculative: Any = None
 
     @property
     def kv_usage(self) -> float:

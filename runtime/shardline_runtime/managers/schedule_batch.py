@@ -301,7 +301,7 @@ class ScheduleBatch:
         extend = self.forward_mode.is_extend()
         logprob = self.return_logprob
         logprob_starts = None
-        if extend and logprob:
+        if extend and logprob and not self.forward_mode.is_target_verify():
             logprob_starts = [
                 min(max(r.logprob_start_len - p, 0), n)
                 if r.return_logprob and r.logprob_start_len >= 0

@@ -37,6 +37,11 @@ class GenerationBatchResult:
         top_values / top_indices: per sampled row, the top logprobs and their token ids (Python
             lists: the sampler reads them on the host), or ``None``.
         copy_done: CUDA event recorded after the device-to-host copies (``None`` on CPU).
+        accepted_ids: (TARGET_VERIFY) per request, the kept draft tokens and the target's next
+            token, on the host; None for other steps.
+        accepted_logprobs / accepted_top_logprobs: (TARGET_VERIFY with logprobs) per request,
+            one raw logprob and one ``(values, token_ids)`` per kept token (empty lists for
+            requests that did not ask).
         pp_hidden_states_proxy_tensors: on a pipeline stage that is not the last, what it sent
             on; nothing is sampled there (``TpModelWorker.resolve_stage_outputs`` fills the ids
             from the last stage).
@@ -57,6 +62,9 @@ class GenerationBatchResult:
     top_indices: list[list[int]] | None = None
     copy_done: Any = None
     pp_hidden_states_proxy_tensors: Any = None
+    accepted_ids: list[list[int]] | None = None
+    accepted_logprobs: list[list[float]] | None = None
+    accepted_top_logprobs: list[list[tuple[list[float], list[int]]]] | None = None
 
     def copy_to_cpu(self) -> GenerationBatchResult:
         """Start copying the sampled ids and logprobs to the host (non-blocking on CUDA), and,
