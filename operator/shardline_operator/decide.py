@@ -155,10 +155,15 @@ def _reported_digest(
 
 
 def _loading(state: RolloutState | None, views: list[GroupView]) -> dict[int, str]:
-    """The revision each group of the wave in flight is loading (not yet served)."""
+    """The revision each group of the wave in flight is loading (not yet served): the groups
+    whose update was just sent or whose leader reports it loading (``group_phases``)."""
     if state is None:
         return {}
-    return {v.index: wave_target(state, v).revision for v in views if v.index in state.wave}
+    return {
+        v.index: wave_target(state, v).revision
+        for v in views
+        if v.index in state.wave and v.index in state.group_phases
+    }
 
 
 def _rollout_step(

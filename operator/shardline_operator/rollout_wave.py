@@ -87,13 +87,21 @@ def follow_wave(
         result, message = _result(view, target)
         if result == "success" and not _confirmed(view, target):
             result, message = "pending", f"waiting for the leader to be Ready on {target.revision}"
-        last = state.group_phases.get(index, GroupPhase.UPDATING_WEIGHTS)
+        last = state.group_phases.get(index)  # None: nothing was seen loading yet
         trail = _trail(last, view.phases)
         if result == "unknown" and cancel:  # nothing loads the old target: nothing to cancel
             result = "aborted"
         elif result == "unknown":  # nobody is updating it: send the request (again)
             out.start[index] = update_body(view.served, target)
             result = "pending"
+            out.events.append(
+                (
+                    "Normal",
+                    "UpdateSent",
+                    f"group {index}: no update was running; sending the update to "
+                    f"{target.revision} again",
+                )
+            )
         elif result == "aborted" and not cancel:  # another client aborted it
             result, message = "failure", f"aborted ({message})"
         if result == "pending" and cancel:
@@ -115,12 +123,12 @@ def follow_wave(
                 )
             )
         elif result == "pending":
-            reported = view.leader.weights_phase if view.leader else WeightsPhase.SERVING
-            phase = PHASE_BY_WEIGHTS_PHASE.get(reported, trail[-1] if trail else last)
-            if trail and trail[-1] == phase:
-                trail.pop()
-            out.trail += [(index, p) for p in trail]
-            out.group_phases[index], phases[index] = phase, phase
+            phase = _shown_phase(view, index in out.start, trail[-1] if trail else last)
+            if phase is not None and phase != (trail[-1] if trail else last):
+                trail.append(phase)  # first seen now (say, after a restart): a transition too
+            out.trail += [(index, p) for p in trail]  # each with its status write and event
+            if phase is not None:
+                out.group_phases[index] = phases[index] = phase
             still.append(index)
         elif result == "success":
             if (
@@ -214,6 +222,19 @@ def fail(
     out.state = replace(state, phase=FAILED, wave=(), canary=None, message=reason)
     out.events.append(("Warning", "WeightUpdateFailed", reason))
     return out
+
+
+def _shown_phase(view: GroupView, just_sent: bool, last: str | None) -> str | None:
+    """The phase status shows for a group of the wave whose update has not ended: what its
+    leader reports (``loading`` -> UpdatingWeights, ``recapturing`` -> RecapturingGraphs), else
+    ``last`` while this process's request is on its way or the leader cannot be asked (the
+    runtime reports ``loading`` as soon as a request arrives), else None: nothing loads, and the
+    group shows what its pods show (after an operator restart, or an update sent again)."""
+    leader = view.leader
+    if leader is not None and leader.weights_phase in PHASE_BY_WEIGHTS_PHASE:
+        return PHASE_BY_WEIGHTS_PHASE[leader.weights_phase]
+    own_request = view.update[0] == "pending" and not just_sent
+    return last if own_request else None
 
 
 def _trail(reported: str | None, weights_phases: Sequence[WeightsPhase]) -> list[str]:

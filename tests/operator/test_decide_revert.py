@@ -198,3 +198,88 @@ def test_the_rollout_after_a_revert_targets_the_revert(spec_a, make_pod):
     plan = decide(spec_a, observation(spec_a, make_pod, committed(spec_a, make_pod)),
                   previous_status(spec_a, rollout=ROLLOUT_B | {"wave": [0], "startedAt": WAVE_0["startedAt"]}), NOW)
     assert plan.status["rollout"]["targetRevision"] == "rev-a"
+
+
+# --- after an operator restart, status follows the leaders (issue 23, the smaller lies)
+
+RESTARTED = {**WAVE_0}  # what the killed operator wrote; the new one's leader client knows no request
+FIRST_SEEN = {k: v for k, v in WAVE_0.items() if k != "groupPhases"}  # nothing seen loading yet
+
+
+def spec_b_of(make_spec):
+    return make_spec({"model": {**_model(), "path": REV_A.replace("rev-a", "rev-b"), "revision": "rev-b"}})
+
+
+def test_after_a_restart_a_group_nothing_loads_is_not_shown_updating(make_spec, make_pod):
+    spec_b = spec_b_of(make_spec)
+    idle = {0: (pods(spec_b, make_pod, 0), leader("rev-a"))}
+    plan = decide(spec_b, observation(spec_b, make_pod, idle), previous_status(spec_b, rollout=RESTARTED), NOW)
+    assert plan.status["groups"][0]["phase"] == "Ready"
+
+
+def test_after_a_restart_a_group_nothing_loads_does_not_say_loading(make_spec, make_pod):
+    spec_b = spec_b_of(make_spec)
+    idle = {0: (pods(spec_b, make_pod, 0), leader("rev-a"))}
+    plan = decide(spec_b, observation(spec_b, make_pod, idle), previous_status(spec_b, rollout=RESTARTED), NOW)
+    assert plan.status["groups"][0]["message"] == ""
+
+
+def test_after_a_restart_an_update_nobody_runs_is_sent_again(make_spec, make_pod):
+    spec_b = spec_b_of(make_spec)
+    idle = {0: (pods(spec_b, make_pod, 0), leader("rev-a"))}
+    plan = decide(spec_b, observation(spec_b, make_pod, idle), previous_status(spec_b, rollout=RESTARTED), NOW)
+    assert changes(plan) == [("StartUpdate", 0, "rev-b")]
+
+
+def test_an_update_sent_again_is_an_event(make_spec, make_pod):
+    spec_b = spec_b_of(make_spec)
+    idle = {0: (pods(spec_b, make_pod, 0), leader("rev-a"))}
+    plan = decide(spec_b, observation(spec_b, make_pod, idle), previous_status(spec_b, rollout=RESTARTED), NOW)
+    assert len(events(plan, "UpdateSent")) == 1
+
+
+def test_a_group_first_seen_loading_emits_its_updating_weights_event(make_spec, make_pod):
+    spec_b = spec_b_of(make_spec)
+    busy = {0: (pods(spec_b, make_pod, 0, ready=False), leader("rev-a", phase="loading"))}
+    plan = decide(spec_b, observation(spec_b, make_pod, busy), previous_status(spec_b, rollout=FIRST_SEEN), NOW)
+    assert [e[2] for e in events(plan, "UpdatingWeights")] == ["group 0: UpdatingWeights"]
+
+
+def test_a_group_first_seen_loading_is_shown_updating(make_spec, make_pod):
+    spec_b = spec_b_of(make_spec)
+    busy = {0: (pods(spec_b, make_pod, 0, ready=False), leader("rev-a", phase="loading"))}
+    plan = decide(spec_b, observation(spec_b, make_pod, busy), previous_status(spec_b, rollout=FIRST_SEEN), NOW)
+    assert plan.status["groups"][0]["phase"] == "UpdatingWeights"
+
+
+def test_a_group_still_loading_emits_no_second_event(make_spec, make_pod):
+    spec_b = spec_b_of(make_spec)
+    busy = {0: (pods(spec_b, make_pod, 0, ready=False), leader("rev-a", phase="loading"))}
+    plan = decide(spec_b, observation(spec_b, make_pod, busy), previous_status(spec_b, rollout=RESTARTED), NOW)
+    assert [e for e in events(plan, "UpdatingWeights") if e[2].startswith("group 0")] == []
+
+
+def test_recapturing_seen_without_samples_emits_its_event(make_spec, make_pod):
+    spec_b = spec_b_of(make_spec)
+    busy = {0: (pods(spec_b, make_pod, 0, ready=False), leader("rev-b", phase="recapturing"))}
+    plan = decide(spec_b, observation(spec_b, make_pod, busy), previous_status(spec_b, rollout=RESTARTED), NOW)
+    assert [e[2] for e in events(plan, "RecapturingGraphs")] == ["group 0: RecapturingGraphs"]
+
+
+def test_an_unreachable_leader_with_this_operator_s_update_pending_stays_updating(make_spec, make_pod):
+    spec_b = spec_b_of(make_spec)
+    silent = {0: (pods(spec_b, make_pod, 0, ready=False), None)}
+    observed = observation(spec_b, make_pod, silent)
+    group = observed.groups[0]
+    from dataclasses import replace
+    from shardline_operator.observed import LeaderObservation
+    groups = {**observed.groups, 0: replace(group, answers=LeaderObservation(None, ("pending", "")))}
+    plan = decide(spec_b, replace(observed, groups=groups), previous_status(spec_b, rollout=RESTARTED), NOW)
+    assert plan.status["groups"][0]["phase"] == "UpdatingWeights"
+
+
+def test_an_unreachable_leader_after_a_restart_is_not_shown_updating(make_spec, make_pod):
+    spec_b = spec_b_of(make_spec)
+    silent = {0: (pods(spec_b, make_pod, 0, ready=False), None)}
+    plan = decide(spec_b, observation(spec_b, make_pod, silent), previous_status(spec_b, rollout=RESTARTED), NOW)
+    assert plan.status["groups"][0]["phase"] != "UpdatingWeights"
