@@ -283,3 +283,10 @@ def test_an_unreachable_leader_after_a_restart_is_not_shown_updating(make_spec, 
     silent = {0: (pods(spec_b, make_pod, 0, ready=False), None)}
     plan = decide(spec_b, observation(spec_b, make_pod, silent), previous_status(spec_b, rollout=RESTARTED), NOW)
     assert plan.status["groups"][0]["phase"] != "UpdatingWeights"
+
+
+def test_an_update_aborted_by_its_leader_going_away_waits_for_the_new_pod(make_spec, make_pod):
+    spec_b = spec_b_of(make_spec)
+    gone = {0: (pods(spec_b, make_pod, 0, leader_deleting=True), leader("rev-a", update=("aborted", "aborted")))}
+    plan = decide(spec_b, observation(spec_b, make_pod, gone), previous_status(spec_b, rollout=WAVE_0), NOW)
+    assert (plan.metrics.failed_updates, plan.status["rollout"]["wave"]) == (0, [0])

@@ -91,3 +91,18 @@ def test_an_update_after_an_abort_loads_the_new_revision(server, revisions, abor
     reply = server.post("/update_weights_from_disk", {"model_path": str(revisions["rev-b"]), "revision": "rev-b"},
                         timeout=600)
     assert server.get("/get_server_info").json()["weights_digest"] == checkpoint_digest(str(revisions["rev-b"])), reply.text
+
+
+def test_sigterm_during_an_update_aborts_it_and_the_server_exits_cleanly(server, revisions, aborted):
+    """A pod deleted mid-update (a drain, an eviction) does not finish loading weights it will
+    never serve: the drain aborts the update, so requests it holds run on the weights serving."""
+    target = revisions["rev-a"] if server.get("/get_server_info").json()["weights_revision"] == "rev-b" \
+        else revisions["rev-b"]
+    replies: dict = {}
+    update = threading.Thread(target=lambda: replies.update(update=server.post(
+        "/update_weights_from_disk", {"model_path": str(target), "revision": "x"}, timeout=600)))
+    update.start()
+    _wait_phase(server, "loading")
+    code = server.stop()
+    update.join(60)
+    assert (replies["update"].json()["aborted"], code) == (True, 0), server.log_tail()
