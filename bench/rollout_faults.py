@@ -29,8 +29,8 @@ from hack.scenario.invariant_watch import InvariantWatch  # noqa: E402
 from hack.scenario.large_model import large_revisions  # noqa: E402
 from hack.scenario.models import write_revisions  # noqa: E402
 from hack.scenario.operator_install import install_operator  # noqa: E402
-from hack.scenario.rollout_faults import SCENARIOS, Fleet, run_scenario  # noqa: E402
-from hack.scenario.rollout_fleet import apply, two_group_doc, wait_ready  # noqa: E402
+from hack.scenario.rollout_faults import HOLD_SECONDS, SCENARIOS, Fleet, fault_fleet_doc, run_scenario  # noqa: E402
+from hack.scenario.rollout_fleet import apply, wait_ready  # noqa: E402
 from hack.scenario.traffic import Traffic  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def main() -> int:
         revisions = {k: str(v) for k, v in (write_revisions() if args.tiny else large_revisions()).items()}
         install_operator(cluster)
         ns, name = f"faults-{uuid.uuid4().hex[:6]}", "faults"
-        doc = two_group_doc(ns, name, revisions["rev-a"], "rev-a", startup_timeout=900)
+        doc = fault_fleet_doc(ns, name, revisions["rev-a"])
         watch = apply(cluster, doc)
         wait_ready(watch, "rev-a", 0, 900)
         invariants = InvariantWatch(cluster.client(), ns, name).start()
@@ -62,7 +62,8 @@ def main() -> int:
         for scenario in scenarios:
             other = "rev-b" if current != "rev-b" else "rev-a"
             before = len(invariants.violations)
-            with Traffic(cluster.client(), ns, name, doc["spec"]["model"]["name"], args.rate) as traffic:
+            with Traffic(cluster.client(), ns, name, doc["spec"]["model"]["name"], args.rate,
+                         timeout=HOLD_SECONDS) as traffic:
                 started = time.monotonic()
                 current = run_scenario(fleet, scenario, current, other)
                 seconds = time.monotonic() - started

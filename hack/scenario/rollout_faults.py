@@ -15,10 +15,20 @@ from dataclasses import dataclass
 
 from hack.scenario.invariant_watch import InvariantWatch
 from hack.scenario.operator_install import OPERATOR_NAMESPACE
-from hack.scenario.rollout_fleet import patch, wait_ready
+from hack.scenario.rollout_fleet import patch, two_group_doc, wait_ready
 from hack.scenario.status_watch import StatusWatcher
 
 LOAD_WAIT = 300  # seconds for a leader to start loading after the patch (busy machine)
+HOLD_SECONDS = 600  # a request may be held by an update this long: an 810 MB load took over 60 s
+# (the runtime's default hold) on the 2-core machine shared by 9 sessions; held, never refused
+
+
+def fault_fleet_doc(namespace: str, name: str, model_path: str, startup_timeout: int = 900) -> dict:
+    """``two_group_doc`` on rev-a whose runtime holds requests up to :data:`HOLD_SECONDS`."""
+    doc = two_group_doc(namespace, name, model_path, "rev-a", startup_timeout=startup_timeout)
+    runtime = doc["spec"]["runtime"]
+    runtime["args"] = [*runtime.get("args", []), "--weight-update-hold-timeout", str(HOLD_SECONDS)]
+    return doc
 
 
 @dataclass

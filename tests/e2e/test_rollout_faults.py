@@ -23,16 +23,14 @@ import pytest
 from hack.scenario.invariant_watch import InvariantWatch
 from hack.scenario.large_model import large_revisions
 from hack.scenario.operator_install import install_operator
-from hack.scenario.rollout_fleet import apply, diagnostics, leader_server_infos, two_group_doc, wait_ready
-from hack.scenario.rollout_faults import Fleet, run_scenario
+from hack.scenario.rollout_fleet import apply, diagnostics, leader_server_infos, wait_ready
+from hack.scenario.rollout_faults import HOLD_SECONDS, Fleet, fault_fleet_doc, run_scenario
 from hack.scenario.traffic import Traffic
 from tests.kube_fixtures import agent_nodes_only
 
 pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.slow]
 
 TIMEOUT = 900
-HOLD = 600  # seconds a request may be held by an update: a load of 810 MB took over 60 s (the
-# runtime's default hold) on the 2-core machine shared by 9 sessions; held, never refused
 NAME = "faults"
 CI_SCENARIOS = [("revert", "rev-a", "rev-b"), ("kill-operator", "rev-a", "rev-b")]
 
@@ -43,8 +41,7 @@ def run(kube_cluster):
     revisions = {k: str(v) for k, v in large_revisions().items()}
     install_operator(kube_cluster)
     ns = f"e2e-faults-{uuid.uuid4().hex[:6]}"
-    doc = two_group_doc(ns, NAME, revisions["rev-a"], "rev-a", startup_timeout=TIMEOUT)
-    doc["spec"]["runtime"]["args"] = [*doc["spec"]["runtime"].get("args", []), "--weight-update-hold-timeout", str(HOLD)]
+    doc = fault_fleet_doc(ns, NAME, revisions["rev-a"], TIMEOUT)
     with agent_nodes_only(kube_cluster):
         watch = apply(kube_cluster, doc)
         invariants = InvariantWatch(kube_cluster.client(), ns, NAME)
@@ -52,7 +49,7 @@ def run(kube_cluster):
             wait_ready(watch, "rev-a", 0, TIMEOUT)
             fleet = Fleet(kube_cluster, ns, NAME, watch, invariants.start(), revisions, TIMEOUT)
             finals = []
-            with Traffic(kube_cluster.client(), ns, NAME, doc["spec"]["model"]["name"], timeout=HOLD) as traffic:
+            with Traffic(kube_cluster.client(), ns, NAME, doc["spec"]["model"]["name"], timeout=HOLD_SECONDS) as traffic:
                 for scenario, current, other in CI_SCENARIOS:
                     finals.append(run_scenario(fleet, scenario, current, other))
             invariants.stop()
