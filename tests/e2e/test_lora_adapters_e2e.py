@@ -1,18 +1,25 @@
 """LoRA adapters managed by the operator on the local cluster (issue 15): apply
 ``examples/lora-adapters.yaml`` with one adapter, add a second, remove the first, chatting with
-each at each step; no pod restarts, and ``status.loraAdapters`` counts the loaded groups."""
+each at each step; no pod restarts, and ``status.loraAdapters`` counts the loaded groups.
+
+Auth is on (issue 27): the deployment has ``spec.auth.apiKeySecretRef``, so every chat sends the
+serving key, and the operator's adapter list/load/unload calls must go through its admin token
+(the runtime refuses control calls with the serving key and serving calls without one)."""
 from __future__ import annotations
 
 import json
+import secrets
 import uuid
 
 import openai
 import pytest
+import yaml
 
 from hack.scenario.examples import inference_deployments
 from hack.scenario.models import MODELS_ROOT, write_tiny_model
 from hack.scenario.operator_install import install_operator, operator_logs
-from hack.scenario.serving import chat, leader_ip
+from hack.scenario.serving import chat as serving_chat
+from hack.scenario.serving import leader_ip
 from hack.scenario.status_watch import StatusWatcher
 from tests.kube_fixtures import agent_nodes_only
 
@@ -41,17 +48,23 @@ def lora_job(kube_cluster):
     install_operator(kube_cluster)
     ns = f"e2e-lora-{uuid.uuid4().hex[:6]}"
     kube_cluster.kubectl("create", "namespace", ns)
+    key = f"sk-lora-{secrets.token_hex(8)}"
+    kube_cluster.kubectl("create", "secret", "generic", "lora-api-key", f"--from-literal=api-key={key}", "-n", ns)
+    doc = dict(doc, spec=dict(doc["spec"], auth={"apiKeySecretRef": {"name": "lora-api-key"}}))
     watch = StatusWatcher(kube_cluster.client(), ns, doc["metadata"]["name"]).start()
     with agent_nodes_only(kube_cluster):
-        yield kube_cluster, ns, path, doc, watch
+        yield kube_cluster, ns, key, doc, watch
     watch.stop()
     kube_cluster.kubectl("delete", "infd", "--all", "-n", ns, "--wait=false", check=False)
     kube_cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
 def test_adapters_are_added_and_removed_in_place(lora_job):
-    cluster, ns, path, doc, watch = lora_job
+    cluster, ns, key, doc, watch = lora_job
     name, model = doc["metadata"]["name"], doc["spec"]["model"]["name"]
+
+    def chat(ip, served, prompt):
+        return serving_chat(ip, served, prompt, api_key=key)
 
     def loaded(names):
         def check(s):
@@ -60,7 +73,7 @@ def test_adapters_are_added_and_removed_in_place(lora_job):
                 all(e.get("loadedGroups") == 1 and not e.get("error") for e in entries.values())
         return check
 
-    cluster.kubectl("apply", "-n", ns, "-f", str(path))
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
     try:
         watch.wait(loaded(["tiny-a"]), READY_TIMEOUT, "tiny-a loaded")
     except Exception:
@@ -68,6 +81,8 @@ def test_adapters_are_added_and_removed_in_place(lora_job):
         raise
     ip = leader_ip(cluster.client(), ns, name)
     uids = sorted(p["metadata"]["uid"] for p in json.loads(cluster.kubectl("get", "pods", "-n", ns, "-o", "json").stdout)["items"])
+    with pytest.raises(openai.AuthenticationError):  # the adapter serves behind the deployment's key
+        serving_chat(ip, "tiny-a", PROMPT)
     base, a = chat(ip, model, PROMPT), chat(ip, "tiny-a", PROMPT)
     assert a != base
 

@@ -52,8 +52,10 @@ class Job:
         return self.kube.kubectl(*args, "-n", self.namespace, **kw)
 
     def patch_model(self, revision: str) -> None:
-        body = {"spec": {"model": {"path": str(self.revisions[revision]), "revision": revision}}}
-        self.kubectl("patch", "infd", self.name, "--type", "merge", "-p", json.dumps(body))
+        self.patch_spec({"model": {"path": str(self.revisions[revision]), "revision": revision}})
+
+    def patch_spec(self, spec: dict) -> None:
+        self.kubectl("patch", "infd", self.name, "--type", "merge", "-p", json.dumps({"spec": spec}))
 
     def ask(self, group: int = 0) -> list[str]:
         ip = leader_ip(self.client, self.namespace, self.name, group)
@@ -195,6 +197,35 @@ def test_e_scale_to_two_groups(job):
     job.wait_ready("rev-b", mark, replicas=2)
     assert job.ask(group=0) == job.answers["rev-b"]
     assert job.ask(group=1) == job.answers["rev-b"]
+
+
+def test_e2_canary_gate_with_keys_passes(job):
+    """Issue 27: with ``spec.auth`` on, the canary gate sends the serving key (it got 401 with the
+    admin token) and the updates go through the admin token. A bound the gate can meet passes and
+    the fleet moves to rev-a. (A canary needs a second group to hold back, so this runs after the
+    scale to two groups.)"""
+    mark = job.watch.mark()
+    job.patch_spec({"model": {"path": str(job.revisions["rev-a"]), "revision": "rev-a"},
+                    "weightUpdate": {"canary": {"verify": {"prompt": "Hello", "maxTokens": 4,
+                                                           "maxLatencySeconds": 120}}}})
+    job.wait_ready("rev-a", mark, replicas=2)
+    assert job.ask(group=1) == job.answers["rev-a"]
+
+
+def test_e3_canary_gate_with_keys_fails_and_rolls_back(job):
+    """The same gate with a bound it cannot meet (1 us) rolls the canary back through the admin
+    token; both groups serve rev-a again, and the fleet stays Degraded until the spec changes."""
+    mark = job.watch.mark()
+    job.patch_spec({"model": {"path": str(job.revisions["rev-b"]), "revision": "rev-b"},
+                    "weightUpdate": {"canary": {"verify": {"prompt": "Hello", "maxTokens": 4,
+                                                           "maxLatencySeconds": 0.000001}}}})
+    snap = job.watch.wait(lambda s: s.conditions.get("WeightsUpdated", ("",))[0] == "False"
+                          and "rolled back" in s.conditions["WeightsUpdated"][2], READY_TIMEOUT,
+                          "the canary rolled back", mark)
+    assert "failed verification" in snap.conditions["WeightsUpdated"][2], snap.conditions
+    job.watch.wait(lambda s: s.served_revision == "rev-a" and s.ready_replicas == 2 and s.phase == "Degraded",
+                   120, "both groups back on rev-a", mark)
+    assert job.ask(group=0) == job.answers["rev-a"]
 
 
 def test_f_delete_removes_all_children(job):
