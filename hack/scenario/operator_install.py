@@ -1,7 +1,7 @@
-"""Install and remove the Shardline chart with the real helm CLI; the node agent then runs the
-operator's Deployment pod as a local process with its ServiceAccount token mounted where
-kubelet mounts it (the operator's in-cluster branch), so the chart's RBAC is what the operator
-really gets."""
+"""Install and remove the Shardline chart with the real helm CLI. On the real node the kubelet
+runs the operator's Deployment pod from the operator image; with the node agent it runs as a
+local process with its ServiceAccount token mounted where kubelet mounts it. Either way the
+operator takes its in-cluster branch, so the chart's RBAC is what it really gets."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -35,7 +35,12 @@ def uninstall_operator(cluster: LocalCluster, namespace: str = OPERATOR_NAMESPAC
 
 
 def operator_logs(cluster: LocalCluster, namespace: str = OPERATOR_NAMESPACE) -> str:
-    """Logs of the operator pod as the node agent recorded them (for failure reports)."""
+    """Logs of the operator pod (for failure reports): ``kubectl logs`` on a real node, the
+    files the node agent recorded otherwise."""
+    if cluster.real_node:
+        proc = cluster.kubectl("logs", "-n", namespace, "deployment/shardline", "--tail=80",
+                               check=False)
+        return f"== operator logs\n{proc.stdout}{proc.stderr}"
     pods_dir = cluster.state_dir / "pods"
     out = []
     for log in sorted(pods_dir.glob(f"{namespace}_*/*.log")):

@@ -62,11 +62,27 @@ class PodObservation:
         return self.phase in ("Failed", "Succeeded") or self.terminated or self.restart_count > 0
 
 
+OOM_KILLED = "OOMKilled"
+
+
+def oom_killed_line(container: str) -> str:
+    """The error line of a container the kernel killed at its memory limit."""
+    return (
+        f"container {container} was OOMKilled (exit code 137): it exceeded its memory limit; "
+        "raise spec.runtime.resources.limits.memory or load a smaller model"
+    )
+
+
 def _first_error_line(statuses: Iterable[Mapping[str, Any]]) -> str | None:
-    """First non-empty line of a container's termination message (current state, then last state)."""
+    """First non-empty line of a container's termination message (current state, then last
+    state). A container with ``reason: OOMKilled`` (the kubelet's, for a kill at the cgroup's
+    memory limit) gets :func:`oom_killed_line` instead: SIGKILL leaves no termination message,
+    and with ``FallbackToLogsOnError`` the message is a log tail whose first line is no error."""
     for key in ("state", "lastState"):
         for container in statuses:
             terminated = (container.get(key) or {}).get("terminated") or {}
+            if terminated.get("reason") == OOM_KILLED:
+                return oom_killed_line(container.get("name", "runtime"))
             for line in (terminated.get("message") or "").splitlines():
                 if line.strip():
                     return line.strip()

@@ -20,6 +20,7 @@ from .spec_types import (
     ADMIN_API_KEY_ENV,
     API_KEY_ENV,
     DEFAULT_MAX_LORAS_PER_BATCH,
+    DRAIN_TIMEOUT_FLAG,
     DTYPES,
     GPU_RESOURCE,
     KV_CACHE_DTYPES,
@@ -45,6 +46,7 @@ from .spec_types import (
     SpecError,
     VerifySpec,
     WeightUpdateSpec,
+    flag_value,
 )
 
 __all__ = [
@@ -149,6 +151,14 @@ def parse_runtime(raw: Mapping[str, Any]) -> RuntimeSpec:
                 f"{path}.args must not set {arg.split('=', 1)[0]}: the operator renders it "
                 f"from the spec (reserved: {', '.join(RESERVED_FLAGS)})"
             )
+    drain = flag_value(args, DRAIN_TIMEOUT_FLAG)
+    if (drain is None and DRAIN_TIMEOUT_FLAG in args) or (
+        drain is not None and not (drain.isascii() and drain.isdigit() and int(drain) <= 86400)
+    ):
+        raise SpecError(
+            f"{path}.args {DRAIN_TIMEOUT_FLAG} must be followed by whole seconds in "
+            f"[0, 86400] (the pod's termination grace period is derived from it), got {drain!r}"
+        )
     env = tuple(field_value(raw, "env", path, list, []))
     for item in env:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):

@@ -25,6 +25,10 @@ SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 MAX_NAME_LENGTH = 40  # "<name>-g99-ranks" and the pods' controller-revision-hash label stay <= 63
 MAX_REPLICAS = 100
+# The runtime's SIGTERM drain when ``runtime.args`` has no ``--drain-timeout`` (its default,
+# ``ServerArgs.drain_timeout``; tests/contract checks the two agree).
+RUNTIME_DRAIN_TIMEOUT_SECONDS = 30
+DRAIN_TIMEOUT_FLAG = "--drain-timeout"
 # Flags the operator renders itself; a user repeating one in runtime.args would contradict it.
 RESERVED_FLAGS = (
     "--model-path",
@@ -99,6 +103,24 @@ class RuntimeSpec:
     env: tuple[Mapping[str, Any], ...] = ()
     resources: Mapping[str, Any] = field(default_factory=dict)
     startup_timeout_seconds: int = 1800
+
+    def drain_timeout_seconds(self) -> int:
+        """Seconds the runtime drains on SIGTERM: ``--drain-timeout`` from ``args`` (``N`` or
+        ``=N``, validated by ``parse_runtime``), else :data:`RUNTIME_DRAIN_TIMEOUT_SECONDS`."""
+        value = flag_value(self.args, DRAIN_TIMEOUT_FLAG)
+        return RUNTIME_DRAIN_TIMEOUT_SECONDS if value is None else int(value)
+
+
+def flag_value(args: tuple[str, ...], flag: str) -> str | None:
+    """The last value given to ``flag`` in ``args`` (``flag N`` or ``flag=N``), None if absent
+    or given without a value."""
+    found = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith(flag + "="):
+            found = arg.split("=", 1)[1]
+    return found
 
 
 @dataclass(frozen=True)

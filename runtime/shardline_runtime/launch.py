@@ -259,7 +259,11 @@ def _full_app(args: ServerArgs, info, input_addr: str, output_addr: str, state: 
         info,
         input_addr,
         output_addr,
-        ServingMetrics(args.model_name),
+        ServingMetrics(
+            args.model_name,
+            num_gpu_blocks=info.max_total_num_tokens,
+            max_lora=args.max_loras_per_batch if args.enable_lora else None,
+        ),
         hold_timeout=args.weight_update_hold_timeout,
         # loaded by every rank before it reported ready
         lora_adapters=parse_lora_paths(list(args.lora_paths)),

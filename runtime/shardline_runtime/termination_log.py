@@ -15,14 +15,21 @@ DEFAULT_TERMINATION_LOG = "/dev/termination-log"
 _written = False
 
 
-def termination_log_path() -> str | None:
-    """Path the first fatal error line goes to, or ``None`` when there is nowhere writable."""
+def termination_log_path(default: str = DEFAULT_TERMINATION_LOG) -> str | None:
+    """Path the first fatal error line goes to, or ``None`` when there is nowhere writable.
+
+    The kubelet creates the file ``terminationMessagePath`` names (mode 0666) and bind-mounts it
+    into the container, while the directory (``/dev``) stays read-only to a non-root user: a
+    writable file is enough, a writable directory only matters where no file exists yet.
+    """
     path = os.environ.get("SHARDLINE_TERMINATION_LOG")
     if path:
         return path
-    directory = os.path.dirname(DEFAULT_TERMINATION_LOG)
+    if os.path.isfile(default) and os.access(default, os.W_OK):
+        return default
+    directory = os.path.dirname(default)
     if os.path.isdir(directory) and os.access(directory, os.W_OK):
-        return DEFAULT_TERMINATION_LOG
+        return default
     return None
 
 

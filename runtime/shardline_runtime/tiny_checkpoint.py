@@ -188,7 +188,8 @@ def make_tiny_checkpoint(
         overrides: passed to :func:`tiny_config`.
 
     Returns:
-        ``Path(out_dir)``.
+        ``Path(out_dir)``; every file in it is readable by all users (the runtime pods run as
+        uid 10001, not as the writer).
     """
     import torch
     import transformers
@@ -207,6 +208,10 @@ def make_tiny_checkpoint(
         train_tokenizer(
             out, vocab_size=min(512, vocab_size), add_bos=add_bos, chat_template=chat_template
         )
+    # save_pretrained writes shards 0600; the runtime pods read them as uid 10001.
+    for written in out.iterdir():
+        if written.is_file():
+            written.chmod(written.stat().st_mode | 0o444)
     return out
 
 

@@ -109,3 +109,10 @@ def test_runtime_runs_the_ranks_the_operator_reports_for_each_pod(spec_name):
         reported = spec.parallelism.pod_ranks(rank)
         assert started == {(pp, tp) for pp in reported.pp_ranks for tp in reported.tp_ranks}
         assert len(started) == spec.parallelism.gpus_per_pod
+
+
+def test_operator_knows_the_runtimes_default_drain_timeout():
+    from shardline_operator.spec_types import RUNTIME_DRAIN_TIMEOUT_SECONDS
+
+    parsed = server_args.ServerArgs.from_cli(["--model-path", "/m"])
+    assert parsed.drain_timeout == RUNTIME_DRAIN_TIMEOUT_SECONDS

@@ -38,3 +38,15 @@ def real_node_cluster(tmp_path_factory) -> LocalCluster:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def operator_on_node(real_node_cluster) -> LocalCluster:
+    """The chart installed with helm: the operator runs as its Deployment from the operator
+    image; the tiny model revisions are written to the examples' hostPath."""
+    from hack.scenario.models import write_revisions
+    from hack.scenario.operator_install import install_operator
+
+    write_revisions()
+    install_operator(real_node_cluster)
+    return real_node_cluster

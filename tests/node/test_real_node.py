@@ -77,10 +77,19 @@ def test_crictl_shows_the_running_container(real_node_cluster, web):
 
 
 def test_pod_ip_serves_http_inside_the_node_network(real_node_cluster, web):
+    # Running is not listening: the server's Python may still be starting (seconds under load),
+    # so the client retries for up to 60 s.
     url = f"http://{web['status']['podIP']}:8080/hostname"
-    out = subprocess.run(real_node_cluster.node.exec_argv(["python3", "-c", (
-        f"import urllib.request;print(urllib.request.urlopen('{url}', timeout=5).status)")]),
-        capture_output=True, text=True, timeout=30)
+    script = ("import time, urllib.request\n"
+              "deadline = time.monotonic() + 60\n"
+              "while True:\n"
+              "    try:\n"
+              f"        print(urllib.request.urlopen('{url}', timeout=5).status); break\n"
+              "    except OSError:\n"
+              "        if time.monotonic() > deadline: raise\n"
+              "        time.sleep(1)\n")
+    out = subprocess.run(real_node_cluster.node.exec_argv(["python3", "-c", script]),
+                         capture_output=True, text=True, timeout=90)
     assert out.stdout.strip() == "200", out.stderr
 
 

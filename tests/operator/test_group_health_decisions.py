@@ -73,3 +73,25 @@ def test_zero_budget_fails_on_first_failure(make_pod):
     decision = decide(group(make_pod(0, 0, phase="Failed"), make_pod(0, 1)), GroupRecord(),
                       RestartPolicySpec(max_group_restarts=0, backoff_seconds=1), now=1.0)
     assert decision.action == "fail" and "Failed" in decision.record.failed_message
+
+
+def _oom_killed(make_pod, rank, log_tail):
+    pod = make_pod(0, rank, restarts=1)
+    pod["status"]["containerStatuses"][0]["lastState"] = {"terminated": {
+        "exitCode": 137, "reason": "OOMKilled", "message": log_tail}}
+    return pod
+
+
+def test_oom_killed_member_fails_the_group_naming_the_memory_limit(make_pod):
+    # The real kubelet's status of a container killed at its memory limit: reason OOMKilled,
+    # exit 137, and (FallbackToLogsOnError) a log tail whose first line is no error (issue 21).
+    broken = group(make_pod(0, 0), _oom_killed(make_pod, 1, "INFO loading weights\nINFO shard 1/2"))
+    decision = decide(broken, GroupRecord(), RestartPolicySpec(max_group_restarts=0, backoff_seconds=1),
+                      now=1.0)
+    assert "OOMKilled" in decision.record.failed_message
+
+
+def test_oom_killed_restart_reason_names_the_memory_limit(make_pod):
+    broken = group(make_pod(0, 0), _oom_killed(make_pod, 1, "INFO loading weights"))
+    decision = decide(broken, GroupRecord(), POLICY, now=100.0)
+    assert "spec.runtime.resources.limits.memory" in decision.reason

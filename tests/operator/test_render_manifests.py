@@ -135,3 +135,23 @@ def test_served_model_overrides_one_group(make_spec):
 
 def test_rendering_is_deterministic(make_spec):
     assert render_children(make_spec()) == render_children(make_spec())
+
+
+def _grace_and_pre_stop(spec):
+    body = next(c for c in render_children(spec, operator_namespace="shardline-system")
+                if c["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    return body["terminationGracePeriodSeconds"], \
+        body["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"]
+
+
+@pytest.mark.parametrize("args, drain", [([], 30), (["--drain-timeout", "300"], 300),
+                                         (["--drain-timeout=120"], 120)])
+def test_termination_grace_covers_pre_stop_and_the_runtime_drain(make_spec, args, drain):
+    # The kubelet counts the grace period from the preStop hook and SIGKILLs at its end: a
+    # fixed 60 s killed a runtime told to drain for 300 s mid-request (issue 21).
+    grace, pre_stop = _grace_and_pre_stop(make_spec({"runtime": {"image": "r:1", "args": args}}))
+    assert grace >= pre_stop + drain + 3  # uvicorn closes at drain + 3 s
+
+
+def test_default_termination_grace_stays_sixty_seconds(make_spec):
+    assert _grace_and_pre_stop(make_spec())[0] == 60

@@ -14,6 +14,17 @@ PROBE_PERIOD_SECONDS = 10
 # Pre-stop delay: a deleted pod leaves the Service's ready endpoints at once, but clients and
 # proxies take a moment to notice; the runtime keeps serving meanwhile, then drains on SIGTERM.
 PRE_STOP_SECONDS = 5
+# After the drain: uvicorn's own graceful close (the drain timeout + 3 s), the schedulers'
+# exit and the process teardown. The kubelet's grace period counts from the preStop hook on
+# and SIGKILLs what still runs at its end, so the period is preStop + drain + this margin.
+SHUTDOWN_MARGIN_SECONDS = 25
+
+
+def termination_grace_seconds(spec: DeploymentSpec) -> int:
+    """``terminationGracePeriodSeconds``: :data:`PRE_STOP_SECONDS` + the runtime's drain
+    timeout (``--drain-timeout``, default 30 s) + :data:`SHUTDOWN_MARGIN_SECONDS`; 60 s by
+    default. A fixed period would SIGKILL a runtime told to drain for longer mid-request."""
+    return PRE_STOP_SECONDS + spec.runtime.drain_timeout_seconds() + SHUTDOWN_MARGIN_SECONDS
 
 
 def _field_env(name: str, field_path: str) -> dict[str, Any]:
@@ -122,7 +133,7 @@ def build_pod_template(spec: DeploymentSpec, group: int, served: ServedModel) ->
         "containers": [container],
         "volumes": volumes,
         "restartPolicy": "Always",
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
     }
     sched = spec.scheduling
     if sched.node_selector:

@@ -3,9 +3,21 @@
 Counters and histograms are observed as tokens arrive; gauges (running / queued requests, KV
 usage) mirror the latest ``SchedulerStats`` the rank-0 scheduler pushed. All names carry the
 ``shardline:`` prefix; times are seconds.
+
+The model-server protocol of the Gateway API Inference Extension (its
+``docs/proposals/003-model-server-protocol/README.md``, checked at commit 84436a96b9e6 in
+``tests/contract/test_model_server_protocol.py``) is served in full: TotalQueuedRequests =
+``shardline:num_requests_waiting``, TotalRunningRequests = ``shardline:num_requests_running``,
+KVCacheUtilization = ``shardline:kv_cache_usage_perc`` (a fraction in [0, 1], as vLLM's),
+BlockSize / NumGPUBlocks = the ``block_size`` / ``num_gpu_blocks`` labels of
+``shardline:cache_config_info``, and, with LoRA, ``shardline:lora_requests_info`` (labels
+``max_lora``, ``running_lora_adapters``, ``waiting_lora_adapters``; the value is the Unix time
+of the last change, so a picker takes the newest sample).
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -32,12 +44,30 @@ _LATENCY_BUCKETS = (
 
 
 class ServingMetrics:
-    """The server's metrics, in their own registry (so tests can build several servers)."""
+    """The server's metrics, in their own registry (so tests can build several servers).
 
-    def __init__(self, model_name: str):
+    Args:
+        model_name: the served model name (label ``model_name`` on every series).
+        num_gpu_blocks: KV-cache blocks in device memory (``max_total_num_tokens / block_size``),
+            exported in ``shardline:cache_config_info``; None leaves that series out.
+        block_size: tokens per KV block (1: the allocator hands out single token slots).
+        max_lora: adapters one batch can serve (``--max-loras-per-batch``) when LoRA is on;
+            None (LoRA off) leaves ``shardline:lora_requests_info`` out, as vLLM does.
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        *,
+        num_gpu_blocks: int | None = None,
+        block_size: int = 1,
+        max_lora: int | None = None,
+    ):
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
         self._labels = labels
+        self._max_lora = max_lora
+        self._lora_seen: tuple[tuple[str, ...], tuple[str, ...]] | None = None
         r = self.registry
         self.requests = Counter(
             "shardline:request_success",
@@ -130,6 +160,25 @@ class ServingMetrics:
             ["model_name", "weight_version"],
             registry=r,
         )
+        self.cache_config = Gauge(
+            "shardline:cache_config_info",
+            "1, labelled with the KV cache's block size (tokens) and its number of blocks.",
+            ["model_name", "block_size", "num_gpu_blocks"],
+            registry=r,
+        )
+        if num_gpu_blocks is not None:
+            self.cache_config.labels(
+                block_size=str(block_size), num_gpu_blocks=str(num_gpu_blocks), **labels
+            ).set(1)
+        self.lora_requests = Gauge(
+            "shardline:lora_requests_info",
+            "Unix time of the last change, labelled with the adapters of running and of waiting "
+            "requests (comma-separated) and the adapters one batch can serve.",
+            ["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=r,
+        )
+        if max_lora is not None:
+            self._set_lora((), ())
         for metric in (
             self.held,
             self.hold_time,
@@ -165,6 +214,22 @@ class ServingMetrics:
         self.waiting.labels(**self._labels).set(stats.num_queued_reqs)
         self.kv_usage.labels(**self._labels).set(stats.kv_usage)
         self.kv_used.labels(**self._labels).set(stats.kv_used_tokens)
+        if self._max_lora is not None:
+            self._set_lora(stats.running_lora_adapters, stats.waiting_lora_adapters)
+
+    def _set_lora(self, running: tuple[str, ...], waiting: tuple[str, ...]) -> None:
+        """One ``lora_requests_info`` series for the current adapter sets, stamped when they
+        change (an unchanged set keeps its time)."""
+        if self._lora_seen == (running, waiting):
+            return
+        self._lora_seen = (running, waiting)
+        self.lora_requests.clear()
+        self.lora_requests.labels(
+            max_lora=str(self._max_lora),
+            running_lora_adapters=",".join(running),
+            waiting_lora_adapters=",".join(waiting),
+            **self._labels,
+        ).set(time.time())
 
     def observe_tokens(self, state, now: float, count: int) -> None:
         """``count`` new output tokens of a request arrived at ``now`` (monotonic seconds)."""

@@ -82,6 +82,15 @@ class BatchPlanner:
         running = sum(sum(not r.finished() for r in b.reqs) for b in self.running_batches())
         return running, len(self.prefill.waiting_queue) + (self.prefill.chunked_req is not None)
 
+    def lora_load(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """``(running, waiting)`` adapter names, each sorted without repeats: the adapters of
+        running requests, and of queued ones (the chunked request counts as queued)."""
+        running = {r.lora_name for b in self.running_batches() for r in b.reqs if not r.finished()}
+        waiting = {r.lora_name for r in self.prefill.waiting_queue}
+        if self.prefill.chunked_req is not None:
+            waiting.add(self.prefill.chunked_req.lora_name)
+        return tuple(sorted(n for n in running if n)), tuple(sorted(n for n in waiting if n))
+
     def all_requests(self) -> list[Req]:
         """Queued, chunked and running requests."""
         reqs = list(self.prefill.waiting_queue)

@@ -208,13 +208,19 @@ class ServingStateOut:
 
 @dataclass
 class SchedulerStats:
-    """Load and memory of the rank-0 scheduler (token counts are KV slots)."""
+    """Load and memory of the rank-0 scheduler (token counts are KV slots).
+
+    ``running_lora_adapters`` / ``waiting_lora_adapters``: the adapter names of running and of
+    queued requests, sorted, without repeats (empty without LoRA).
+    """
 
     num_running_reqs: int
     num_queued_reqs: int
     kv_used_tokens: int
     kv_evictable_tokens: int
     max_total_num_tokens: int
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @property
     def kv_usage(self) -> float:

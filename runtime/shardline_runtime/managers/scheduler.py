@@ -294,4 +294,5 @@ class Scheduler:
         if self.sender.enabled:
             kv = (self.cache.used_tokens(), self.tree_cache.evictable_size())
             total = self.cache.max_total_num_tokens
-            self.sender.send_stats(SchedulerStats(*self.planner.load(), *kv, total))
+            stats = SchedulerStats(*self.planner.load(), *kv, total, *self.planner.lora_load())
+            self.sender.send_stats(stats)

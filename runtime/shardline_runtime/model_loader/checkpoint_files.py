@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -60,7 +61,14 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     except (OSError, ValueError) as e:
         if isinstance(e, CheckpointError):
             raise
-        raise CheckpointError(f"checkpoint shard {path} is unreadable: {e}") from None
+        hint = ""
+        if isinstance(e, PermissionError):
+            # A model volume written by another user (save_pretrained writes shards 0600).
+            hint = (
+                f"; this process runs as uid {os.getuid()} gid {os.getgid()}: make the "
+                f"checkpoint readable by it (e.g. chmod -R a+rX {path.parent})"
+            )
+        raise CheckpointError(f"checkpoint shard {path} is unreadable: {e}{hint}") from None
     header.pop("__metadata__", None)
     end = max((info["data_offsets"][1] for info in header.values()), default=0)
     if 8 + header_len + end > size:
