@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from . import labels
 from .spec import CudaGraphSpec, DeploymentSpec
+from .spec_model import MODEL_CACHE_ENV
 
 RUNTIME_COMMAND = ("shardline-runtime", "serve")
 
@@ -68,6 +69,10 @@ def runtime_args(spec: DeploymentSpec, group: int, served: ServedModel) -> list[
         "--mem-fraction-static",
         repr(spec.runtime.mem_fraction_static),
     ]
+    if spec.model.is_remote:
+        args += ["--download-dir", f"$({MODEL_CACHE_ENV})"]  # env: remapped by hosts that must
+        if spec.model.cache_max_bytes:
+            args += ["--download-max-bytes", str(spec.model.cache_max_bytes)]
     if spec.parallelism.pipeline > 1:
         args += ["--pp-size", str(spec.parallelism.pipeline)]
     if spec.parallelism.pipeline_layer_partition:

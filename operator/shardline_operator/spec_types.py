@@ -32,6 +32,8 @@ DRAIN_TIMEOUT_FLAG = "--drain-timeout"
 # Flags the operator renders itself; a user repeating one in runtime.args would contradict it.
 RESERVED_FLAGS = (
     "--model-path",
+    "--download-dir",
+    "--download-max-bytes",
     "--served-model-name",
     "--revision",
     "--host",
@@ -67,13 +69,27 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """``spec.model``: ``name`` is the OpenAI model name, ``path`` an absolute directory in the pod."""
+    """``spec.model``: ``name`` is the OpenAI model name; ``path`` an absolute directory in the
+    pod, or for an ``hf://`` / ``s3://`` ``uri`` the uri itself (the runtime fetches it into the
+    model cache volume; see ``spec_model.py``). A ``pvc://`` uri becomes ``volume`` + ``path``.
+    ``cache_max_bytes`` 0: no eviction bound."""
 
     name: str
     path: str
     revision: str
     mount_path: str
     volume: Mapping[str, Any] | None = None
+    uri: str | None = None
+    s3_endpoint: str | None = None
+    s3_region: str | None = None
+    credentials_secret: str | None = None
+    cache_volume: Mapping[str, Any] | None = None
+    cache_max_bytes: int = 0
+
+    @property
+    def is_remote(self) -> bool:
+        """True for an ``hf://`` or ``s3://`` uri (fetched by the runtime, not mounted)."""
+        return self.uri is not None and not self.uri.startswith("pvc://")
 
 
 @dataclass(frozen=True)
@@ -252,6 +268,14 @@ class DeploymentSpec:
             "runtime": {k: v for k, v in asdict(self.runtime).items() if k != "cuda_graph"},
             "scheduling": asdict(self.scheduling),
         }
+        if self.model.is_remote:  # the store's env, cache volume and bound are read at start
+            relevant["modelStore"] = [
+                self.model.s3_endpoint,
+                self.model.s3_region,
+                self.model.credentials_secret,
+                self.model.cache_volume,
+                self.model.cache_max_bytes,
+            ]
         if self.lora_adapters:  # --enable-lora needs a restart; adding/removing adapters does not
             relevant["lora"] = True
         if self.auth.api_key_secret is not None or self.credentials_digest:

@@ -80,7 +80,20 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
     m.add_argument(
         "--model-path",
         required=True,
-        help="Directory with config.json, *.safetensors and the tokenizer.",
+        help="Directory with config.json, *.safetensors and the tokenizer; or a Hub repository "
+        "(hf://ORG/NAME[@REVISION], or ORG/NAME when no such directory exists) or s3://BUCKET/PREFIX, "
+        "fetched into --download-dir and verified before loading.",
+    )
+    m.add_argument(
+        "--download-dir",
+        default=default("download_dir"),
+        help="Cache of fetched hf:// and s3:// models, one directory per resolved revision.",
+    )
+    m.add_argument(
+        "--download-max-bytes",
+        type=_int_range("--download-max-bytes", 0),
+        default=default("download_max_bytes"),
+        help="LRU bound of --download-dir in bytes (0: none); the served revision is never evicted.",
     )
     m.add_argument(
         "--served-model-name",
@@ -90,7 +103,8 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
     m.add_argument(
         "--revision",
         default=None,
-        help="Label of the checkpoint revision, reported by /get_server_info and /metrics.",
+        help="Label of the checkpoint revision, reported by /get_server_info and /metrics; for a "
+        "Hub repository without @REVISION, also the Hub revision fetched (as vLLM's --revision).",
     )
     m.add_argument(
         "--tokenizer-path", default=None, help="Tokenizer directory (default: --model-path)."

@@ -11,6 +11,7 @@ instance exists. The choice lists come from the modules that own the choices.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +36,11 @@ class ModelArgs:
     ``tokenizer_path`` default to ``model_path``, ``context_length`` to the model config's)."""
 
     model_path: str
+    download_dir: str = str(Path.home() / ".cache" / "shardline" / "models")
+    download_max_bytes: int = 0
+    # The hf:// or s3:// reference model_path was fetched from (set by the CLI, not a flag): what
+    # /get_server_info reports as model_path, so the operator sees the uri it asked for.
+    model_source: str | None = None
     served_model_name: str | None = None
     revision: str | None = None
     tokenizer_path: str | None = None

@@ -242,7 +242,8 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
         status = 200 if out.success else 400
         return JSONResponse({"success": out.success, "message": out.message}, status_code=status)
 
-    add_weight_update_routes(app, tm, error_response)
+    add_weight_update_routes(app, tm, error_response, server_args)
+
     add_weight_sync_routes(
         app, tm, metrics, error_response, server_args.tp_size, server_args.pp_size
     )

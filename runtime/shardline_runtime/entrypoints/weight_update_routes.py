@@ -9,6 +9,8 @@ changes nothing, and its own reply says so (409, ``"committed": true``).
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -18,6 +20,30 @@ from shardline_runtime.entrypoints.protocol import UpdateWeightsRequest
 from shardline_runtime.entrypoints.weight_sync_routes import update_running
 from shardline_runtime.managers.io_struct import UpdateWeightsFromDiskReqInput
 from shardline_runtime.managers.tokenizer_manager import TokenizerManager
+from shardline_runtime.model_loader.errors import ModelSourceError
+
+
+async def local_model_path(text: str, server_args: Any, tm: TokenizerManager) -> str:
+    """The local directory of an update's ``model_path``: itself, or for an hf:// / s3://
+    reference the revision fetched into ``--download-dir`` (in a worker thread, so serving goes
+    on), keeping the revision being served when the cache is cut to ``--download-max-bytes``.
+
+    Raises:
+        ModelSourceError: malformed, missing, refused or corrupt (the reason names which).
+    """
+    from shardline_runtime.model_loader.model_source import fetch_to_local, parse_model_source
+
+    if not parse_model_source(text, "model_path").is_remote:
+        return text
+    served = Path(tm.state.weights.model_path or "").name
+    fetched = await asyncio.to_thread(
+        fetch_to_local,
+        text,
+        server_args.download_dir,
+        max_bytes=server_args.download_max_bytes,
+        keep=(served,) if served else (),
+    )
+    return str(fetched.path)
 
 
 def _served(tm: TokenizerManager) -> dict[str, Any]:
@@ -30,17 +56,25 @@ def _served(tm: TokenizerManager) -> dict[str, Any]:
     }
 
 
-def add_weight_update_routes(app: FastAPI, tm: TokenizerManager, error_response) -> None:
+def add_weight_update_routes(
+    app: FastAPI, tm: TokenizerManager, error_response, server_args: Any
+) -> None:
     """Register both routes on ``app`` (``error_response(status, message)`` builds the 503 for an
-    update asked while one runs)."""
+    update asked while one runs; ``server_args`` gives the download directory and its bound for
+    an ``hf://`` / ``s3://`` ``model_path``)."""
 
     @app.post("/update_weights_from_disk")
     async def update_weights(body: UpdateWeightsRequest):
         busy = update_running(tm, error_response)
         if busy is not None:
             return busy
+        try:  # fetched and verified while the group still serves the old weights
+            model_path = await local_model_path(body.model_path, server_args, tm)
+        except ModelSourceError as exc:
+            message = f"{exc.reason}: {exc}"
+            return JSONResponse({"success": False, "message": message}, status_code=400)
         req = UpdateWeightsFromDiskReqInput(
-            body.model_path,
+            model_path,
             body.load_format,
             body.revision,
             body.recapture_cuda_graph,
@@ -49,6 +83,7 @@ def add_weight_update_routes(app: FastAPI, tm: TokenizerManager, error_response)
             body.disable_cuda_graph,
             body.weight_version,
             body.flush_cache,
+            model_source=body.model_path if model_path != body.model_path else None,
         )
         out = await tm.update_weights_from_disk(req)
         status = 200 if out.success else 409 if out.aborted else 400

@@ -94,6 +94,8 @@ class UpdateWeightsFromDiskReqInput:
     disable_cuda_graph: bool | None = None
     weight_version: str | None = None
     flush_cache: bool = True
+    # The hf:// or s3:// reference model_path (a fetched directory) came from: reported instead.
+    model_source: str | None = None
 
 
 @dataclass

@@ -160,7 +160,9 @@ class Scheduler:
             self.prefill_manager.add,
         )
         path, version = worker.model_config.model_path, str(args.weight_version)
-        weights = initial_weights_state(path, args.revision, version, with_digest=first)
+        weights = initial_weights_state(
+            path, args.revision, version, with_digest=first, model_source=args.model_source
+        )
         self.control = ControlPlane(
             worker,
             self.tree_cache,

@@ -36,12 +36,17 @@ def safe_checkpoint_digest(model_path: str) -> str | None:
 
 
 def initial_weights_state(
-    model_path: str, revision: str | None, weight_version: str, with_digest: bool
+    model_path: str,
+    revision: str | None,
+    weight_version: str,
+    with_digest: bool,
+    model_source: str | None = None,
 ) -> WeightsState:
     """The :class:`WeightsState` of the weights loaded at start (``phase`` serving). The digest
-    is computed only ``with_digest`` (rank 0, which reports it)."""
+    is computed only ``with_digest`` (rank 0, which reports it); ``model_source`` (the hf:// or
+    s3:// reference the directory was fetched from) is reported as ``model_path`` when given."""
     return WeightsState(
-        model_path=model_path,
+        model_path=model_source or model_path,
         revision=revision,
         weight_version=weight_version,
         digest=safe_checkpoint_digest(model_path) if with_digest else None,
@@ -145,10 +150,11 @@ def _from_disk(
         )
         # capturing with the new settings is recapture time too
         seconds["recapture_seconds"] += time.monotonic() - started
-    timings = UpdateTimings(success=ok, model_path=msg.model_path, **seconds)
+    reported_path = msg.model_source or msg.model_path
+    timings = UpdateTimings(success=ok, model_path=reported_path, **seconds)
     changes: dict[str, Any] = {"phase": settled, "last_update": timings}
     if ok:
-        changes["model_path"] = msg.model_path
+        changes["model_path"] = reported_path
         changes["revision"] = msg.revision
         changes["digest"] = safe_checkpoint_digest(msg.model_path) if with_digest else None
     return UpdateOutcome(ok, message, None, changes, timings, aborted=not ok and abort.seen)
