@@ -135,13 +135,12 @@ def follow_wave(
                 out.group_phases[index] = phases[index] = phase
             still.append(index)
         elif result == "success":
-            if (
-                target.cuda_graph.enabled
-                and (trail[-1] if trail else last) != GroupPhase.RECAPTURING_GRAPHS
-            ):
-                trail.append(
-                    GroupPhase.RECAPTURING_GRAPHS
-                )  # shorter than the sampling interval, still a step
+            # Recapturing is a step only when the runtime did it: a phase it reported (already in
+            # the trail) or recapture time in its reply, shorter than the sampling interval.
+            # A CPU pod captures nothing, so its trail has no such step.
+            recaptured = view.update_seconds.get("recapture_seconds", 0.0) > 0
+            if recaptured and (trail[-1] if trail else last) != GroupPhase.RECAPTURING_GRAPHS:
+                trail.append(GroupPhase.RECAPTURING_GRAPHS)
             out.trail += [(index, p) for p in trail]
             out.apply[index] = target
             out.forget_digest.append(index)

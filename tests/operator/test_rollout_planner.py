@@ -259,9 +259,20 @@ def test_short_phases_come_back_as_a_trail():
     view = GroupView(0, REV_A, update=("success", ""), phases=("loading", "recapturing", "serving"))
     plan = plan_rollout(state, REV_B, [view], POLICY, 1.0)
     assert plan.trail == [(0, "RecapturingGraphs")] and plan.apply == {0: REV_B}
-    no_graphs = ServedModel(REV_B.path, REV_B.revision, CudaGraphSpec(False, 160))
-    state = RolloutState(UPDATING, no_graphs, REV_A, wave=(0,), started_at=0.0)
-    assert plan_rollout(state, no_graphs, [GroupView(0, REV_A, update=("success", ""))], POLICY, 1.0).trail == []
+
+
+def test_a_recapture_too_short_to_sample_is_a_trail_step_from_the_reported_seconds():
+    state = RolloutState(UPDATING, REV_B, REV_A, wave=(0,), started_at=0.0)
+    view = GroupView(0, REV_A, update=("success", ""), update_seconds={"recapture_seconds": 0.3})
+    assert plan_rollout(state, REV_B, [view], POLICY, 1.0).trail == [(0, "RecapturingGraphs")]
+
+
+def test_a_runtime_that_captured_no_graphs_has_no_recapturing_step_whatever_the_spec_says():
+    """The spec asks for graphs (REV_B's cudaGraph is enabled); a CPU pod reports 0 s of recapture."""
+    assert REV_B.cuda_graph.enabled
+    state = RolloutState(UPDATING, REV_B, REV_A, wave=(0,), started_at=0.0)
+    view = GroupView(0, REV_A, update=("success", ""), update_seconds={"load_seconds": 0.2, "recapture_seconds": 0.0})
+    assert plan_rollout(state, REV_B, [view], POLICY, 1.0).trail == []
 
 
 def test_graph_change_body():

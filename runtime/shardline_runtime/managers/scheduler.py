@@ -161,7 +161,12 @@ class Scheduler:
         )
         path, version = worker.model_config.model_path, str(args.weight_version)
         weights = initial_weights_state(
-            path, args.revision, version, with_digest=first, model_source=args.model_source
+            path,
+            args.revision,
+            version,
+            with_digest=first,
+            model_source=args.model_source,
+            graphs=worker.captured_graphs(),
         )
         self.control = ControlPlane(
             worker,

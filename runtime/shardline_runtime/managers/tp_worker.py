@@ -50,7 +50,7 @@ from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoo
 from shardline_runtime.model_executor.forward_batch_info import PPProxyTensors
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
 from shardline_runtime.model_executor.model_runner import ModelRunner
-from shardline_runtime.weights_state import WeightsPhase
+from shardline_runtime.weights_state import CapturedGraphs, WeightsPhase
 
 logger = logging.getLogger(__name__)
 
@@ -290,6 +290,10 @@ class TpModelWorker(BaseTpWorker):
     ) -> None:
         """New decode-graph settings from an update request; the runner rebuilds its graphs."""
         self.model_runner.graphs.rebuild(cuda_graph_max_bs, disable, on_phase)
+
+    def captured_graphs(self) -> CapturedGraphs:
+        """What this rank's runner really captured (``DeviceGraphs.report``)."""
+        return self.model_runner.graphs.report()
 
     # ---- weight sync from a trainer (model_executor/weight_sync.py) ----------------------------
 

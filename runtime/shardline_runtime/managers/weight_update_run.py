@@ -21,7 +21,12 @@ from shardline_runtime.managers.io_struct import (
 )
 from shardline_runtime.model_executor.weight_update import PhaseClock
 from shardline_runtime.model_loader.checkpoint_digest import checkpoint_digest
-from shardline_runtime.weights_state import UpdateTimings, WeightsPhase, WeightsState
+from shardline_runtime.weights_state import (
+    CapturedGraphs,
+    UpdateTimings,
+    WeightsPhase,
+    WeightsState,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +46,18 @@ def initial_weights_state(
     weight_version: str,
     with_digest: bool,
     model_source: str | None = None,
+    graphs: CapturedGraphs | None = None,
 ) -> WeightsState:
-    """The :class:`WeightsState` of the weights loaded at start (``phase`` serving). The digest
-    is computed only ``with_digest`` (rank 0, which reports it); ``model_source`` (the hf:// or
-    s3:// reference the directory was fetched from) is reported as ``model_path`` when given."""
+    """The :class:`WeightsState` of the weights loaded at start (``phase`` serving), with the
+    runner's report of the graphs it captured. The digest is computed only ``with_digest``
+    (rank 0, which reports it); ``model_source`` (the hf:// or s3:// reference the directory was
+    fetched from) is reported as ``model_path`` when given."""
     return WeightsState(
         model_path=model_source or model_path,
         revision=revision,
         weight_version=weight_version,
         digest=safe_checkpoint_digest(model_path) if with_digest else None,
+        graphs=graphs,
     )
 
 
@@ -152,7 +160,11 @@ def _from_disk(
         seconds["recapture_seconds"] += time.monotonic() - started
     reported_path = msg.model_source or msg.model_path
     timings = UpdateTimings(success=ok, model_path=reported_path, **seconds)
-    changes: dict[str, Any] = {"phase": settled, "last_update": timings}
+    changes: dict[str, Any] = {
+        "phase": settled,
+        "last_update": timings,
+        "graphs": worker.captured_graphs(),  # what the update's recapture really captured
+    }
     if ok:
         changes["model_path"] = reported_path
         changes["revision"] = msg.revision

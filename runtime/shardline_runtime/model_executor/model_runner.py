@@ -264,7 +264,7 @@ class ModelRunner:
                 f"unknown forward_mode {mode!r}; allowed: {[m.name for m in ForwardMode]}"
             )
         self.forward_pass_id += 1
-        replayed = self.graphs.try_replay(forward_batch)
+        replayed = self.graphs.try_replay(forward_batch, pp_proxy_tensors)
         if replayed is not None:
             return replayed
         return forward_eager(self, forward_batch, pp_proxy_tensors)
