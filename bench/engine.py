@@ -100,6 +100,7 @@ def make_worker(path: Path, args, disable_cuda_graph: bool = True, attention_bac
         max_running_requests=max(args.batch_size, args.prefill_batch, 32),
         disable_cuda_graph=disable_cuda_graph, cuda_graph_max_bs=max(args.graph_batch_sizes),
         context_length=args.context_len, attention_backend=attention_backend,
+        quantization=args.quantization,
     )
     return TpModelWorker(server_args, 0)
 
@@ -298,6 +299,8 @@ def main(argv=None) -> None:
     parser.add_argument("--experts", type=int, default=16, help="MoE archs: experts per layer")
     parser.add_argument("--top-k", type=int, default=2, help="MoE archs: experts per token")
     parser.add_argument("--moe-intermediate", type=int, default=512, help="MoE archs: intermediate size of one expert")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "fp8"],
+                        help="fp8: online FP8 weights (--quantization fp8 of the runtime) for every Shardline row")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)

@@ -174,6 +174,9 @@ def group_status(report: GroupReport, phase: str, parallelism: ParallelismSpec) 
         item["weightVersion"] = report.weight_version
     if report.graphs is not None:
         item["graphs"] = report.graphs.summary()
+    leader = report.view.leader if report.view is not None else None
+    if leader is not None and leader.quantization is not None:
+        item["quantization"] = leader.quantization  # the scheme the leader serves
     return item
 
 

@@ -66,6 +66,8 @@ def runtime_args(spec: DeploymentSpec, group: int, served: ServedModel) -> list[
         spec.runtime.dtype,
         "--kv-cache-dtype",
         spec.runtime.kv_cache_dtype,
+        "--quantization",
+        spec.runtime.quantization,
         "--mem-fraction-static",
         repr(spec.runtime.mem_fraction_static),
     ]

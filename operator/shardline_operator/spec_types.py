@@ -20,6 +20,9 @@ KV_CACHE_DTYPES = (
     "fp8_e4m3",
     "fp8_e5m2",
 )  # the runtime's --kv-cache-dtype
+# the runtime's --quantization: auto reads the checkpoint's quantization_config; fp8 quantizes a
+# bf16 checkpoint to FP8 per channel at load and at every weight update
+QUANTIZATION_MODES = ("auto", "fp8")
 STRATEGIES = ("InPlace", "Restart")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -51,6 +54,7 @@ RESERVED_FLAGS = (
     "--api-key",
     "--admin-api-key",
     "--kv-cache-dtype",
+    "--quantization",
     "--lora-paths",
     "--pp-size",
     "--pp-layer-partition",
@@ -112,6 +116,7 @@ class RuntimeSpec:
     image_pull_policy: str = "IfNotPresent"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    quantization: str = "auto"
     mem_fraction_static: float = 0.85
     max_total_tokens: int | None = None
     cuda_graph: CudaGraphSpec = field(default_factory=CudaGraphSpec)

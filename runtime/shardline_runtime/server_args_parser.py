@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from shardline_runtime.layers.quantization.online_fp8 import ONLINE_CHOICES
 from shardline_runtime.server_args_sections import (
     ATTENTION_BACKENDS,
     DEVICES,
@@ -126,6 +127,12 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
         default=default("kv_cache_dtype"),
         choices=KV_CACHE_DTYPES,
         help="KV cache storage dtype; auto: the model dtype. fp8 types store K/V divided by per-layer k_scale/v_scale (1.0, or the checkpoint's).",
+    )
+    m.add_argument(
+        "--quantization",
+        default=default("quantization"),
+        choices=ONLINE_CHOICES,
+        help="auto: serve the checkpoint's quantization_config (unquantized without one); fp8: quantize a bf16 checkpoint to FP8 per channel at load and at every weight update.",
     )
     m.add_argument(
         "--attention-backend",

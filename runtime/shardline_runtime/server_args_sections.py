@@ -47,6 +47,7 @@ class ModelArgs:
     load_format: str = "auto"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    quantization: str = "auto"
     attention_backend: str = "auto"
     context_length: int | None = None
 

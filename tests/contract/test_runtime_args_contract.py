@@ -21,7 +21,7 @@ SPECS = {
         "model": {"name": "tiny", "path": "/var/lib/shardline/models/tiny/rev-a", "revision": "rev-a",
                   "volume": {"hostPath": {"path": "/var/lib/shardline/models"}}},
         "parallelism": {"tensor": 2, "gpusPerPod": 1},
-        "runtime": {"image": "r:1", "dtype": "float32", "kvCacheDtype": "fp8_e4m3", "memFractionStatic": 0.5, "maxTotalTokens": 2048,
+        "runtime": {"image": "r:1", "dtype": "float32", "kvCacheDtype": "fp8_e4m3", "quantization": "fp8", "memFractionStatic": 0.5, "maxTotalTokens": 2048,
                     "cudaGraph": {"enabled": False}, "args": ["--log-level", "debug"]},
     },
     "tp8-two-pods": {"model": {"name": "big", "path": "/models/big/v1"}, "parallelism": {"tensor": 8, "gpusPerPod": 4},
@@ -78,6 +78,7 @@ def test_rendered_args_parse_with_the_runtime_parser(spec_name):
         assert args.dist_init_addr == f"llama-g{group}-0.llama-g{group}-ranks.serving.svc:{29500 + group}"
         assert args.dtype == spec.runtime.dtype
         assert args.kv_cache_dtype == spec.runtime.kv_cache_dtype
+        assert args.quantization == spec.runtime.quantization
         assert args.mem_fraction_static == spec.runtime.mem_fraction_static
         assert args.max_total_tokens == spec.runtime.max_total_tokens
         assert args.disable_cuda_graph == (not spec.runtime.cuda_graph.enabled)
@@ -89,6 +90,13 @@ def test_rendered_args_parse_with_the_runtime_parser(spec_name):
 def test_user_args_reach_the_runtime():
     *_, argv = next(pods("tp2-two-pods"))
     assert server_args.ServerArgs.from_cli(argv).log_level == "debug"
+
+
+def test_quantization_choices_match():
+    from shardline_operator.spec import QUANTIZATION_MODES
+    from shardline_runtime.layers.quantization.online_fp8 import ONLINE_CHOICES
+
+    assert ONLINE_CHOICES == QUANTIZATION_MODES
 
 
 def test_kv_cache_dtype_choices_match():

@@ -52,6 +52,7 @@ from shardline_runtime.managers.watchdog import Watchdog
 from shardline_runtime.managers.weight_update_run import initial_weights_state
 from shardline_runtime.mem_cache.radix_cache import RadixCache
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
+from shardline_runtime.model_loader.validate import scheme_name
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +168,7 @@ class Scheduler:
             with_digest=first,
             model_source=args.model_source,
             graphs=worker.captured_graphs(),
+            quantization=scheme_name(worker.model_config),
         )
         self.control = ControlPlane(
             worker,

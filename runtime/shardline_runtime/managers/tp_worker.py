@@ -137,6 +137,7 @@ class TpModelWorker(BaseTpWorker):
             dtype=model.dtype,
             context_length=model.context_length,
             device_type=self.server_args.parallel.torch_device(self.tp_rank, self.pp_rank).type,
+            quantization=model.quantization,
         )
 
     def _init_model_runner(self, model_runner: ModelRunner | None) -> None:

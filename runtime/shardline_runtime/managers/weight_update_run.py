@@ -47,16 +47,18 @@ def initial_weights_state(
     with_digest: bool,
     model_source: str | None = None,
     graphs: CapturedGraphs | None = None,
+    quantization: str = "unquantized",
 ) -> WeightsState:
     """The :class:`WeightsState` of the weights loaded at start (``phase`` serving), with the
-    runner's report of the graphs it captured. The digest is computed only ``with_digest``
-    (rank 0, which reports it); ``model_source`` (the hf:// or s3:// reference the directory was
-    fetched from) is reported as ``model_path`` when given."""
+    runner's report of the graphs it captured, serving the ``quantization`` scheme. The digest is
+    computed only ``with_digest`` (rank 0, which reports it); ``model_source`` (the hf:// or
+    s3:// reference the directory was fetched from) is reported as ``model_path`` when given."""
     return WeightsState(
         model_path=model_source or model_path,
         revision=revision,
         weight_version=weight_version,
         digest=safe_checkpoint_digest(model_path) if with_digest else None,
+        quantization=quantization,
         graphs=graphs,
     )
 

@@ -105,6 +105,7 @@ class ModelRunner:
                 dtype=args.model.dtype,
                 context_length=args.model.context_length,
                 device_type=self.device.type,
+                quantization=args.model.quantization,
             )
         self.model_config = model_config
         self.model_config.check_tp_size(self.tp_size)

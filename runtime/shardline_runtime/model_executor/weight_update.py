@@ -107,6 +107,7 @@ def load_candidate(
         CheckpointError / ModelConfigError / OSError: from the validator, parser and loader.
     """
     from shardline_runtime.configs.model_config import ModelConfig
+    from shardline_runtime.layers.quantization.online_fp8 import requested_by
     from shardline_runtime.model_loader.loader import load_model
     from shardline_runtime.model_loader.validate import validate_checkpoint
 
@@ -119,6 +120,7 @@ def load_candidate(
         dtype=_dtype_name(live.dtype),
         context_length=model_runner.args.model.context_length,
         device_type=torch.device(model_runner.device).type,
+        quantization=requested_by(live.quantization),
     )
     if new_config.architecture != live.architecture:
         raise WeightUpdateError(
