@@ -32,6 +32,7 @@ from shardline_runtime.managers.dispatcher import TypeBasedDispatcher
 from shardline_runtime.managers.expert_control import ExpertControl
 from shardline_runtime.managers.io_struct import (
     AbortReq,
+    AbortWeightUpdateReqInput,
     SchedulerInfo,
     SchedulerStats,
     TokenizedGenerateReqInput,
@@ -192,6 +193,7 @@ class Scheduler:
             retract=self.planner.retract_all,
             waiting=lambda: self.prefill_manager.waiting_queue,
             tp_rank=tp_rank,
+            abort_requested=lambda: self.receiver.take(AbortWeightUpdateReqInput),
         )
         runner = worker.model_runner
         self.experts = ExpertControl(

@@ -251,11 +251,14 @@ class TpModelWorker(BaseTpWorker):
         load_format: str = "auto",
         recapture_cuda_graph: bool = True,
         on_phase: Callable[[WeightsPhase], None] | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> tuple[bool, str]:
         """Route an update from disk to ``ModelRunner.update_weights_from_disk`` (every rank).
 
         ``on_phase`` is called with each phase as it begins (``loading``, ``recapturing``, then
         ``serving`` or ``failed``), so the scheduler can report progress while this call runs.
+        ``cancelled`` is polled while the new weights are staged; True stops the update before
+        it commits (``POST /abort_weight_update``).
         The caller (Scheduler) pauses admission, drains or aborts running requests first and
         flushes the prefix cache afterwards; its control plane records which weights serve
         (``ControlPlane.weights``). On failure the old weights keep serving.
@@ -268,6 +271,7 @@ class TpModelWorker(BaseTpWorker):
             load_format,
             recapture_cuda_graph=recapture_cuda_graph,
             on_phase=on_phase,
+            cancelled=cancelled,
         )
         logger.info(
             "[tp %d] update_weights_from_disk(%s): %s %s", self.tp_rank, model_path, ok, message
