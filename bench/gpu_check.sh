@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One prepared check for a CUDA machine (at most 9 minutes on one H200: each step has a time cap,
-# the caps sum to 535 s):
+# One prepared check for a CUDA machine (each step has a time cap; the caps sum to 685 s, while
+# the steps are expected to take well under 9 minutes on one H200: none has run on one yet):
 #   1. every `gpu`-marked test: decode graphs per attention backend and KV dtype (fp8 too),
 #      piecewise EXTEND graphs with a weight update that recaptures them, weight updates with
 #      captured decode graphs, the CUDA runner against transformers;
@@ -13,7 +13,9 @@
 #      decode with an fp8 KV cache vs bf16 at 4096 context, decode graphs with LoRA and with the
 #      expert-distribution recorder vs eager at batch 1 (fails when a graph row captured nothing);
 #   5. bench/serving.py --device cuda --preset llama-1b: output tokens/s, TTFT and ITL p50/p99 at
-#      concurrency 1, 16 and 64, overlap on and off (--compare-overlap).
+#      concurrency 1, 16 and 64, overlap on and off (--compare-overlap);
+#   6. bench/gpu_quant.sh: the quantized-GEMM kernels on CUDA, and the decode table with bf16
+#      against online FP8 weights (issue 28's target: batch-1 FP8 >= 1.6x bf16).
 # Nothing GPU-marked may skip here: the script sets SHARDLINE_GPU_CHECK=1, under which the
 # memory-saver test fails without torch-memory-saver, and it fails when tests/serving cannot run.
 # Packages the GPU image lacks come as wheels in .whl/ (bash bench/fetch_gpu_wheels.sh, on a
@@ -35,8 +37,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 
-# GPU_CHECK_STEPS picks steps (default all: tests triton table modes serving).
-steps=" ${GPU_CHECK_STEPS:-tests triton table modes serving} "
+# GPU_CHECK_STEPS picks steps (default all: tests triton table modes serving quant).
+steps=" ${GPU_CHECK_STEPS:-tests triton table modes serving quant} "
 wants() { [[ "$steps" == *" $1 "* ]]; }
 # A step's time cap on the GPU; the CPU dry run (a busy CI machine) gets 600 s per step.
 cap() { if [[ "${GPU_CHECK_DRY_RUN:-0}" == "1" ]]; then echo 600; else echo "$1"; fi; }
@@ -101,6 +103,10 @@ fi
 if wants serving; then
   echo "== serving on $device ($((SECONDS - start)) s)"
   timeout "$(cap 140)" python3 bench/serving.py "${serving_args[@]}" || status=$?
+fi
+if wants quant; then
+  echo "== quantized weights on $device ($((SECONDS - start)) s)"
+  timeout "$(cap 150)" bash bench/gpu_quant.sh || status=$?
 fi
 echo "== done in $((SECONDS - start)) s, status $status"
 exit "$status"

@@ -45,6 +45,7 @@ class GroupReport:
     planned: bool = False
     loading: str | None = None
     draining: bool = False
+    note: str | None = None
 
     @property
     def graphs(self) -> ReportedGraphs | None:
@@ -151,6 +152,7 @@ def group_status(report: GroupReport, phase: str, parallelism: ParallelismSpec) 
         record.failed_message
         or report.mixed
         or restart_message(report, phase)
+        or report.note
         or loading_message(report, phase)
     )
     item: dict[str, Any] = {
@@ -172,6 +174,9 @@ def group_status(report: GroupReport, phase: str, parallelism: ParallelismSpec) 
         item["weightVersion"] = report.weight_version
     if report.graphs is not None:
         item["graphs"] = report.graphs.summary()
+    leader = report.view.leader if report.view is not None else None
+    if leader is not None and leader.quantization is not None:
+        item["quantization"] = leader.quantization  # the scheme the leader serves
     return item
 
 

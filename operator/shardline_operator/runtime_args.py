@@ -66,6 +66,8 @@ def runtime_args(spec: DeploymentSpec, group: int, served: ServedModel) -> list[
         spec.runtime.dtype,
         "--kv-cache-dtype",
         spec.runtime.kv_cache_dtype,
+        "--quantization",
+        spec.runtime.quantization,
         "--mem-fraction-static",
         repr(spec.runtime.mem_fraction_static),
     ]
@@ -88,6 +90,13 @@ def runtime_args(spec: DeploymentSpec, group: int, served: ServedModel) -> list[
         args += ["--cuda-graph-max-bs", str(served.cuda_graph.max_batch_size)]
     else:
         args.append("--disable-cuda-graph")
+    if spec.runtime.speculative is not None:
+        args += [
+            "--speculative-algorithm",
+            spec.runtime.speculative.algorithm,
+            "--speculative-num-draft-tokens",
+            str(spec.runtime.speculative.num_draft_tokens),
+        ]
     if (
         spec.lora_adapters
     ):  # loaded at start; later changes are loaded/unloaded in place (lora_sync.py)

@@ -30,9 +30,11 @@ from .spec_types import (
     MAX_NAME_LENGTH,
     MAX_REPLICAS,
     PULL_POLICIES,
+    QUANTIZATION_MODES,
     RESERVED_ENV,
     RESERVED_FLAGS,
     SERVICE_TYPES,
+    SPECULATIVE_ALGORITHMS,
     STRATEGIES,
     AuthSpec,
     CanarySpec,
@@ -47,6 +49,7 @@ from .spec_types import (
     SecretKeyRef,
     ServiceSpec,
     SpecError,
+    SpeculativeSpec,
     VerifySpec,
     WeightUpdateSpec,
     flag_value,
@@ -69,6 +72,7 @@ __all__ = [
     "ModelSpec",
     "NetworkPolicySpec",
     "PULL_POLICIES",
+    "QUANTIZATION_MODES",
     "RESERVED_ENV",
     "RESERVED_FLAGS",
     "RestartPolicySpec",
@@ -135,11 +139,20 @@ def parse_runtime(raw: Mapping[str, Any]) -> RuntimeSpec:
                 f"{path}.resources.{section} must not set {GPU_RESOURCE}: "
                 "GPUs come from spec.parallelism.gpusPerPod"
             )
+    spec_raw = field_value(raw, "speculative", path, dict)
+    speculative = None
+    if spec_raw is not None:
+        spath = f"{path}.speculative"
+        speculative = SpeculativeSpec(
+            algorithm=one_of(spec_raw, "algorithm", spath, "", SPECULATIVE_ALGORITHMS),
+            num_draft_tokens=int_in(spec_raw, "numDraftTokens", spath, 5, 2, 16),
+        )
     return RuntimeSpec(
         image=image,
         image_pull_policy=one_of(raw, "imagePullPolicy", path, "IfNotPresent", PULL_POLICIES),
         dtype=one_of(raw, "dtype", path, "auto", DTYPES),
         kv_cache_dtype=one_of(raw, "kvCacheDtype", path, "auto", KV_CACHE_DTYPES),
+        quantization=one_of(raw, "quantization", path, "auto", QUANTIZATION_MODES),
         mem_fraction_static=float(fraction),
         max_total_tokens=int_in(raw, "maxTotalTokens", path, None, 1, 2**31 - 1),
         cuda_graph=cuda_graph,
@@ -147,6 +160,7 @@ def parse_runtime(raw: Mapping[str, Any]) -> RuntimeSpec:
         env=env,
         resources=resources,
         startup_timeout_seconds=int_in(raw, "startupTimeoutSeconds", path, 1800, 10, 86400),
+        speculative=speculative,
     )
 
 
@@ -241,6 +255,16 @@ def parse_spec(name: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> 
         raise SpecError(
             f"spec.loraAdapters are not served with spec.parallelism.pipeline > 1 (got pipeline "
             f"{parallelism.pipeline}); use pipeline 1 or remove the adapters"
+        )
+    speculative = field_value(
+        field_value(spec, "runtime", "spec", dict, {}), "speculative", "spec.runtime", dict
+    )
+    if speculative is not None and (
+        parallelism.pipeline > 1 or field_value(spec, "loraAdapters", "spec", list, [])
+    ):
+        raise SpecError(
+            "spec.runtime.speculative is not served with spec.parallelism.pipeline > 1 or "
+            "spec.loraAdapters; remove one of them"
         )
     model = parse_model(field_value(spec, "model", "spec", dict, required=True))
     shared_cache = "persistentVolumeClaim" in (model.cache_volume or {})

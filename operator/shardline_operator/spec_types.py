@@ -20,6 +20,9 @@ KV_CACHE_DTYPES = (
     "fp8_e4m3",
     "fp8_e5m2",
 )  # the runtime's --kv-cache-dtype
+# the runtime's --quantization: auto reads the checkpoint's quantization_config; fp8 quantizes a
+# bf16 checkpoint to FP8 per channel at load and at every weight update
+QUANTIZATION_MODES = ("auto", "fp8")
 STRATEGIES = ("InPlace", "Restart")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -51,10 +54,15 @@ RESERVED_FLAGS = (
     "--api-key",
     "--admin-api-key",
     "--kv-cache-dtype",
+    "--quantization",
     "--lora-paths",
     "--pp-size",
     "--pp-layer-partition",
+    "--speculative-algorithm",
+    "--speculative-num-draft-tokens",
 )
+# speculative decoding algorithms the runtime implements (its --speculative-algorithm)
+SPECULATIVE_ALGORITHMS = ("NGRAM",)
 DEFAULT_MAX_LORAS_PER_BATCH = 8  # the runtime's --max-loras-per-batch default
 # The keys reach the runtime only through these env vars, filled from Secrets (spec.auth).
 API_KEY_ENV = "SHARDLINE_API_KEY"
@@ -105,6 +113,15 @@ class CudaGraphSpec:
 
 
 @dataclass(frozen=True)
+class SpeculativeSpec:
+    """``spec.runtime.speculative``: the runtime's ``--speculative-algorithm`` and
+    ``--speculative-num-draft-tokens`` (tokens one verify forward scores per request)."""
+
+    algorithm: str
+    num_draft_tokens: int = 5
+
+
+@dataclass(frozen=True)
 class RuntimeSpec:
     """``spec.runtime``: container image and runtime flags; times in seconds."""
 
@@ -112,6 +129,7 @@ class RuntimeSpec:
     image_pull_policy: str = "IfNotPresent"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    quantization: str = "auto"
     mem_fraction_static: float = 0.85
     max_total_tokens: int | None = None
     cuda_graph: CudaGraphSpec = field(default_factory=CudaGraphSpec)
@@ -119,6 +137,7 @@ class RuntimeSpec:
     env: tuple[Mapping[str, Any], ...] = ()
     resources: Mapping[str, Any] = field(default_factory=dict)
     startup_timeout_seconds: int = 1800
+    speculative: SpeculativeSpec | None = None
 
     def drain_timeout_seconds(self) -> int:
         """Seconds the runtime drains on SIGTERM: ``--drain-timeout`` from ``args`` (``N`` or

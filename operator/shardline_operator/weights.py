@@ -135,6 +135,7 @@ class LeaderReport:
     ``revision``/``digest``: what serves (``digest`` is ``sha256:<hex>`` of the checkpoint, None
     when the runtime could not read it); ``message``: the runtime's last error line;
     ``graphs``: the graphs it captured (None: a runtime that does not report them).
+    ``quantization``: the served scheme (None from a runtime that does not report it).
     """
 
     weights_phase: WeightsPhase
@@ -145,6 +146,7 @@ class LeaderReport:
     weight_version: str | None = None
     last_update: LastUpdate | None = None
     graphs: ReportedGraphs | None = None
+    quantization: str | None = None  # the served scheme (``unquantized``, ``fp8-...``)
 
     def __post_init__(self) -> None:  # a plain string phase (a test's literal) reads as the enum
         object.__setattr__(self, "weights_phase", WeightsPhase.parse(self.weights_phase))
@@ -169,4 +171,5 @@ class LeaderReport:
             ReportedGraphs.from_block(
                 source.get("graphs") if isinstance(block, Mapping) else info.get("cuda_graphs")
             ),
+            _text(source.get("quantization")),
         )

@@ -21,6 +21,7 @@ from shardline_runtime.configs.model_config import DTYPE_CHOICES
 from shardline_runtime.layers.moe.recorder import RECORDER_MODES
 from shardline_runtime.model_executor.kv_cache_dtype import KV_CACHE_TORCH_DTYPES
 from shardline_runtime.model_executor.weight_update import LOAD_FORMATS
+from shardline_runtime.speculative.spec_args import SpeculativeArgs
 
 DTYPES = DTYPE_CHOICES
 DEVICES = ("auto", "cuda", "cpu")
@@ -47,6 +48,7 @@ class ModelArgs:
     load_format: str = "auto"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    quantization: str = "auto"
     attention_backend: str = "auto"
     context_length: int | None = None
 
@@ -230,6 +232,7 @@ SECTIONS: dict[str, type] = {
     "lora": LoRAArgs,
     "operation": OperationArgs,
     "weight_sync": WeightSyncArgs,
+    "speculative": SpeculativeArgs,
 }
 SECTION_OF: dict[str, str] = {f.name: s for s, cls in SECTIONS.items() for f in fields(cls)}
 

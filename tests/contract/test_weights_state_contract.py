@@ -31,7 +31,8 @@ def states() -> list[WeightsState]:
     out = []
     for phase in WeightsPhase:
         out.append(WeightsState(model_path="/m/rev-b", revision="rev-b", weight_version="step-7", phase=phase,
-                                digest=DIGEST, last_update=TIMINGS, graphs=CAPTURED))
+                                digest=DIGEST, last_update=TIMINGS, graphs=CAPTURED,
+                                quantization="fp8-w8a8-dynamic-channel"))
     out.append(WeightsState(model_path="/m/rev-a"))  # defaults: no update yet, graphs not reported
     out.append(WeightsState(model_path="/m/rev-a", graphs=NOTHING))  # a CPU runtime at start
     out.append(WeightsState(model_path="/m/rev-a", phase=WeightsPhase.FAILED,
@@ -63,6 +64,9 @@ class TestOperatorReadsTheBlock:
 
     def test_weight_version(self, state):
         assert LeaderReport.from_info(info_for(state)).weight_version == state.weight_version
+
+    def test_quantization(self, state):
+        assert LeaderReport.from_info(info_for(state)).quantization == state.quantization
 
     def test_last_update(self, state):
         parsed = LeaderReport.from_info(info_for(state)).last_update

@@ -299,3 +299,17 @@ def test_group_status_shows_the_leaders_weight_version(world, spec_dict):
     body["status"] = status
     leaders.info.clear()  # leader unreachable for a pass: the last reported version stays
     assert reconcile(ctx, copy.deepcopy(body)).status["groups"][0]["weightVersion"] == "step-7"
+
+
+def test_group_status_shows_the_scheme_the_leader_serves(world, spec_dict):
+    kube, body, run = world
+    run()
+    kube.run_statefulsets()
+    leaders = FakeLeaders()
+    ctx = Context(kube=kube, leaders=leaders, clock=lambda: NOW[0])
+    ip = kube.pods()["llama-g0-0"]["status"]["podIP"]
+    leaders.info[f"http://{ip}:{labels.HTTP_PORT}"] = {
+        "weights": {"phase": "serving", "model_path": "/m", "quantization": "fp8-block-128x128"}
+    }
+    status = reconcile(ctx, copy.deepcopy(body)).status
+    assert status["groups"][0]["quantization"] == "fp8-block-128x128"

@@ -157,17 +157,19 @@ def test_pause_between_waves():
 
 
 def test_revert_mid_update_awaits_it_then_sends_the_group_back():
-    """The issue's revert case: rev-a -> rev-b, reverted to rev-a while the update runs."""
+    """The issue's revert case: rev-a -> rev-b, reverted to rev-a while the update runs; the
+    cancel came too late (the update committed), so the group is sent back at once."""
     fleet = Fleet(1)
     fleet.step(REV_B, 0.0)
-    plan = fleet.step(REV_A, 1.0)  # reverted while loading: the update in flight is awaited
+    plan = fleet.step(REV_A, 1.0)  # reverted while loading: the load is cancelled and awaited
     assert not plan.start and fleet.state.wave == (0,) and fleet.state.target == REV_B
+    assert plan.abort == [0]
     assert "RolloutComplete" not in fleet.events
     fleet.finish(0)
     plan = fleet.step(REV_A, 2.0)
     assert plan.apply == {0: REV_B}  # status records the truth: the group now serves rev-b
-    plan = fleet.step(REV_A, 2.0)
-    assert plan.start == {0: update_body(REV_B, REV_A)} and fleet.state.target == REV_A
+    assert plan.start == {0: update_body(REV_B, REV_A)}  # and it goes back in the same pass
+    assert fleet.state.target == REV_A
     fleet.finish(0)
     fleet.step(REV_A, 3.0)
     fleet.step(REV_A, 3.0)

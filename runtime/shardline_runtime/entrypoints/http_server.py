@@ -8,11 +8,9 @@ draining). Pydantic's 422 is turned into 400.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import typing
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -35,22 +33,17 @@ from shardline_runtime.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
-    UpdateWeightsRequest,
 )
-from shardline_runtime.entrypoints.weight_sync_routes import (
-    add_weight_sync_routes,
-    update_running,
-)
+from shardline_runtime.entrypoints.weight_sync_routes import add_weight_sync_routes
+from shardline_runtime.entrypoints.weight_update_routes import add_weight_update_routes
 from shardline_runtime.managers.admission_gate import ServerNotReadyError
 from shardline_runtime.managers.io_struct import (
     FlushCacheReqInput,
     FlushCacheReqOutput,
     TokenizedGenerateReqInput,
-    UpdateWeightsFromDiskReqInput,
 )
 from shardline_runtime.managers.request_validation import RequestValidationError
 from shardline_runtime.managers.tokenizer_manager import TokenizerManager
-from shardline_runtime.model_loader.errors import ModelSourceError
 from shardline_runtime.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -82,29 +75,6 @@ def _pydantic_message(
         allowed = _body_fields(request) if request is not None else []
         msg = f"unknown field; allowed fields: {allowed}" if allowed else "unknown field"
     return (f"{'.'.join(loc)}: {msg}" if loc else msg), param
-
-
-async def local_model_path(text: str, server_args: Any, tm: TokenizerManager) -> str:
-    """The local directory of an update's ``model_path``: itself, or for an hf:// / s3://
-    reference the revision fetched into ``--download-dir`` (in a worker thread, so serving goes
-    on), keeping the revision being served when the cache is cut to ``--download-max-bytes``.
-
-    Raises:
-        ModelSourceError: malformed, missing, refused or corrupt (the reason names which).
-    """
-    from shardline_runtime.model_loader.model_source import fetch_to_local, parse_model_source
-
-    if not parse_model_source(text, "model_path").is_remote:
-        return text
-    served = Path(tm.state.weights.model_path or "").name
-    fetched = await asyncio.to_thread(
-        fetch_to_local,
-        text,
-        server_args.download_dir,
-        max_bytes=server_args.download_max_bytes,
-        keep=(served,) if served else (),
-    )
-    return str(fetched.path)
 
 
 def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any]) -> FastAPI:
@@ -272,43 +242,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
         status = 200 if out.success else 400
         return JSONResponse({"success": out.success, "message": out.message}, status_code=status)
 
-    @app.post("/update_weights_from_disk")
-    async def update_weights(body: UpdateWeightsRequest):
-        busy = update_running(tm, error_response)
-        if busy is not None:
-            return busy
-        try:  # fetched and verified while the group still serves the old weights
-            model_path = await local_model_path(body.model_path, server_args, tm)
-        except ModelSourceError as exc:
-            message = f"{exc.reason}: {exc}"
-            return JSONResponse({"success": False, "message": message}, status_code=400)
-        req = UpdateWeightsFromDiskReqInput(
-            model_path,
-            body.load_format,
-            body.revision,
-            body.recapture_cuda_graph,
-            body.abort_all_requests,
-            body.cuda_graph_max_bs,
-            body.disable_cuda_graph,
-            body.weight_version,
-            body.flush_cache,
-            model_source=body.model_path if model_path != body.model_path else None,
-        )
-        out = await tm.update_weights_from_disk(req)
-        weights = tm.state.weights
-        return JSONResponse(
-            {
-                "success": out.success,
-                "message": out.message,
-                "revision": weights.revision,
-                "model_path": weights.model_path,
-                "weight_version": weights.weight_version,
-                "weights_digest": weights.digest,
-                "load_seconds": out.load_seconds,
-                "recapture_seconds": out.recapture_seconds,
-            },
-            status_code=200 if out.success else 400,
-        )
+    add_weight_update_routes(app, tm, error_response, server_args)
 
     add_weight_sync_routes(
         app, tm, metrics, error_response, server_args.tp_size, server_args.pp_size

@@ -297,10 +297,17 @@ def build_lora_manager(model: nn.Module, lora: LoRAArgs) -> LoRAManager | None:
     ``--enable-lora``. ``max_lora_rank`` defaults to the largest start-up adapter's rank, else 16.
 
     Raises:
-        LoRAAdapterError: a start-up adapter cannot be loaded.
+        LoRAAdapterError: a start-up adapter cannot be loaded, or the base model is quantized
+            (the LoRA layers read the base weight in the model dtype).
     """
     if not lora.enable_lora:
         return None
+    quantization = getattr(getattr(model, "config", None), "quantization", None)
+    if quantization is not None:
+        raise LoRAAdapterError(
+            f"--enable-lora: LoRA on a quantized base model ({quantization.scheme}) is not "
+            "supported; serve the unquantized checkpoint to use adapters"
+        )
     paths = parse_lora_paths(list(lora.lora_paths))
     max_rank = lora.max_lora_rank or max(
         [LoRAConfig.from_path(p).r for p in paths.values()] or [16]

@@ -110,6 +110,16 @@ class UpdateWeightsFromDiskReqOutput:
     message: str
     load_seconds: float | None = None  # rank 0's time in ``loading`` (None: the update never ran)
     recapture_seconds: float | None = None  # rank 0's time in ``recapturing`` (0.0: no graphs)
+    aborted: bool = False  # stopped by ``AbortWeightUpdateReqInput`` before it committed
+
+
+@dataclass
+class AbortWeightUpdateReqInput:
+    """Abort the disk update queued or staging its weights (``POST /abort_weight_update``).
+
+    No reply of its own: the update's reply says ``aborted``, or that it had committed. Rank 0
+    also looks for this message on its input while an update stages its weights.
+    """
 
 
 @dataclass
@@ -216,6 +226,8 @@ class SchedulerStats:
     max_total_num_tokens: int
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    # with --speculative-algorithm: a copy of the cumulative SpeculativeStats
+    speculative: Any = None
 
     @property
     def kv_usage(self) -> float:

@@ -149,7 +149,7 @@ class Req:
             pass  # a later chunk: the prefix is what this request's row already holds
         elif prefix_indices is not None:
             # at least one token must be computed to produce logits
-            self.prefix_indices = prefix_indices[: len(full) - 1].to(torch.int64).cpu()
+            self.prefix_indices = prefix_indices[: len(full) - 1].to(torch.int64)  # host slots
         else:
             self.prefix_indices = torch.zeros(0, dtype=torch.int64)
         end = (

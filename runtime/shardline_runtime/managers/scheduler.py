@@ -33,6 +33,7 @@ from shardline_runtime.managers.dispatcher import TypeBasedDispatcher
 from shardline_runtime.managers.expert_control import ExpertControl
 from shardline_runtime.managers.io_struct import (
     AbortReq,
+    AbortWeightUpdateReqInput,
     SchedulerInfo,
     SchedulerStats,
     TokenizedGenerateReqInput,
@@ -48,10 +49,13 @@ from shardline_runtime.managers.result_processor import ResultProcessor
 from shardline_runtime.managers.schedule_batch import ScheduleBatch
 from shardline_runtime.managers.schedule_policy import BatchLimits, NewTokenRatio
 from shardline_runtime.managers.scheduler_output import OutputSender
+from shardline_runtime.managers.speculative_step import SpeculativeDecoding
 from shardline_runtime.managers.watchdog import Watchdog
 from shardline_runtime.managers.weight_update_run import initial_weights_state
 from shardline_runtime.mem_cache.radix_cache import RadixCache
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
+from shardline_runtime.model_loader.validate import scheme_name
+from shardline_runtime.speculative.proposer import build_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +98,10 @@ class Scheduler:
         self.limits = batch_limits(args, worker)
         lora = args.enable_lora
         pipelined = worker.pp_size > 1 or pp_loop_size is not None
-        # No overlap with LoRA (adapters change between steps) or PP (micro-batches overlap).
-        overlap = not (args.disable_overlap_schedule or lora or pipelined)
+        spec = args.speculative
+        # No overlap with LoRA (adapters change between steps), PP (micro-batches overlap) or
+        # speculation (a verify step's kept length decides the next step's inputs).
+        overlap = not (args.disable_overlap_schedule or lora or pipelined or spec.enabled)
         first = tp_rank == 0 and worker.pp_rank == 0  # rank 0 of stage 0 talks to HTTP
         pull, push = open_sockets(input_addr, output_addr) if first else (None, None)
 
@@ -112,18 +118,25 @@ class Scheduler:
             self.tree_cache,
             worker.max_total_num_tokens,
         )
+        self.speculative = (
+            SpeculativeDecoding(
+                build_proposer(spec), spec.max_draft_tokens, worker.max_req_len, self.cache
+            )
+            if spec.enabled
+            else None
+        )
         self.new_token_ratio = NewTokenRatio()
         self.prefill_manager = PrefillManager(
             self.cache, self.new_token_ratio, self.limits, self.new_batch
         )
         slots = (pp_loop_size or worker.pp_size) if pipelined else 1
         self.decode_managers = [
-            DecodeManager(self.cache, self.new_token_ratio, worker.max_req_len)
+            DecodeManager(self.cache, self.new_token_ratio, worker.max_req_len, self.speculative)
             for _ in range(slots)
         ]
         self.decode_manager = self.decode_managers[0]
         self.results = ResultProcessor(
-            self.cache, self.decode_manager, worker.max_req_len, self.sender
+            self.cache, self.decode_manager, worker.max_req_len, self.sender, self.speculative
         )
         self.overlap = OverlapSteps(worker, overlap, self.results, self.decode_manager)
         self.pipeline = (
@@ -170,6 +183,7 @@ class Scheduler:
             with_digest=first,
             model_source=args.model_source,
             graphs=worker.captured_graphs(),
+            quantization=scheme_name(worker.model_config),
         )
         self.control = ControlPlane(
             worker,
@@ -183,6 +197,7 @@ class Scheduler:
             retract=self.planner.retract_all,
             waiting=lambda: self.prefill_manager.waiting_queue,
             tp_rank=tp_rank,
+            abort_requested=lambda: self.receiver.take(AbortWeightUpdateReqInput),
         )
         runner = worker.model_runner
         self.experts = ExpertControl(
@@ -306,5 +321,7 @@ class Scheduler:
         if self.sender.enabled:
             kv = (self.cache.used_tokens(), self.tree_cache.evictable_size())
             total = self.cache.max_total_num_tokens
+            spec = self.speculative.stats.snapshot() if self.speculative is not None else None
             stats = SchedulerStats(*self.planner.load(), *kv, total, *self.planner.lora_load())
+            stats.speculative = spec
             self.sender.send_stats(stats)

@@ -6,6 +6,7 @@ import torch
 
 from shardline_runtime import distributed
 from shardline_runtime.constrained.xgrammar_backend import apply_token_bitmask
+from shardline_runtime.device_copy import to_device
 from shardline_runtime.layers.logits_processor import LogitsProcessorOutput
 from shardline_runtime.layers.sampler import Sampler
 from shardline_runtime.model_executor.forward_batch_info import ForwardBatch
@@ -34,30 +35,29 @@ def sample_batch(
     """
     bs = forward_batch.batch_size
     wants = forward_batch.wants_token
-    rows = list(range(bs)) if wants is None else [i for i, w in enumerate(wants) if w]
+    every_row = wants is None or all(wants)
+    rows = list(range(bs)) if wants is None or every_row else [i for i, w in enumerate(wants) if w]
     result = GenerationBatchResult(
         logits_output=logits_output, forward_batch=forward_batch, sampled_rows=rows
     )
-    result.next_token_ids = torch.full((bs,), -1, dtype=torch.int64, device=device)
     if not rows:
+        result.next_token_ids = torch.full((bs,), -1, dtype=torch.int64, device=device)
         return result
     info = forward_batch.sampling_info
-    if len(rows) < bs:
-        info = info.copy_rows(rows)
-    row_index = torch.tensor(rows, device=device)
     logits = logits_output.next_token_logits
-    if len(rows) < bs:
+    row_index = None
+    if not every_row:
+        info = info.copy_rows(rows)
+        row_index = to_device(rows, device, torch.int64)
         logits = logits[row_index]
     if forward_batch.grammar_bitmask is not None:
         # constrained rows: disallowed tokens to -inf before penalties, logprobs and the draw
         # (every TP rank fills the same mask from the same matchers; PP: the last stage samples)
         bitmask = forward_batch.grammar_bitmask
-        if len(rows) < bs:
-            bitmask = bitmask[rows]  # logits are already a copy of these rows
-        else:
-            logits = (
-                logits.clone()
-            )  # the runner's logits (a graph's output buffer) stay as they are
+        if every_row:  # keep the runner's logits (a graph's output buffer) as they are
+            logits = logits.clone()
+        else:  # logits are already a copy of these rows
+            bitmask = bitmask[rows]
         apply_token_bitmask(logits, bitmask)
     asked = forward_batch.return_logprobs or [False] * bs
     result.logprob_rows = [asked[i] for i in rows]
@@ -69,7 +69,11 @@ def sample_batch(
         distributed.broadcast_tensor(out.next_token_logprobs, src=0)
     if forward_batch.sampling_info.penalties is not None:
         forward_batch.sampling_info.penalties.cumulate_output_tokens(out.next_token_ids, row_index)
-    result.next_token_ids[row_index] = out.next_token_ids
+    if row_index is None:  # every row sampled: the ids are the result as they are
+        result.next_token_ids = out.next_token_ids
+    else:
+        result.next_token_ids = torch.full((bs,), -1, dtype=torch.int64, device=device)
+        result.next_token_ids[row_index] = out.next_token_ids
     result.sampled_logprobs = out.next_token_logprobs
     result.top_values, result.top_indices = out.top_logprobs_val, out.top_logprobs_idx
     return result
