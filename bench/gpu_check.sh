@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared check for a CUDA machine (each step has a time cap; the caps sum to 685 s, while
+# One prepared check for a CUDA machine (each step has a time cap; the caps sum to 745 s, while
 # the steps are expected to take well under 9 minutes on one H200: none has run on one yet):
 #   1. every `gpu`-marked test: decode graphs per attention backend and KV dtype (fp8 too),
 #      piecewise EXTEND graphs with a weight update that recaptures them, weight updates with
@@ -14,7 +14,9 @@
 #      expert-distribution recorder vs eager at batch 1 (fails when a graph row captured nothing);
 #   5. bench/serving.py --device cuda --preset llama-1b: output tokens/s, TTFT and ITL p50/p99 at
 #      concurrency 1, 16 and 64, overlap on and off (--compare-overlap);
-#   6. bench/gpu_quant.sh: the quantized-GEMM kernels on CUDA, and the decode table with bf16
+#   6. bench/overlap_idle.py: the real scheduler loop under torch.profiler, overlap on and off:
+#      idle time between consecutive decode kernels per step (issue 24 item 1), batch 1, 8, 64;
+#   7. bench/gpu_quant.sh: the quantized-GEMM kernels on CUDA, and the decode table with bf16
 #      against online FP8 weights (issue 28's target: batch-1 FP8 >= 1.6x bf16).
 # Nothing GPU-marked may skip here: the script sets SHARDLINE_GPU_CHECK=1, under which the
 # memory-saver test fails without torch-memory-saver, and it fails when tests/serving cannot run.
@@ -37,8 +39,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 
-# GPU_CHECK_STEPS picks steps (default all: tests triton table modes serving quant).
-steps=" ${GPU_CHECK_STEPS:-tests triton table modes serving quant} "
+# GPU_CHECK_STEPS picks steps (default all: tests triton table modes serving idle quant).
+steps=" ${GPU_CHECK_STEPS:-tests triton table modes serving idle quant} "
 wants() { [[ "$steps" == *" $1 "* ]]; }
 # A step's time cap on the GPU; the CPU dry run (a busy CI machine) gets 600 s per step.
 cap() { if [[ "${GPU_CHECK_DRY_RUN:-0}" == "1" ]]; then echo 600; else echo "$1"; fi; }
@@ -50,15 +52,19 @@ if [[ "${GPU_CHECK_DRY_RUN:-0}" == "1" ]]; then
               --vocab 512 --dtype float32 --graph-batch-sizes 1 2 --contexts 16 32 --decode-steps 2)
   test_args=(tests/runtime/test_triton_attention.py -k "not tiny_model")
   modes_args=(--device cpu --context 64 --prompt-len 16 --prefill-batch 2 --steps 2 --repeats 1)
+  idle_args=(--device cpu --dtype float32 --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128
+             --vocab 512 --batch-size 1 2 --profile-steps 4 --warmup-steps 2)
   serving_args=(--device cpu --concurrency 1 2 --compare-overlap --baseline none --requests-per-level 4
                 --prompt-len 8 16 --output-len 2 4 --long-fraction 0 --max-total-tokens 4096)
 else
   device=cuda
   bench_args=(--device cuda --preset llama-1b --dtype bfloat16 --graph-batch-sizes 1 8 32 64
               --contexts 512 4096 --decode-steps 12 --table-context-len 8192)
-  test_args=(tests/runtime/test_triton_attention.py tests/runtime/test_triton_fused_moe.py tests/lora/test_triton_segment.py)
+  test_args=(tests/runtime/test_triton_attention.py tests/runtime/test_triton_fused_moe.py tests/lora/test_triton_segment.py
+             tests/runtime/test_triton_rms_norm.py tests/runtime/test_triton_silu_and_mul.py)
   modes_args=(--device cuda --preset llama-1b --dtype bfloat16 --experts 8 --context 4096 --prompt-len 512
               --prefill-batch 4 --steps 32 --repeats 3)
+  idle_args=(--device cuda --preset llama-1b --dtype bfloat16 --batch-size 1 8 64)
   serving_args=(--device cuda --preset llama-1b --concurrency 1 16 64 --compare-overlap --baseline none
                 --max-total-tokens 262144)  # max(16, 4 x concurrency) requests per level
 fi
@@ -103,6 +109,10 @@ fi
 if wants serving; then
   echo "== serving on $device ($((SECONDS - start)) s)"
   timeout "$(cap 140)" python3 bench/serving.py "${serving_args[@]}" || status=$?
+fi
+if wants idle; then
+  echo "== overlap idle time on $device ($((SECONDS - start)) s)"
+  timeout "$(cap 60)" python3 bench/overlap_idle.py "${idle_args[@]}" || status=$?
 fi
 if wants quant; then
   echo "== quantized weights on $device ($((SECONDS - start)) s)"

@@ -34,7 +34,7 @@ def _rows(output: str, key: str) -> list[dict]:
 
 def test_the_gpu_check_runs_every_step_by_default():
     script = (ROOT / "bench" / "gpu_check.sh").read_text()
-    assert 'GPU_CHECK_STEPS:-tests triton table modes serving quant' in script
+    assert 'GPU_CHECK_STEPS:-tests triton table modes serving idle quant' in script
 
 
 def test_the_dry_run_passes(dry_run):
