@@ -32,6 +32,9 @@ Usage::
     python bench/engine.py --device cuda --preset llama-1b --dtype bfloat16   # the decode table
     python bench/engine.py --device cuda --graphs --graph-batch-sizes 1 8 32
     python bench/engine.py --threads 1 --profile     # per-operator profile of a decode step
+    python bench/engine.py --host-overhead --threads 1 --clock cpu --baseline-tree /tmp/base
+        # host work per decode step outside the forward, batch 1 and 64, two trees side by side
+        # (bench/host_overhead.py)
     python bench/engine.py --arch qwen3_moe --layers 4 --hidden 512 --heads 8 --kv-heads 8 \
         --experts 16 --top-k 2 --moe-intermediate 512 --vocab 8000 --threads 1 --clock cpu   # tiny MoE
 """
@@ -100,6 +103,7 @@ def make_worker(path: Path, args, disable_cuda_graph: bool = True, attention_bac
         max_running_requests=max(args.batch_size, args.prefill_batch, 32),
         disable_cuda_graph=disable_cuda_graph, cuda_graph_max_bs=max(args.graph_batch_sizes),
         context_length=args.context_len, attention_backend=attention_backend,
+        quantization=args.quantization,
     )
     return TpModelWorker(server_args, 0)
 
@@ -290,6 +294,16 @@ def graphs(args) -> None:
         print(f"| {bs} | {times[0] * 1e3:.3f} | {times[1] * 1e3:.3f} | {times[0] / times[1]:.2f}x{match} |", flush=True)
 
 
+def add_model_shape_args(parser: argparse.ArgumentParser) -> None:
+    """The Llama shape options (the defaults: GPT-2-small-sized), shared by the bench scripts."""
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--kv-heads", type=int, default=12)
+    parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=32000)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -298,12 +312,9 @@ def main(argv=None) -> None:
     parser.add_argument("--experts", type=int, default=16, help="MoE archs: experts per layer")
     parser.add_argument("--top-k", type=int, default=2, help="MoE archs: experts per token")
     parser.add_argument("--moe-intermediate", type=int, default=512, help="MoE archs: intermediate size of one expert")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--kv-heads", type=int, default=12)
-    parser.add_argument("--intermediate", type=int, default=2048)
-    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--quantization", default="auto", choices=["auto", "fp8"],
+                        help="fp8: online FP8 weights (--quantization fp8 of the runtime) for every Shardline row")
+    add_model_shape_args(parser)
     parser.add_argument("--batch-size", type=int, default=16, help="decode batch size")
     parser.add_argument("--prefill-batch", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -331,6 +342,12 @@ def main(argv=None) -> None:
     parser.add_argument("--compare", action="store_true", help="Shardline vs transformers prefill/decode table (CPU default)")
     parser.add_argument("--profile", action="store_true",
                         help="per-operator torch.profiler table of one decode step of each side, then exit")
+    parser.add_argument("--host-overhead", action="store_true",
+                        help="host work per decode step outside the model forward (bench/host_overhead.py)")
+    parser.add_argument("--host-batch-sizes", type=int, nargs="+", default=[1, 64],
+                        help="--host-overhead: decode batch sizes")
+    parser.add_argument("--baseline-tree", default=None,
+                        help="--host-overhead: another source tree measured side by side (its runtime/)")
     args = parser.parse_args(argv)
     for key, value in PRESETS.get(args.preset, {}).items():
         setattr(args, key, value)
@@ -340,6 +357,12 @@ def main(argv=None) -> None:
         raise SystemExit("--clock cpu measures one CPU thread: use it with --device cpu --threads 1")
     global _clock
     _clock = _CLOCKS[args.clock]
+    if args.host_overhead:
+        import host_overhead
+
+        with tempfile.TemporaryDirectory() as tmp:
+            host_overhead.run(args, make_checkpoint(Path(tmp) / "model", args))
+        return
     if args.graphs:
         graphs(args)
         return

@@ -16,6 +16,11 @@ ITL come from per-step timestamps (a logits processor).
 ``--compare-overlap`` serves the same requests from a second server started with
 ``--disable-overlap-schedule`` (overlap scheduling off), right after the first at each level.
 
+``--device cuda`` serves on the GPU (``--dtype``, default bfloat16 there) and ``--preset llama-1b``
+uses a random-weight model of that shape (``bench/engine.py``'s presets; the tokenizer is the tiny
+one, prompts are token ids); ``bench/gpu_check.sh`` runs it at concurrency 1, 16 and 64 with
+``--compare-overlap``.
+
 ``--client guidellm`` (or ``both``) also drives the server with guidellm on the same requests
 (``bench/guidellm_client.py``): its synchronous / concurrent profile at each level, then its
 throughput profile beside our client with every request in flight at once.
@@ -43,6 +48,17 @@ sys.path.insert(0, str(REPO / "tests" / "serving"))
 
 BENCH_MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
                    num_key_value_heads=4, max_position_embeddings=2048)
+
+
+def preset_model(name: str) -> dict:
+    """``make_tiny_checkpoint`` arguments for a ``bench/engine.py`` preset (random weights)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from engine import PRESETS
+
+    s = PRESETS[name]
+    return dict(hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_hidden_layers=s["layers"],
+                num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], vocab_size=s["vocab"],
+                max_position_embeddings=8192, initializer_range=0.02)
 
 
 @dataclass
@@ -225,7 +241,8 @@ def start_shardline(model_path: str, args, *flags: str) -> tuple[object, str]:
 
     log_dir = Path(tempfile.mkdtemp(prefix="shardline-bench-"))
     extra = ["--max-total-tokens", str(args.max_total_tokens), "--served-model-name", "bench",
-             "--max-running-requests", str(max(args.concurrency)), "--log-level", "warning", *flags]
+             "--max-running-requests", str(max(args.concurrency)), "--log-level", "warning",
+             "--device", args.device, "--dtype", args.dtype, *flags]
     server = start_server(model_path, log_dir, *extra, timeout=300, env={"OMP_NUM_THREADS": str(args.threads)})
     return server, "bench"
 
@@ -305,15 +322,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--guidellm-bin", default="guidellm", help="the guidellm executable")
     p.add_argument("--compare-overlap", action="store_true",
                    help="also serve with --disable-overlap-schedule (a second server, same requests, run right after)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the server runs the model")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
+                   help="model dtype of the server (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--preset", choices=["llama-1b"], default=None,
+                   help="random-weight model of this shape instead of the 4-layer default (bench/engine.py PRESETS)")
     p.add_argument("--json", type=Path, default=None, help="write the result rows here")
     p.add_argument("--out", type=Path, default=None, help="PNG plot of throughput vs concurrency")
     args = p.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if args.device == "cuda" and args.baseline == "hf":
+        p.error("--baseline hf runs transformers on the CPU; use --baseline none with --device cuda")
 
     model_path = args.model_path
     if model_path is None:
         from shardline_runtime.tiny_checkpoint import make_tiny_checkpoint
 
-        model_path = str(make_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="bench-model-")), seed=args.seed, **BENCH_MODEL))
+        shape = preset_model(args.preset) if args.preset else BENCH_MODEL
+        model_path = str(make_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="bench-model-")), seed=args.seed, **shape))
     server = None
     url, model = args.url, None
     if url is None:

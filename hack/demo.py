@@ -5,8 +5,9 @@ that writes readable text in two revisions (hack/scenario/text_model.py), starts
 plane with fake GPU nodes and the node agent, installs the chart with helm (the operator runs
 as the chart's Deployment pod), ``kubectl apply``s the TP=2 example pointed at revision A,
 prints every status transition until Ready, asks for a chat completion, rolls the weights to
-revision B in place (printing UpdatingWeights -> RecapturingGraphs -> Ready), asks again, and
-tears everything down, also on Ctrl-C or failure.
+revision B in place (printing UpdatingWeights -> Ready; RecapturingGraphs shows only where the
+runtime captured graphs, which CPU pods do not, and the GraphsCaptured condition says why not),
+asks again, and tears everything down, also on Ctrl-C or failure.
 """
 from __future__ import annotations
 
@@ -89,6 +90,9 @@ def run(cluster: LocalCluster, keep: bool) -> None:
     watch.wait(lambda s: s.phase == "Ready" and s.served_revision == "rev-b"
                and s.observed_generation == s.generation, READY_TIMEOUT, "Ready on rev-b", mark)
     print(f"    phases: {' -> '.join(watch.phases_since(mark))}")
+    graphs = '{.status.conditions[?(@.type=="GraphsCaptured")]}'
+    condition = json.loads(cluster.kubectl("get", "infd", name, "-n", ns, "-o", f"jsonpath={graphs}").stdout)
+    print(f"    GraphsCaptured={condition['status']} ({condition['reason']}): {condition['message']}")
     print(cluster.kubectl("get", "infd", "-n", ns).stdout.rstrip())
     step("chat completion after the rollout (rev-b, same pods)")
     after = chat(ip, model, PROMPT, max_tokens=MAX_TOKENS)

@@ -28,7 +28,7 @@ def tp2_example() -> tuple[Path, dict]:
         par = doc.get("spec", {}).get("parallelism", {})
         seen.append(f"{path.name}: {par}")
         if par.get("tensor") == 2 and par.get("gpusPerPod", 1) == 1 and par.get("expert", 1) == 1 and \
-                par.get("pipeline", 1) == 1 and \
+                par.get("pipeline", 1) == 1 and "path" in doc["spec"].get("model", {}) and \
                 len([d for d in yaml.safe_load_all(path.read_text()) if d]) == 1:
             return path, doc
     raise LookupError("no single-document example in examples/ has parallelism "

@@ -15,8 +15,10 @@ RATE = 4.0  # requests per second
 class Traffic:
     """Open-loop client over the Ready, non-terminating leaders; counts what failed."""
 
-    def __init__(self, client, namespace: str, name: str, model: str, rate: float = RATE):
+    def __init__(self, client, namespace: str, name: str, model: str, rate: float = RATE,
+                 timeout: float = 120.0):
         self.client, self.namespace, self.name, self.model, self.rate = client, namespace, name, model, rate
+        self.timeout = timeout  # seconds per request
         self.leaders: list[str] = []
         self.sent = 0
         self.failures: list[str] = []
@@ -40,7 +42,7 @@ class Traffic:
 
     def _one(self, ip: str) -> None:
         try:
-            r = httpx.post(f"http://{ip}:8000/v1/completions", timeout=120,
+            r = httpx.post(f"http://{ip}:8000/v1/completions", timeout=self.timeout,
                            json={"model": self.model, "prompt": "Hello", "max_tokens": 4})
             if r.status_code != 200:
                 self.failures.append(f"{ip}: HTTP {r.status_code} {r.text[:200]}")

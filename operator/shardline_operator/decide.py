@@ -23,7 +23,15 @@ from .group_actions import PassBuilder, apply_group, children, groups_of, health
 from .group_health import GroupRecord
 from .lora_sync import decide_lora
 from .observed import GroupObservation, pod_url
-from .pass_plan import DeletePods, Event, MetricDeltas, Observation, PassPlan, StartUpdate
+from .pass_plan import (
+    AbortUpdate,
+    DeletePods,
+    Event,
+    MetricDeltas,
+    Observation,
+    PassPlan,
+    StartUpdate,
+)
 from .phases import DeploymentPhase, GroupPhase
 from .restart_plan import needs_restart, next_restart
 from .rollout import GroupView, RolloutPlan, plan_rollout
@@ -147,10 +155,15 @@ def _reported_digest(
 
 
 def _loading(state: RolloutState | None, views: list[GroupView]) -> dict[int, str]:
-    """The revision each group of the wave in flight is loading (not yet served)."""
+    """The revision each group of the wave in flight is loading (not yet served): the groups
+    whose update was just sent or whose leader reports it loading (``group_phases``)."""
     if state is None:
         return {}
-    return {v.index: wave_target(state, v).revision for v in views if v.index in state.wave}
+    return {
+        v.index: wave_target(state, v).revision
+        for v in views
+        if v.index in state.wave and v.index in state.group_phases
+    }
 
 
 def _rollout_step(
@@ -200,6 +213,10 @@ def _rollout_step(
             if url is not None:
                 timeout = spec.weight_update.timeout_seconds
                 out.actions.append(StartUpdate(index, url, body, timeout))
+        for index in plan.abort:
+            url = pod_url(groups[index].leader)
+            if url is not None:
+                out.actions.append(AbortUpdate(index, url))
         for index, served in plan.apply.items():
             groups[index] = apply_group(spec, groups[index], served, out, relabel=True)
         overrides.update({i: GroupPhase(p) for i, p in plan.group_phases.items()})
@@ -260,6 +277,7 @@ def decide(
                 mixed=shown_mixed.get(g.index),
                 planned=g.index in planned,
                 loading=loading.get(g.index),
+                note=plan.notes.get(g.index),
             )
             for g, v in zip(groups, views)
         ]

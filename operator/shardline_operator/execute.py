@@ -22,6 +22,7 @@ from .kube import KubeClient
 from .lora_sync import LoRALeaderClient
 from .observe import LeaderClient, update_key
 from .pass_plan import (
+    AbortUpdate,
     ApplyObject,
     DeleteObject,
     DeletePods,
@@ -125,6 +126,8 @@ def execute(
         elif isinstance(action, StartUpdate):
             key = update_key(spec, action.group)
             client.start_update(key, action.url, action.body, action.timeout_seconds)
+        elif isinstance(action, AbortUpdate):
+            client.abort_update(update_key(spec, action.group), action.url)
         elif isinstance(action, (LoadAdapter, UnloadAdapter)):
             if isinstance(client, LoRALeaderClient):
                 _adapter(client, action, failures)

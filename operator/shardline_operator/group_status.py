@@ -2,12 +2,14 @@
 
 A group's ``revision`` is what its leader reports, else its leader pod's label; while it loads
 another revision its message says so (``loading rev-b``): status follows the runtime, not the
-spec. Groups beyond ``replicas`` whose pods still drain are listed as ``Terminating``.
+spec. So do its ``graphs`` and the ``GraphsCaptured`` condition (:func:`graphs_condition`): what
+the leader's ``/get_server_info`` says was captured, or why nothing was (a CPU pod: ``cpu: no
+CUDA graphs``). Groups beyond ``replicas`` whose pods still drain are listed as ``Terminating``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +19,7 @@ from .observed import GroupObservation, PodObservation
 from .parallelism import ParallelismSpec
 from .phases import GroupPhase
 from .rollout import GroupView
+from .weights import ReportedGraphs
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,13 @@ class GroupReport:
     planned: bool = False
     loading: str | None = None
     draining: bool = False
+    note: str | None = None
+
+    @property
+    def graphs(self) -> ReportedGraphs | None:
+        """What the group's leader reported capturing this pass (None: no report)."""
+        leader = self.view.leader if self.view is not None else None
+        return leader.graphs if leader is not None else None
 
     @property
     def revision(self) -> str:
@@ -53,6 +63,31 @@ class GroupReport:
         if leader is None:  # no live leader (starting, or the old one terminating): serves nothing
             return ""
         return leader.revision or (declared.revision if declared is not None else "")
+
+
+def graphs_condition(reports: Sequence[GroupReport], all_ready: bool) -> tuple[bool, str, str]:
+    """``(status, reason, message)`` of ``GraphsCaptured`` from the leaders' reports.
+
+    ``True/Captured`` when every group is Ready and each leader reported captured graphs;
+    ``False/Disabled`` (the runtime's flag) or ``False/NotCaptured`` with the leaders' reason
+    (``cpu: no CUDA graphs``) when one captured none; ``False/Pending`` until every group is
+    Ready and reported.
+    """
+    graphs = [r.graphs for r in reports]
+    if not all_ready or not reports or any(g is None for g in graphs):
+        return False, "Pending", "waiting for every group's leader to report its graphs"
+    missing = {
+        f"group {r.observation.index}": g.summary()
+        for r, g in zip(reports, graphs)
+        if g and not g.captured
+    }
+    if missing:
+        reasons = [g.reason or "" for g in graphs if g and not g.captured]
+        disabled = all(reason.startswith("disabled by") for reason in reasons)
+        message = "; ".join(f"{k}: {v}" for k, v in missing.items())
+        return False, "Disabled" if disabled else "NotCaptured", message
+    summaries = sorted({g.summary() for g in graphs if g is not None})
+    return True, "Captured", "; ".join(summaries)
 
 
 def group_phase(report: GroupReport) -> GroupPhase:
@@ -117,6 +152,7 @@ def group_status(report: GroupReport, phase: str, parallelism: ParallelismSpec) 
         record.failed_message
         or report.mixed
         or restart_message(report, phase)
+        or report.note
         or loading_message(report, phase)
     )
     item: dict[str, Any] = {
@@ -136,6 +172,11 @@ def group_status(report: GroupReport, phase: str, parallelism: ParallelismSpec) 
         item["lastRestartTime"] = to_rfc3339(record.last_restart_time)
     if report.weight_version is not None:
         item["weightVersion"] = report.weight_version
+    if report.graphs is not None:
+        item["graphs"] = report.graphs.summary()
+    leader = report.view.leader if report.view is not None else None
+    if leader is not None and leader.quantization is not None:
+        item["quantization"] = leader.quantization  # the scheme the leader serves
     return item
 
 

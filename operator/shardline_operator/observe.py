@@ -32,8 +32,13 @@ class LeaderClient(Protocol):
     ) -> None:
         """Send ``POST {url}/update_weights_from_disk`` in the background, tracked under ``key``."""
 
+    def abort_update(self, key: str, url: str) -> None:
+        """Send ``POST {url}/abort_weight_update`` in the background (once while one is in
+        flight under ``key``); the update's :meth:`poll` then says ``aborted`` or ``success``."""
+
     def poll(self, key: str) -> tuple[str, str]:
-        """``(state, message)``: state is ``pending``, ``success``, ``failure`` or ``unknown``."""
+        """``(state, message)``: state is ``pending``, ``success``, ``failure``, ``aborted`` or
+        ``unknown``."""
 
     def server_info(self, url: str) -> Mapping[str, Any] | None:
         """``GET {url}/get_server_info`` as a dict, or None when unreachable."""

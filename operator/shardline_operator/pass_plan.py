@@ -71,6 +71,15 @@ class StartUpdate:
 
 
 @dataclass(frozen=True)
+class AbortUpdate:
+    """``POST /abort_weight_update`` to ``group``'s leader at ``url``: the target changed while
+    the group loads (the outcome shows in the update's own reply)."""
+
+    group: int
+    url: str
+
+
+@dataclass(frozen=True)
 class LoadAdapter:
     group: int
     url: str
@@ -91,6 +100,7 @@ Action = (
     | DeletePods
     | RelabelPods
     | StartUpdate
+    | AbortUpdate
     | LoadAdapter
     | UnloadAdapter
 )

@@ -17,8 +17,11 @@ record metrics). Rules:
   once; with ``canary`` the first wave is one group, which must then pass the gate
   (``/health_generate`` plus the optional ``verify`` prompt and latency bound) before the rest
   follow; ``pauseSeconds`` separates waves.
-- A wave in flight is always awaited, whatever the spec says meanwhile; then the target is the
-  *latest* spec (a revert mid-rollout sends the groups that reached the old target back).
+- A wave in flight is always awaited; when the spec moves on meanwhile (a revert, a second
+  target) each group still loading the old target is cancelled (``/abort_weight_update``: it
+  keeps its old weights), and one that committed first is sent on to the latest spec in the same
+  pass, before it counts as available. Then the target is the *latest* spec (a revert
+  mid-rollout sends the groups that reached the old target back).
 - What a group serves is what its leader reports when it reports it, else its StatefulSet's
   annotations. A leader serving another model or digest than recorded is a mixed version:
   reported (Degraded) and repaired by updating that group to the target.
@@ -45,6 +48,8 @@ from .runtime_args import ServedModel
 from .spec import WeightUpdateSpec
 
 __all__ = ["GroupView", "RolloutPlan", "plan_rollout", "update_body"]
+
+RESUMABLE = (UPDATING, PAUSED, VERIFYING)  # a rollout the planner may redirect to a new target
 
 
 def plan_rollout(
@@ -74,7 +79,11 @@ def plan_rollout(
         mixed = {g.index: r for g in groups if g.index not in wave for r in [g.mixed_reason()] if r}
     out = RolloutPlan(state, mixed=dict(mixed))
     if state is not None and state.wave:
-        return follow_wave(state, views, policy, now, out)
+        out = follow_wave(state, views, policy, now, out, desired)
+        ended = out.state
+        if ended is None or ended.wave or ended.target == desired or ended.phase not in RESUMABLE:
+            return out
+        state = ended  # the wave ended and the spec moved on: plan towards it now
     if state is not None and state.phase == VERIFYING and state.target == desired:
         canary = views.get(state.canary) if state.canary is not None else None
         if canary is None or canary.gate is None:
@@ -121,11 +130,7 @@ def plan_rollout(
             and g.served is not None
             and (g.served != desired or g.index in out.mixed)
         ]
-        if (
-            state is None
-            or state.target != desired
-            or state.phase not in (UPDATING, PAUSED, VERIFYING)
-        ):
+        if state is None or state.target != desired or state.phase not in RESUMABLE:
             if not todo:
                 out.state = None
                 return out

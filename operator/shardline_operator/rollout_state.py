@@ -46,7 +46,8 @@ class RolloutState:
     """``status.rollout``; times are Unix seconds.
 
     ``wave``: groups whose ``/update_weights_from_disk`` to ``target`` is in flight, since
-    ``started_at``; ``group_phases``: the phase last written for each of them.
+    ``started_at``; ``group_phases``: the phase last written for each of them that was sent its
+    update this pass or seen loading (a group nothing loads has none, and shows its pods' phase).
     ``canary``: the group being verified (phase Verifying) or None; ``canary_passed``: the gate
     is behind us for this target (or there is none).
     """

@@ -112,11 +112,15 @@ class RolloutPlan:
     transitions before ``group_phases``); ``mixed`` maps groups to their mixed-version reason;
     ``forget_digest`` lists groups whose recorded digest is stale (re-recorded from the leader);
     ``group_update_seconds`` / ``group_recapture_seconds``: (group, seconds) of updates that
-    ended this pass (the operator's wall time; the runtime's reported recapture time).
+    ended this pass (the operator's wall time; the runtime's reported recapture time);
+    ``abort``: groups whose update in flight is cancelled (the target changed while they load);
+    ``notes``: a group's status message for what the rollout does to it.
     """
 
     state: RolloutState | None
     start: dict[int, dict[str, Any]] = field(default_factory=dict)
+    abort: list[int] = field(default_factory=list)
+    notes: dict[int, str] = field(default_factory=dict)
     apply: dict[int, ServedModel] = field(default_factory=dict)
     group_phases: dict[int, str] = field(default_factory=dict)
     trail: list[tuple[int, str]] = field(default_factory=list)

@@ -1,6 +1,11 @@
 """Following the wave in flight (pure, part of the rollout planner): await every group of the
 wave, count a group as updated only once its leader is Ready on the target, then decide what
-follows (the next wave, the canary gate, a pause, a rollback or Failed)."""
+follows (the next wave, the canary gate, a pause, a rollback or Failed).
+
+When the spec moves on while the wave loads (a revert, a second target), each group still
+loading the old target is cancelled (``/abort_weight_update``): aborted before its commit, it
+keeps serving what it served; committed already, it counts as updated to the old target and the
+planner sends it on to the new one in the same pass, before it is ever counted available."""
 
 from __future__ import annotations
 
@@ -20,6 +25,12 @@ def wave_target(state: RolloutState, view: GroupView) -> ServedModel:
     if state.phase == FAILED and view.declared is not None:  # a repair: its last good weights
         return view.declared
     return (state.previous or state.target) if state.phase == ROLLING_BACK else state.target
+
+
+def superseded(state: RolloutState, view: GroupView, desired: ServedModel | None) -> bool:
+    """The spec changed since the wave began, away from what ``view``'s group is loading (a
+    rollback loading the previous model while the spec still names the failed target is not)."""
+    return desired is not None and state.target != desired and wave_target(state, view) != desired
 
 
 def _result(view: GroupView, target: ServedModel) -> tuple[str, str]:
@@ -58,10 +69,12 @@ def follow_wave(
     policy: WeightUpdateSpec,
     now: float,
     out: RolloutPlan,
+    desired: ServedModel | None = None,
 ) -> RolloutPlan:
     """Await every group of the wave in flight; then decide what follows. A group counts as
     updated only once it is available on its target (:meth:`GroupView.serves`): a reply from a
-    leader that is not Ready, or is terminating, does not count."""
+    leader that is not Ready, or is terminating, does not count. ``desired``: what the spec
+    asks for now; a group still loading another target is cancelled (see the module notes)."""
     target = (state.previous or state.target) if state.phase == ROLLING_BACK else state.target
     still, phases, failures = [], {}, []
     started = state.started_at if state.started_at is not None else now
@@ -70,32 +83,64 @@ def follow_wave(
         if view is None:  # scaled away meanwhile
             continue
         target = wave_target(state, view)
+        cancel = superseded(state, view, desired)
         result, message = _result(view, target)
         if result == "success" and not _confirmed(view, target):
             result, message = "pending", f"waiting for the leader to be Ready on {target.revision}"
-        last = state.group_phases.get(index, GroupPhase.UPDATING_WEIGHTS)
+        last = state.group_phases.get(index)  # None: nothing was seen loading yet
         trail = _trail(last, view.phases)
-        if result == "unknown":  # nobody is updating it: send the request (again)
+        if result == "unknown" and cancel:  # nothing loads the old target: nothing to cancel
+            result = "aborted"
+        elif result == "unknown":  # nobody is updating it: send the request (again)
             out.start[index] = update_body(view.served, target)
             result = "pending"
+            out.events.append(
+                (
+                    "Normal",
+                    "UpdateSent",
+                    f"group {index}: no update was running; sending the update to "
+                    f"{target.revision} again",
+                )
+            )
+        elif result == "aborted" and not (view.live and view.ready):
+            # the leader went away mid-update (a drained pod aborts its load): its new pod is
+            # updated once it serves
+            result, message = "pending", "the leader was replaced during the update"
+        elif result == "aborted" and not cancel:  # another client aborted it
+            result, message = "failure", f"aborted ({message})"
+        if result == "pending" and cancel:
+            assert desired is not None  # cancel implies it
+            out.abort.append(index)
+            out.notes[index] = (
+                f"loading {target.revision}; cancelling (the target is now {desired.revision})"
+            )
         if result == "pending" and now - started > policy.timeout_seconds:
             result, message = "failure", f"timed out after {policy.timeout_seconds}s"
-        if result == "pending":
-            reported = view.leader.weights_phase if view.leader else WeightsPhase.SERVING
-            phase = PHASE_BY_WEIGHTS_PHASE.get(reported, trail[-1] if trail else last)
-            if trail and trail[-1] == phase:
-                trail.pop()
-            out.trail += [(index, p) for p in trail]
-            out.group_phases[index], phases[index] = phase, phase
+        if result == "aborted":
+            served = view.served.revision if view.served is not None else "its weights"
+            out.events.append(
+                (
+                    "Normal",
+                    "UpdateCancelled",
+                    f"group {index}: update to {target.revision} cancelled before it "
+                    f"committed; it serves {served}",
+                )
+            )
+        elif result == "pending":
+            phase = _shown_phase(view, index in out.start, trail[-1] if trail else last)
+            if phase is not None and phase != (trail[-1] if trail else last):
+                trail.append(phase)  # first seen now (say, after a restart): a transition too
+            out.trail += [(index, p) for p in trail]  # each with its status write and event
+            if phase is not None:
+                out.group_phases[index] = phases[index] = phase
             still.append(index)
         elif result == "success":
-            if (
-                target.cuda_graph.enabled
-                and (trail[-1] if trail else last) != GroupPhase.RECAPTURING_GRAPHS
-            ):
-                trail.append(
-                    GroupPhase.RECAPTURING_GRAPHS
-                )  # shorter than the sampling interval, still a step
+            # Recapturing is a step only when the runtime did it: a phase it reported (already in
+            # the trail) or recapture time in its reply, shorter than the sampling interval.
+            # A CPU pod captures nothing, so its trail has no such step.
+            recaptured = view.update_seconds.get("recapture_seconds", 0.0) > 0
+            if recaptured and (trail[-1] if trail else last) != GroupPhase.RECAPTURING_GRAPHS:
+                trail.append(GroupPhase.RECAPTURING_GRAPHS)
             out.trail += [(index, p) for p in trail]
             out.apply[index] = target
             out.forget_digest.append(index)
@@ -105,6 +150,14 @@ def follow_wave(
                     (index, view.update_seconds["recapture_seconds"])
                 )
             out.events.append(("Normal", "GroupUpdated", f"group {index} serves {target.revision}"))
+            if cancel:
+                assert desired is not None  # cancel implies it
+                late = (
+                    f"group {index} committed {target.revision} before the cancel could stop "
+                    f"it; sending it to {desired.revision}"
+                )
+                out.events.append(("Warning", "UpdateCommittedBeforeCancel", late))
+                out.notes[index] = late
         else:
             out.failed_updates += 1
             failures.append(f"group {index}: update to {target.revision} failed: {message}")
@@ -172,6 +225,19 @@ def fail(
     out.state = replace(state, phase=FAILED, wave=(), canary=None, message=reason)
     out.events.append(("Warning", "WeightUpdateFailed", reason))
     return out
+
+
+def _shown_phase(view: GroupView, just_sent: bool, last: str | None) -> str | None:
+    """The phase status shows for a group of the wave whose update has not ended: what its
+    leader reports (``loading`` -> UpdatingWeights, ``recapturing`` -> RecapturingGraphs), else
+    ``last`` while this process's request is on its way or the leader cannot be asked (the
+    runtime reports ``loading`` as soon as a request arrives), else None: nothing loads, and the
+    group shows what its pods show (after an operator restart, or an update sent again)."""
+    leader = view.leader
+    if leader is not None and leader.weights_phase in PHASE_BY_WEIGHTS_PHASE:
+        return PHASE_BY_WEIGHTS_PHASE[leader.weights_phase]
+    own_request = view.update[0] == "pending" and not just_sent
+    return last if own_request else None
 
 
 def _trail(reported: str | None, weights_phases: Sequence[WeightsPhase]) -> list[str]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from . import labels
 from .spec import CudaGraphSpec, DeploymentSpec
+from .spec_model import MODEL_CACHE_ENV
 
 RUNTIME_COMMAND = ("shardline-runtime", "serve")
 
@@ -65,9 +66,15 @@ def runtime_args(spec: DeploymentSpec, group: int, served: ServedModel) -> list[
         spec.runtime.dtype,
         "--kv-cache-dtype",
         spec.runtime.kv_cache_dtype,
+        "--quantization",
+        spec.runtime.quantization,
         "--mem-fraction-static",
         repr(spec.runtime.mem_fraction_static),
     ]
+    if spec.model.is_remote:
+        args += ["--download-dir", f"$({MODEL_CACHE_ENV})"]  # env: remapped by hosts that must
+        if spec.model.cache_max_bytes:
+            args += ["--download-max-bytes", str(spec.model.cache_max_bytes)]
     if spec.parallelism.pipeline > 1:
         args += ["--pp-size", str(spec.parallelism.pipeline)]
     if spec.parallelism.pipeline_layer_partition:
@@ -83,6 +90,13 @@ def runtime_args(spec: DeploymentSpec, group: int, served: ServedModel) -> list[
         args += ["--cuda-graph-max-bs", str(served.cuda_graph.max_batch_size)]
     else:
         args.append("--disable-cuda-graph")
+    if spec.runtime.speculative is not None:
+        args += [
+            "--speculative-algorithm",
+            spec.runtime.speculative.algorithm,
+            "--speculative-num-draft-tokens",
+            str(spec.runtime.speculative.num_draft_tokens),
+        ]
     if (
         spec.lora_adapters
     ):  # loaded at start; later changes are loaded/unloaded in place (lora_sync.py)

@@ -1,4 +1,5 @@
-"""HTTP calls to a group leader's admin API (``/update_weights_from_disk``, ``/get_server_info``).
+"""HTTP calls to a group leader's admin API (``/update_weights_from_disk``,
+``/abort_weight_update``, ``/get_server_info``).
 
 An update can take minutes (weight load + graph recapture) and the runtime answers only when
 it is done, so the POST runs on a background thread and the reconciler polls it by key.
@@ -22,6 +23,7 @@ import httpx
 INFO_TIMEOUT_SECONDS = 3.0
 GATE_TIMEOUT_SECONDS = 30.0
 LORA_TIMEOUT_SECONDS = 30.0
+ABORT_TIMEOUT_SECONDS = 900.0  # the runtime answers once the update ended (committed or not)
 PHASE_POLL_SECONDS = 0.1
 
 
@@ -34,6 +36,7 @@ class HttpLeaderClient:
         self._phases: dict[str, list[str]] = {}
         self._samplers: dict[str, threading.Thread] = {}
         self._seconds: dict[str, dict[str, float]] = {}  # what poll last handed out, per key
+        self._aborts: dict[str, threading.Thread] = {}
         self._lock = threading.Lock()
 
     def with_token(self, token: str | None, api_key: str | None = None) -> TokenLeaderClient:
@@ -82,6 +85,23 @@ class HttpLeaderClient:
                 last = phase
             time.sleep(PHASE_POLL_SECONDS)
 
+    def abort_update(self, key: str, url: str, token: str | None = None) -> None:
+        """Send ``POST {url}/abort_weight_update`` in the background, unless one under ``key``
+        is still in flight (the runtime answers once the update ended). Its outcome shows in
+        :meth:`poll` of the update (``aborted``, or ``success`` when it had committed)."""
+        with self._lock:
+            running = self._aborts.get(key)
+            if running is not None and running.is_alive():
+                return
+            thread = threading.Thread(
+                target=_post_json,
+                args=(url, "/abort_weight_update", {}, ABORT_TIMEOUT_SECONDS, token),
+                daemon=True,
+                name=f"abort-{key}",
+            )
+            self._aborts[key] = thread
+        thread.start()
+
     def observed_phases(self, key: str) -> list[str]:
         """``weights_phase`` values seen under ``key`` since the last call, in order."""
         with self._lock:
@@ -89,7 +109,8 @@ class HttpLeaderClient:
         return seen
 
     def poll(self, key: str) -> tuple[str, str]:
-        """``(state, message)``: ``pending``, ``success``, ``failure`` or ``unknown`` (no request under key).
+        """``(state, message)``: ``pending``, ``success``, ``failure``, ``aborted`` (stopped by
+        ``/abort_weight_update`` before it committed) or ``unknown`` (no request under key).
 
         ``pending`` lasts until the phase sampler has also stopped, so a phase it read just
         before the reply is in :meth:`observed_phases` when the result is handed out.
@@ -103,10 +124,10 @@ class HttpLeaderClient:
                 return "pending", ""
             del self._futures[key]
             self._samplers.pop(key, None)
-        success, message, seconds = future.result()
+        state, message, seconds = future.result()
         with self._lock:
             self._seconds[key] = seconds
-        return ("success" if success else "failure"), message
+        return state, message
 
     def update_seconds(self, key: str) -> dict[str, float]:
         """``load_seconds`` / ``recapture_seconds`` (floats, seconds) that the runtime reported in
@@ -223,6 +244,9 @@ class TokenLeaderClient:
     ) -> None:
         self._client.start_update(key, url, body, timeout_seconds, self._token)
 
+    def abort_update(self, key: str, url: str) -> None:
+        self._client.abort_update(key, url, self._token)
+
     def poll(self, key: str) -> tuple[str, str]:
         return self._client.poll(key)
 
@@ -254,14 +278,21 @@ def _auth(token: str | None) -> dict[str, str]:
 
 def _post_update(
     url: str, body: dict[str, Any], timeout_seconds: float, token: str | None = None
-) -> tuple[bool, str, dict[str, float]]:
-    """Send the update; ``(success, message, seconds)`` where ``seconds`` holds the reply's
-    ``load_seconds`` / ``recapture_seconds`` that are numbers. Transport errors are failures."""
-    seconds: dict[str, float] = {}
+) -> tuple[str, str, dict[str, float]]:
+    """Send the update; ``(state, message, seconds)``: state ``success``, ``failure`` or
+    ``aborted`` (the reply's ``aborted``), ``seconds`` the reply's ``load_seconds`` /
+    ``recapture_seconds`` that are numbers. Transport errors are failures."""
+    reply: dict[str, Any] = {}
     success, message = _post_json(
-        url, "/update_weights_from_disk", body, timeout_seconds, token, seconds
+        url, "/update_weights_from_disk", body, timeout_seconds, token, reply
     )
-    return success, message, seconds
+    seconds = {
+        k: float(v)
+        for k, v in reply.items()
+        if k.endswith("_seconds") and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+    state = "success" if success else "aborted" if reply.get("aborted") is True else "failure"
+    return state, message, seconds
 
 
 def _post_json(
@@ -270,11 +301,11 @@ def _post_json(
     body: dict[str, Any],
     timeout_seconds: float,
     token: str | None = None,
-    seconds: dict[str, float] | None = None,
+    reply_out: dict[str, Any] | None = None,
 ) -> tuple[bool, str]:
     """POST ``body`` to ``url + route``; ``(success, message)`` of a ``{"success", "message"}``
-    reply (transport errors and non-JSON replies are failures naming ``url``). With ``seconds``,
-    the reply's numeric ``*_seconds`` fields are copied into it."""
+    reply (transport errors and non-JSON replies are failures naming ``url``). With
+    ``reply_out``, the JSON reply is copied into it."""
     try:
         response = httpx.post(
             f"{url}{route}", json=body, headers=_auth(token), timeout=timeout_seconds
@@ -287,16 +318,8 @@ def _post_json(
         return False, f"HTTP {response.status_code} from {url}: {response.text[:200]}"
     if not isinstance(reply, dict):
         return False, f"HTTP {response.status_code} from {url}: unexpected reply {reply!r:.200}"
-    if seconds is not None:
-        seconds.update(
-            {
-                k: float(v)
-                for k, v in reply.items()
-                if k.endswith("_seconds")
-                and isinstance(v, (int, float))
-                and not isinstance(v, bool)
-            }
-        )
+    if reply_out is not None:
+        reply_out.update(reply)
     if response.status_code >= 400 or not reply.get("success", False):
         message = (
             reply.get("message") or (reply.get("error") or {}).get("message") or str(reply)[:200]

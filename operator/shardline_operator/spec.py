@@ -16,6 +16,9 @@ from typing import Any
 
 from .parallelism import MAX_PIPELINE, MAX_WORLD_SIZE, ParallelismSpec
 from .spec_fields import field_value, int_in, one_of
+from .spec_model import LABEL_VALUE as _LABEL_VALUE
+from .spec_model import SECRET_NAME as _SECRET_NAME
+from .spec_model import parse_model
 from .spec_types import (
     ADMIN_API_KEY_ENV,
     API_KEY_ENV,
@@ -27,9 +30,11 @@ from .spec_types import (
     MAX_NAME_LENGTH,
     MAX_REPLICAS,
     PULL_POLICIES,
+    QUANTIZATION_MODES,
     RESERVED_ENV,
     RESERVED_FLAGS,
     SERVICE_TYPES,
+    SPECULATIVE_ALGORITHMS,
     STRATEGIES,
     AuthSpec,
     CanarySpec,
@@ -44,6 +49,7 @@ from .spec_types import (
     SecretKeyRef,
     ServiceSpec,
     SpecError,
+    SpeculativeSpec,
     VerifySpec,
     WeightUpdateSpec,
     flag_value,
@@ -66,6 +72,7 @@ __all__ = [
     "ModelSpec",
     "NetworkPolicySpec",
     "PULL_POLICIES",
+    "QUANTIZATION_MODES",
     "RESERVED_ENV",
     "RESERVED_FLAGS",
     "RestartPolicySpec",
@@ -81,51 +88,9 @@ __all__ = [
     "parse_spec",
 ]
 
-_LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
 _DNS_LABEL = re.compile(r"^[a-z]([a-z0-9-]*[a-z0-9])?$")
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
-
-
-def parse_model(raw: Mapping[str, Any]) -> ModelSpec:
-    """Parse ``spec.model``. Raises :class:`SpecError`."""
-    path = "spec.model"
-    name = field_value(raw, "name", path, str, required=True)
-    model_path = field_value(raw, "path", path, str, required=True)
-    if not name.strip():
-        raise SpecError(f"{path}.name must be a non-empty string")
-    if not posixpath.isabs(model_path):
-        raise SpecError(
-            f"{path}.path must be an absolute directory path in the pod, got {model_path!r}"
-        )
-    revision = field_value(
-        raw, "revision", path, str, posixpath.basename(posixpath.normpath(model_path))
-    )
-    if not _LABEL_VALUE.match(revision):
-        raise SpecError(
-            f"{path}.revision must be 1-63 characters [A-Za-z0-9._-], starting and ending "
-            f"alphanumeric (it becomes a label value), got {revision!r}"
-        )
-    mount_path = field_value(raw, "mountPath", path, str, "/var/lib/shardline/models")
-    volume = field_value(raw, "volume", path, dict)
-    if volume is not None:
-        if len(volume) != 1:
-            raise SpecError(
-                f"{path}.volume must hold exactly one volume source (e.g. hostPath, "
-                f"persistentVolumeClaim), got {sorted(volume)}"
-            )
-        inside = posixpath.normpath(model_path).startswith(
-            posixpath.normpath(mount_path).rstrip("/") + "/"
-        )
-        if not inside:
-            raise SpecError(
-                f"{path}.path ({model_path}) must be inside {path}.mountPath ({mount_path}) "
-                "where the volume is mounted"
-            )
-    return ModelSpec(
-        name=name, path=model_path, revision=revision, mount_path=mount_path, volume=volume
-    )
 
 
 def parse_runtime(raw: Mapping[str, Any]) -> RuntimeSpec:
@@ -174,11 +139,20 @@ def parse_runtime(raw: Mapping[str, Any]) -> RuntimeSpec:
                 f"{path}.resources.{section} must not set {GPU_RESOURCE}: "
                 "GPUs come from spec.parallelism.gpusPerPod"
             )
+    spec_raw = field_value(raw, "speculative", path, dict)
+    speculative = None
+    if spec_raw is not None:
+        spath = f"{path}.speculative"
+        speculative = SpeculativeSpec(
+            algorithm=one_of(spec_raw, "algorithm", spath, "", SPECULATIVE_ALGORITHMS),
+            num_draft_tokens=int_in(spec_raw, "numDraftTokens", spath, 5, 2, 16),
+        )
     return RuntimeSpec(
         image=image,
         image_pull_policy=one_of(raw, "imagePullPolicy", path, "IfNotPresent", PULL_POLICIES),
         dtype=one_of(raw, "dtype", path, "auto", DTYPES),
         kv_cache_dtype=one_of(raw, "kvCacheDtype", path, "auto", KV_CACHE_DTYPES),
+        quantization=one_of(raw, "quantization", path, "auto", QUANTIZATION_MODES),
         mem_fraction_static=float(fraction),
         max_total_tokens=int_in(raw, "maxTotalTokens", path, None, 1, 2**31 - 1),
         cuda_graph=cuda_graph,
@@ -186,6 +160,7 @@ def parse_runtime(raw: Mapping[str, Any]) -> RuntimeSpec:
         env=env,
         resources=resources,
         startup_timeout_seconds=int_in(raw, "startupTimeoutSeconds", path, 1800, 10, 86400),
+        speculative=speculative,
     )
 
 
@@ -281,12 +256,30 @@ def parse_spec(name: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> 
             f"spec.loraAdapters are not served with spec.parallelism.pipeline > 1 (got pipeline "
             f"{parallelism.pipeline}); use pipeline 1 or remove the adapters"
         )
+    speculative = field_value(
+        field_value(spec, "runtime", "spec", dict, {}), "speculative", "spec.runtime", dict
+    )
+    if speculative is not None and (
+        parallelism.pipeline > 1 or field_value(spec, "loraAdapters", "spec", list, [])
+    ):
+        raise SpecError(
+            "spec.runtime.speculative is not served with spec.parallelism.pipeline > 1 or "
+            "spec.loraAdapters; remove one of them"
+        )
+    model = parse_model(field_value(spec, "model", "spec", dict, required=True))
+    shared_cache = "persistentVolumeClaim" in (model.cache_volume or {})
+    if model.is_remote and parallelism.pods_per_group > 1 and not shared_cache:
+        # The leader fetches an update's revision; the other pods must read the same directory.
+        raise SpecError(
+            "spec.model.cache.volume must be a shared (ReadWriteMany) persistentVolumeClaim when "
+            f"an hf:// or s3:// spec.model.uri serves groups of {parallelism.pods_per_group} pods"
+        )
     return DeploymentSpec(
         name=name,
         namespace=namespace,
         uid=uid,
         replicas=int_in(spec, "replicas", "spec", 1, 0, MAX_REPLICAS),
-        model=parse_model(field_value(spec, "model", "spec", dict, required=True)),
+        model=model,
         parallelism=parallelism,
         runtime=parse_runtime(field_value(spec, "runtime", "spec", dict, required=True)),
         weight_update=parse_weight_update(update_raw),

@@ -20,6 +20,9 @@ KV_CACHE_DTYPES = (
     "fp8_e4m3",
     "fp8_e5m2",
 )  # the runtime's --kv-cache-dtype
+# the runtime's --quantization: auto reads the checkpoint's quantization_config; fp8 quantizes a
+# bf16 checkpoint to FP8 per channel at load and at every weight update
+QUANTIZATION_MODES = ("auto", "fp8")
 STRATEGIES = ("InPlace", "Restart")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -32,6 +35,8 @@ DRAIN_TIMEOUT_FLAG = "--drain-timeout"
 # Flags the operator renders itself; a user repeating one in runtime.args would contradict it.
 RESERVED_FLAGS = (
     "--model-path",
+    "--download-dir",
+    "--download-max-bytes",
     "--served-model-name",
     "--revision",
     "--host",
@@ -49,10 +54,15 @@ RESERVED_FLAGS = (
     "--api-key",
     "--admin-api-key",
     "--kv-cache-dtype",
+    "--quantization",
     "--lora-paths",
     "--pp-size",
     "--pp-layer-partition",
+    "--speculative-algorithm",
+    "--speculative-num-draft-tokens",
 )
+# speculative decoding algorithms the runtime implements (its --speculative-algorithm)
+SPECULATIVE_ALGORITHMS = ("NGRAM",)
 DEFAULT_MAX_LORAS_PER_BATCH = 8  # the runtime's --max-loras-per-batch default
 # The keys reach the runtime only through these env vars, filled from Secrets (spec.auth).
 API_KEY_ENV = "SHARDLINE_API_KEY"
@@ -67,13 +77,27 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """``spec.model``: ``name`` is the OpenAI model name, ``path`` an absolute directory in the pod."""
+    """``spec.model``: ``name`` is the OpenAI model name; ``path`` an absolute directory in the
+    pod, or for an ``hf://`` / ``s3://`` ``uri`` the uri itself (the runtime fetches it into the
+    model cache volume; see ``spec_model.py``). A ``pvc://`` uri becomes ``volume`` + ``path``.
+    ``cache_max_bytes`` 0: no eviction bound."""
 
     name: str
     path: str
     revision: str
     mount_path: str
     volume: Mapping[str, Any] | None = None
+    uri: str | None = None
+    s3_endpoint: str | None = None
+    s3_region: str | None = None
+    credentials_secret: str | None = None
+    cache_volume: Mapping[str, Any] | None = None
+    cache_max_bytes: int = 0
+
+    @property
+    def is_remote(self) -> bool:
+        """True for an ``hf://`` or ``s3://`` uri (fetched by the runtime, not mounted)."""
+        return self.uri is not None and not self.uri.startswith("pvc://")
 
 
 @dataclass(frozen=True)
@@ -89,6 +113,15 @@ class CudaGraphSpec:
 
 
 @dataclass(frozen=True)
+class SpeculativeSpec:
+    """``spec.runtime.speculative``: the runtime's ``--speculative-algorithm`` and
+    ``--speculative-num-draft-tokens`` (tokens one verify forward scores per request)."""
+
+    algorithm: str
+    num_draft_tokens: int = 5
+
+
+@dataclass(frozen=True)
 class RuntimeSpec:
     """``spec.runtime``: container image and runtime flags; times in seconds."""
 
@@ -96,6 +129,7 @@ class RuntimeSpec:
     image_pull_policy: str = "IfNotPresent"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    quantization: str = "auto"
     mem_fraction_static: float = 0.85
     max_total_tokens: int | None = None
     cuda_graph: CudaGraphSpec = field(default_factory=CudaGraphSpec)
@@ -103,6 +137,7 @@ class RuntimeSpec:
     env: tuple[Mapping[str, Any], ...] = ()
     resources: Mapping[str, Any] = field(default_factory=dict)
     startup_timeout_seconds: int = 1800
+    speculative: SpeculativeSpec | None = None
 
     def drain_timeout_seconds(self) -> int:
         """Seconds the runtime drains on SIGTERM: ``--drain-timeout`` from ``args`` (``N`` or
@@ -252,6 +287,14 @@ class DeploymentSpec:
             "runtime": {k: v for k, v in asdict(self.runtime).items() if k != "cuda_graph"},
             "scheduling": asdict(self.scheduling),
         }
+        if self.model.is_remote:  # the store's env, cache volume and bound are read at start
+            relevant["modelStore"] = [
+                self.model.s3_endpoint,
+                self.model.s3_region,
+                self.model.credentials_secret,
+                self.model.cache_volume,
+                self.model.cache_max_bytes,
+            ]
         if self.lora_adapters:  # --enable-lora needs a restart; adding/removing adapters does not
             relevant["lora"] = True
         if self.auth.api_key_secret is not None or self.credentials_digest:

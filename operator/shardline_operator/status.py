@@ -21,6 +21,7 @@ from . import labels
 from .clock import to_rfc3339
 from .group_status import (
     GroupReport,
+    graphs_condition,
     group_phase,
     group_status,
     record_from_status,
@@ -206,16 +207,8 @@ def build_status(
         phase = DeploymentPhase.SCALING_DOWN if draining else DeploymentPhase.SCALED_TO_ZERO
         weights = (False, phase.value, "replicas is 0: no group runs")
         graphs = (False, phase.value, "replicas is 0: no group runs")
-    elif not desired.cuda_graph.enabled:
-        graphs = (False, "Disabled", "spec.runtime.cudaGraph.enabled is false")
-    elif graphs_current and ready == spec.replicas:
-        graphs = (
-            True,
-            "Captured",
-            f"decode graphs up to batch size {desired.cuda_graph.max_batch_size}",
-        )
-    else:
-        graphs = (False, "Capturing", "groups are starting or recapturing")
+    else:  # what the leaders really captured, not what the spec asks for
+        graphs = graphs_condition(reports, graphs_current and ready == spec.replicas)
     starting = (DeploymentPhase.PENDING, DeploymentPhase.INITIALIZING, ROLLING_OUT)
     progressing = phase in (*starting, *ROLLOUT_PHASES) or rollout_active or bool(draining)
     message = "; ".join(failed_messages + mixed) or (rollout.message if rollout else "")

@@ -3,7 +3,9 @@
 The runtime serialises its one ``WeightsState`` record (``weights_state.py``) as the
 ``weights`` block: ``{model_path, revision, weight_version, phase, digest, last_update}``, with
 ``phase`` one of :class:`WeightsPhase`'s values and ``last_update`` either None or
-``{success, model_path, load_seconds, recapture_seconds}``. The operator never imports the
+``{success, model_path, load_seconds, recapture_seconds}``, and ``graphs`` either None or
+``{decode_batch_sizes, piecewise_token_buckets, reason}`` (what the runtime really captured).
+The operator never imports the
 runtime, so this module mirrors the enum and parses the block by hand;
 ``tests/contract/test_weights_state_contract.py`` pins the two sides together. A runtime that
 predates the block is read from the flat keys it still writes (``weights_phase``,
@@ -65,6 +67,53 @@ class LastUpdate:
         )
 
 
+def _sizes(raw: Any) -> tuple[int, ...]:
+    if not isinstance(raw, (list, tuple)):
+        return ()
+    return tuple(sorted(int(v) for v in raw if isinstance(v, int) and not isinstance(v, bool)))
+
+
+@dataclass(frozen=True)
+class ReportedGraphs:
+    """The device graphs a leader says it captured (mirrors the runtime's ``CapturedGraphs``).
+
+    ``decode_batch_sizes`` / ``piecewise_token_buckets``: sorted, empty when none; ``reason``:
+    why nothing was captured (e.g. ``"cpu: no CUDA graphs"``), None when graphs were.
+    """
+
+    decode_batch_sizes: tuple[int, ...] = ()
+    piecewise_token_buckets: tuple[int, ...] = ()
+    reason: str | None = None
+
+    @property
+    def captured(self) -> bool:
+        """True when at least one graph of either kind was captured."""
+        return bool(self.decode_batch_sizes or self.piecewise_token_buckets)
+
+    def summary(self) -> str:
+        """One line for status: ``decode batch sizes 1-160 (23 graphs)``, ``piecewise ...``, or
+        ``none: <reason>``."""
+        parts = [
+            f"{kind} {label} {sizes[0]}-{sizes[-1]} ({len(sizes)} graphs)"
+            for kind, label, sizes in (
+                ("decode", "batch sizes", self.decode_batch_sizes),
+                ("piecewise", "tokens", self.piecewise_token_buckets),
+            )
+            if sizes
+        ]
+        return "; ".join(parts) or f"none: {self.reason or 'no reason reported'}"
+
+    @classmethod
+    def from_block(cls, raw: Any) -> ReportedGraphs | None:
+        if not isinstance(raw, Mapping):
+            return None
+        return cls(
+            _sizes(raw.get("decode_batch_sizes")),
+            _sizes(raw.get("piecewise_token_buckets")),
+            _text(raw.get("reason")),
+        )
+
+
 # (phase, model path, revision, digest, weight version) in the ``weights`` block, and in the
 # flat keys a runtime without the block writes.
 _BLOCK_KEYS = ("phase", "model_path", "revision", "digest", "weight_version")
@@ -84,7 +133,9 @@ class LeaderReport:
     """``/get_server_info`` of a group's leader, as far as the operator cares.
 
     ``revision``/``digest``: what serves (``digest`` is ``sha256:<hex>`` of the checkpoint, None
-    when the runtime could not read it); ``message``: the runtime's last error line.
+    when the runtime could not read it); ``message``: the runtime's last error line;
+    ``graphs``: the graphs it captured (None: a runtime that does not report them).
+    ``quantization``: the served scheme (None from a runtime that does not report it).
     """
 
     weights_phase: WeightsPhase
@@ -94,6 +145,8 @@ class LeaderReport:
     message: str = ""
     weight_version: str | None = None
     last_update: LastUpdate | None = None
+    graphs: ReportedGraphs | None = None
+    quantization: str | None = None  # the served scheme (``unquantized``, ``fp8-...``)
 
     def __post_init__(self) -> None:  # a plain string phase (a test's literal) reads as the enum
         object.__setattr__(self, "weights_phase", WeightsPhase.parse(self.weights_phase))
@@ -115,4 +168,8 @@ class LeaderReport:
             str(info.get("message") or ""),
             _text(version),
             LastUpdate.from_block(source.get("last_update")),
+            ReportedGraphs.from_block(
+                source.get("graphs") if isinstance(block, Mapping) else info.get("cuda_graphs")
+            ),
+            _text(source.get("quantization")),
         )

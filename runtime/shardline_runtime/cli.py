@@ -10,10 +10,14 @@ import contextlib
 import io
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from shardline_runtime.termination_log import write_termination_log
 
-USAGE = "usage: shardline-runtime serve --model-path DIR [flags]   (shardline-runtime serve --help)"
+if TYPE_CHECKING:
+    from shardline_runtime.server_args import ServerArgs
+
+USAGE = "usage: shardline-runtime serve --model-path DIR|hf://ORG/NAME|s3://BUCKET/PREFIX [flags]   (shardline-runtime serve --help)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -46,9 +50,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"shardline-runtime serve: error: {exc}", file=sys.stderr)
         write_termination_log(f"invalid arguments: {exc}")
         return 2
+    try:
+        args = fetch_model_args(args)
+    except ValueError as exc:  # ModelSourceError: malformed, missing, refused or corrupt
+        print(f"shardline-runtime serve: error: {exc}", file=sys.stderr)
+        write_termination_log(f"model fetch failed: {exc}")
+        return 2 if getattr(exc, "reason", "") == "InvalidModelSource" else 1
     from shardline_runtime.launch import launch_server
 
     return launch_server(args)
+
+
+def fetch_model_args(args: ServerArgs) -> ServerArgs:
+    """``args`` with a remote ``--model-path`` (hf://, s3://, ORG/NAME) fetched into
+    ``--download-dir`` and replaced by the local, verified directory. The served model name
+    defaults to the repository id (as vLLM serves ``Org/Name``) or the ``s3://`` reference, and ``--revision`` defaults
+    to the resolved commit or S3 listing digest. With ``--download-max-bytes`` the cache is then
+    cut to that many bytes, least recently used revisions first, never the one fetched.
+
+    Raises:
+        ModelSourceError: see :func:`shardline_runtime.model_loader.model_source.fetch_model`.
+    """
+    from shardline_runtime.model_loader.model_source import fetch_to_local, parse_model_source
+
+    source = parse_model_source(args.model_path)
+    if not source.is_remote:
+        return args
+    fetched = fetch_to_local(
+        args.model_path,
+        args.download_dir,
+        revision=args.revision,
+        max_bytes=args.download_max_bytes,
+    )
+    return args.replace(
+        model_path=str(fetched.path),
+        model_source=args.model_path,
+        served_model_name=args.served_model_name
+        or (source.location if source.scheme == "hf" else str(source)),
+        revision=args.revision or fetched.revision,
+    )
 
 
 if __name__ == "__main__":

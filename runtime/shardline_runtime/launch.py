@@ -96,8 +96,10 @@ def _status_app(state: dict) -> FastAPI:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn server that drains on SIGTERM/SIGINT: readiness drops at once, the listener stays
-    open while requests are in flight (new ones are still served), then closes; at
+    """uvicorn server that drains on SIGTERM/SIGINT: readiness drops at once, a disk weight update
+    still staging is aborted (the pod is going away; requests it holds run on the weights that
+    serve), the listener stays open while requests are in flight (new ones are still served),
+    then closes; at
     ``--drain-timeout`` what still runs is aborted. The launcher then exits 0 (uvicorn itself
     would re-raise the signal after shutdown, ending the process with -15). A second SIGINT
     exits at once."""
@@ -128,6 +130,9 @@ class _Server(uvicorn.Server):
         answers and streams complete before it closes)."""
         tm = self._state["tm"]
         deadline = time.monotonic() + self._drain_timeout
+        if tm.disk_update is not None:  # the pod goes away: no point finishing new weights
+            out = await tm.abort_weight_update()  # held requests then run on the weights serving
+            logger.info("draining: %s", "update aborted" if out and out.aborted else "update ended")
         while tm.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         tm.gate.closing = True

@@ -41,6 +41,7 @@ from shardline_runtime.server_args_sections import (
     ScheduleArgs,
     WeightSyncArgs,
 )
+from shardline_runtime.speculative.spec_args import SpeculativeArgs, speculative_errors
 
 __all__ = [
     "ADMIN_API_KEY_ENV",
@@ -87,6 +88,7 @@ class ServerArgs:
     lora: LoRAArgs
     operation: OperationArgs
     weight_sync: WeightSyncArgs
+    speculative: SpeculativeArgs
 
     def __init__(self, **values: Any) -> None:
         unknown = sorted(set(values) - set(SECTION_OF))
@@ -220,6 +222,9 @@ def _check(args: ServerArgs, raw_lora: bool, layout_error: str | None) -> None:
     if par.nnodes > 1 and not par.dist_init_addr:
         raise ServerArgsError("--dist-init-addr HOST:PORT is required when --nnodes > 1")
     _check_lora(lora)
+    spec_errors = speculative_errors(args.speculative, par.pp_size, lora.enable_lora)
+    if spec_errors:
+        raise ServerArgsError("; ".join(spec_errors))
     model = args.model
     if model.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ServerArgsError(

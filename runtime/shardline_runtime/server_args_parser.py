@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from shardline_runtime.layers.quantization.online_fp8 import ONLINE_CHOICES
 from shardline_runtime.server_args_sections import (
     ATTENTION_BACKENDS,
     DEVICES,
@@ -21,6 +22,7 @@ from shardline_runtime.server_args_sections import (
     RECORDER_MODES,
     default,
 )
+from shardline_runtime.speculative.spec_args import add_speculative_flags
 
 API_KEY_ENV = "SHARDLINE_API_KEY"
 ADMIN_API_KEY_ENV = "SHARDLINE_ADMIN_API_KEY"
@@ -80,7 +82,20 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
     m.add_argument(
         "--model-path",
         required=True,
-        help="Directory with config.json, *.safetensors and the tokenizer.",
+        help="Directory with config.json, *.safetensors and the tokenizer; or a Hub repository "
+        "(hf://ORG/NAME[@REVISION], or ORG/NAME when no such directory exists) or s3://BUCKET/PREFIX, "
+        "fetched into --download-dir and verified before loading.",
+    )
+    m.add_argument(
+        "--download-dir",
+        default=default("download_dir"),
+        help="Cache of fetched hf:// and s3:// models, one directory per resolved revision.",
+    )
+    m.add_argument(
+        "--download-max-bytes",
+        type=_int_range("--download-max-bytes", 0),
+        default=default("download_max_bytes"),
+        help="LRU bound of --download-dir in bytes (0: none); the served revision is never evicted.",
     )
     m.add_argument(
         "--served-model-name",
@@ -90,7 +105,8 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
     m.add_argument(
         "--revision",
         default=None,
-        help="Label of the checkpoint revision, reported by /get_server_info and /metrics.",
+        help="Label of the checkpoint revision, reported by /get_server_info and /metrics; for a "
+        "Hub repository without @REVISION, also the Hub revision fetched (as vLLM's --revision).",
     )
     m.add_argument(
         "--tokenizer-path", default=None, help="Tokenizer directory (default: --model-path)."
@@ -112,6 +128,12 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
         default=default("kv_cache_dtype"),
         choices=KV_CACHE_DTYPES,
         help="KV cache storage dtype; auto: the model dtype. fp8 types store K/V divided by per-layer k_scale/v_scale (1.0, or the checkpoint's).",
+    )
+    m.add_argument(
+        "--quantization",
+        default=default("quantization"),
+        choices=ONLINE_CHOICES,
+        help="auto: serve the checkpoint's quantization_config (unquantized without one); fp8: quantize a bf16 checkpoint to FP8 per channel at load and at every weight update.",
     )
     m.add_argument(
         "--attention-backend",
@@ -244,7 +266,7 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
     mem.add_argument(
         "--disable-overlap-schedule",
         action="store_true",
-        help="Process each step's result before preparing the next step (default: the next step is prepared and launched while the current one computes; off with --enable-lora and with --pp-size > 1, whose micro-batches keep the stages busy instead).",
+        help="Process each step's result before preparing the next step (default: the next step is prepared and launched while the current one computes; off with --enable-lora, with --speculative-algorithm, and with --pp-size > 1, whose micro-batches keep the stages busy instead).",
     )
 
     e = p.add_argument_group("experts (MoE models)")
@@ -356,6 +378,7 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
         default=default("weight_update_hold_timeout"),
         help="Seconds a request arriving during a weight update waits for it to finish (then 503 with Retry-After); 0 refuses at once.",
     )
+    add_speculative_flags(p, _int_range)
     w = p.add_argument_group("weight sync and memory release")
     w.add_argument(
         "--weight-version",

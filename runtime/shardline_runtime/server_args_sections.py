@@ -11,6 +11,7 @@ instance exists. The choice lists come from the modules that own the choices.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from shardline_runtime.configs.model_config import DTYPE_CHOICES
 from shardline_runtime.layers.moe.recorder import RECORDER_MODES
 from shardline_runtime.model_executor.kv_cache_dtype import KV_CACHE_TORCH_DTYPES
 from shardline_runtime.model_executor.weight_update import LOAD_FORMATS
+from shardline_runtime.speculative.spec_args import SpeculativeArgs
 
 DTYPES = DTYPE_CHOICES
 DEVICES = ("auto", "cuda", "cpu")
@@ -35,12 +37,18 @@ class ModelArgs:
     ``tokenizer_path`` default to ``model_path``, ``context_length`` to the model config's)."""
 
     model_path: str
+    download_dir: str = str(Path.home() / ".cache" / "shardline" / "models")
+    download_max_bytes: int = 0
+    # The hf:// or s3:// reference model_path was fetched from (set by the CLI, not a flag): what
+    # /get_server_info reports as model_path, so the operator sees the uri it asked for.
+    model_source: str | None = None
     served_model_name: str | None = None
     revision: str | None = None
     tokenizer_path: str | None = None
     load_format: str = "auto"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    quantization: str = "auto"
     attention_backend: str = "auto"
     context_length: int | None = None
 
@@ -224,6 +232,7 @@ SECTIONS: dict[str, type] = {
     "lora": LoRAArgs,
     "operation": OperationArgs,
     "weight_sync": WeightSyncArgs,
+    "speculative": SpeculativeArgs,
 }
 SECTION_OF: dict[str, str] = {f.name: s for s, cls in SECTIONS.items() for f in fields(cls)}
 

@@ -215,6 +215,46 @@ def make_tiny_checkpoint(
     return out
 
 
+def make_cycle_checkpoint(src: str | Path, dst: str | Path, cycle: list[int], logit: float) -> Path:
+    """Copy the llama checkpoint ``src`` to ``dst`` with weights that continue ``cycle``: after
+    token ``cycle[j]`` the next-token logit of ``cycle[j + 1]`` (wrapping) is ``logit`` and every
+    other id's is 0 (after ``tests/serving/parrot_checkpoint.py``: attention and MLP outputs
+    zeroed, so the last hidden state is the normalised embedding; cycle embeddings are basis
+    vectors). Greedy output then repeats the cycle; at temperature 1 it continues it with
+    probability ``e^logit / (e^logit + vocab - 1)``. Used by the speculative-decoding tests and
+    ``bench/speculative.py`` as a model that copies its context.
+
+    Raises:
+        ValueError: ``cycle`` repeats an id, or is longer than the hidden size.
+    """
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if len(set(cycle)) != len(cycle):
+        raise ValueError(f"cycle repeats a token id: {cycle}")
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    (path,) = sorted(Path(dst).glob("*.safetensors"))
+    weights = load_file(str(path))
+    embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
+    hidden = embed.shape[1]
+    if len(cycle) > hidden:
+        raise ValueError(f"cycle of {len(cycle)} tokens exceeds hidden size {hidden}")
+    for name, tensor in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensor.zero_()
+    weights["model.norm.weight"].fill_(1.0)
+    head.zero_()
+    for j, token in enumerate(cycle):
+        embed[token] = torch.zeros(hidden)
+        embed[token, j] = 1.0
+        # the final RMSNorm scales a basis vector by sqrt(hidden)
+        head[cycle[(j + 1) % len(cycle)], j] = logit / hidden**0.5
+    save_file(weights, str(path), metadata={"format": "pt"})
+    return Path(dst)
+
+
 def _parse_value(text: str) -> Any:
     try:
         return json.loads(text)

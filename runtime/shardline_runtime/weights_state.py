@@ -45,12 +45,38 @@ class UpdateTimings(BaseModel):
     recapture_seconds: float | None = None
 
 
+class CapturedGraphs(BaseModel):
+    """The device graphs the weights serve through, as rank 0 really captured them.
+
+    ``decode_batch_sizes``: batch sizes with a captured decode graph (sorted; empty: none);
+    ``piecewise_token_buckets``: token counts with captured piecewise EXTEND graphs (sorted;
+    empty: none); ``reason``: why nothing was captured (``"cpu: no CUDA graphs"``,
+    ``"disabled by flag: --disable-cuda-graph"``, a rule of ``device_graphs.py``), None when
+    graphs were captured. Captured again with every update that recaptures, so a new record
+    carries a new report.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    decode_batch_sizes: tuple[int, ...] = ()
+    piecewise_token_buckets: tuple[int, ...] = ()
+    reason: str | None = None
+
+    @property
+    def captured(self) -> bool:
+        """True when at least one graph of either kind was captured."""
+        return bool(self.decode_batch_sizes or self.piecewise_token_buckets)
+
+
 class WeightsState(BaseModel):
     """What serves: ``model_path`` (directory), ``revision`` (label given at load or update),
     ``weight_version`` (SGLang's free-form version string, ``"default"`` at start), ``phase``,
     ``digest`` (:func:`~shardline_runtime.model_loader.checkpoint_digest.checkpoint_digest` of
-    the served checkpoint, computed where it was loaded; None when unreadable) and
-    ``last_update`` (None until the first update ran).
+    the served checkpoint, computed where it was loaded; None when unreadable), ``quantization``
+    (the served scheme, ``layers/quantization/``: ``unquantized``, ``fp8-w8a8-dynamic-channel``,
+    ...; an update never changes it, a change of scheme is refused), ``last_update`` (None
+    until the first update ran) and ``graphs`` (the :class:`CapturedGraphs` report; None until
+    the runner reported one).
 
     Frozen: a change is a new record (``state.model_copy(update={...})``).
     """
@@ -62,4 +88,6 @@ class WeightsState(BaseModel):
     weight_version: str = "default"
     phase: WeightsPhase = WeightsPhase.SERVING
     digest: str | None = None
+    quantization: str = "unquantized"
     last_update: UpdateTimings | None = None
+    graphs: CapturedGraphs | None = None

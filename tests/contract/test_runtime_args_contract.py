@@ -21,7 +21,7 @@ SPECS = {
         "model": {"name": "tiny", "path": "/var/lib/shardline/models/tiny/rev-a", "revision": "rev-a",
                   "volume": {"hostPath": {"path": "/var/lib/shardline/models"}}},
         "parallelism": {"tensor": 2, "gpusPerPod": 1},
-        "runtime": {"image": "r:1", "dtype": "float32", "kvCacheDtype": "fp8_e4m3", "memFractionStatic": 0.5, "maxTotalTokens": 2048,
+        "runtime": {"image": "r:1", "dtype": "float32", "kvCacheDtype": "fp8_e4m3", "quantization": "fp8", "memFractionStatic": 0.5, "maxTotalTokens": 2048,
                     "cudaGraph": {"enabled": False}, "args": ["--log-level", "debug"]},
     },
     "tp8-two-pods": {"model": {"name": "big", "path": "/models/big/v1"}, "parallelism": {"tensor": 8, "gpusPerPod": 4},
@@ -35,6 +35,8 @@ SPECS = {
                           "runtime": {"image": "r:1"}},
     "pp4-two-stages-per-pod": {"model": {"name": "pp", "path": "/models/pp/v1"},
                                "parallelism": {"tensor": 1, "pipeline": 4, "gpusPerPod": 2}, "runtime": {"image": "r:1"}},
+    "tp2-speculative-ngram": {"model": {"name": "tiny", "path": "/models/tiny/rev-a"}, "parallelism": {"tensor": 2, "gpusPerPod": 2},
+                              "runtime": {"image": "r:1", "speculative": {"algorithm": "NGRAM", "numDraftTokens": 6}}},
 }
 
 
@@ -78,6 +80,7 @@ def test_rendered_args_parse_with_the_runtime_parser(spec_name):
         assert args.dist_init_addr == f"llama-g{group}-0.llama-g{group}-ranks.serving.svc:{29500 + group}"
         assert args.dtype == spec.runtime.dtype
         assert args.kv_cache_dtype == spec.runtime.kv_cache_dtype
+        assert args.quantization == spec.runtime.quantization
         assert args.mem_fraction_static == spec.runtime.mem_fraction_static
         assert args.max_total_tokens == spec.runtime.max_total_tokens
         assert args.disable_cuda_graph == (not spec.runtime.cuda_graph.enabled)
@@ -89,6 +92,13 @@ def test_rendered_args_parse_with_the_runtime_parser(spec_name):
 def test_user_args_reach_the_runtime():
     *_, argv = next(pods("tp2-two-pods"))
     assert server_args.ServerArgs.from_cli(argv).log_level == "debug"
+
+
+def test_quantization_choices_match():
+    from shardline_operator.spec import QUANTIZATION_MODES
+    from shardline_runtime.layers.quantization.online_fp8 import ONLINE_CHOICES
+
+    assert ONLINE_CHOICES == QUANTIZATION_MODES
 
 
 def test_kv_cache_dtype_choices_match():
@@ -109,6 +119,20 @@ def test_runtime_runs_the_ranks_the_operator_reports_for_each_pod(spec_name):
         reported = spec.parallelism.pod_ranks(rank)
         assert started == {(pp, tp) for pp in reported.pp_ranks for tp in reported.tp_ranks}
         assert len(started) == spec.parallelism.gpus_per_pod
+
+
+def test_speculative_spec_reaches_the_runtime_section():
+    _, _, _, _, args = next(pods("tp2-speculative-ngram"))
+    parsed = server_args.ServerArgs.from_cli(args)
+    assert parsed.speculative.speculative_algorithm == "NGRAM"
+    assert parsed.speculative.speculative_num_draft_tokens == 6
+
+
+def test_every_crd_speculative_algorithm_is_implemented_by_the_runtime():
+    from shardline_operator.spec_types import SPECULATIVE_ALGORITHMS
+    from shardline_runtime.speculative.spec_args import IMPLEMENTED_ALGORITHMS
+
+    assert set(SPECULATIVE_ALGORITHMS) <= set(IMPLEMENTED_ALGORITHMS)
 
 
 def test_operator_knows_the_runtimes_default_drain_timeout():

@@ -12,11 +12,13 @@ import json
 
 import pytest
 
-from shardline_operator.weights import LeaderReport
+from shardline_operator.weights import LeaderReport, ReportedGraphs
 from shardline_operator.weights import WeightsPhase as OperatorPhase
-from shardline_runtime.weights_state import UpdateTimings, WeightsPhase, WeightsState
+from shardline_runtime.weights_state import CapturedGraphs, UpdateTimings, WeightsPhase, WeightsState
 
 DIGEST = "sha256:" + "ab" * 32
+CAPTURED = CapturedGraphs(decode_batch_sizes=(1, 2, 4, 8, 16), piecewise_token_buckets=(16, 32))
+NOTHING = CapturedGraphs(reason="cpu: no CUDA graphs")
 TIMINGS = UpdateTimings(success=True, model_path="/m/rev-b", load_seconds=1.25, recapture_seconds=0.5)
 
 
@@ -29,8 +31,10 @@ def states() -> list[WeightsState]:
     out = []
     for phase in WeightsPhase:
         out.append(WeightsState(model_path="/m/rev-b", revision="rev-b", weight_version="step-7", phase=phase,
-                                digest=DIGEST, last_update=TIMINGS))
-    out.append(WeightsState(model_path="/m/rev-a"))  # as a runtime starts: defaults, no update yet
+                                digest=DIGEST, last_update=TIMINGS, graphs=CAPTURED,
+                                quantization="fp8-w8a8-dynamic-channel"))
+    out.append(WeightsState(model_path="/m/rev-a"))  # defaults: no update yet, graphs not reported
+    out.append(WeightsState(model_path="/m/rev-a", graphs=NOTHING))  # a CPU runtime at start
     out.append(WeightsState(model_path="/m/rev-a", phase=WeightsPhase.FAILED,
                             last_update=UpdateTimings(success=False, model_path="/m/broken")))
     return out
@@ -44,7 +48,7 @@ def test_the_two_phase_enums_agree_on_which_phases_are_updating():
     assert [OperatorPhase(p.value).updating for p in WeightsPhase] == [p.updating for p in WeightsPhase]
 
 
-@pytest.mark.parametrize("state", states(), ids=lambda s: f"{s.phase.value}-{s.revision}-{s.last_update is not None}")
+@pytest.mark.parametrize("state", states(), ids=lambda s: f"{s.phase.value}-{s.revision}-{s.last_update is not None}-{s.graphs is not None}")
 class TestOperatorReadsTheBlock:
     def test_phase(self, state):
         assert LeaderReport.from_info(info_for(state)).weights_phase.value == state.phase.value
@@ -61,10 +65,27 @@ class TestOperatorReadsTheBlock:
     def test_weight_version(self, state):
         assert LeaderReport.from_info(info_for(state)).weight_version == state.weight_version
 
+    def test_quantization(self, state):
+        assert LeaderReport.from_info(info_for(state)).quantization == state.quantization
+
     def test_last_update(self, state):
         parsed = LeaderReport.from_info(info_for(state)).last_update
         expected = state.last_update.model_dump() if state.last_update is not None else None
         assert (parsed.__dict__ if parsed is not None else None) == expected
+
+
+    def test_graphs(self, state):
+        parsed = LeaderReport.from_info(info_for(state)).graphs
+        expected = None if state.graphs is None else ReportedGraphs(**state.graphs.model_dump())
+        assert parsed == expected
+
+    def test_whether_graphs_were_captured(self, state):
+        parsed = LeaderReport.from_info(info_for(state)).graphs
+        assert (parsed.captured if parsed else None) == (state.graphs.captured if state.graphs else None)
+
+
+def test_the_graphs_report_has_the_same_fields_on_both_sides():
+    assert list(CapturedGraphs.model_fields) == list(ReportedGraphs.__dataclass_fields__)
 
 
 def test_the_block_wins_over_the_flat_keys():
@@ -78,3 +99,17 @@ def test_a_runtime_without_the_block_is_read_from_the_flat_keys():
             "weights_digest": DIGEST, "weight_version": "step-7"}
     report = LeaderReport.from_info(info)
     assert report.weights_phase is OperatorPhase.RECAPTURING
+
+
+def test_the_graphs_block_is_what_get_server_info_serves():
+    """``ServerState.weights_info`` (the route's body) carries the report the operator parses."""
+    from shardline_runtime.managers.io_struct import SchedulerInfo
+    from shardline_runtime.managers.server_state import ServerState
+
+    state = ServerState(SchedulerInfo(0, 64, 63, 62, 64, 100, 4, WeightsState(model_path="/m", graphs=NOTHING)))
+    info = json.loads(json.dumps(state.weights_info()))
+    assert LeaderReport.from_info(info).graphs == ReportedGraphs(reason="cpu: no CUDA graphs")
+
+
+def test_a_runtime_without_the_graphs_report_is_read_as_not_reported():
+    assert LeaderReport.from_info(info_for(WeightsState(model_path="/m"))).graphs is None

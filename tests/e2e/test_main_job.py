@@ -25,7 +25,7 @@ import yaml
 
 from hack.scenario.models import write_revisions
 from hack.scenario.operator_install import install_operator, operator_logs
-from hack.scenario.serving import chat, leader_ip
+from hack.scenario.serving import HTTP_PORT, admin_headers, chat, leader_ip
 from hack.scenario.status_watch import StatusWatcher
 from tests.kube_fixtures import agent_nodes_only
 
@@ -56,6 +56,15 @@ class Job:
 
     def patch_spec(self, spec: dict) -> None:
         self.kubectl("patch", "infd", self.name, "--type", "merge", "-p", json.dumps({"spec": spec}))
+
+    def server_info(self, group: int = 0) -> dict:
+        """The group leader's ``/get_server_info`` (read with the admin token)."""
+        ip = leader_ip(self.client, self.namespace, self.name, group)
+        headers = admin_headers(self.client, self.namespace, self.name)
+        return httpx.get(f"http://{ip}:{HTTP_PORT}/get_server_info", headers=headers, timeout=30).json()
+
+    def status(self) -> dict:
+        return json.loads(self.kubectl("get", "infd", self.name, "-o", "json").stdout)["status"]
 
     def ask(self, group: int = 0) -> list[str]:
         ip = leader_ip(self.client, self.namespace, self.name, group)
@@ -139,8 +148,17 @@ def test_b_roll_to_revision_b_in_place(job):
     job.patch_model("rev-b")
     job.wait_ready("rev-b", mark)
     phases = job.watch.phases_since(mark)
-    assert "UpdatingWeights" in phases and "RecapturingGraphs" in phases, phases
-    assert phases.index("UpdatingWeights") < phases.index("RecapturingGraphs")
+    assert "UpdatingWeights" in phases, phases
+    # RecapturingGraphs is a step exactly when the runtime recaptured (these CPU pods capture none)
+    info = job.server_info()
+    recaptured = info["last_weight_update"]["recapture_seconds"] > 0
+    assert ("RecapturingGraphs" in phases) == recaptured, (phases, info["last_weight_update"])
+    if recaptured:
+        assert phases.index("UpdatingWeights") < phases.index("RecapturingGraphs")
+    condition = next(c for c in job.status()["conditions"] if c["type"] == "GraphsCaptured")
+    assert condition["status"] == ("True" if info["cuda_graphs"]["decode_batch_sizes"] else "False"), condition
+    if not info["cuda_graphs"]["decode_batch_sizes"]:
+        assert info["cuda_graphs"]["reason"] in condition["message"], (condition, info["cuda_graphs"])
     assert _pod_uids(job) == uids, "an in-place update must not restart pods"
     job.answers["rev-b"] = job.ask()
     assert job.answers["rev-b"] != job.answers["rev-a"], "revision B must change the answers"

@@ -26,10 +26,14 @@ class FakeLeaders:
         self.seconds: dict[str, dict[str, float]] = {}
         self.gate: tuple[bool, str] = (True, "ok")
         self.verified: list[str] = []
+        self.aborted: list[tuple[str, str]] = []  # (key, url) of each abort sent
 
     def start_update(self, key, url, body, timeout_seconds):
         self.sent.append((key, url, dict(body)))
         self.results[key] = ("pending", "")
+
+    def abort_update(self, key, url):
+        self.aborted.append((key, url))
 
     def poll(self, key):
         return self.results.get(key, ("unknown", ""))

@@ -104,6 +104,7 @@ def test_enums_and_reserved_flags_match_the_parser():
     runtime = spec_schema["runtime"]["properties"]
     assert tuple(runtime["dtype"]["enum"]) == spec_module.DTYPES
     assert tuple(runtime["kvCacheDtype"]["enum"]) == spec_module.KV_CACHE_DTYPES
+    assert tuple(runtime["quantization"]["enum"]) == spec_module.QUANTIZATION_MODES
     assert tuple(runtime["imagePullPolicy"]["enum"]) == spec_module.PULL_POLICIES
     assert tuple(spec_schema["weightUpdate"]["properties"]["strategy"]["enum"]) == spec_module.STRATEGIES
     assert tuple(spec_schema["service"]["properties"]["type"]["enum"]) == spec_module.SERVICE_TYPES
@@ -146,6 +147,7 @@ def test_crd_defaults_equal_parser_defaults():
         "parallelism.expert": parsed.parallelism.expert, "parallelism.pipeline": parsed.parallelism.pipeline,
         "runtime.imagePullPolicy": parsed.runtime.image_pull_policy, "runtime.dtype": parsed.runtime.dtype,
         "runtime.kvCacheDtype": parsed.runtime.kv_cache_dtype,
+        "runtime.quantization": parsed.runtime.quantization,
         "runtime.memFractionStatic": parsed.runtime.mem_fraction_static,
         "runtime.startupTimeoutSeconds": parsed.runtime.startup_timeout_seconds,
         "runtime.cudaGraph.enabled": parsed.runtime.cuda_graph.enabled,

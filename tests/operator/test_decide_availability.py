@@ -114,7 +114,7 @@ def test_a_reverted_group_still_loading_shows_loading_the_old_target(make_spec, 
     spec_a = make_spec()  # reverted to rev-a while group 0 loads rev-b
     loading = {0: (pods(spec_a, make_pod, 0), leader("rev-a", phase="loading", update=("pending", "")))}
     plan = decide(spec_a, observation(spec_a, make_pod, loading), previous_status(spec_a, rollout=WAVE_0), NOW)
-    assert plan.status["groups"][0]["message"] == "loading rev-b"
+    assert plan.status["groups"][0]["message"].startswith("loading rev-b")
 
 
 def test_a_reverted_group_still_loading_keeps_weights_updated_false(make_spec, make_pod):

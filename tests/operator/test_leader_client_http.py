@@ -35,6 +35,9 @@ class Leader(BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         Leader.bodies.append((self.path, body))
+        if self.path == "/abort_weight_update":
+            self._send(200, {"success": True, "message": "aborted"})
+            return
         for phase in ("loading", "recapturing"):
             with Leader.reported:
                 Leader.phase = phase
@@ -107,3 +110,26 @@ def test_unreachable_leader_is_a_failure():
     state, message = wait_done(client, "k")
     assert state == "failure" and "request to http://127.0.0.1:9 failed" in message
     assert client.server_info("http://127.0.0.1:9") is None
+
+
+def test_an_update_the_runtime_aborted_polls_as_aborted(leader_url):
+    Leader.reply = (409, {"success": False, "aborted": True, "message": "aborted before it committed"})
+    client = HttpLeaderClient()
+    client.start_update("k", leader_url, {"model_path": "/m/rev-b"}, 30)
+    assert wait_done(client, "k") == ("aborted", "aborted before it committed")
+
+
+def test_a_failed_update_without_aborted_polls_as_failure(leader_url):
+    Leader.reply = (400, {"success": False, "aborted": False, "message": "bad checkpoint"})
+    client = HttpLeaderClient()
+    client.start_update("k", leader_url, {"model_path": "/m/rev-b"}, 30)
+    assert wait_done(client, "k") == ("failure", "bad checkpoint")
+
+
+def test_abort_update_posts_to_abort_weight_update(leader_url):
+    client = HttpLeaderClient()
+    client.abort_update("k", leader_url)
+    deadline = time.monotonic() + 30
+    while not Leader.bodies and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert Leader.bodies == [("/abort_weight_update", {})]

@@ -155,6 +155,7 @@ def test_in_place_rollout_through_reconcile(world):
     body["status"] = result.status
     assert result.status["phase"] == "UpdatingWeights" and [s[0] for s in leaders.sent] == ["default/llama/g0"]
     leaders.results["default/llama/g0"] = ("success", "")
+    leaders.seconds["default/llama/g0"] = {"load_seconds": 0.2, "recapture_seconds": 0.4}  # it recaptured
     result = reconcile(ctx, copy.deepcopy(body))
     body["status"] = result.status
     phases = [s.get("phase") for s in kube.statuses[-2:]]
@@ -167,7 +168,10 @@ def test_in_place_rollout_through_reconcile(world):
     body["status"] = result.status
     assert [s[0] for s in leaders.sent] == ["default/llama/g0", "default/llama/g1"]
     leaders.results["default/llama/g1"] = ("success", "")
+    leaders.seconds["default/llama/g1"] = {"load_seconds": 0.2, "recapture_seconds": 0.0}  # a CPU pod
+    writes = len(kube.statuses)
     body["status"] = reconcile(ctx, copy.deepcopy(body)).status
+    assert "RecapturingGraphs" not in [s.get("phase") for s in kube.statuses[writes:]]  # it captured nothing
     result = reconcile(ctx, copy.deepcopy(body))
     assert result.status["phase"] == "Ready" and result.status["servedRevision"] == "rev-b"
     assert {n: p["metadata"]["uid"] for n, p in kube.pods().items()} == uids  # no pod restarted
@@ -295,3 +299,17 @@ def test_group_status_shows_the_leaders_weight_version(world, spec_dict):
     body["status"] = status
     leaders.info.clear()  # leader unreachable for a pass: the last reported version stays
     assert reconcile(ctx, copy.deepcopy(body)).status["groups"][0]["weightVersion"] == "step-7"
+
+
+def test_group_status_shows_the_scheme_the_leader_serves(world, spec_dict):
+    kube, body, run = world
+    run()
+    kube.run_statefulsets()
+    leaders = FakeLeaders()
+    ctx = Context(kube=kube, leaders=leaders, clock=lambda: NOW[0])
+    ip = kube.pods()["llama-g0-0"]["status"]["podIP"]
+    leaders.info[f"http://{ip}:{labels.HTTP_PORT}"] = {
+        "weights": {"phase": "serving", "model_path": "/m", "quantization": "fp8-block-128x128"}
+    }
+    status = reconcile(ctx, copy.deepcopy(body)).status
+    assert status["groups"][0]["quantization"] == "fp8-block-128x128"

@@ -35,6 +35,12 @@ class LiveLeaders:
         self.sent.append((key, body["revision"]))
         self.flights[key] = {"url": url, "body": dict(body), "state": "pending"}
 
+    def abort_update(self, key, url):
+        """The runtime stops an update still loading (it keeps what it served)."""
+        flight = self.flights.get(key)
+        if flight is not None and flight["state"] == "pending":
+            flight["state"] = "aborted"
+
     def finish(self, key, ok=True):
         flight = self.flights[key]
         flight["state"] = "success" if ok else "failure"
@@ -104,18 +110,30 @@ def test_revert_mid_update_is_awaited_then_applied(world):
     result = run(path=REV_A, revision="rev-a")  # reverted while group 0 loads rev-b
     assert result.status["phase"] != "Ready" and not any(e[1] == "RolloutComplete" for e in result.events)
     assert leaders.sent == [("default/llama/g0", "rev-b")]
-    leaders.finish("default/llama/g0")
+    leaders.finish("default/llama/g0")  # the cancel came too late: the update committed
     result = run()
     assert result.status["groups"][0]["revision"] == "rev-b"  # the truth: it loaded rev-b
-    assert result.status["phase"] == "RollingOut" and conditions(result.status)["Ready"]["status"] == "False"
-    result = run()
-    assert leaders.sent[-1] == ("default/llama/g0", "rev-a")
+    assert result.status["phase"] == "UpdatingWeights" and conditions(result.status)["Ready"]["status"] == "False"
+    assert leaders.sent[-1] == ("default/llama/g0", "rev-a")  # sent back in the same pass
     leaders.finish("default/llama/g0")
     run()
     result = run()
     assert result.status["phase"] == "Ready" and result.status["servedRevision"] == "rev-a"
     assert any(e[1] == "RolloutComplete" for e in result.events)
     assert leaders.sent == [("default/llama/g0", "rev-b"), ("default/llama/g0", "rev-a")]  # g1 never moved
+
+
+def test_revert_mid_update_cancels_the_load_and_the_group_keeps_its_weights(world):
+    """Issue 23: the revert aborts the load before it commits; nothing is sent back, since the
+    group never served the reverted weights."""
+    kube, leaders, run = world
+    run(path=REV_B, revision="rev-b")
+    run(path=REV_A, revision="rev-a")  # reverted while group 0 loads rev-b: the load is aborted
+    cancelled = run()
+    result = run()
+    assert (result.status["phase"], result.status["servedRevision"]) == ("Ready", "rev-a")
+    assert leaders.sent == [("default/llama/g0", "rev-b")]  # nothing sent back: it never served rev-b
+    assert [e[1] for e in cancelled.events if e[1] == "UpdateCancelled"] == ["UpdateCancelled"]
 
 
 def recaptures() -> float:

@@ -157,17 +157,19 @@ def test_pause_between_waves():
 
 
 def test_revert_mid_update_awaits_it_then_sends_the_group_back():
-    """The issue's revert case: rev-a -> rev-b, reverted to rev-a while the update runs."""
+    """The issue's revert case: rev-a -> rev-b, reverted to rev-a while the update runs; the
+    cancel came too late (the update committed), so the group is sent back at once."""
     fleet = Fleet(1)
     fleet.step(REV_B, 0.0)
-    plan = fleet.step(REV_A, 1.0)  # reverted while loading: the update in flight is awaited
+    plan = fleet.step(REV_A, 1.0)  # reverted while loading: the load is cancelled and awaited
     assert not plan.start and fleet.state.wave == (0,) and fleet.state.target == REV_B
+    assert plan.abort == [0]
     assert "RolloutComplete" not in fleet.events
     fleet.finish(0)
     plan = fleet.step(REV_A, 2.0)
     assert plan.apply == {0: REV_B}  # status records the truth: the group now serves rev-b
-    plan = fleet.step(REV_A, 2.0)
-    assert plan.start == {0: update_body(REV_B, REV_A)} and fleet.state.target == REV_A
+    assert plan.start == {0: update_body(REV_B, REV_A)}  # and it goes back in the same pass
+    assert fleet.state.target == REV_A
     fleet.finish(0)
     fleet.step(REV_A, 3.0)
     fleet.step(REV_A, 3.0)
@@ -257,9 +259,20 @@ def test_short_phases_come_back_as_a_trail():
     view = GroupView(0, REV_A, update=("success", ""), phases=("loading", "recapturing", "serving"))
     plan = plan_rollout(state, REV_B, [view], POLICY, 1.0)
     assert plan.trail == [(0, "RecapturingGraphs")] and plan.apply == {0: REV_B}
-    no_graphs = ServedModel(REV_B.path, REV_B.revision, CudaGraphSpec(False, 160))
-    state = RolloutState(UPDATING, no_graphs, REV_A, wave=(0,), started_at=0.0)
-    assert plan_rollout(state, no_graphs, [GroupView(0, REV_A, update=("success", ""))], POLICY, 1.0).trail == []
+
+
+def test_a_recapture_too_short_to_sample_is_a_trail_step_from_the_reported_seconds():
+    state = RolloutState(UPDATING, REV_B, REV_A, wave=(0,), started_at=0.0)
+    view = GroupView(0, REV_A, update=("success", ""), update_seconds={"recapture_seconds": 0.3})
+    assert plan_rollout(state, REV_B, [view], POLICY, 1.0).trail == [(0, "RecapturingGraphs")]
+
+
+def test_a_runtime_that_captured_no_graphs_has_no_recapturing_step_whatever_the_spec_says():
+    """The spec asks for graphs (REV_B's cudaGraph is enabled); a CPU pod reports 0 s of recapture."""
+    assert REV_B.cuda_graph.enabled
+    state = RolloutState(UPDATING, REV_B, REV_A, wave=(0,), started_at=0.0)
+    view = GroupView(0, REV_A, update=("success", ""), update_seconds={"load_seconds": 0.2, "recapture_seconds": 0.0})
+    assert plan_rollout(state, REV_B, [view], POLICY, 1.0).trail == []
 
 
 def test_graph_change_body():

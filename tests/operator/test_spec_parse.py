@@ -113,3 +113,15 @@ def test_expert_parallelism_defaults_to_one_and_reaches_the_runtime(make_spec):
 def test_expert_parallelism_that_does_not_divide_the_ranks_is_refused(make_spec, parallelism, message):
     with pytest.raises(SpecError, match=re.escape(message)):
         make_spec({"parallelism": parallelism})
+
+
+def test_runtime_quantization_defaults_to_auto():
+    spec = parse_spec("m", "ns", "u", {"model": {"name": "m", "path": "/var/lib/shardline/models/m/v1"},
+                                       "runtime": {"image": "i"}})
+    assert spec.runtime.quantization == "auto"
+
+
+def test_runtime_quantization_unknown_value_names_the_field_and_choices():
+    with pytest.raises(SpecError, match="spec.runtime.quantization must be one of auto, fp8"):
+        parse_spec("m", "ns", "u", {"model": {"name": "m", "path": "/var/lib/shardline/models/m/v1"},
+                                    "runtime": {"image": "i", "quantization": "awq"}})

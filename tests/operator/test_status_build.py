@@ -9,6 +9,9 @@ from shardline_operator.group_health import GroupRecord
 from shardline_operator.observed import GroupObservation, PodObservation
 from shardline_operator.rollout_state import FAILED, RolloutState
 from shardline_operator.runtime_args import ServedModel
+from shardline_operator.weights import LeaderReport, ReportedGraphs, WeightsPhase
+from shardline_operator.rollout import GroupView
+from tests.operator.conftest import BASE_SPEC
 from shardline_operator.status import (GroupReport, build_status, deployment_phase, record_from_status,
                                        served_revision, status_patch)
 
@@ -22,9 +25,62 @@ def observed(spec, index, make_pod, revision="rev-a", ready=True, pods=2):
     return GroupObservation(index, 2, sts, members)
 
 
+CAPTURED = ReportedGraphs(decode_batch_sizes=(1, 2, 4, 8), piecewise_token_buckets=())
+ON_CPU = ReportedGraphs(reason="cpu: no CUDA graphs")
+
+
+def reported(spec, index, make_pod, graphs):
+    """A Ready group whose leader's ``/get_server_info`` reported ``graphs``."""
+    observation = observed(spec, index, make_pod)
+    leader = LeaderReport(WeightsPhase.SERVING, observation.served.path, "rev-a", graphs=graphs)
+    return GroupReport(observation, GroupRecord(), view=GroupView(index, observation.served, leader=leader))
+
+
+def graphs_condition_of(spec, reports):
+    status = build_status(spec, 1, reports, None, {}, now=1_700_000_000.0)
+    return next(c for c in status["conditions"] if c["type"] == "GraphsCaptured")
+
+
+def test_graphs_captured_is_true_when_every_leader_reported_graphs(make_spec, make_pod):
+    spec = make_spec()
+    condition = graphs_condition_of(spec, [reported(spec, g, make_pod, CAPTURED) for g in range(2)])
+    assert (condition["status"], condition["message"]) == ("True", "decode batch sizes 1-8 (4 graphs)")
+
+
+def test_graphs_captured_on_cpu_pods_says_nothing_was_captured_and_why(make_spec, make_pod):
+    """The spec asks for graphs (cudaGraph.enabled defaults to true); the CPU runtime captured none."""
+    spec = make_spec()
+    condition = graphs_condition_of(spec, [reported(spec, g, make_pod, ON_CPU) for g in range(2)])
+    assert (condition["status"], condition["reason"]) == ("False", "NotCaptured")
+
+
+def test_graphs_captured_on_cpu_pods_carries_the_runtimes_reason(make_spec, make_pod):
+    spec = make_spec({"replicas": 1})
+    condition = graphs_condition_of(spec, [reported(spec, 0, make_pod, ON_CPU)])
+    assert condition["message"] == "group 0: none: cpu: no CUDA graphs"
+
+
+def test_graphs_disabled_by_the_runtimes_flag_reads_disabled(make_spec, make_pod):
+    spec = make_spec({"runtime": {**BASE_SPEC["runtime"], "cudaGraph": {"enabled": False}}})
+    off = ReportedGraphs(reason="disabled by flag: --disable-cuda-graph")
+    assert graphs_condition_of(spec, [reported(spec, g, make_pod, off) for g in range(2)])["reason"] == "Disabled"
+
+
+def test_graphs_captured_waits_for_every_leaders_report(make_spec, make_pod):
+    spec = make_spec()
+    reports = [reported(spec, 0, make_pod, CAPTURED), GroupReport(observed(spec, 1, make_pod), GroupRecord())]
+    assert graphs_condition_of(spec, reports)["reason"] == "Pending"
+
+
+def test_a_group_lists_the_graphs_its_leader_reported(make_spec, make_pod):
+    spec = make_spec()
+    status = build_status(spec, 1, [reported(spec, g, make_pod, ON_CPU) for g in range(2)], None, {}, now=0.0)
+    assert [g["graphs"] for g in status["groups"]] == ["none: cpu: no CUDA graphs"] * 2
+
+
 def test_all_ready(make_spec, make_pod):
     spec = make_spec()
-    reports = [GroupReport(observed(spec, g, make_pod), GroupRecord()) for g in range(2)]
+    reports = [reported(spec, g, make_pod, CAPTURED) for g in range(2)]
     status = build_status(spec, 3, reports, None, {}, now=1_700_000_000.0)
     assert status["phase"] == "Ready" and status["readyReplicas"] == 2 and status["replicas"] == 2
     assert status["observedGeneration"] == 3

@@ -154,12 +154,23 @@ def rank_main(world_rank: int, tp_size: int, pp_size: int, port: int, scenarios:
         scheduler = make_scheduler(sc["path"], world_rank, tp_size, pp_size, port, sc.get("loop_size"),
                                    **sc.get("overrides", {}))
         worker = scheduler.worker
+        replayed: list[int] = []
+        if sc.get("static_graphs"):  # each stage's decode graphs on the CPU static-buffer path
+            from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner
+            from shardline_runtime.model_executor.device_graphs import DeviceGraphs
+
+            runner = worker.model_runner
+            decode = CudaGraphRunner(runner, capture=False, batch_sizes=[1, 2, 4])
+            original = decode.replay
+            decode.replay = lambda fb, proxy=None: replayed.append(fb.batch_size) or original(fb, proxy)
+            runner.graphs = DeviceGraphs(runner, decode=decode)
         res: dict[str, Any] = {"stage": worker.model_runner.pipeline_stage,
                                "kv_layers": worker.model_runner.token_to_kv_pool.num_layers,
                                "params": sorted(n for n, _ in worker.model_runner.model.named_parameters())}
         if sc.get("forced"):
             res["logits"] = forced_logits(worker, sc["prompts"], sc["forced"])
         res["tokens"] = drive(scheduler, sc["feeds"])
+        res["replayed"] = replayed
         res["retractions"] = sum(dm.num_retractions for dm in scheduler.decode_managers)
         res["max_busy_slots"] = getattr(scheduler, "max_busy_slots", 0)  # slots decoding at once
         res["kv_leaked"] = scheduler.cache.used_tokens()  # KV held by no request once all finished

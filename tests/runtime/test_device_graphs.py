@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner
 from shardline_runtime.model_executor.device_graphs import DeviceGraphs, graphs_blocked_by, replay_kind
@@ -23,13 +24,14 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
         (ForwardMode.EXTEND, {}, "piecewise"),
         (ForwardMode.IDLE, {}, None),
         (ForwardMode.SPLIT_PREFILL, {}, None),
-        (ForwardMode.DECODE, {"pp_size": 2}, None),
+        (ForwardMode.DECODE, {"pp_size": 2}, "decode"),
         (ForwardMode.EXTEND, {"pp_size": 2}, None),
-        (ForwardMode.DECODE, {"lora": True}, None),
+        (ForwardMode.DECODE, {"lora": True}, "decode"),
         (ForwardMode.EXTEND, {"lora": True}, None),
         (ForwardMode.DECODE, {"dynamic_rope": True}, None),
         (ForwardMode.EXTEND, {"dynamic_rope": True}, None),
-        (ForwardMode.DECODE, {"recording": True}, None),
+        (ForwardMode.DECODE, {"recording": True}, "decode"),
+        (ForwardMode.DECODE, {"lora": True, "recording": True}, "decode"),
         (ForwardMode.EXTEND, {"recording": True}, None),
         (ForwardMode.EXTEND, {"input_embeds": True}, None),
         (ForwardMode.DECODE, {"input_embeds": True}, "decode"),
@@ -39,17 +41,9 @@ def test_eligibility_table(mode, facts, expected):
     assert replay_kind(mode, **facts) == expected
 
 
-@pytest.mark.parametrize(
-    "pp_size, lora, dynamic_rope, fragment",
-    [
-        (1, False, False, None),
-        (2, False, False, "stages exchange hidden states"),
-        (1, True, False, "LoRA"),
-        (1, False, True, "dynamic"),
-    ],
-)
-def test_what_keeps_graphs_from_being_captured(pp_size, lora, dynamic_rope, fragment):
-    reason = graphs_blocked_by(pp_size, lora, dynamic_rope)
+@pytest.mark.parametrize("dynamic_rope, fragment", [(False, None), (True, "dynamic")])
+def test_what_keeps_graphs_from_being_captured(dynamic_rope, fragment):
+    reason = graphs_blocked_by(dynamic_rope)
     assert (reason is None) if fragment is None else (fragment in reason)
 
 
@@ -84,14 +78,56 @@ def test_cpu_static_buffer_piecewise_path_equals_eager(tiny_checkpoint):
     assert replayed
 
 
-def test_recording_experts_runs_eagerly(tiny_checkpoint):
+def _record(worker, static: bool):
+    """Greedy tokens and the expert record of PROMPTS, decode through the static-buffer path or
+    eagerly; returns (tokens, physical counts, passes recorded, decode steps replayed)."""
+    runner = worker.model_runner
+    replayed = []
+    if static:
+        decode = CudaGraphRunner(runner, capture=False, batch_sizes=[1, 2, 4])
+        original = decode.replay
+        decode.replay = lambda fb: replayed.append(fb.batch_size) or original(fb)
+        runner.graphs = DeviceGraphs(runner, decode=decode)
+    recorder = runner.eplb_manager.recorder
+    recorder.start()
+    tokens = run_engine(worker, PROMPTS, GREEDY)
+    recorder.stop()
+    return tokens, recorder.physical_counts(), recorder.to_dict(
+        runner.eplb_manager.physical_to_logical(), runner.eplb_manager.num_experts
+    )["num_forward_passes"], replayed
+
+
+@pytest.fixture(scope="module")
+def moe_records(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_moe", seed=0)
+    return _record(make_worker(path), static=False), _record(make_worker(path), static=True)
+
+
+def test_recording_experts_replays_the_decode_graph_path(moe_records):
+    assert moe_records[1][3]  # the decode steps went through the static buffers (bs 3 padded to 4)
+
+
+def test_recording_through_the_graph_path_gives_the_eager_tokens(moe_records):
+    assert moe_records[1][0] == moe_records[0][0]
+
+
+def test_recording_through_the_graph_path_gives_the_eager_counts(moe_records):
+    """Padded rows (bs 3 runs the graph of 4) are masked out of the counts."""
+    assert torch.equal(moe_records[1][1], moe_records[0][1])
+
+
+def test_recording_through_the_graph_path_counts_every_pass(moe_records):
+    assert moe_records[1][2] == moe_records[0][2]
+
+
+def test_a_graph_step_while_nothing_records_leaves_the_next_record_clean(tiny_checkpoint):
+    """A captured graph always writes counts; a record started later holds only its own."""
     worker = make_worker(tiny_checkpoint("qwen3_moe", seed=0))
     runner = worker.model_runner
-    decode = CudaGraphRunner(runner, capture=False, batch_sizes=[1, 2, 4])
-    runner.graphs = DeviceGraphs(runner, decode=decode)
-    decode.replay = lambda fb: pytest.fail("replayed while recording")
+    runner.graphs = DeviceGraphs(runner, decode=CudaGraphRunner(runner, capture=False, batch_sizes=[4]))
+    run_engine(worker, PROMPTS, GREEDY)  # nothing records
     runner.eplb_manager.recorder.start()
-    run_engine(worker, PROMPTS, GREEDY)
+    assert int(runner.eplb_manager.recorder.physical_counts().sum()) == 0
 
 
 def test_release_drops_the_runners_and_resume_brings_them_back(tiny_checkpoint):
@@ -114,3 +150,33 @@ def test_a_memory_release_goes_through_the_graphs(tiny_checkpoint):
     assert not runner.graphs.present
     runner.memory_saver.resume(["cuda_graph"])
     assert runner.graphs.decode is decode
+
+
+def test_a_cpu_runner_reports_that_it_captured_nothing_and_why(tiny_checkpoint):
+    report = make_worker(tiny_checkpoint("llama", seed=0)).captured_graphs()
+    assert (report.decode_batch_sizes, report.reason) == ((), "cpu: no CUDA graphs")
+
+
+def test_the_static_buffer_path_is_not_reported_as_captured(tiny_checkpoint):
+    """A runner built with ``capture=False`` (the CPU path) holds buffers but no graph."""
+    worker = make_worker(tiny_checkpoint("llama", seed=0))
+    runner = worker.model_runner
+    runner.graphs = DeviceGraphs(runner, decode=CudaGraphRunner(runner, capture=False, batch_sizes=[1, 2]))
+    assert runner.graphs.report().captured is False
+
+
+def test_the_report_lists_the_batch_sizes_that_hold_a_graph(tiny_checkpoint):
+    worker = make_worker(tiny_checkpoint("llama", seed=0))
+    runner = worker.model_runner
+    decode = CudaGraphRunner(runner, capture=False, batch_sizes=[1, 2, 4])
+    decode.graphs = {4: object(), 1: object()}  # what capture() leaves behind on a GPU
+    runner.graphs = DeviceGraphs(runner, decode=decode)
+    assert runner.graphs.report().decode_batch_sizes == (1, 4)
+
+
+def test_a_released_runner_reports_why_it_holds_no_graph(tiny_checkpoint):
+    worker = make_worker(tiny_checkpoint("llama", seed=0))
+    runner = worker.model_runner
+    graphs = DeviceGraphs(runner, decode=CudaGraphRunner(runner, capture=False, batch_sizes=[1]))
+    graphs.release()
+    assert graphs.report().reason == "released with the GPU memory"

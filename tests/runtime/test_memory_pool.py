@@ -74,3 +74,27 @@ def test_forward_batch_init_new_derives_extend_fields():
             forward_mode=ForwardMode.EXTEND, input_ids=[1, 2, 3, 4], req_pool_indices=[0],
             seq_lens=[3], out_cache_loc=[1, 2, 3, 4],
         )
+
+
+def test_allocator_hands_out_host_slots_whatever_the_model_device():
+    alloc = TokenToKVPoolAllocator(8, device="meta")
+    assert alloc.alloc(3).device.type == "cpu"
+
+
+def test_allocator_refuses_to_free_slots_that_are_not_on_the_host():
+    alloc = TokenToKVPoolAllocator(8)
+    with pytest.raises(ValueError, match="host tensors"):
+        alloc.free(torch.ones(2, dtype=torch.int64, device="meta"))
+
+
+def test_req_to_token_write_reaches_the_host_copy_and_the_device_table():
+    pool = ReqToTokenPool(2, 6, host_copy=True)
+    pool.write((1, slice(0, 3)), torch.tensor([4, 5, 6]))
+    assert pool.req_to_token[1, :3].tolist() == pool.req_to_token_host[1, :3].tolist()
+
+
+def test_req_to_token_slots_are_read_from_the_host_copy():
+    pool = ReqToTokenPool(2, 6, host_copy=True)
+    pool.write((torch.tensor([0, 0]), torch.tensor([1, 2])), torch.tensor([7, 8]))
+    pool.req_to_token.zero_()  # the device table is not what slots() reads
+    assert pool.slots(0, 1, 3).tolist() == [7, 8]

@@ -361,6 +361,35 @@ def test_weight_update_rejected_on_one_stage_keeps_old_weights_on_every_stage(pp
     assert _ids(got, "kept") == _ids(reference["llama"][0], "p")
 
 
+@pytest.fixture(scope="module")
+def pp2_graphs(tiny_checkpoint, tmp_path_factory):
+    """pp=2 with each stage's decode graphs on the CPU static-buffer path, and pp=1 eager."""
+    llama = tiny_checkpoint("llama")
+    scenario = dict(name="graphs", path=str(llama), forced=FORCED, prompts=PROMPTS, feeds=[requests()],
+                    static_graphs=True)
+    ranks = pp_harness.run_pp(1, 2, [scenario], tmp_path_factory.mktemp("pp2g"))
+    return ranks, _reference(llama, {}, [requests()], forced=True)
+
+
+@pytest.mark.slow
+def test_pp2_each_stage_replays_its_decode_graph_path(pp2_graphs):
+    ranks, _ = pp2_graphs
+    assert [bool(rank["graphs"]["replayed"]) for rank in ranks] == [True, True]
+
+
+@pytest.mark.slow
+def test_pp2_decode_graph_path_gives_the_pp1_eager_tokens(pp2_graphs):
+    ranks, (expected, _) = pp2_graphs
+    assert _ids(ranks[0]["graphs"]["outputs"], "p") == _ids(expected, "p")
+
+
+@pytest.mark.slow
+def test_pp2_decode_graph_path_gives_the_pp1_eager_logits(pp2_graphs):
+    ranks, (_, expected_logits) = pp2_graphs
+    got = ranks[1]["graphs"]["logits"]
+    assert max(float((g - w).abs().max()) for g, w in zip(got, expected_logits, strict=True)) <= TOL
+
+
 @pytest.mark.slow
 def test_pp2_tp2_four_processes_match_tp1(tiny_checkpoint, tmp_path):
     path = tiny_checkpoint("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2)

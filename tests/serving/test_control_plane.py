@@ -8,6 +8,7 @@ import pytest
 
 from shardline_runtime.managers.control_plane import ControlPlane, PauseMode
 from shardline_runtime.managers.io_struct import (
+    AbortWeightUpdateReqInput,
     ControlReqOutput,
     FlushCacheReqOutput,
     PauseGenerationReqInput,
@@ -47,7 +48,9 @@ def worker(ckpts):
 class Plane:
     """A ControlPlane with its collaborators as plain state the test sets."""
 
-    def __init__(self, worker, path):
+    def __init__(self, worker, path, abort_after_checks=None):
+        self.abort_after_checks = abort_after_checks  # the abort arrives at this poll (None: never)
+        self.abort_checks = 0
         self.holding_kv = False
         self.waiting: list = []
         self.aborted: list = []
@@ -64,7 +67,12 @@ class Plane:
             holds_kv=lambda: self.holding_kv,
             retract=self.retract,
             waiting=lambda: self.waiting,
+            abort_requested=self.abort_requested,
         )
+
+    def abort_requested(self) -> bool:
+        self.abort_checks += 1
+        return self.abort_after_checks is not None and self.abort_checks >= self.abort_after_checks
 
     def retract(self):
         self.retracted += 1
@@ -171,3 +179,70 @@ def test_flush_is_refused_while_requests_wait_unpaused(worker, ckpts):
     plane = Plane(worker, ckpts[0])
     plane.waiting.append(object())
     assert plane.part.flush_cache() == FlushCacheReqOutput(False, "requests are running or queued; flush when idle")
+
+
+# --- abort of a disk update (issue 23: a revert cancels the load)
+
+
+def _live_weight(worker):
+    return worker.model_runner.model.model.embed_tokens.weight.detach().clone()
+
+
+def test_an_abort_drops_a_queued_update_and_its_reply_says_aborted(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    plane.holding_kv = True  # the update waits for the running request
+    plane.update(model_path=str(ckpts[1]), revision="rev-b")
+    plane.part.abort_weight_update(AbortWeightUpdateReqInput())
+    assert plane.sent(UpdateWeightsFromDiskReqOutput)[0].aborted
+
+
+def test_an_aborted_queued_update_never_runs(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    plane.holding_kv = True
+    plane.update(model_path=str(ckpts[1]), revision="rev-b")
+    plane.part.abort_weight_update(AbortWeightUpdateReqInput())
+    plane.holding_kv = False
+    plane.part.maybe_run_weight_update()
+    assert plane.sent(WeightsState) == []
+
+
+def test_an_abort_with_nothing_queued_sends_nothing(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    plane.part.abort_weight_update(AbortWeightUpdateReqInput())
+    assert plane.sender.socket.messages == []
+
+
+def test_an_abort_while_the_weights_stage_replies_aborted(worker, ckpts):
+    plane = Plane(worker, ckpts[0], abort_after_checks=3)  # after two tensors were staged
+    plane.update(model_path=str(ckpts[1]), revision="rev-b")
+    assert plane.sent(UpdateWeightsFromDiskReqOutput)[0].aborted
+
+
+def test_an_abort_while_the_weights_stage_stops_staging_at_once(worker, ckpts):
+    plane = Plane(worker, ckpts[0], abort_after_checks=3)
+    plane.update(model_path=str(ckpts[1]), revision="rev-b")
+    assert plane.abort_checks == 3
+
+
+def test_an_abort_while_the_weights_stage_keeps_the_live_weights(worker, ckpts):
+    plane = Plane(worker, ckpts[0], abort_after_checks=3)
+    before = _live_weight(worker)
+    plane.update(model_path=str(ckpts[1] if worker.model_config.model_path == str(ckpts[0]) else ckpts[0]))
+    assert _live_weight(worker).equal(before)
+
+
+def test_an_abort_while_the_weights_stage_ends_serving_what_served(worker, ckpts):
+    plane = Plane(worker, ckpts[0], abort_after_checks=3)
+    plane.update(model_path=str(ckpts[1]), revision="rev-b")
+    final = plane.part.weights
+    assert (final.phase, final.revision, final.digest) == (
+        WeightsPhase.SERVING, "rev-a", checkpoint_digest(str(ckpts[0])))
+
+
+def test_an_abort_at_the_last_check_before_the_commit_still_stops_the_update(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    plane.update(model_path=str(ckpts[0]))  # counts the checks of one whole update
+    checks = plane.abort_checks
+    plane = Plane(worker, ckpts[0], abort_after_checks=checks)
+    plane.update(model_path=str(ckpts[1]), revision="rev-b")
+    assert plane.sent(UpdateWeightsFromDiskReqOutput)[0].aborted

@@ -110,3 +110,13 @@ def test_adapter_endpoints_without_enable_lora_are_400_naming_the_flag(server, p
     r = server.post(path, body)
     assert r.status_code == 400, r.text
     assert "--enable-lora" in r.text
+
+
+def test_server_info_reports_that_a_cpu_server_captured_no_graphs(server):
+    graphs = _ok(server.get("/get_server_info"))["cuda_graphs"]
+    assert graphs == {"decode_batch_sizes": [], "piecewise_token_buckets": [], "reason": "cpu: no CUDA graphs"}
+
+
+def test_server_info_carries_the_graphs_report_in_the_weights_block(server):
+    info = _ok(server.get("/get_server_info"))
+    assert info["weights"]["graphs"] == info["cuda_graphs"]

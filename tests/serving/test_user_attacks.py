@@ -227,7 +227,7 @@ def test_huge_prompt_does_not_stall_health(server):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "xml"}),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
 ])
 def test_unsupported_chat_features_are_not_silently_ignored(server, field, value):

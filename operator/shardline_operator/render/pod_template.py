@@ -8,7 +8,7 @@ from typing import Any
 from .. import labels
 from ..runtime_args import RUNTIME_COMMAND, ServedModel, runtime_args
 from ..spec import ADMIN_API_KEY_ENV, API_KEY_ENV, GPU_RESOURCE, DeploymentSpec
-from .volumes import pod_volumes, writable_env
+from .volumes import model_store_env, pod_volumes, writable_env
 
 PROBE_PERIOD_SECONDS = 10
 # Pre-stop delay: a deleted pod leaves the Service's ready endpoints at once, but clients and
@@ -52,6 +52,7 @@ def _env(spec: DeploymentSpec) -> list[dict[str, Any]]:
         _field_env("POD_INDEX", f"metadata.labels['{labels.LABEL_POD_INDEX}']"),
         *writable_env(),
         *keys,
+        *model_store_env(spec),
         *[dict(item) for item in spec.runtime.env],
     ]
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from ..spec import DeploymentSpec
+from ..spec_model import CREDENTIAL_KEYS, MODEL_CACHE_DIR, MODEL_CACHE_ENV
 
 MODEL_VOLUME = "model"
+MODEL_CACHE_VOLUME = "model-cache"
 SHM_VOLUME = "dshm"
 HOME_DIR = "/home/shardline"
 CACHE_DIR = "/var/cache/shardline"
@@ -48,7 +50,9 @@ def writable_env() -> list[dict[str, Any]]:
 
 def pod_volumes(spec: DeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``(volumes, volumeMounts)`` of the runtime pod: /dev/shm (memory, sized for NCCL), the
-    writable emptyDirs, and the user's model volume mounted read-only when set."""
+    writable emptyDirs, the user's model volume mounted read-only when set, and for an hf:// or
+    s3:// uri the model cache (``spec.model.cache.volume``, default an emptyDir) the runtime
+    fetches revisions into (``--download-dir``)."""
     volumes: list[dict[str, Any]] = [
         {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm_size_limit(spec)}}
     ]
@@ -59,4 +63,31 @@ def pod_volumes(spec: DeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[s
     if spec.model.volume is not None:
         volumes.append({"name": MODEL_VOLUME, **dict(spec.model.volume)})
         mounts.append({"name": MODEL_VOLUME, "mountPath": spec.model.mount_path, "readOnly": True})
+    if spec.model.is_remote:
+        source = dict(spec.model.cache_volume or {"emptyDir": {}})
+        volumes.append({"name": MODEL_CACHE_VOLUME, **source})
+        mounts.append({"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_DIR})
     return volumes, mounts
+
+
+def model_store_env(spec: DeploymentSpec) -> list[dict[str, Any]]:
+    """``env`` of an hf:// or s3:// model: the cache directory (``--download-dir`` reads it), the S3 endpoint and region from the spec, and each
+    credential key (``HF_TOKEN``, ``AWS_*``) from ``spec.model.credentialsSecretRef`` as an
+    optional ``secretKeyRef`` (a Secret holds only the keys its store needs)."""
+    if not spec.model.is_remote:
+        return []
+    env: list[dict[str, Any]] = [{"name": MODEL_CACHE_ENV, "value": MODEL_CACHE_DIR}]
+    if spec.model.s3_endpoint is not None:
+        env.append({"name": "AWS_ENDPOINT_URL_S3", "value": spec.model.s3_endpoint})
+    if spec.model.s3_region is not None:
+        env.append({"name": "AWS_REGION", "value": spec.model.s3_region})
+    secret = spec.model.credentials_secret
+    if secret is not None:
+        env += [
+            {
+                "name": key,
+                "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}},
+            }
+            for key in CREDENTIAL_KEYS
+        ]
+    return env

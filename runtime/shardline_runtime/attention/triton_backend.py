@@ -88,7 +88,7 @@ class TritonAttnBackend(AttentionBackend):
                 indices,
             )
             self.decode_metadata = DecodeMetadata(indptr, indices)
-        elif forward_batch.forward_mode.is_extend() and bs:
+        elif forward_batch.forward_mode.is_extend() and bs:  # TARGET_VERIFY too
             ext = forward_batch.extend_seq_lens
             q_start = torch.zeros(bs, dtype=torch.int64, device=device)
             if bs > 1:

@@ -17,6 +17,9 @@ from typing import Any
 import torch
 
 from shardline_runtime.configs.moe_config import checked_moe_fields, moe_parallel_problem
+from shardline_runtime.layers.quantization.base import QuantizationConfig, QuantizationError
+from shardline_runtime.layers.quantization.online_fp8 import requested_quantization
+from shardline_runtime.layers.quantization.registry import quantization_config_from
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # Keys each RoPE type needs (besides rope_type and rope_theta), as transformers validates them.
@@ -52,6 +55,7 @@ MUST_MATCH_FIELDS = (
     "num_experts_per_tok",
     "norm_topk_prob",
     "moe_layers",
+    "quantization",
 )
 
 
@@ -166,6 +170,8 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple[bool, ...] = ()
     sliding_windows: tuple[int | None, ...] = ()
+    # the checkpoint's quantization_config (layers/quantization/); None: unquantized
+    quantization: QuantizationConfig | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -182,8 +188,10 @@ class ModelConfig:
         dtype: str = "auto",
         context_length: int | None = None,
         device_type: str = "cpu",
+        quantization: str = "auto",
     ) -> ModelConfig:
-        """Read ``<model_path>/config.json``.
+        """Read ``<model_path>/config.json``; ``quantization`` is ``--quantization`` (``auto``:
+        the checkpoint's ``quantization_config``; ``fp8``: online FP8 of a bf16 checkpoint).
 
         Raises:
             ModelConfigError: missing file/field, unsupported architecture or RoPE type.
@@ -199,7 +207,12 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ModelConfigError(f"{cfg_file}: not valid JSON: {e}") from None
         return cls.from_dict(
-            cfg, str(path), dtype=dtype, context_length=context_length, device_type=device_type
+            cfg,
+            str(path),
+            dtype=dtype,
+            context_length=context_length,
+            device_type=device_type,
+            quantization=quantization,
         )
 
     @classmethod
@@ -210,6 +223,7 @@ class ModelConfig:
         dtype: str = "auto",
         context_length: int | None = None,
         device_type: str = "cpu",
+        quantization: str = "auto",
     ) -> ModelConfig:
         """Same as :meth:`from_pretrained` from an already parsed ``config.json`` dict."""
         # the model classes declare their architecture's rules (models/registry.py lists them)
@@ -239,6 +253,18 @@ class ModelConfig:
             moe = checked_moe_fields(model_cls.moe_fields(cfg, layers), arch, path)
         except ValueError as e:
             raise ModelConfigError(str(e)) from None
+        try:
+            source = str(path / "config.json")
+            served = requested_quantization(
+                quantization, quantization_config_from(cfg, source), source
+            )
+        except QuantizationError as e:
+            raise ModelConfigError(str(e)) from None
+        if served is not None and moe.get("num_experts"):
+            raise ModelConfigError(
+                f"{path / 'config.json'}: quantization_config ({served.scheme}) with a "
+                f"mixture-of-experts model ({arch}) is not supported; supported: dense models"
+            )
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ModelConfigError(f"{path}: hidden_act {act!r} is not supported (only 'silu')")
@@ -262,6 +288,7 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             hidden_act=act,
             sliding_windows=model_cls.sliding_windows(cfg, layers),
+            quantization=served,
             hf_config=cfg,
             **moe,
         )

@@ -16,7 +16,13 @@ from typing import Any, cast
 
 from fastapi.responses import JSONResponse
 
+from shardline_runtime.constrained.grammar_spec import GrammarSpec
 from shardline_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from shardline_runtime.entrypoints.refused_fields import (
+    check_refused_chat_fields,
+    template_kwargs,
+)
+from shardline_runtime.entrypoints.structured_output import request_grammar
 from shardline_runtime.managers.io_struct import FinishReason, TokenizedGenerateReqInput
 from shardline_runtime.managers.request_validation import RequestValidationError
 from shardline_runtime.managers.step_detokenizer import GenerateChunk
@@ -35,6 +41,7 @@ class ChoiceSpec:
     echo_text: str = ""
     logprob_start_len: int = -1  # 0: return prompt logprobs (echo + logprobs)
     added_prefix: int = 0  # tokens the tokenizer put before a text prompt (BOS)
+    grammar: GrammarSpec | None = None  # constrained decoding (None: free text)
 
 
 @dataclass
@@ -70,7 +77,12 @@ def build_params(req, max_new_tokens: int | None, choice: int) -> SamplingParams
         raise RequestValidationError(str(exc), exc.field) from None
 
 
-def _check_common(req, tm: TokenizerManager) -> None:
+def _check_common(req, tm: TokenizerManager) -> GrammarSpec | None:
+    """Checks both endpoints share; returns the request's output constraint (compiled once here,
+    so a schema the grammar library rejects is a 400 naming its field)."""
+    grammar = request_grammar(req)
+    if grammar is not None:
+        tm.validator.check_grammar(grammar)
     if req.logit_bias:
         raise RequestValidationError("logit_bias is not supported", "logit_bias")
     if req.stop_token_ids:
@@ -80,6 +92,7 @@ def _check_common(req, tm: TokenizerManager) -> None:
                 f"stop_token_ids must be in [0, {tm.info.vocab_size}), got {bad[0]}",
                 "stop_token_ids",
             )
+    return grammar
 
 
 def _max_tokens(value: int | None, name: str, echo: bool = False) -> int | None:
@@ -93,7 +106,7 @@ def _max_tokens(value: int | None, name: str, echo: bool = False) -> int | None:
 
 def completion_choices(req: CompletionRequest, tm: TokenizerManager) -> list[ChoiceSpec]:
     """Tokenize and validate a completion request into ``len(prompts) * n`` choices."""
-    _check_common(req, tm)
+    grammar = _check_common(req, tm)
     if req.suffix:
         raise RequestValidationError("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -130,6 +143,7 @@ def completion_choices(req: CompletionRequest, tm: TokenizerManager) -> list[Cho
                     echo,
                     0 if prompt_logprobs else -1,
                     added,
+                    grammar,
                 )
             )
     return specs
@@ -187,12 +201,14 @@ def chat_prompt_ids(req: ChatCompletionRequest, tm: TokenizerManager) -> list[in
                 "continue_final_message",
             )
         add_generation_prompt = False
+    extra_kwargs = template_kwargs(req.chat_template_kwargs)
     try:
         text = tm.tokenizer.apply_chat_template(
             messages,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=req.continue_final_message,
+            **extra_kwargs,
         )
     except Exception as exc:  # whatever a template raises on these messages is a bad request
         raise RequestValidationError(
@@ -208,11 +224,8 @@ def chat_prompt_ids(req: ChatCompletionRequest, tm: TokenizerManager) -> list[in
 
 
 def chat_choices(req: ChatCompletionRequest, tm: TokenizerManager) -> list[ChoiceSpec]:
-    _check_common(req, tm)
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise RequestValidationError(
-            'response_format: only {"type": "text"} is supported (no JSON mode)', "response_format"
-        )
+    check_refused_chat_fields(req.model_extra or {})
+    grammar = _check_common(req, tm)
     if req.tools:
         raise RequestValidationError("tools: tool calling is not supported", "tools")
     if req.tool_choice not in (None, "none"):
@@ -225,7 +238,7 @@ def chat_choices(req: ChatCompletionRequest, tm: TokenizerManager) -> list[Choic
     )
     ids = chat_prompt_ids(req, tm)
     budget = tm.validator.check_lengths(ids, max_tokens)
-    return [ChoiceSpec(j, ids, build_params(req, budget, j)) for j in range(req.n)]
+    return [ChoiceSpec(j, ids, build_params(req, budget, j), grammar=grammar) for j in range(req.n)]
 
 
 async def run_choices(
@@ -252,6 +265,7 @@ async def run_choices(
             logprob_start_len=spec.logprob_start_len,
             include_stop_str_in_output=include_stop,
             lora_name=lora_name,
+            grammar=spec.grammar,
         )
         try:
             async for chunk in tm.generate(req, admitted=True):

@@ -16,18 +16,27 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from shardline_runtime.constrained.grammar_spec import GrammarSpec
 from shardline_runtime.entrypoints.choices import SafeJSONResponse, sse
 from shardline_runtime.entrypoints.errors import guard_stream
 from shardline_runtime.entrypoints.openai_serving import until_disconnect
 from shardline_runtime.entrypoints.protocol import GenerateRequest
+from shardline_runtime.entrypoints.structured_output import sampling_params_grammar
 from shardline_runtime.managers.io_struct import TokenizedGenerateReqInput, TokenLogprob
 from shardline_runtime.managers.request_validation import RequestValidationError
 from shardline_runtime.managers.tokenizer_manager import TokenizerManager
 from shardline_runtime.sampling.sampling_params import SamplingParams, SamplingParamsError
 
 
-def _params(req: GenerateRequest, input_ids: list[int], tm: TokenizerManager) -> SamplingParams:
+def _params(
+    req: GenerateRequest, input_ids: list[int], tm: TokenizerManager
+) -> tuple[SamplingParams, GrammarSpec | None]:
+    """The request's ``SamplingParams`` and its output constraint (SGLang's ``json_schema`` /
+    ``regex`` / ``ebnf`` in ``sampling_params``, compiled here so a rejected one is a 400)."""
     values = dict(req.sampling_params)
+    grammar = sampling_params_grammar(values)
+    if grammar is not None:
+        tm.validator.check_grammar(grammar)
     requested = values.get("max_new_tokens", 128)
     if requested is not None and (isinstance(requested, bool) or not isinstance(requested, int)):
         raise RequestValidationError(
@@ -43,7 +52,7 @@ def _params(req: GenerateRequest, input_ids: list[int], tm: TokenizerManager) ->
     try:
         params = SamplingParams.from_dict(values)
         params.verify_vocab(tm.info.vocab_size)
-        return params
+        return params, grammar
     except SamplingParamsError as exc:
         raise RequestValidationError(
             f"sampling_params.{exc}", f"sampling_params.{exc.field}"
@@ -133,7 +142,7 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
     else:  # exactly one was given: input_ids
         input_ids = tm.validator.tokenize(req.input_ids or [], "input_ids")
     embeds = input_embeds_override(req, len(input_ids), tm.info.hidden_size)
-    params = _params(req, input_ids, tm)
+    params, grammar = _params(req, input_ids, tm)
     if req.logprob_start_len >= len(input_ids):
         raise RequestValidationError(
             f"logprob_start_len must be in [-1, {len(input_ids) - 1}], got {req.logprob_start_len}",
@@ -168,6 +177,7 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
             lora_name=req.lora_path,
             input_embeds_positions=embeds[0],
             input_embeds_values=embeds[1],
+            grammar=grammar,
         )
         async for chunk in tm.generate(request, admitted=True):
             out["text"] += chunk.text

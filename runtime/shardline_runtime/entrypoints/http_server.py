@@ -33,18 +33,14 @@ from shardline_runtime.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
-    UpdateWeightsRequest,
 )
-from shardline_runtime.entrypoints.weight_sync_routes import (
-    add_weight_sync_routes,
-    update_running,
-)
+from shardline_runtime.entrypoints.weight_sync_routes import add_weight_sync_routes
+from shardline_runtime.entrypoints.weight_update_routes import add_weight_update_routes
 from shardline_runtime.managers.admission_gate import ServerNotReadyError
 from shardline_runtime.managers.io_struct import (
     FlushCacheReqInput,
     FlushCacheReqOutput,
     TokenizedGenerateReqInput,
-    UpdateWeightsFromDiskReqInput,
 )
 from shardline_runtime.managers.request_validation import RequestValidationError
 from shardline_runtime.managers.tokenizer_manager import TokenizerManager
@@ -249,37 +245,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
         status = 200 if out.success else 400
         return JSONResponse({"success": out.success, "message": out.message}, status_code=status)
 
-    @app.post("/update_weights_from_disk")
-    async def update_weights(body: UpdateWeightsRequest):
-        busy = update_running(tm, error_response)
-        if busy is not None:
-            return busy
-        req = UpdateWeightsFromDiskReqInput(
-            body.model_path,
-            body.load_format,
-            body.revision,
-            body.recapture_cuda_graph,
-            body.abort_all_requests,
-            body.cuda_graph_max_bs,
-            body.disable_cuda_graph,
-            body.weight_version,
-            body.flush_cache,
-        )
-        out = await tm.update_weights_from_disk(req)
-        weights = tm.state.weights
-        return JSONResponse(
-            {
-                "success": out.success,
-                "message": out.message,
-                "revision": weights.revision,
-                "model_path": weights.model_path,
-                "weight_version": weights.weight_version,
-                "weights_digest": weights.digest,
-                "load_seconds": out.load_seconds,
-                "recapture_seconds": out.recapture_seconds,
-            },
-            status_code=200 if out.success else 400,
-        )
+    add_weight_update_routes(app, tm, error_response, server_args)
 
     add_weight_sync_routes(
         app, tm, metrics, error_response, server_args.tp_size, server_args.pp_size

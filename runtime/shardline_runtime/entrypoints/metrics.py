@@ -135,6 +135,30 @@ class ServingMetrics:
             ["model_name"],
             registry=r,
         )
+        self.spec_accept_rate = Gauge(
+            "shardline:spec_accept_rate",
+            "Speculative decoding: draft tokens kept / draft tokens proposed, since start (0..1).",
+            ["model_name"],
+            registry=r,
+        )
+        self.spec_accept_length = Gauge(
+            "shardline:spec_accept_length",
+            "Speculative decoding: mean tokens a request gains per verify step (kept drafts + 1).",
+            ["model_name"],
+            registry=r,
+        )
+        self.spec_draft_tokens = Gauge(
+            "shardline:spec_draft_tokens",
+            "Speculative decoding: draft tokens proposed and verified since start.",
+            ["model_name"],
+            registry=r,
+        )
+        self.spec_verify_steps = Gauge(
+            "shardline:spec_verify_steps",
+            "Speculative decoding: TARGET_VERIFY forwards since start.",
+            ["model_name"],
+            registry=r,
+        )
         self.weights = Gauge(
             "shardline:weights_info",
             "1 for the weights being served (revision, path, checkpoint digest).",
@@ -216,6 +240,12 @@ class ServingMetrics:
         self.kv_used.labels(**self._labels).set(stats.kv_used_tokens)
         if self._max_lora is not None:
             self._set_lora(stats.running_lora_adapters, stats.waiting_lora_adapters)
+        spec = stats.speculative
+        if spec is not None:
+            self.spec_accept_rate.labels(**self._labels).set(spec.acceptance_rate)
+            self.spec_accept_length.labels(**self._labels).set(spec.mean_accepted_length)
+            self.spec_draft_tokens.labels(**self._labels).set(spec.draft_tokens)
+            self.spec_verify_steps.labels(**self._labels).set(spec.verify_steps)
 
     def _set_lora(self, running: tuple[str, ...], waiting: tuple[str, ...]) -> None:
         """One ``lora_requests_info`` series for the current adapter sets, stamped when they

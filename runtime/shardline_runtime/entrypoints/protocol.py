@@ -48,6 +48,10 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
+    # Constrained decoding (entrypoints/structured_output.py): at most one per request.
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None  # the whole output matches this regular expression (SGLang's field)
+    ebnf: str | None = None  # the output is this EBNF grammar's root rule (SGLang's field)
 
     def sampling_dict(self, max_new_tokens: int | None) -> dict[str, Any]:
         """Keyword arguments for ``SamplingParams`` (only the fields the client set)."""
@@ -98,7 +102,10 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """``POST /v1/chat/completions``."""
+    """``POST /v1/chat/completions``. Unknown fields are kept (``model_extra``) so that the
+    ones that would change the output are refused by name (``refused_fields.py``)."""
+
+    model_config = ConfigDict(extra="allow")
 
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = None
@@ -110,8 +117,9 @@ class ChatCompletionRequest(_SamplingFields):
     # Leave the final (assistant) message open and continue it (vLLM's and transformers' name).
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    # Passed to the chat template (e.g. {"enable_thinking": false}; vLLM's and SGLang's field).
+    chat_template_kwargs: dict[str, Any] | None = None
     # Not supported: a request that sets them gets a 400 instead of silently free text.
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any | None = None
 

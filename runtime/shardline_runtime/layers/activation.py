@@ -11,5 +11,9 @@ class SiluAndMul(nn.Module):
     """(T, 2 * d) ``[gate | up]`` -> (T, d) ``silu(gate) * up``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # one Triton kernel, the same roundings (layers/triton_silu_and_mul.py)
+            from shardline_runtime.layers.triton_silu_and_mul import silu_and_mul
+
+            return silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]

@@ -32,7 +32,16 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without ``residual``: the normalised ``x``. With it: ``(norm(x + residual), x + residual)``."""
+        """Without ``residual``: the normalised ``x``. With it: ``(norm(x + residual), x + residual)``.
+
+        On CUDA one Triton kernel does it all (``layers/triton_rms_norm.py``, the same steps and
+        roundings); elsewhere the eager PyTorch ops below.
+        """
+        if x.is_cuda:
+            from shardline_runtime.layers.triton_rms_norm import rms_norm
+
+            normed, summed = rms_norm(x, self.weight, self.variance_epsilon, residual)
+            return normed if summed is None else (normed, summed)
         if residual is None:
             return self._norm(x)
         x = residual + x

@@ -23,7 +23,20 @@ from shardline_runtime.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from shardline_runtime.layers.parameter import set_weight_attrs
+from shardline_runtime.layers.linear_params import create_params
+from shardline_runtime.layers.parameter import (
+    ShardId,
+    checkpoint_shapes_of,
+    quantizes_on_load,
+    shard_layout_of,
+)
+from shardline_runtime.layers.quantization.base import (
+    LinearMethod,
+    QuantizationConfig,
+    UnquantizedLinearMethod,
+    layer_tensor,
+)
+from shardline_runtime.layers.quantization.fp8_numerics import quantize_into
 
 # CPU only: a GEMM of a few rows (decode) against a wide weight runs slower as one MKL call than
 # in pieces of this many output features (one thread, M=16: gate/up 768 -> 4096 about 8%, the
@@ -67,21 +80,32 @@ def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...], what: str) -> 
         )
 
 
-def _param(shape: tuple[int, ...], loader, checkpoint_shapes: dict) -> nn.Parameter:
-    """A parameter of this rank's ``shape`` with its ``weight_loader`` and ``checkpoint_shapes``:
-    shard id (None for an unfused tensor) -> the full shape of the checkpoint tensor that
-    ``weight_loader(param, tensor[, shard_id])`` takes (read by ``models/weight_loading.py:
-    checkpoint_shapes``)."""
-    return set_weight_attrs(
-        nn.Parameter(torch.empty(shape), requires_grad=False), loader, checkpoint_shapes
-    )
-
-
 class _TPLinear(nn.Module):
-    def __init__(self, tp_rank: int | None, tp_size: int | None):
+    """A linear layer whose parameters come from its ``LinearMethod`` (``quant_config`` picks
+    it for the checkpoint modules ``prefixes``; unquantized when None)."""
+
+    weight: nn.Parameter  # the unquantized method's (LoRA wraps only those)
+    bias: nn.Parameter | None
+
+    def __init__(
+        self,
+        tp_rank: int | None,
+        tp_size: int | None,
+        quant_config: QuantizationConfig | None,
+        prefixes: list[str],
+    ):
         super().__init__()
         self.tp_rank = get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
         self.tp_size = get_tensor_model_parallel_world_size() if tp_size is None else tp_size
+        self.quant_method: LinearMethod = (
+            UnquantizedLinearMethod()
+            if quant_config is None
+            else quant_config.linear_method(prefixes or [""])
+        )
+
+    def _check(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
+        what = type(self).__name__ if shard_id is None else f"{type(self).__name__} {shard_id}"
+        _check_shape(loaded, checkpoint_shapes_of(param)[shard_id], what)
 
 
 class ColumnParallelLinear(_TPLinear):
@@ -91,6 +115,11 @@ class ColumnParallelLinear(_TPLinear):
         input_size, output_size: full (unsharded) feature sizes; ``output_size % tp_size == 0``.
         bias: add a bias (sharded like the rows).
         gather_output: all-gather the (..., output_size / tp) result into (..., output_size).
+        quant_config, prefix: the checkpoint's quantization and this layer's checkpoint module
+            name; every parameter the method asks for is split by output rows like the weight.
+
+    Raises:
+        QuantizationError: a TP shard boundary would cut a quantization block or pack.
     """
 
     def __init__(
@@ -101,8 +130,10 @@ class ColumnParallelLinear(_TPLinear):
         gather_output: bool = False,
         tp_rank: int | None = None,
         tp_size: int | None = None,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
     ):
-        super().__init__(tp_rank, tp_size)
+        super().__init__(tp_rank, tp_size, quant_config, self._prefixes(prefix))
         if output_size % self.tp_size:
             raise ValueError(
                 f"output_size {output_size} is not divisible by tp_size {self.tp_size}"
@@ -111,37 +142,70 @@ class ColumnParallelLinear(_TPLinear):
         self.output_size_per_partition = output_size // self.tp_size
         self.gather_output = gather_output
         shards = self._shard_sizes()
-        self.weight = _param(
-            (self.output_size_per_partition, input_size),
+        self.quant_method.check_partition(list(shards.values()), input_size, self.tp_size)
+        create_params(
+            self,
+            self.quant_method,
+            shards,
+            input_size,
+            self.output_size_per_partition,
+            input_size,
+            bias,
+            "output",
             self.weight_loader,
-            {s: (n, input_size) for s, n in shards.items()},
         )
-        self.bias = None
-        if bias:
-            self.bias = _param(
-                (self.output_size_per_partition,),
-                self.weight_loader,
-                {s: (n,) for s, n in shards.items()},
-            )
+        rows = [self._shard_rows(s)[1] for s in shards]
+        self.register_buffer(
+            "shard_of_row",
+            torch.repeat_interleave(
+                torch.arange(len(rows)), torch.tensor(rows), output_size=sum(rows)
+            ),
+            persistent=False,
+        )
+
+    def _prefixes(self, prefix: str) -> list[str]:
+        """The checkpoint module names this layer loads (one per fused shard)."""
+        return [prefix]
 
     def _shard_sizes(self) -> dict:
         """Shard id -> full output rows of the checkpoint tensor loaded into it."""
         return {None: self.output_size}
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        full = (self.output_size,) + tuple(param.shape[1:])
-        _check_shape(loaded, full, type(self).__name__)
-        n = self.output_size_per_partition
-        param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
+    def _shard_index(self, shard_id: ShardId) -> int:
+        return 0
+
+    def _shard_rows(self, shard_id: ShardId) -> tuple[int, int, int]:
+        """(offset in this rank's rows, rows, index of the source slice) of a shard."""
+        return 0, self.output_size_per_partition, self.tp_rank
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
+        offset, n, src = self._shard_rows(shard_id)
+        self._check(param, loaded, shard_id)
+        layout = shard_layout_of(param)
+        if layout.per_shard:
+            param.data[self._shard_index(shard_id)].copy_(loaded)
+            return
+        dim, block = layout.output_dim, layout.output_block
+        assert dim is not None
+        rows = loaded.narrow(dim, src * n // block, n // block)
+        dest = param.data.narrow(dim, offset // block, n // block)
+        if quantizes_on_load(param):
+            scale = layer_tensor(self, "weight_scale").data.narrow(0, offset, n)
+            quantize_into(rows, dest, scale)
+        else:
+            dest.copy_(rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias)  # (T, out / tp)
+        y = self.quant_method.apply(self, x, self.bias)  # (T, out / tp)
         return tensor_model_parallel_all_gather(y, dim=-1) if self.gather_output else y
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Column-parallel layers of ``output_sizes`` fused (e.g. [gate, up]); each rank holds
-    ``[gate shard | up shard]``. ``weight_loader(param, loaded, shard_id)`` takes the index."""
+    ``[gate shard | up shard]``. ``weight_loader(param, loaded, shard_id)`` takes the index;
+    ``prefix`` names the fused layer, ``shard_names`` the checkpoint modules it is made of."""
 
     def __init__(
         self,
@@ -150,28 +214,40 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         bias: bool = False,
         tp_rank: int | None = None,
         tp_size: int | None = None,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+        shard_names: tuple[str, ...] = ("gate_proj", "up_proj"),
     ):
         self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(output_sizes), bias=bias, tp_rank=tp_rank, tp_size=tp_size)
+        self.shard_names = shard_names
+        tp = get_tensor_model_parallel_world_size() if tp_size is None else tp_size
         for size in self.output_sizes:
-            if size % self.tp_size:
-                raise ValueError(f"output size {size} is not divisible by tp_size {self.tp_size}")
+            if size % tp:
+                raise ValueError(f"output size {size} is not divisible by tp_size {tp}")
+        super().__init__(
+            input_size,
+            sum(output_sizes),
+            bias=bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            quant_config=quant_config,
+            prefix=prefix,
+        )
+
+    def _prefixes(self, prefix: str) -> list[str]:
+        return [f"{prefix.rpartition('.')[0]}.{name}".lstrip(".") for name in self.shard_names]
 
     def _shard_sizes(self) -> dict:
         return dict(enumerate(self.output_sizes))
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
-    ) -> None:
-        if shard_id is None or not 0 <= shard_id < len(self.output_sizes):
+    def _shard_index(self, shard_id: ShardId) -> int:
+        return int(shard_id)
+
+    def _shard_rows(self, shard_id: ShardId) -> tuple[int, int, int]:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be in [0, {len(self.output_sizes)}), got {shard_id}")
-        size = self.output_sizes[shard_id]
-        _check_shape(
-            loaded, (size,) + tuple(param.shape[1:]), f"{type(self).__name__} shard {shard_id}"
-        )
-        n = size // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        param.data.narrow(0, offset, n).copy_(loaded.narrow(0, self.tp_rank * n, n))
+        return offset, self.output_sizes[shard_id] // self.tp_size, self.tp_rank
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -179,7 +255,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     (num_kv_heads*head_dim each)]`` with ``num_heads = total_num_heads / tp`` and
     ``num_kv_heads = max(1, total_num_kv_heads / tp)``.
 
-    ``weight_loader(param, loaded, shard_id)`` with ``shard_id`` in {"q", "k", "v"}.
+    ``weight_loader(param, loaded, shard_id)`` with ``shard_id`` in {"q", "k", "v"}; ``prefix``
+    names the fused layer (``...self_attn.qkv_proj``), loaded from ``q_proj``/``k_proj``/``v_proj``.
     """
 
     def __init__(
@@ -191,6 +268,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: bool = False,
         tp_rank: int | None = None,
         tp_size: int | None = None,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
     ):
         tp = get_tensor_model_parallel_world_size() if tp_size is None else tp_size
         if total_num_heads % tp:
@@ -207,33 +286,37 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
         self.num_heads, self.num_kv_heads = total_num_heads // tp, max(1, total_num_kv_heads // tp)
         self.num_kv_replicas = max(1, tp // total_num_kv_heads)
-        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
-        super().__init__(hidden_size, out, bias=bias, tp_rank=tp_rank, tp_size=tp_size)
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
+        super().__init__(
+            hidden_size,
+            out,
+            bias=bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            quant_config=quant_config,
+            prefix=prefix,
+        )
+
+    def _prefixes(self, prefix: str) -> list[str]:
+        head = prefix.rpartition(".")[0]
+        return [f"{head}.{s}_proj".lstrip(".") for s in "qkv"]
 
     def _shard_sizes(self) -> dict:
         kv = self.total_num_kv_heads * self.head_dim
         return {"q": self.total_num_heads * self.head_dim, "k": kv, "v": kv}
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
-    ) -> None:
+    def _shard_index(self, shard_id: ShardId) -> int:
+        return "qkv".index(shard_id)
+
+    def _shard_rows(self, shard_id: ShardId) -> tuple[int, int, int]:
         if shard_id == "q":
-            full, n, offset, src = (
-                self.total_num_heads * self.head_dim,
-                self.q_size,
-                0,
-                self.tp_rank,
-            )
-        elif shard_id in ("k", "v"):
-            full, n = self.total_num_kv_heads * self.head_dim, self.kv_size
+            return 0, self.q_size, self.tp_rank
+        if shard_id in ("k", "v"):
             offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
-            src = self.tp_rank // self.num_kv_replicas
-        else:
-            raise ValueError(f"shard_id must be one of 'q', 'k', 'v', got {shard_id!r}")
-        _check_shape(loaded, (full,) + tuple(param.shape[1:]), f"QKVParallelLinear {shard_id}_proj")
-        param.data.narrow(0, offset, n).copy_(loaded.narrow(0, src * n, n))
+            return offset, self.kv_size, self.tp_rank // self.num_kv_replicas
+        raise ValueError(f"shard_id must be one of 'q', 'k', 'v', got {shard_id!r}")
 
 
 class RowParallelLinear(_TPLinear):
@@ -243,6 +326,12 @@ class RowParallelLinear(_TPLinear):
         input_size, output_size: full sizes; ``input_size % tp_size == 0``. The input is
             already split (the output of a column-parallel layer).
         reduce_results: all-reduce the partial sums (False leaves them to the caller).
+        quant_config, prefix: as for :class:`ColumnParallelLinear`; every parameter the method
+            asks for is split by input columns like the weight (a per-channel scale, indexed by
+            output rows only, is replicated).
+
+    Raises:
+        QuantizationError: a TP shard boundary would cut a quantization block or pack.
     """
 
     def __init__(
@@ -253,33 +342,50 @@ class RowParallelLinear(_TPLinear):
         reduce_results: bool = True,
         tp_rank: int | None = None,
         tp_size: int | None = None,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
     ):
-        super().__init__(tp_rank, tp_size)
+        super().__init__(tp_rank, tp_size, quant_config, [prefix])
         if input_size % self.tp_size:
             raise ValueError(f"input_size {input_size} is not divisible by tp_size {self.tp_size}")
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = input_size // self.tp_size
         self.reduce_results = reduce_results
-        self.weight = _param(
-            (output_size, self.input_size_per_partition),
+        self.quant_method.check_partition([output_size], input_size, self.tp_size)
+        create_params(
+            self,
+            self.quant_method,
+            {None: output_size},
+            input_size,
+            output_size,
+            self.input_size_per_partition,
+            bias,
+            "input",
             self.weight_loader,
-            {None: (output_size, input_size)},
         )
-        self.bias = (
-            _param((output_size,), self.weight_loader, {None: (output_size,)}) if bias else None
+        self.register_buffer(
+            "shard_of_row", torch.zeros(output_size, dtype=torch.long), persistent=False
         )
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if param.dim() == 1:  # bias: replicated, added once after the all-reduce
-            _check_shape(loaded, (self.output_size,), "RowParallelLinear bias")
+        self._check(param, loaded, None)
+        layout = shard_layout_of(param)
+        if layout.per_shard:
+            param.data[0].copy_(loaded)
+        elif layout.input_dim is None:  # bias, per-channel scales: replicated
             param.data.copy_(loaded)
-            return
-        _check_shape(loaded, (self.output_size, self.input_size), type(self).__name__)
-        n = self.input_size_per_partition
-        param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
+        else:
+            dim, block = layout.input_dim, layout.input_block
+            n = self.input_size_per_partition // block
+            columns = loaded.narrow(dim, self.tp_rank * n, n)
+            if quantizes_on_load(param):
+                quantize_into(columns, param.data, layer_tensor(self, "weight_scale").data)
+            else:
+                param.data.copy_(columns)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)  # (T, out) partial sum over this rank's input columns
+        # (T, out) partial sum over this rank's input columns
+        y = self.quant_method.apply(self, x)
         if self.reduce_results:
             y = tensor_model_parallel_all_reduce(y)
         # the bias is added once: after the all-reduce, or (unreduced) by rank 0 only

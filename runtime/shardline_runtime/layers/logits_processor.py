@@ -31,7 +31,8 @@ class LogitsProcessorOutput:
     """Output of one model step.
 
     Attributes:
-        next_token_logits: (bs, vocab_size) float32, logits after the last token of each request.
+        next_token_logits: (bs, vocab_size) float32, logits after the last token of each request;
+            (T, vocab_size), after every token, in a TARGET_VERIFY step.
         input_token_logprobs: per request a (n_i,) float32 tensor (see module docstring), or None.
         input_top_logprobs_val / input_top_logprobs_idx: per request (n_i, k_i) float32 values and
             int64 token ids of the top ``top_logprobs_nums[i]`` logprobs at the same positions.
@@ -67,8 +68,11 @@ class LogitsProcessor(nn.Module):
         lm_head: VocabParallelEmbedding,
         forward_batch,
     ) -> LogitsProcessorOutput:
-        """input_ids (T,), hidden_states (T, hidden) -> logits of each request's last token."""
+        """input_ids (T,), hidden_states (T, hidden) -> logits of each request's last token
+        (TARGET_VERIFY: of every token, ``next_token_logits`` (T, vocab))."""
         mode = forward_batch.forward_mode
+        if mode.is_target_verify():
+            return LogitsProcessorOutput(next_token_logits=self._logits(hidden_states, lm_head))
         if mode.is_extend() and forward_batch.extend_seq_lens is not None:
             last = torch.cumsum(forward_batch.extend_seq_lens, dim=0) - 1
             last_hidden = hidden_states[last]

@@ -9,7 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
+import torch
 from torch import nn
+
+HIGH_PRECISION = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 ShardId: TypeAlias = Any  # None | int | str | tuple[int, str]
 WeightLoader: TypeAlias = Callable[..., None]
@@ -44,3 +47,46 @@ def checkpoint_shapes_of(param: nn.Parameter) -> dict[ShardId, tuple[int, ...]]:
     """
     shapes: dict[ShardId, tuple[int, ...]] = param.checkpoint_shapes  # type: ignore[attr-defined]
     return shapes
+
+
+def set_shard_layout(param: nn.Parameter, layout: Any) -> nn.Parameter:
+    """Attach how ``param`` is split over TP ranks (``layers/quantization/base.py:
+    ShardLayout``); returns ``param``."""
+    param.shard_layout = layout  # type: ignore[attr-defined]
+    return param
+
+
+def shard_layout_of(param: nn.Parameter) -> Any:
+    """The layout set by :func:`set_shard_layout`.
+
+    Raises:
+        AttributeError: the parameter's layer declares none.
+    """
+    return param.shard_layout  # type: ignore[attr-defined]
+
+
+def mark_quantize_on_load(param: nn.Parameter) -> nn.Parameter:
+    """``param`` (online FP8) takes high-precision tensors and quantizes them as they load."""
+    param.quantize_on_load = True  # type: ignore[attr-defined]
+    return param
+
+
+def quantizes_on_load(param: nn.Parameter) -> bool:
+    """Whether :func:`mark_quantize_on_load` marked ``param``."""
+    return bool(getattr(param, "quantize_on_load", False))
+
+
+def loadable_dtype_problem(param: nn.Parameter, loaded: torch.dtype) -> str | None:
+    """Why a checkpoint tensor of dtype ``loaded`` cannot fill ``param`` (None: it can).
+
+    A parameter in a high-precision float dtype takes any of them (converted on copy); a
+    quantized one (FP8, packed integers, integer shapes) takes only its own dtype, since a
+    plain cast would drop the scale; an online FP8 weight takes high-precision tensors only.
+    """
+    if param.dtype in HIGH_PRECISION or quantizes_on_load(param):
+        if loaded in HIGH_PRECISION:
+            return None
+        return f"dtype {loaded}; a floating-point dtype ({', '.join(map(str, HIGH_PRECISION))}) is expected"
+    if loaded == param.dtype:
+        return None
+    return f"dtype {loaded}; the quantized parameter stores {param.dtype}"

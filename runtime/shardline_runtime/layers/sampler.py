@@ -80,6 +80,15 @@ def top_k_top_p_min_p_renorm(
     return torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs)
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """(bs,) int64 index of each row's largest logit, the first one on ties (as ``argmax``).
+
+    ``max(dim).indices`` gives the same indices; on the CPU it takes about half the time of
+    ``argmax`` over a 32k vocabulary (one thread), which is most of a greedy step's sampling.
+    """
+    return logits.max(dim=-1).indices
+
+
 class Sampler(nn.Module):
     """Turns last-position logits into next-token ids.
 
@@ -130,7 +139,7 @@ class Sampler(nn.Module):
             logits = sampling_info.penalties.apply(logits)
 
         if sampling_info.all_greedy:
-            next_ids = logits.argmax(dim=-1)
+            next_ids = greedy_argmax(logits)
         else:
             next_ids = self._sample(logits, sampling_info)
         if self.broadcast is not None:
@@ -147,7 +156,7 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        greedy_ids = logits.argmax(dim=-1)
+        greedy_ids = greedy_argmax(logits)
         probs = torch.softmax(finite_logits(logits / info.temperatures), dim=-1)
         if info.need_top_k or info.need_top_p or info.need_min_p:
             probs = top_k_top_p_min_p_renorm(

@@ -52,6 +52,17 @@ class LoRABatchInfo:
     seg_lens: list[int] = field(default_factory=list)
     # GPU: the segments as int32 device tensors (starts, lens, slots) for the Triton kernel
     seg_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    max_seg_len: int = 0  # the longest segment (sizes the kernel's grid)
+    # A decode graph's static layout (one row per segment, ``LoRAManager.bind_rows``): slots
+    # (T,) and lens (T,) int32 (1: the row has an adapter, 0: base model or padding); the CPU
+    # static-buffer path gathers each row's A/B by slot, the GPU runs the segment kernel on them.
+    row_layout: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether the wrappers add a delta this step (an adapter is present, or a decode
+        graph's static layout is bound: captured once, its rows decide at replay)."""
+        return bool(self.groups) or self.row_layout is not None or self.seg_tensors is not None
 
 
 @dataclass(frozen=True)
@@ -157,8 +168,11 @@ class _LoRAWrapper(nn.Module):
                 ranges,
                 self.max_rank,
                 info.seg_tensors,
-                max(info.seg_lens),
+                info.max_seg_len,
             )
+            return
+        if info.row_layout is not None:
+            self._add_row_delta(x, y, *info.row_layout)
             return
         R = self.max_rank
         for slot, idx in self.batch_info.groups:
@@ -173,6 +187,21 @@ class _LoRAWrapper(nn.Module):
                         xa[:, i * R : (i + 1) * R], b
                     )
             y.index_add_(0, idx, delta)
+
+    def _add_row_delta(
+        self, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor
+    ) -> None:
+        """The static row layout without the kernel: row ``t`` adds ``B_s (A_s x[t])`` of its
+        slot ``s`` times ``lens[t]`` (0 or 1). Shape-static and sync-free, like the kernel."""
+        R, index = self.max_rank, slots.long()
+        on = lens.to(x.dtype).unsqueeze(1)  # (T, 1)
+        xa = torch.bmm(self.lora_a.index_select(0, index), x.unsqueeze(2)).squeeze(2) * on
+        column = isinstance(self.base, ColumnParallelLinear)
+        ranges = [(s.offset, s.size) for s in self.subs] if column else [(0, y.shape[1])]
+        b = self.lora_b.index_select(0, index)  # (T, out, R)
+        for i, (offset, size) in enumerate(ranges):
+            part = xa[:, i * R : (i + 1) * R].unsqueeze(2)  # (T, R, 1)
+            y[:, offset : offset + size] += torch.bmm(b[:, offset : offset + size], part).squeeze(2)
 
 
 class ColumnParallelLinearWithLoRA(_LoRAWrapper):
@@ -232,7 +261,7 @@ class ColumnParallelLinearWithLoRA(_LoRAWrapper):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.base.weight, self.base.bias)  # (T, out / tp)
-        if self.batch_info.groups:
+        if self.batch_info.active:
             self.add_lora_delta(x, y)
         return tensor_model_parallel_all_gather(y, dim=-1) if self.base.gather_output else y
 
@@ -296,7 +325,7 @@ class RowParallelLinearWithLoRA(_LoRAWrapper):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base
         y = linear(x, base.weight)  # (T, out) partial sum over this rank's input columns
-        if self.batch_info.groups:
+        if self.batch_info.active:
             self.add_lora_delta(x, y)
         if base.reduce_results:
             y = tensor_model_parallel_all_reduce(y)

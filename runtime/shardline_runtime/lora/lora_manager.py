@@ -230,6 +230,7 @@ class LoRAManager:
             [],
             None,
         )
+        info.row_layout, info.max_seg_len = None, 0
         if not lora_names or all(n is None for n in lora_names):
             return
         per_slot: dict[int, list[torch.Tensor]] = {}
@@ -245,6 +246,7 @@ class LoRAManager:
                 info.seg_starts.append(start)
                 info.seg_lens.append(n)
             start += n
+        info.max_seg_len = max(info.seg_lens, default=0)
         info.groups = [(slot, torch.cat(idx).to(self.device)) for slot, idx in per_slot.items()]
         if self.segment_kernel:
             starts, lens, slots = (
@@ -252,6 +254,35 @@ class LoRAManager:
                 for v in (info.seg_starts, info.seg_lens, info.seg_slots)
             )
             info.seg_tensors = (starts, lens, slots)
+
+    def row_slots(self, lora_names: list[str | None] | None, rows: int) -> list[int]:
+        """The adapter slot of each of ``rows`` decode rows (-1: the base model), marking each
+        named adapter used.
+
+        Raises:
+            LoRAAdapterError: a name is not loaded.
+        """
+        names = list(lora_names or [None] * rows)
+        out = []
+        for name in names:
+            adapter = self.adapters.get(name) if name is not None else None
+            if name is not None and adapter is None:
+                raise LoRAAdapterError(f"lora_name {name!r} is not loaded", "lora_name")
+            if adapter is not None:
+                adapter.last_used = next(self._clock)
+            out.append(adapter.slot if adapter is not None else -1)
+        return out
+
+    def bind_rows(self, starts: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> None:
+        """Make a decode graph's static (rows,) int32 buffers the step's layout: row ``t`` is
+        segment ``t`` (``starts = arange``, ``lens`` 1 or 0, ``slots``), read by the segment
+        kernel inside the graph (after SGLang's and vLLM's captured LoRA batches), or by the
+        wrappers' per-row path without the kernel."""
+        info = self.batch_info
+        info.groups, info.seg_slots, info.seg_starts, info.seg_lens = [], [], [], []
+        info.max_seg_len = 1
+        info.seg_tensors = (starts, lens, slots) if self.segment_kernel else None
+        info.row_layout = None if self.segment_kernel else (slots, lens)
 
     def loaded(self) -> list[dict]:
         """``[{"name", "path", "rank", "slot"}]`` of the loaded adapters."""
@@ -266,10 +297,17 @@ def build_lora_manager(model: nn.Module, lora: LoRAArgs) -> LoRAManager | None:
     ``--enable-lora``. ``max_lora_rank`` defaults to the largest start-up adapter's rank, else 16.
 
     Raises:
-        LoRAAdapterError: a start-up adapter cannot be loaded.
+        LoRAAdapterError: a start-up adapter cannot be loaded, or the base model is quantized
+            (the LoRA layers read the base weight in the model dtype).
     """
     if not lora.enable_lora:
         return None
+    quantization = getattr(getattr(model, "config", None), "quantization", None)
+    if quantization is not None:
+        raise LoRAAdapterError(
+            f"--enable-lora: LoRA on a quantized base model ({quantization.scheme}) is not "
+            "supported; serve the unquantized checkpoint to use adapters"
+        )
     paths = parse_lora_paths(list(lora.lora_paths))
     max_rank = lora.max_lora_rank or max(
         [LoRAConfig.from_path(p).r for p in paths.values()] or [16]

@@ -87,7 +87,7 @@ class CacheManager:
         if req.req_pool_idx is not None:
             row, kv_len = req.req_pool_idx, req.kv_len
             tokens = (req.origin_input_ids + req.output_ids)[:kv_len]
-            slots = self.req_to_token_pool.req_to_token[row, :kv_len].clone().cpu()
+            slots = self.req_to_token_pool.slots(row, 0, kv_len)  # host copy: no device read
             # KV of caller-given embeddings is not keyed by its (placeholder) token ids
             existing = (
                 self.tree_cache.insert(tokens, slots)

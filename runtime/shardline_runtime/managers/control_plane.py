@@ -6,6 +6,10 @@ weights' state (every rank in lockstep; rank 0 replies).
   aborted with ``abort_all_requests``), then :meth:`ControlPlane.maybe_run_weight_update` runs it
   on every rank and the prefix cache is flushed (unless ``flush_cache`` is false: a trainer
   sending buckets flushes on the last one).
+- A disk update can be aborted (``AbortWeightUpdateReqInput``, ``POST /abort_weight_update``)
+  while it is queued, or while it stages the new weights (rank 0 looks for the abort on its
+  input between tensors and votes no at the commit); its reply then says ``aborted`` and the old
+  weights keep serving (phase ``serving``). An abort that comes after the commit changes nothing.
 - The control plane owns the live :class:`WeightsState` (model path, revision, weight_version,
   phase, digest, last update's timings). Every change is a new record, sent whole to the HTTP
   process (after SGLang's one ``weight_version`` recorded in one place). The digest is computed
@@ -30,6 +34,7 @@ from typing import Any
 
 from shardline_runtime.managers.dispatcher import Handler
 from shardline_runtime.managers.io_struct import (
+    AbortWeightUpdateReqInput,
     ContinueGenerationReqInput,
     ControlReqOutput,
     DestroyWeightsUpdateGroupReqInput,
@@ -87,6 +92,8 @@ class ControlPlane:
         retract: retract every running request (and the chunked one) back to the queue.
         waiting: the waiting queue.
         tp_rank: for the logs.
+        abort_requested: True when an ``AbortWeightUpdateReqInput`` arrived while an update
+            runs (rank 0: ``RequestReceiver.take``; every other rank: never).
 
     Attributes:
         paused: the pause mode, or None.
@@ -107,6 +114,7 @@ class ControlPlane:
         retract: Callable[[], None],
         waiting: Callable[[], Sequence[Req]],
         tp_rank: int = 0,
+        abort_requested: Callable[[], bool] = lambda: False,
     ):
         self.worker = worker
         self.tree_cache = tree_cache
@@ -119,6 +127,7 @@ class ControlPlane:
         self.retract = retract
         self.waiting = waiting
         self.tp_rank = tp_rank
+        self.abort_requested = abort_requested
         self.paused: PauseMode | None = None
         self.pending_update: Any = None
         self.last_serving_state: tuple[str | None, str | None] = (None, None)
@@ -127,6 +136,7 @@ class ControlPlane:
         """This part's entries of the scheduler's message table."""
         table: dict[type, Handler] = {t: self.start_weight_update for t in UPDATE_REQUESTS}
         table[FlushCacheReqInput] = lambda _msg: self.sender.send(self.flush_cache())
+        table[AbortWeightUpdateReqInput] = self.abort_weight_update
         controls: dict[type, Callable[[Any], tuple]] = {
             InitWeightsUpdateGroupReqInput: self.worker.init_weights_update_group,
             DestroyWeightsUpdateGroupReqInput: lambda m: self.worker.destroy_weights_update_group(
@@ -200,6 +210,18 @@ class ControlPlane:
         if msg.abort_all_requests:
             self.abort(None, {"type": "abort", "message": "aborted for a weight update"})
 
+    def abort_weight_update(self, _msg: AbortWeightUpdateReqInput) -> None:
+        """Drop a queued disk update (its reply says ``aborted``); one that already ran has
+        answered, so there is nothing to do."""
+        msg = self.pending_update
+        if not isinstance(msg, UpdateWeightsFromDiskReqInput):
+            return
+        self.pending_update = None
+        message = f"update_weights_from_disk({msg.model_path}) aborted before it started"
+        logger.info("[tp %d] %s", self.tp_rank, message)
+        self.sender.send(UpdateWeightsFromDiskReqOutput(False, message, aborted=True))
+        self.send_serving_state()
+
     def refuse_update(self) -> str | None:
         """Why an update cannot be queued now, or None."""
         if self.paused is PauseMode.IN_PLACE and self.holds_kv():
@@ -241,6 +263,7 @@ class ControlPlane:
             self.weights,
             on_phase=lambda phase: self.publish(phase=phase),
             with_digest=self.sender.enabled,
+            abort_requested=self.abort_requested,
         )
         if outcome.ok:
             self.memory_saver.note_loaded(outcome.names)
@@ -258,13 +281,20 @@ class ControlPlane:
             outcome.message,
             self.weights.weight_version,
         )
-        self.sender.send(self._reply(msg, outcome.ok, outcome.message, outcome.timings))
+        reply = self._reply(msg, outcome.ok, outcome.message, outcome.timings, outcome.aborted)
+        self.sender.send(reply)
         self.send_serving_state()
 
     @staticmethod
-    def _reply(msg: Any, ok: bool, message: str, timings: UpdateTimings | None = None) -> Any:
+    def _reply(
+        msg: Any,
+        ok: bool,
+        message: str,
+        timings: UpdateTimings | None = None,
+        aborted: bool = False,
+    ) -> Any:
         """The reply to an update; a disk update's carries its phase times (None: refused
-        before it ran)."""
+        before it ran) and whether an abort stopped it."""
         if not isinstance(msg, UpdateWeightsFromDiskReqInput):
             return ControlReqOutput(ok, message)
         return UpdateWeightsFromDiskReqOutput(
@@ -272,6 +302,7 @@ class ControlPlane:
             message,
             None if timings is None else timings.load_seconds,
             None if timings is None else timings.recapture_seconds,
+            aborted,
         )
 
     # ------------------------------------------------------------------ controls

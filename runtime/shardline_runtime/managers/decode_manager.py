@@ -14,6 +14,7 @@ from shardline_runtime.managers.cache_manager import CacheManager
 from shardline_runtime.managers.req import FinishReason, Req
 from shardline_runtime.managers.schedule_batch import ScheduleBatch
 from shardline_runtime.managers.schedule_policy import NewTokenRatio, choose_retraction_victim
+from shardline_runtime.managers.speculative_step import SpeculativeDecoding
 
 
 @dataclass
@@ -38,14 +39,23 @@ class DecodeManager:
         cache: the rank's :class:`CacheManager`.
         ratio: the shared :class:`NewTokenRatio`.
         max_req_len: the worker's limit on prompt + output tokens.
+        speculative: with ``--speculative-algorithm``, what turns a DECODE step into a
+            TARGET_VERIFY step when drafts exist.
 
     Attributes:
         running_batch: the ``ScheduleBatch`` of decoding requests, or None.
         num_retractions: retractions so far (a statistic).
     """
 
-    def __init__(self, cache: CacheManager, ratio: NewTokenRatio, max_req_len: int):
+    def __init__(
+        self,
+        cache: CacheManager,
+        ratio: NewTokenRatio,
+        max_req_len: int,
+        speculative: SpeculativeDecoding | None = None,
+    ):
         self.cache = cache
+        self.speculative = speculative
         self.ratio = ratio
         self.max_req_len = max_req_len
         self.running_batch: ScheduleBatch | None = None
@@ -76,7 +86,8 @@ class DecodeManager:
 
     def schedule(self, settle: Callable[[], bool] | None = None) -> DecodeStep:
         """Prepare a DECODE step: one new KV slot per request, retracting requests (most
-        recently admitted first) until the slots fit.
+        recently admitted first) until the slots fit; with speculation, a TARGET_VERIFY step
+        instead when drafts exist and their slots can be had.
 
         Args:
             settle: called before each retraction; True when it changed the state, then the
@@ -112,7 +123,8 @@ class DecodeManager:
                 step.finished.append(req)
                 return step
             step.retracted.append(self.retract_one())
-        batch.prepare_for_decode()
+        if self.speculative is None or not self.speculative.prepare(batch):
+            batch.prepare_for_decode()
         return step
 
     def retract_one(self) -> Req:

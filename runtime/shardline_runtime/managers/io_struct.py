@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from shardline_runtime.constrained.grammar_spec import GrammarSpec
 from shardline_runtime.sampling.sampling_params import SamplingParams
 from shardline_runtime.weights_state import WeightsState
 
@@ -53,6 +54,8 @@ class TokenizedGenerateReqInput:
     input_embeds_positions: list[int] | None = None
     input_embeds_values: list[list[float]] | None = None
     include_stop_str_in_output: bool = False
+    # Constrained decoding (validated by compiling it in the HTTP process); None: free text.
+    grammar: GrammarSpec | None = None
 
 
 @dataclass
@@ -94,6 +97,8 @@ class UpdateWeightsFromDiskReqInput:
     disable_cuda_graph: bool | None = None
     weight_version: str | None = None
     flush_cache: bool = True
+    # The hf:// or s3:// reference model_path (a fetched directory) came from: reported instead.
+    model_source: str | None = None
 
 
 @dataclass
@@ -105,6 +110,16 @@ class UpdateWeightsFromDiskReqOutput:
     message: str
     load_seconds: float | None = None  # rank 0's time in ``loading`` (None: the update never ran)
     recapture_seconds: float | None = None  # rank 0's time in ``recapturing`` (0.0: no graphs)
+    aborted: bool = False  # stopped by ``AbortWeightUpdateReqInput`` before it committed
+
+
+@dataclass
+class AbortWeightUpdateReqInput:
+    """Abort the disk update queued or staging its weights (``POST /abort_weight_update``).
+
+    No reply of its own: the update's reply says ``aborted``, or that it had committed. Rank 0
+    also looks for this message on its input while an update stages its weights.
+    """
 
 
 @dataclass
@@ -211,6 +226,8 @@ class SchedulerStats:
     max_total_num_tokens: int
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    # with --speculative-algorithm: a copy of the cumulative SpeculativeStats
+    speculative: Any = None
 
     @property
     def kv_usage(self) -> float:

@@ -43,6 +43,8 @@ class ModelWorkerBatch:
         lora_names: adapter per request, or None when no request uses one.
         input_embeds_indices / input_embeds_values: (K,) packed token rows and (K, hidden)
             caller-given embeddings, or None.
+        grammar_bitmask: (bs, ceil(vocab / 32)) int32 on the CPU, the tokens each row may
+            sample (constrained decoding; free rows all ones), or None when no row is constrained.
     """
 
     forward_mode: ForwardMode
@@ -60,6 +62,7 @@ class ModelWorkerBatch:
     lora_names: list[str | None] | None = None
     input_embeds_indices: torch.Tensor | None = None
     input_embeds_values: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -89,4 +92,5 @@ class ModelWorkerBatch:
         forward_batch.lora_names = self.lora_names
         forward_batch.input_embeds_indices = self.input_embeds_indices
         forward_batch.input_embeds_values = self.input_embeds_values
+        forward_batch.grammar_bitmask = self.grammar_bitmask
         return forward_batch

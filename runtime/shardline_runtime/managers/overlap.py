@@ -9,8 +9,13 @@ wrote it there after N's sampling; both run on the forward stream, so N's write 
 Nothing waits for the device between the two launches.
 
 On CUDA a step runs on the runner's ``forward_stream`` and its sampled ids are copied to the host
-without blocking (``GenerationBatchResult.copy_to_cpu`` records an event). On the CPU the same
-loop runs; the forward is synchronous there, so only the order of the work changes.
+without blocking (``GenerationBatchResult.copy_to_cpu`` records an event). The host waits for the
+device only in ``GenerationBatchResult.wait`` (that event), when it processes a step: slot
+indices, sequence lengths, finish checks, the prefix cache and sampling flags are host state, and
+copies to the device are non-blocking (``device_copy.to_device``); a CPU test marks device tensors
+and fails on any host read of them while a step is in flight
+(``tests/serving/test_overlap_never_waits.py``). On the CPU the same loop runs; the forward is
+synchronous there, so only the order of the work changes.
 
 Why a placeholder is keyed by the request row: a row holds one request at a time and each step
 samples at most one token per row, so "the latest token sampled for row r" is exactly the token
@@ -25,6 +30,7 @@ from typing import Any
 
 import torch
 
+from shardline_runtime.device_copy import to_device
 from shardline_runtime.managers.model_worker_batch import ModelWorkerBatch
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
 
@@ -49,13 +55,35 @@ class FutureMap:
         self.token_ids = torch.zeros(num_rows, dtype=torch.int64, device=device)
 
     def resolve(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(T,) int64 ids on the device with every placeholder replaced by its row's token."""
-        rows = (-input_ids - 1).clamp(min=0)
-        return torch.where(input_ids < 0, self.token_ids[rows], input_ids)
+        """(T,) int64 ids on the device with every placeholder replaced by its row's token.
 
-    def store(self, req_pool_indices: torch.Tensor, next_token_ids: torch.Tensor) -> None:
-        """Record each row's sampled token ((bs,) int64 on the device; -1 rows keep theirs).
-        Device ops only: no host synchronisation."""
+        Args:
+            input_ids: (T,) int64 on the host (which ids are placeholders is known there, so a
+                step of placeholders only, a decode step after another, is one gather).
+        """
+        if input_ids.shape[0] <= 256:  # a decode step: Python over a short list is cheaper
+            ids_list = input_ids.tolist()
+            rows_list = [-i - 1 for i in ids_list if i < 0]
+            if not rows_list:
+                return to_device(input_ids, self.device)
+            if len(rows_list) == len(ids_list):
+                return self.token_ids[to_device(rows_list, self.device, torch.int64)]
+        placeholders = input_ids < 0
+        if not bool(placeholders.any()):
+            return to_device(input_ids, self.device)
+        rows = to_device((-input_ids - 1).clamp(min=0), self.device)
+        ids = to_device(input_ids, self.device)
+        return torch.where(to_device(placeholders, self.device), self.token_ids[rows], ids)
+
+    def store(
+        self, req_pool_indices: torch.Tensor, next_token_ids: torch.Tensor, every_row: bool = False
+    ) -> None:
+        """Record each row's sampled token ((bs,) int64 on the device; -1 rows keep theirs, unless
+        ``every_row`` says, from the host, that every row sampled). Device ops only: no host
+        synchronisation."""
+        if every_row:
+            self.token_ids[req_pool_indices] = next_token_ids
+            return
         old = self.token_ids[req_pool_indices]
         self.token_ids[req_pool_indices] = torch.where(next_token_ids >= 0, next_token_ids, old)
 
@@ -101,14 +129,10 @@ def launch_step(
         context = torch.cuda.stream(stream)
     with context:
         if future_map is not None:
-            batch.input_ids = future_map.resolve(
-                batch.input_ids.to(future_map.device, non_blocking=True)
-            )
+            batch.input_ids = future_map.resolve(batch.input_ids)
         result = worker.forward_batch_generation(batch)
         if future_map is not None:
-            rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64).to(
-                future_map.device, non_blocking=True
-            )
-            future_map.store(rows, result.next_token_ids)
+            rows = to_device(batch.req_pool_indices, future_map.device, torch.int64)
+            future_map.store(rows, result.next_token_ids, every_row=all(batch.wants_token))
         result.copy_to_cpu()
     return result

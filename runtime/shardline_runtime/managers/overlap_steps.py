@@ -62,6 +62,20 @@ class OverlapSteps:
         if previous is not None:
             self.process(previous)
 
+    def holds_grammar(self) -> bool:
+        """The step in flight samples a token for a constrained request that goes on.
+
+        The sync point of constrained decoding: the bitmask of that request's next step needs
+        the grammar advanced with this token, so the loop settles the step first (batches
+        without a constrained request keep the full overlap). SGLang instead computes the mask
+        in its forward thread after the result is processed; on CPU the forward is synchronous
+        and both orders cost the same.
+        """
+        step = self.in_flight
+        return step is not None and any(
+            r.grammar is not None and not r.finished() for r in step.rows.reqs
+        )
+
     def drain(self) -> bool:
         """Wait for the step in flight and process its result; False when none is."""
         step, self.in_flight = self.in_flight, None

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from shardline_runtime.constrained.xgrammar_backend import RequestGrammar
 from shardline_runtime.managers.io_struct import FinishReason
 from shardline_runtime.mem_cache.radix_cache import TreeNode
 from shardline_runtime.sampling.sampling_params import SamplingParams
@@ -26,6 +27,8 @@ class Req:
         lora_name: the LoRA adapter this request runs with (None: the base model).
         input_embeds_positions / input_embeds_values: caller-given prompt embeddings, positions
             (P,) and vectors (P, hidden_size) float32; None for none.
+        grammar: the request's grammar matcher (constrained decoding; None: free text). Each
+            step's token bitmask row is filled from it and each accepted token advances it.
 
     Attributes:
         output_ids: generated ids so far.
@@ -58,6 +61,7 @@ class Req:
         lora_name: str | None = None,
         input_embeds_positions: Sequence[int] | None = None,
         input_embeds_values: torch.Tensor | None = None,
+        grammar: RequestGrammar | None = None,
     ):
         if len(origin_input_ids) == 0:
             raise ValueError(f"request {rid}: origin_input_ids must not be empty")
@@ -73,6 +77,7 @@ class Req:
             None if input_embeds_positions is None else list(input_embeds_positions)
         )
         self.input_embeds_values = input_embeds_values
+        self.grammar = grammar
         self.output_ids: list[int] = []
         self.fill_ids: list[int] = list(self.origin_input_ids)
         self.prefix_indices = torch.zeros(0, dtype=torch.int64)
@@ -144,7 +149,7 @@ class Req:
             pass  # a later chunk: the prefix is what this request's row already holds
         elif prefix_indices is not None:
             # at least one token must be computed to produce logits
-            self.prefix_indices = prefix_indices[: len(full) - 1].to(torch.int64).cpu()
+            self.prefix_indices = prefix_indices[: len(full) - 1].to(torch.int64)  # host slots
         else:
             self.prefix_indices = torch.zeros(0, dtype=torch.int64)
         end = (
@@ -173,6 +178,19 @@ class Req:
             self.output_token_logprobs.append(float(logprob))
         if top is not None:
             self.output_top_logprobs.append(top)
+
+    def advance_grammar(self, token_id: int) -> None:
+        """Advance the grammar with an accepted token: a complete grammar (its stop token
+        accepted) finishes the request with ``stop``; a token it refuses (a masked step never
+        samples one) aborts it, naming the grammar."""
+        if self.grammar is None or self.finished_reason is not None:
+            return
+        if not self.grammar.accept(token_id):
+            self.finished_reason = FinishReason(
+                "abort", message=f"token {token_id} does not fit the request's grammar"
+            )
+        elif self.grammar.is_terminated():
+            self.finished_reason = FinishReason("stop", int(token_id))
 
     def check_finished(self, max_req_len: int) -> None:
         """Set ``finished_reason`` from the last token and the limits.

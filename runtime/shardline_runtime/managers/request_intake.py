@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from shardline_runtime.constrained.grammar_spec import GrammarError, GrammarSpec
+from shardline_runtime.constrained.xgrammar_backend import RequestGrammar
 from shardline_runtime.managers.io_struct import TokenizedGenerateReqInput
 from shardline_runtime.managers.lora_control import LoRAControl
 from shardline_runtime.managers.req import Req
@@ -46,6 +48,9 @@ class RequestIntake:
         lora: the :class:`LoRAControl`, or None when LoRA is off.
         sender: rank 0's :class:`OutputSender` (answers requests that can never run).
         admit: puts a new request in the waiting queue (``PrefillManager.add``).
+        grammars: makes a request's grammar matcher from its :class:`GrammarSpec`
+            (``GrammarBackend.matcher``, built at the first constrained request); None: a
+            constrained request is answered with an abort naming why.
     """
 
     def __init__(
@@ -56,6 +61,7 @@ class RequestIntake:
         lora: LoRAControl | None,
         sender: OutputSender,
         admit: Callable[[Req], None],
+        grammars: Callable[[GrammarSpec], RequestGrammar] | None = None,
     ):
         self.max_req_input_len = max_req_input_len
         self.max_req_len = max_req_len
@@ -63,6 +69,7 @@ class RequestIntake:
         self.lora = lora
         self.sender = sender
         self.admit = admit
+        self.grammars = grammars
 
     def handle(self, msg: TokenizedGenerateReqInput) -> None:
         """Queue ``msg`` as a ``Req``, or answer it with an ``abort`` naming why it cannot run."""
@@ -85,6 +92,15 @@ class RequestIntake:
         room = self.max_req_len - n
         if params.max_new_tokens is None or params.max_new_tokens > room:
             params = replace(params, max_new_tokens=room)
+        grammar = None
+        if msg.grammar is not None:
+            try:
+                if self.grammars is None:
+                    raise GrammarError("constrained decoding is not available", msg.grammar.param)
+                grammar = self.grammars(msg.grammar)
+            except GrammarError as exc:  # the HTTP process compiled it already: a defensive look
+                self.sender.reject(msg.rid, n, str(exc))
+                return
         embeds = None
         if msg.input_embeds_positions is not None:
             embeds = torch.tensor(msg.input_embeds_values, dtype=torch.float32)
@@ -100,5 +116,6 @@ class RequestIntake:
                 lora_name=msg.lora_name,
                 input_embeds_positions=msg.input_embeds_positions,
                 input_embeds_values=embeds,
+                grammar=grammar,
             )
         )

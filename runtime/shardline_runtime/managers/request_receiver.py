@@ -3,6 +3,10 @@
 Rank 0 of stage 0 reads every message waiting on its ZMQ PULL socket and broadcasts the list to
 the other TP ranks (``broadcast_pyobj``), so every rank processes the same messages. A later
 pipeline stage receives the list from the stage before it (``PipelineLoop`` forwards it).
+
+While a long control runs (a weight update staging its weights), rank 0 can look ahead for one
+kind of message (:meth:`RequestReceiver.take`): what it reads meanwhile is kept, in order, for
+the next :meth:`RequestReceiver.recv`.
 """
 
 from __future__ import annotations
@@ -43,20 +47,40 @@ class RequestReceiver:
         self.tp_size = tp_size
         self.pp_rank = pp_rank
         self.poller = zmq.Poller()
+        self.backlog: list[Any] = []  # read ahead by :meth:`take`, not yet handed out
         if socket is not None:
             self.poller.register(socket, zmq.POLLIN)
 
     def recv(self, idle: bool = False) -> list[Any]:
-        """This iteration's messages; rank 0 blocks up to :data:`IDLE_POLL_MS` when ``idle``."""
+        """This iteration's messages; rank 0 blocks up to :data:`IDLE_POLL_MS` when ``idle``
+        (not when messages were read ahead)."""
         if self.pp_rank > 0:
             return recv_pyobj(self.pp_rank - 1)
-        messages: list[Any] = []
-        if self.socket is not None and self.poller.poll(IDLE_POLL_MS if idle else 0):
-            while True:
-                try:
-                    messages.append(self.socket.recv_pyobj(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
+        messages, self.backlog = self.backlog, []
+        if self.socket is not None and self.poller.poll(
+            0 if messages or not idle else IDLE_POLL_MS
+        ):
+            messages.extend(self._read_waiting())
         if self.tp_size > 1:
             messages = broadcast_pyobj(messages)
         return messages
+
+    def take(self, msg_type: type) -> bool:
+        """Rank 0 of stage 0 only (False elsewhere, at once): read what waits on the socket
+        into the backlog and take out every message of ``msg_type``; True when there was one.
+        No collective runs, so it may be called while the other ranks do something else."""
+        if self.socket is None or self.pp_rank > 0:
+            return False
+        self.backlog.extend(self._read_waiting())
+        kept = [m for m in self.backlog if not isinstance(m, msg_type)]
+        found = len(kept) < len(self.backlog)
+        self.backlog = kept
+        return found
+
+    def _read_waiting(self) -> list[Any]:
+        messages: list[Any] = []
+        while True:
+            try:
+                messages.append(self.socket.recv_pyobj(zmq.NOBLOCK))
+            except zmq.Again:
+                return messages

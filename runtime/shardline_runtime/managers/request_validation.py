@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardline_runtime.constrained.grammar_spec import GrammarError, GrammarSpec
+from shardline_runtime.constrained.xgrammar_backend import GrammarBackend
 from shardline_runtime.managers.io_struct import SchedulerInfo
 
 
@@ -33,6 +35,23 @@ class RequestValidator:
         # The longest token's text: a longer text than this many characters per allowed token
         # is surely over the limit.
         self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1) + 1
+        self._grammars: GrammarBackend | None = None
+
+    def check_grammar(self, spec: GrammarSpec) -> None:
+        """Compile ``spec`` (cached per spec; the backend is built at the first one), so a
+        schema, regex or grammar the library rejects is a 400 before anything is queued.
+
+        Raises:
+            RequestValidationError: the library rejected it (``param`` names the field).
+        """
+        if self._grammars is None:
+            self._grammars = GrammarBackend(
+                self.tokenizer, self.info.vocab_size, self.info.eos_token_ids
+            )
+        try:
+            self._grammars.compile(spec)
+        except GrammarError as exc:
+            raise RequestValidationError(str(exc), exc.param) from None
 
     def encode_text(self, text: str, add_special_tokens: bool) -> tuple[list[int], int]:
         """Token ids of ``text`` and how many of them the tokenizer added in front of it.

@@ -17,6 +17,7 @@ from shardline_runtime.managers.decode_manager import DecodeManager
 from shardline_runtime.managers.req import Req
 from shardline_runtime.managers.schedule_batch import ScheduleBatch
 from shardline_runtime.managers.scheduler_output import OutputSender
+from shardline_runtime.managers.speculative_step import SpeculativeDecoding
 
 if TYPE_CHECKING:
     from shardline_runtime.managers.overlap import InFlightStep
@@ -32,6 +33,8 @@ class ResultProcessor:
             passes its micro-batch slot's manager to :meth:`process` instead).
         max_req_len: the worker's limit on prompt + output tokens (a finish condition).
         sender: rank 0's :class:`OutputSender`.
+        speculative: with speculation, frees the KV of rejected drafts after a TARGET_VERIFY
+            step (whose requests gain one or more tokens each).
     """
 
     def __init__(
@@ -40,7 +43,9 @@ class ResultProcessor:
         decode_manager: DecodeManager,
         max_req_len: int,
         sender: OutputSender,
+        speculative: SpeculativeDecoding | None = None,
     ):
+        self.speculative = speculative
         self.cache = cache
         self.decode_manager = decode_manager
         self.max_req_len = max_req_len
@@ -76,17 +81,24 @@ class ResultProcessor:
         assert result.next_token_ids is not None, "the result of a step that sampled nothing"
         next_ids = result.next_token_ids.tolist()
         done_before = {id(req) for req in batch.reqs if req.finished()}
-        if batch.forward_mode.is_extend():
+        verify = batch.forward_mode.is_target_verify()
+        if batch.forward_mode.is_extend() and not verify:
             collect_prompt_logprobs(batch, result)
         for i, req in enumerate(batch.reqs):
             if req is batch.chunked_req or id(req) in done_before:
                 continue  # an intermediate chunk samples nothing
+            if verify:
+                append_kept_tokens(req, i, result, self.max_req_len)
+                continue
             if req.wants_token and next_ids[i] >= 0:
                 top = result.next_token_top_logprobs[i] if req.top_logprobs_num else None
                 req.append_output(
                     next_ids[i], result.next_token_logprobs[i] if req.return_logprob else None, top
                 )
+                req.advance_grammar(next_ids[i])
             req.check_finished(self.max_req_len)
+        if verify and self.speculative is not None:
+            self.speculative.free_rejected(batch, result.accepted_ids or [])
         for req in batch.reqs:
             if req.finished() and id(req) not in done_before:
                 self.release_finished(req, in_flight)
@@ -94,7 +106,7 @@ class ResultProcessor:
         if snapshot:
             if decode.running_batch is not None:
                 decode.running_batch.filter_batch()
-        elif batch.forward_mode.is_extend():
+        elif batch.forward_mode.is_extend() and not verify:
             keep = [
                 i
                 for i, r in enumerate(batch.reqs)
@@ -114,11 +126,24 @@ class ResultProcessor:
         if in_flight is not None and req.req_pool_idx is not None and in_flight.holds(req):
             req.kv_len -= 1
             in_flight.deferred_free.append(
-                self.cache.req_to_token_pool.req_to_token[
-                    req.req_pool_idx, req.kv_len : req.kv_len + 1
-                ].clone()
+                self.cache.req_to_token_pool.slots(req.req_pool_idx, req.kv_len, req.kv_len + 1)
             )
         self.cache.release(req)
+
+
+def append_kept_tokens(req: Req, row: int, result: GenerationBatchResult, max_req_len: int) -> None:
+    """Append the tokens a TARGET_VERIFY step kept for batch row ``row``, one at a time,
+    stopping at the first that finishes the request (EOS, stop token, a length limit)."""
+    ids = (result.accepted_ids or [])[row]
+    logprobs = result.accepted_logprobs[row] if result.accepted_logprobs else []
+    tops = result.accepted_top_logprobs[row] if result.accepted_top_logprobs else []
+    for j, token in enumerate(ids):
+        logprob = logprobs[j] if req.return_logprob and j < len(logprobs) else None
+        top = tops[j] if req.top_logprobs_num and j < len(tops) else None
+        req.append_output(token, logprob, top)
+        req.check_finished(max_req_len)
+        if req.finished():
+            return
 
 
 def collect_prompt_logprobs(batch: ScheduleBatch, result: GenerationBatchResult) -> None:

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from shardline_runtime.constrained.xgrammar_backend import allow_all_bitmask
 from shardline_runtime.managers.model_worker_batch import ModelWorkerBatch
 from shardline_runtime.managers.overlap import future_placeholder
 from shardline_runtime.managers.req import FinishReason, Req
@@ -112,7 +113,7 @@ class ScheduleBatch:
             raise KVCacheFullError(
                 f"need {n} KV slots, {self.token_to_kv_pool_allocator.available_size()} free"
             )
-        return slots.cpu()
+        return slots  # host indices: the allocator's free list is on the host
 
     def _alloc_rows(self, reqs: list[Req]) -> None:
         new = [r for r in reqs if r.req_pool_idx is None]
@@ -166,10 +167,13 @@ class ScheduleBatch:
         """The token at position ``kv_len`` (the one this step computes the KV of): known on
         the host, or (overlap scheduling) still being sampled by the step in flight, then a
         :func:`future_placeholder` resolved on the device."""
-        known = req.origin_input_ids + req.output_ids
-        if req.kv_len < len(known):
-            return known[req.kv_len]
-        if self.future_tokens and req.kv_len == len(known):
+        prompt_len, pos = len(req.origin_input_ids), req.kv_len
+        known = prompt_len + len(req.output_ids)
+        if pos < known:  # indexed, not concatenated: this runs per request per step
+            return (
+                req.origin_input_ids[pos] if pos < prompt_len else req.output_ids[pos - prompt_len]
+            )
+        if self.future_tokens and pos == known:
             return future_placeholder(req.row)
         raise ValueError(f"request {req.rid} has no output token to decode from")
 
@@ -178,9 +182,15 @@ class ScheduleBatch:
         Returns the slots and each request's input id."""
         input_ids = [self._decode_input_id(r) for r in reqs]
         slots = self._alloc_slots(len(reqs))
-        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
-        cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
-        self.req_to_token_pool.write((rows, cols), slots)  # one indexed write for the whole batch
+        if len(reqs) == 1:  # a plain element write, no index tensors
+            self.req_to_token_pool.write(
+                (reqs[0].row, slice(reqs[0].kv_len, reqs[0].kv_len + 1)), slots
+            )
+        else:
+            index = torch.tensor(
+                [[r.row for r in reqs], [r.kv_len for r in reqs]], dtype=torch.int64
+            )
+            self.req_to_token_pool.write((index[0], index[1]), slots)  # one write for the batch
         for req in reqs:
             req.kv_len += 1
         return slots, input_ids
@@ -279,8 +289,8 @@ class ScheduleBatch:
         if req.req_pool_idx is None:
             return
         row = req.req_pool_idx
-        slots = self.req_to_token_pool.req_to_token[row, keep_prefix_len : req.kv_len]
-        self.token_to_kv_pool_allocator.free(slots.clone())
+        slots = self.req_to_token_pool.slots(row, keep_prefix_len, req.kv_len)
+        self.token_to_kv_pool_allocator.free(slots)
         self.req_to_token_pool.free(row)
         req.req_pool_idx, req.kv_len = None, 0
         req.prefix_indices = torch.zeros(0, dtype=torch.int64)
@@ -292,7 +302,7 @@ class ScheduleBatch:
         extend = self.forward_mode.is_extend()
         logprob = self.return_logprob
         logprob_starts = None
-        if extend and logprob:
+        if extend and logprob and not self.forward_mode.is_target_verify():
             logprob_starts = [
                 min(max(r.logprob_start_len - p, 0), n)
                 if r.return_logprob and r.logprob_start_len >= 0
@@ -317,7 +327,19 @@ class ScheduleBatch:
             batch.lora_names = [r.lora_name for r in reqs]
         if extend and any(r.input_embeds_positions is not None for r in reqs):
             self._attach_input_embeds(batch)
+        if any(r.grammar is not None for r in reqs):
+            batch.grammar_bitmask = self._grammar_bitmask()
         return batch
+
+    def _grammar_bitmask(self) -> torch.Tensor:
+        """(bs, ceil(vocab / 32)) int32: each constrained row that samples this step gets its
+        matcher's allowed tokens (the matcher holds every token accepted so far: with overlap
+        the scheduler settles the step in flight first, see ``OverlapSteps.holds_grammar``)."""
+        bitmask = allow_all_bitmask(len(self.reqs), self.vocab_size)
+        for i, req in enumerate(self.reqs):
+            if req.grammar is not None and req.wants_token:
+                req.grammar.fill_bitmask(bitmask, i)
+        return bitmask
 
     def _attach_input_embeds(self, batch: ModelWorkerBatch) -> None:
         """Rows of this step's packed tokens whose embedding the request gave (prompt

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from shardline_runtime.constrained.xgrammar_backend import LazyGrammars
 from shardline_runtime.managers.batch_planner import BatchPlanner
 from shardline_runtime.managers.cache_manager import CacheManager
 from shardline_runtime.managers.control_plane import ControlPlane, PauseMode
@@ -32,6 +33,7 @@ from shardline_runtime.managers.dispatcher import TypeBasedDispatcher
 from shardline_runtime.managers.expert_control import ExpertControl
 from shardline_runtime.managers.io_struct import (
     AbortReq,
+    AbortWeightUpdateReqInput,
     SchedulerInfo,
     SchedulerStats,
     TokenizedGenerateReqInput,
@@ -47,10 +49,13 @@ from shardline_runtime.managers.result_processor import ResultProcessor
 from shardline_runtime.managers.schedule_batch import ScheduleBatch
 from shardline_runtime.managers.schedule_policy import BatchLimits, NewTokenRatio
 from shardline_runtime.managers.scheduler_output import OutputSender
+from shardline_runtime.managers.speculative_step import SpeculativeDecoding
 from shardline_runtime.managers.watchdog import Watchdog
 from shardline_runtime.managers.weight_update_run import initial_weights_state
 from shardline_runtime.mem_cache.radix_cache import RadixCache
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
+from shardline_runtime.model_loader.validate import scheme_name
+from shardline_runtime.speculative.proposer import build_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +98,10 @@ class Scheduler:
         self.limits = batch_limits(args, worker)
         lora = args.enable_lora
         pipelined = worker.pp_size > 1 or pp_loop_size is not None
-        # No overlap with LoRA (adapters change between steps) or PP (micro-batches overlap).
-        overlap = not (args.disable_overlap_schedule or lora or pipelined)
+        spec = args.speculative
+        # No overlap with LoRA (adapters change between steps), PP (micro-batches overlap) or
+        # speculation (a verify step's kept length decides the next step's inputs).
+        overlap = not (args.disable_overlap_schedule or lora or pipelined or spec.enabled)
         first = tp_rank == 0 and worker.pp_rank == 0  # rank 0 of stage 0 talks to HTTP
         pull, push = open_sockets(input_addr, output_addr) if first else (None, None)
 
@@ -111,18 +118,25 @@ class Scheduler:
             self.tree_cache,
             worker.max_total_num_tokens,
         )
+        self.speculative = (
+            SpeculativeDecoding(
+                build_proposer(spec), spec.max_draft_tokens, worker.max_req_len, self.cache
+            )
+            if spec.enabled
+            else None
+        )
         self.new_token_ratio = NewTokenRatio()
         self.prefill_manager = PrefillManager(
             self.cache, self.new_token_ratio, self.limits, self.new_batch
         )
         slots = (pp_loop_size or worker.pp_size) if pipelined else 1
         self.decode_managers = [
-            DecodeManager(self.cache, self.new_token_ratio, worker.max_req_len)
+            DecodeManager(self.cache, self.new_token_ratio, worker.max_req_len, self.speculative)
             for _ in range(slots)
         ]
         self.decode_manager = self.decode_managers[0]
         self.results = ResultProcessor(
-            self.cache, self.decode_manager, worker.max_req_len, self.sender
+            self.cache, self.decode_manager, worker.max_req_len, self.sender, self.speculative
         )
         self.overlap = OverlapSteps(worker, overlap, self.results, self.decode_manager)
         self.pipeline = (
@@ -150,16 +164,27 @@ class Scheduler:
         )
         lora_parts = (worker.model_runner.lora_manager, self.planner.all_requests, self.sender.send)
         self.lora = LoRAControl(*lora_parts) if lora else None
+        eos = eos_token_ids(worker.model_config)
+        tokenizer_path = args.tokenizer_path or worker.model_config.model_path
         self.intake = RequestIntake(
             worker.max_req_input_len,
             worker.max_req_len,
-            eos_token_ids(worker.model_config),
+            eos,
             self.lora,
             self.sender,
             self.prefill_manager.add,
+            LazyGrammars(tokenizer_path, worker.model_config.vocab_size, eos),
         )
         path, version = worker.model_config.model_path, str(args.weight_version)
-        weights = initial_weights_state(path, args.revision, version, with_digest=first)
+        weights = initial_weights_state(
+            path,
+            args.revision,
+            version,
+            with_digest=first,
+            model_source=args.model_source,
+            graphs=worker.captured_graphs(),
+            quantization=scheme_name(worker.model_config),
+        )
         self.control = ControlPlane(
             worker,
             self.tree_cache,
@@ -172,6 +197,7 @@ class Scheduler:
             retract=self.planner.retract_all,
             waiting=lambda: self.prefill_manager.waiting_queue,
             tp_rank=tp_rank,
+            abort_requested=lambda: self.receiver.take(AbortWeightUpdateReqInput),
         )
         runner = worker.model_runner
         self.experts = ExpertControl(
@@ -225,7 +251,8 @@ class Scheduler:
         batch is launched and then the *previous* step's result is processed, so the host
         prepares step N+1 while step N computes. A control message, an abort or a waiting weight
         update first drains the step in flight (they act on settled state); so does a retraction
-        (``DecodeManager.schedule(settle=...)``).
+        (``DecodeManager.schedule(settle=...)``), and a step in flight that samples for a
+        constrained request (its next bitmask needs that token accepted first).
         """
         if self.control.pending_update is not None or any(
             not isinstance(m, TokenizedGenerateReqInput) for m in messages
@@ -233,6 +260,8 @@ class Scheduler:
             self.overlap.drain()
         self.process_input_requests(messages)
         self.overlap.join_in_flight_extend()
+        if self.overlap.holds_grammar():
+            self.overlap.drain()  # the sync point of constrained decoding (OverlapSteps)
         batch = self.get_next_batch_to_run()
         if batch is None:
             self.overlap.drain()
@@ -292,5 +321,7 @@ class Scheduler:
         if self.sender.enabled:
             kv = (self.cache.used_tokens(), self.tree_cache.evictable_size())
             total = self.cache.max_total_num_tokens
+            spec = self.speculative.stats.snapshot() if self.speculative is not None else None
             stats = SchedulerStats(*self.planner.load(), *kv, total, *self.planner.lora_load())
+            stats.speculative = spec
             self.sender.send_stats(stats)

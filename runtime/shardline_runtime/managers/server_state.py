@@ -45,7 +45,9 @@ class ServerState:
     def weights_info(self) -> dict[str, Any]:
         """The ``weights`` block of ``/get_server_info`` plus the flat keys existing clients
         read (``weights_phase``, ``weights_revision``, ``weights_digest``, ``weight_version``,
-        ``last_weight_update``, ``model_path``), all from the one record."""
+        ``last_weight_update``, ``model_path``, ``quantization``) and ``cuda_graphs`` (what the
+        runner really captured: ``{decode_batch_sizes, piecewise_token_buckets, reason}``), all
+        from the one record."""
         w = self.weights
         return {
             "weights": w.model_dump(mode="json"),
@@ -57,6 +59,8 @@ class ServerState:
                 None if w.last_update is None else w.last_update.model_dump(mode="json")
             ),
             "weight_version": w.weight_version,
+            "quantization": w.quantization,
+            "cuda_graphs": None if w.graphs is None else w.graphs.model_dump(mode="json"),
         }
 
     def lora_for_model(self, model: str | None) -> str | None:

@@ -13,6 +13,7 @@ request (:meth:`generate`) and the weight update, which the admission gate must 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import uuid
@@ -22,6 +23,7 @@ from typing import Any
 from shardline_runtime.managers.admission_gate import AdmissionGate, WeightUpdateHoldTimeout
 from shardline_runtime.managers.control_client import ControlClient
 from shardline_runtime.managers.io_struct import (
+    AbortWeightUpdateReqInput,
     SchedulerInfo,
     SchedulerStats,
     ServingStateOut,
@@ -79,6 +81,7 @@ class TokenizerManager:
             metrics,
         )
         self.control = ControlClient(self.streams.send)
+        self.disk_update: asyncio.Future | None = None  # the reply of the disk update in flight
         self._counter = itertools.count()
         if metrics is not None:
             metrics.set_weights(self.state.weights)
@@ -184,8 +187,24 @@ class TokenizerManager:
         the reply."""
         self.state.mark_updating()
         self.gate.set_phase(WeightsPhase.LOADING)
+        ended: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.disk_update = ended
+        out = None
         try:
-            return await self.control.call(req, UpdateWeightsFromDiskReqOutput)
+            out = await self.control.call(req, UpdateWeightsFromDiskReqOutput)
+            return out
         finally:
+            self.disk_update = None
+            ended.set_result(out)
             self.state.end_update_if_silent()
             self.gate.set_phase(self.state.weights.phase)
+
+    async def abort_weight_update(self) -> UpdateWeightsFromDiskReqOutput | None:
+        """Ask the schedulers to abort the disk update in flight and wait for its reply (which
+        says ``aborted``, or that it committed or failed first). None when no disk update runs
+        (or it ended without a reply)."""
+        ended = self.disk_update
+        if ended is None:
+            return None
+        await self.streams.send(AbortWeightUpdateReqInput())
+        return await asyncio.shield(ended)

@@ -48,21 +48,16 @@ from shardline_runtime.distributed import (
 from shardline_runtime.managers.model_worker_batch import ModelWorkerBatch
 from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from shardline_runtime.model_executor.forward_batch_info import PPProxyTensors
-from shardline_runtime.model_executor.generation_result import GenerationBatchResult
+from shardline_runtime.model_executor.generation_result import (
+    GenerationBatchResult,
+    logits_output_to_cpu,
+)
 from shardline_runtime.model_executor.model_runner import ModelRunner
-from shardline_runtime.weights_state import WeightsPhase
+from shardline_runtime.weights_state import CapturedGraphs, WeightsPhase
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["BaseTpWorker", "GenerationBatchResult", "TpModelWorker"]
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.cpu()
-    if isinstance(value, list):
-        return [_to_cpu(v) for v in value]
-    return value
 
 
 class BaseTpWorker(ABC):
@@ -137,6 +132,7 @@ class TpModelWorker(BaseTpWorker):
             dtype=model.dtype,
             context_length=model.context_length,
             device_type=self.server_args.parallel.torch_device(self.tp_rank, self.pp_rank).type,
+            quantization=model.quantization,
         )
 
     def _init_model_runner(self, model_runner: ModelRunner | None) -> None:
@@ -227,7 +223,7 @@ class TpModelWorker(BaseTpWorker):
         batch = result.forward_batch
         logits = result.logits_output if batch.return_logprob else None
         if logits is not None:  # tensors travel pickled: move them off the device first
-            logits = type(logits)(**{k: _to_cpu(v) for k, v in vars(logits).items()})
+            logits = logits_output_to_cpu(logits)
         assert result.next_token_ids is not None  # the last stage sampled
         payload = (
             result.next_token_ids.tolist(),
@@ -255,11 +251,14 @@ class TpModelWorker(BaseTpWorker):
         load_format: str = "auto",
         recapture_cuda_graph: bool = True,
         on_phase: Callable[[WeightsPhase], None] | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> tuple[bool, str]:
         """Route an update from disk to ``ModelRunner.update_weights_from_disk`` (every rank).
 
         ``on_phase`` is called with each phase as it begins (``loading``, ``recapturing``, then
         ``serving`` or ``failed``), so the scheduler can report progress while this call runs.
+        ``cancelled`` is polled while the new weights are staged; True stops the update before
+        it commits (``POST /abort_weight_update``).
         The caller (Scheduler) pauses admission, drains or aborts running requests first and
         flushes the prefix cache afterwards; its control plane records which weights serve
         (``ControlPlane.weights``). On failure the old weights keep serving.
@@ -272,6 +271,7 @@ class TpModelWorker(BaseTpWorker):
             load_format,
             recapture_cuda_graph=recapture_cuda_graph,
             on_phase=on_phase,
+            cancelled=cancelled,
         )
         logger.info(
             "[tp %d] update_weights_from_disk(%s): %s %s", self.tp_rank, model_path, ok, message
@@ -286,6 +286,10 @@ class TpModelWorker(BaseTpWorker):
     ) -> None:
         """New decode-graph settings from an update request; the runner rebuilds its graphs."""
         self.model_runner.graphs.rebuild(cuda_graph_max_bs, disable, on_phase)
+
+    def captured_graphs(self) -> CapturedGraphs:
+        """What this rank's runner really captured (``DeviceGraphs.report``)."""
+        return self.model_runner.graphs.report()
 
     # ---- weight sync from a trainer (model_executor/weight_sync.py) ----------------------------
 

@@ -21,7 +21,12 @@ from shardline_runtime.managers.io_struct import (
 )
 from shardline_runtime.model_executor.weight_update import PhaseClock
 from shardline_runtime.model_loader.checkpoint_digest import checkpoint_digest
-from shardline_runtime.weights_state import UpdateTimings, WeightsPhase, WeightsState
+from shardline_runtime.weights_state import (
+    CapturedGraphs,
+    UpdateTimings,
+    WeightsPhase,
+    WeightsState,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -36,15 +41,25 @@ def safe_checkpoint_digest(model_path: str) -> str | None:
 
 
 def initial_weights_state(
-    model_path: str, revision: str | None, weight_version: str, with_digest: bool
+    model_path: str,
+    revision: str | None,
+    weight_version: str,
+    with_digest: bool,
+    model_source: str | None = None,
+    graphs: CapturedGraphs | None = None,
+    quantization: str = "unquantized",
 ) -> WeightsState:
-    """The :class:`WeightsState` of the weights loaded at start (``phase`` serving). The digest
-    is computed only ``with_digest`` (rank 0, which reports it)."""
+    """The :class:`WeightsState` of the weights loaded at start (``phase`` serving), with the
+    runner's report of the graphs it captured, serving the ``quantization`` scheme. The digest is
+    computed only ``with_digest`` (rank 0, which reports it); ``model_source`` (the hf:// or
+    s3:// reference the directory was fetched from) is reported as ``model_path`` when given."""
     return WeightsState(
-        model_path=model_path,
+        model_path=model_source or model_path,
         revision=revision,
         weight_version=weight_version,
         digest=safe_checkpoint_digest(model_path) if with_digest else None,
+        quantization=quantization,
+        graphs=graphs,
     )
 
 
@@ -58,6 +73,7 @@ class UpdateOutcome:
             which writes every tensor).
         changes: the fields of the new :class:`WeightsState`.
         timings: a disk update's phase times (None for a trainer's update).
+        aborted: a disk update stopped by an abort before it committed (the old weights serve).
     """
 
     ok: bool
@@ -65,6 +81,20 @@ class UpdateOutcome:
     names: list[str] | None = None
     changes: dict[str, Any] = field(default_factory=dict)
     timings: UpdateTimings | None = None
+    aborted: bool = False
+
+
+class AbortLatch:
+    """Remembers whether ``requested()`` ever answered True (an abort is taken off the input
+    once, so the answer must be kept)."""
+
+    def __init__(self, requested: Callable[[], bool]) -> None:
+        self._requested = requested
+        self.seen = False
+
+    def __call__(self) -> bool:
+        self.seen = self.seen or self._requested()
+        return self.seen
 
 
 def run_weight_update(
@@ -73,17 +103,20 @@ def run_weight_update(
     current: WeightsState,
     on_phase: Callable[[WeightsPhase], None],
     with_digest: bool,
+    abort_requested: Callable[[], bool] = lambda: False,
 ) -> UpdateOutcome:
     """Run the update ``msg`` (one of ``UPDATE_REQUESTS``) on ``worker``, every rank together.
 
     ``on_phase`` hears each update phase as it begins (``loading``, then ``recapturing`` when
     graphs are captured again); the phase in ``outcome.changes`` is the one that holds afterwards:
-    a disk update's last (``serving`` or ``failed``), ``serving`` after a trainer's update that
-    succeeded, else the phase before.
+    a disk update's last (``serving`` or ``failed``; ``serving`` after an abort), ``serving``
+    after a trainer's update that succeeded, else the phase before. ``abort_requested`` is
+    polled while a disk update stages its weights (rank 0 reads its input for an
+    ``AbortWeightUpdateReqInput``).
     """
     on_phase(WeightsPhase.LOADING)
     if isinstance(msg, UpdateWeightsFromDiskReqInput):
-        outcome = _from_disk(worker, msg, on_phase, with_digest)
+        outcome = _from_disk(worker, msg, on_phase, with_digest, AbortLatch(abort_requested))
     else:
         if isinstance(msg, UpdateWeightsFromTensorReqInput):
             ok, message, names = worker.update_weights_from_tensor(msg.serialized_named_tensors)
@@ -101,6 +134,7 @@ def _from_disk(
     msg: UpdateWeightsFromDiskReqInput,
     on_phase: Callable[[WeightsPhase], None],
     with_digest: bool,
+    abort: AbortLatch,
 ) -> UpdateOutcome:
     reported: list[WeightsPhase] = [WeightsPhase.LOADING]
 
@@ -115,6 +149,7 @@ def _from_disk(
         msg.load_format or "auto",
         recapture_cuda_graph=msg.recapture_cuda_graph,
         on_phase=clock,
+        cancelled=abort,
     )
     seconds = clock.seconds()
     settled = reported[-1]
@@ -125,10 +160,15 @@ def _from_disk(
         )
         # capturing with the new settings is recapture time too
         seconds["recapture_seconds"] += time.monotonic() - started
-    timings = UpdateTimings(success=ok, model_path=msg.model_path, **seconds)
-    changes: dict[str, Any] = {"phase": settled, "last_update": timings}
+    reported_path = msg.model_source or msg.model_path
+    timings = UpdateTimings(success=ok, model_path=reported_path, **seconds)
+    changes: dict[str, Any] = {
+        "phase": settled,
+        "last_update": timings,
+        "graphs": worker.captured_graphs(),  # what the update's recapture really captured
+    }
     if ok:
-        changes["model_path"] = msg.model_path
+        changes["model_path"] = reported_path
         changes["revision"] = msg.revision
         changes["digest"] = safe_checkpoint_digest(msg.model_path) if with_digest else None
-    return UpdateOutcome(ok, message, None, changes, timings)
+    return UpdateOutcome(ok, message, None, changes, timings, aborted=not ok and abort.seen)

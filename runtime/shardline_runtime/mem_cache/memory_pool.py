@@ -4,11 +4,21 @@ Two-level mapping as in SGLang: ``ReqToTokenPool.req_to_token[row, i]`` is the K
 ``i`` of the request that owns ``row``; ``TokenToKVPool`` holds, per layer, K and V for every
 slot. Slot 0 is the dummy slot: padded rows of a captured CUDA graph write their K/V there, so
 the allocator never hands it out and the buffers have ``size + 1`` rows.
+
+Host and device (overlap scheduling never waits on the device while it prepares a step): the
+allocator's free list and every slot index it hands out live on the host, and
+``ReqToTokenPool`` keeps a host copy of ``req_to_token`` beside the device one. The scheduler
+reads only host state; writes go to both, the device one as a non-blocking copy queued on the
+current stream (``device_copy.to_device``).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from shardline_runtime.device_copy import to_device
 
 DUMMY_SLOT = 0
 
@@ -20,15 +30,26 @@ class ReqToTokenPool:
         size: number of request rows (maximum concurrently running requests).
         max_context_len: tokens per row (the longest request, prompt + output).
         device: where ``req_to_token`` lives.
+        host_copy: keep a separate host copy (default: when ``device`` is not the CPU; on the
+            CPU the host copy is ``req_to_token`` itself).
 
     Attributes:
-        req_to_token: (size, max_context_len) int64; unused entries are ``DUMMY_SLOT``.
+        req_to_token: (size, max_context_len) int64 on ``device``; unused entries are
+            ``DUMMY_SLOT``. Read by the attention backends.
+        req_to_token_host: the same table on the host, what the scheduler reads (never
+            ``req_to_token``, which would wait for the step in flight).
 
     Raises:
         ValueError: ``size`` or ``max_context_len`` < 1.
     """
 
-    def __init__(self, size: int, max_context_len: int, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        size: int,
+        max_context_len: int,
+        device: torch.device | str = "cpu",
+        host_copy: bool | None = None,
+    ):
         if size < 1 or max_context_len < 1:
             raise ValueError(
                 f"ReqToTokenPool needs size >= 1 and max_context_len >= 1, got {size}, {max_context_len}"
@@ -38,6 +59,13 @@ class ReqToTokenPool:
         self.device = torch.device(device)
         self.req_to_token = torch.zeros(
             (size, max_context_len), dtype=torch.int64, device=self.device
+        )
+        if host_copy is None:
+            host_copy = self.device.type != "cpu"
+        self.req_to_token_host = (
+            torch.zeros((size, max_context_len), dtype=torch.int64)
+            if host_copy
+            else self.req_to_token
         )
         self.free_slots: list[int] = list(range(size))
 
@@ -70,9 +98,28 @@ class ReqToTokenPool:
             free.add(row)
         self.free_slots.extend(rows)
 
-    def write(self, indices, values: torch.Tensor) -> None:
-        """``req_to_token[indices] = values`` (any index expression torch accepts)."""
-        self.req_to_token[indices] = values.to(self.req_to_token.device, torch.int64)
+    def write(self, indices: Any, values: torch.Tensor) -> None:
+        """``req_to_token[indices] = values`` on the host copy and the device table.
+
+        Args:
+            indices: an index expression over (row, position): ints, slices, or host int64
+                tensors.
+            values: host int64 KV slots (any shape the expression takes).
+        """
+        values = values.to(torch.int64)
+        self.req_to_token_host[indices] = values
+        if self.req_to_token_host is self.req_to_token:
+            return
+        if isinstance(indices, tuple):
+            indices = tuple(
+                to_device(i, self.device) if isinstance(i, torch.Tensor) else i for i in indices
+            )
+        self.req_to_token[indices] = to_device(values, self.device)
+
+    def slots(self, row: int, start: int, end: int) -> torch.Tensor:
+        """(end - start,) int64 KV slots of positions ``[start, end)`` of ``row``, read from the
+        host copy (a new tensor the caller may keep)."""
+        return self.req_to_token_host[row, start:end].clone()
 
     def clear(self) -> None:
         """Free every row."""
@@ -197,9 +244,13 @@ class TokenToKVPool:
 class TokenToKVPoolAllocator:
     """Free-list allocator of KV slots ``1..size`` (slot 0 is the dummy slot, never handed out).
 
+    The free list lives on the host whatever the model's device: handing out and taking back
+    slots never reads the device (the slot indices are host tensors; the step's
+    ``out_cache_loc`` goes to the device as a non-blocking copy when the batch is built).
+
     Args:
         size: number of usable slots.
-        device: device of the returned index tensors.
+        device: the model's device (kept for the caller; the free list is on the host).
     """
 
     def __init__(self, size: int, device: torch.device | str = "cpu"):
@@ -211,8 +262,8 @@ class TokenToKVPoolAllocator:
 
     def clear(self) -> None:
         """Free every slot."""
-        self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
-        self.is_free = torch.ones(self.size + 1, dtype=torch.bool, device=self.device)
+        self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64)
+        self.is_free = torch.ones(self.size + 1, dtype=torch.bool)
         self.is_free[0] = False
 
     def available_size(self) -> int:
@@ -220,7 +271,8 @@ class TokenToKVPoolAllocator:
         return int(self.free_slots.shape[0])
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
-        """Take ``need_size`` slots: (need_size,) int64, or ``None`` (nothing taken) when short."""
+        """Take ``need_size`` slots: (need_size,) int64 on the host, or ``None`` (nothing taken)
+        when short."""
         if need_size < 0:
             raise ValueError(f"need_size must be >= 0, got {need_size}")
         if need_size > self.free_slots.shape[0]:
@@ -232,16 +284,27 @@ class TokenToKVPoolAllocator:
     def free(self, indices: torch.Tensor) -> None:
         """Return slots to the free list.
 
+        Args:
+            indices: host int64 slots (from :meth:`alloc`, ``ReqToTokenPool.slots`` or the prefix
+                cache).
+
         Raises:
             ValueError: an index is the dummy slot 0, beyond ``size``, already free, or repeated
-                (a double free would hand one slot to two requests).
+                (a double free would hand one slot to two requests), or ``indices`` is not on the
+                host.
         """
         if indices.numel() == 0:
             return
-        indices = indices.to(self.device, torch.int64).flatten()
-        if int(indices.min()) < 1 or int(indices.max()) > self.size:
+        if indices.device.type != "cpu":
             raise ValueError(
-                f"KV slots to free must be in [1, {self.size}], got min {int(indices.min())} max {int(indices.max())}"
+                f"KV slots to free must be host tensors (reading {indices.device} would wait "
+                "for the device), got one on " + str(indices.device)
+            )
+        indices = indices.to(torch.int64).flatten()
+        low, high = int(indices.min()), int(indices.max())
+        if low < 1 or high > self.size:
+            raise ValueError(
+                f"KV slots to free must be in [1, {self.size}], got min {low} max {high}"
             )
         if bool(self.is_free[indices].any()) or indices.unique().numel() != indices.numel():
             raise ValueError("double free of KV slots: some are already free or repeated")

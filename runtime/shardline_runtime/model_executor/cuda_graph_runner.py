@@ -12,6 +12,11 @@ its own static metadata from the static ``req_pool_indices`` / ``seq_lens`` (the
 backend: ``kv_indptr`` / ``kv_indices`` of the real lengths; ``init_cuda_graph_state`` sized
 them once), so nothing about lengths is baked into a graph.
 
+Under pipeline parallelism each stage captures its own graphs: a stage that is not the first
+copies the previous stage's ``PPProxyTensors`` (``hidden_states`` and ``residual``, (bs, hidden)
+each) into static buffers the graph reads, and a stage that is not the last returns its own
+``PPProxyTensors`` (the first ``bs`` rows, copied) instead of logits.
+
 On CPU (or with ``capture=False``) the very same static-buffer path runs eagerly, so the
 padding and buffer logic is exercised by CI without a GPU; the real capture is a ``gpu`` test.
 
@@ -29,7 +34,12 @@ from typing import Any
 import torch
 
 from shardline_runtime.mem_cache.memory_pool import DUMMY_SLOT
-from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from shardline_runtime.model_executor.forward_batch_info import (
+    ForwardBatch,
+    ForwardMode,
+    PPProxyTensors,
+)
+from shardline_runtime.model_executor.graph_mode_buffers import ModeBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +114,17 @@ class CudaGraphRunner:
         self.input_ids, self.positions, self.out_cache_loc = zeros(), zeros(), zeros()
         self.req_pool_indices = zeros()
         self.seq_lens = zeros()
+        self.modes = ModeBuffers(model_runner, self.max_bs, self.device)  # LoRA, recorder
+        stage = getattr(model_runner, "pipeline_stage", None)
+        hidden = (self.max_bs, model_runner.model_config.hidden_size)
+        self.proxy: dict[str, torch.Tensor] | None = (  # the previous stage's output, static
+            None
+            if stage is None or stage.is_first
+            else {
+                name: torch.zeros(hidden, dtype=model_runner.dtype, device=self.device)
+                for name in ("hidden_states", "residual")
+            }
+        )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Any] = {}
         self.graph_pool: Any = None  # the first graph's memory pool, shared by the others
@@ -119,6 +140,7 @@ class CudaGraphRunner:
         self.out_cache_loc[start:end] = DUMMY_SLOT
         self.req_pool_indices[start:end] = self.dummy_req_row
         self.seq_lens[start:end] = 1
+        self.modes.fill_padding(start, end)
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         """A DECODE ForwardBatch whose tensors are views of the first ``bs`` buffer rows; it
@@ -138,8 +160,14 @@ class CudaGraphRunner:
         )
 
     def _run_model(self, forward_batch: ForwardBatch):
+        bs = forward_batch.batch_size
+        extra = (
+            {}
+            if self.proxy is None
+            else {"pp_proxy_tensors": PPProxyTensors({k: v[:bs] for k, v in self.proxy.items()})}
+        )
         return self.model_runner.model.forward(
-            forward_batch.input_ids, forward_batch.positions, forward_batch
+            forward_batch.input_ids, forward_batch.positions, forward_batch, **extra
         )
 
     # ---- capture / replay ---------------------------------------------------------------------
@@ -163,7 +191,7 @@ class CudaGraphRunner:
                 self._fill_padding(0, bs)
                 batch = self._static_batch(bs)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
+                with torch.cuda.stream(stream), self.modes.bound(bs):
                     for _ in range(
                         2
                     ):  # warm up: lazy inits and allocator state happen outside the graph
@@ -177,7 +205,10 @@ class CudaGraphRunner:
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 try:
-                    with torch.cuda.graph(graph, pool=self.graph_pool, stream=stream):
+                    with (
+                        torch.cuda.graph(graph, pool=self.graph_pool, stream=stream),
+                        self.modes.bound(bs),
+                    ):
                         output = self._run_model(batch)
                 except RuntimeError as exc:
                     raise RuntimeError(
@@ -213,12 +244,14 @@ class CudaGraphRunner:
             raise ValueError(f"batch size must be in [1, {self.max_bs}] for graph replay, got {bs}")
         return self.capture_bs[bisect.bisect_left(self.capture_bs, bs)]
 
-    def replay(self, forward_batch: ForwardBatch):
-        """Run a DECODE batch through its padded graph (or the same static path eagerly).
+    def replay(self, forward_batch: ForwardBatch, pp_proxy_tensors: PPProxyTensors | None = None):
+        """Run a DECODE batch through its padded graph (or the same static path eagerly);
+        ``pp_proxy_tensors``: the previous stage's output (every stage but the first).
 
         Returns:
             The model's ``LogitsProcessorOutput`` with ``next_token_logits`` cut to the real
-            ``bs`` rows ((bs, vocab) float32, a copy, so the next replay cannot overwrite it).
+            ``bs`` rows ((bs, vocab) float32, a copy, so the next replay cannot overwrite it),
+            or on a stage that is not the last its ``PPProxyTensors`` (the ``bs`` rows, copied).
         """
         bs = forward_batch.batch_size
         padded = self.padded_batch_size(bs)
@@ -228,6 +261,12 @@ class CudaGraphRunner:
         self.req_pool_indices[:bs].copy_(forward_batch.req_pool_indices)
         self.seq_lens[:bs].copy_(forward_batch.seq_lens)
         self._fill_padding(bs, padded)
+        self.modes.fill(forward_batch.lora_names, bs, padded)
+        if self.proxy is not None:
+            assert pp_proxy_tensors is not None, "a stage after the first needs the proxy tensors"
+            for name, buffer in self.proxy.items():
+                buffer[:bs].copy_(pp_proxy_tensors[name])
+                buffer[bs:padded].zero_()
         # The start of this pass: the backend refills its static metadata from the static
         # buffers (the triton backend: kv_indptr / kv_indices of the real lengths).
         self.model_runner.attn_backend.init_forward_metadata_replay_cuda_graph(
@@ -237,6 +276,8 @@ class CudaGraphRunner:
             self.graphs[padded].replay()
             output = self.outputs[padded]
         else:
-            with torch.inference_mode():
+            with torch.inference_mode(), self.modes.bound(padded):
                 output = self._run_model(self._static_batch(padded))
+        if isinstance(output, PPProxyTensors):
+            return PPProxyTensors({k: v[:bs].clone() for k, v in output.tensors.items()})
         return dataclasses.replace(output, next_token_logits=output.next_token_logits[:bs].clone())

@@ -3,14 +3,18 @@
 After mini-sglang's ``engine/graph.py`` ``GraphRunner`` (``can_use_cuda_graph``, ``replay``,
 ``destroy_cuda_graphs``, one owner). Every rule for when a graph may run sits here:
 
-- never with pipeline parallelism (stages exchange hidden states eagerly), LoRA (the adapters
-  of a batch vary per step) or ``rope_type: dynamic`` (its frequencies depend on each step's
-  longest position, a host sync) - these keep graphs from being captured at all
-  (:func:`graphs_blocked_by`);
-- never while the expert-distribution recorder records (graphs do not record);
-- decode graphs for DECODE batches of at most ``cuda_graph_max_bs``; piecewise graphs for
-  EXTEND steps of at most ``piecewise_cuda_graph_max_tokens`` tokens without caller-given input
-  embeddings (a graph embeds the token ids itself) (:func:`replay_kind`).
+- never with ``rope_type: dynamic`` (its frequencies depend on each step's longest position, a
+  host sync) - this keeps graphs from being captured at all (:func:`graphs_blocked_by`);
+- under pipeline parallelism each stage captures its own decode graphs (the previous stage's
+  proxy tensors are static buffers); piecewise graphs only with one stage;
+- decode graphs for DECODE batches of at most ``cuda_graph_max_bs``, with LoRA (each row's
+  adapter slot is a static buffer the segment kernel reads inside the graph) and while the
+  expert-distribution recorder records (its counts are written into static buffers inside the
+  graph; padded rows are masked out): ``graph_mode_buffers.py``;
+- piecewise graphs for EXTEND steps of at most ``piecewise_cuda_graph_max_tokens`` tokens
+  without caller-given input embeddings (a graph embeds the token ids itself), without LoRA and
+  while nothing records (their pieces have no per-token adapter or mask buffers)
+  (:func:`replay_kind`).
 
 Life: :meth:`DeviceGraphs.build` captures at start-up (GPU only; the CPU runs eagerly),
 :meth:`capture` captures again after a weight update, :meth:`release` / :meth:`resume` drop the
@@ -23,8 +27,12 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from shardline_runtime.weights_state import WeightsPhase
+from shardline_runtime.model_executor.forward_batch_info import (
+    ForwardBatch,
+    ForwardMode,
+    PPProxyTensors,
+)
+from shardline_runtime.weights_state import CapturedGraphs, WeightsPhase
 
 if TYPE_CHECKING:
     from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner
@@ -38,17 +46,12 @@ logger = logging.getLogger(__name__)
 ReplayKind = Literal["decode", "piecewise"]
 
 
-def graphs_blocked_by(pp_size: int, lora: bool, dynamic_rope: bool) -> str | None:
+def graphs_blocked_by(dynamic_rope: bool) -> str | None:
     """Why no graph of either kind may run on a runner, or None.
 
     Args:
-        pp_size: pipeline stages. lora: LoRA adapters are served. dynamic_rope: the model's
-            ``rope_type`` is ``dynamic``.
+        dynamic_rope: the model's ``rope_type`` is ``dynamic``.
     """
-    if pp_size > 1:
-        return "stages exchange hidden states eagerly"
-    if lora:
-        return "LoRA batches vary per step"
     if dynamic_rope:
         return "rope_type 'dynamic' depends on each step's positions"
     return None
@@ -65,11 +68,11 @@ def replay_kind(
 ) -> ReplayKind | None:
     """Which kind of graph a step of ``mode`` may replay (``None``: run it eagerly); the batch
     must also fit the captured sizes (``can_run`` of that runner)."""
-    if graphs_blocked_by(pp_size, lora, dynamic_rope) or recording:
+    if graphs_blocked_by(dynamic_rope):
         return None
     if mode.is_decode():
         return "decode"
-    if mode == ForwardMode.EXTEND and not input_embeds:
+    if mode == ForwardMode.EXTEND and not (input_embeds or lora or recording or pp_size > 1):
         return "piecewise"
     return None
 
@@ -95,27 +98,28 @@ class DeviceGraphs:
         self.decode = decode
         self.piecewise = piecewise
         self._released: tuple[Any, Any] | None = None
+        self.skipped: str | None = None  # why nothing was captured (see :meth:`report`)
 
     # ---- the rules ----------------------------------------------------------------------------
 
     def blocked_by(self) -> str | None:
         """:func:`graphs_blocked_by` for this runner."""
         r = self.runner
-        return graphs_blocked_by(
-            r.pp_size,
-            r.lora_manager is not None,
-            r.model_config.rope_parameters["rope_type"] == "dynamic",
-        )
+        return graphs_blocked_by(r.model_config.rope_parameters["rope_type"] == "dynamic")
 
     def _recording(self) -> bool:
         eplb = self.runner.eplb_manager
         return eplb is not None and eplb.recorder.recording
 
-    def try_replay(self, forward_batch: ForwardBatch) -> Any | None:
-        """Replay ``forward_batch`` through a graph when every rule allows it.
+    def try_replay(
+        self, forward_batch: ForwardBatch, pp_proxy_tensors: PPProxyTensors | None = None
+    ) -> Any | None:
+        """Replay ``forward_batch`` through a graph when every rule allows it
+        (``pp_proxy_tensors``: the previous stage's output, every stage but the first).
 
         Returns:
-            the model's ``LogitsProcessorOutput``, or None when the step must run eagerly.
+            the model's ``LogitsProcessorOutput`` (a stage that is not the last: its
+            ``PPProxyTensors``), or None when the step must run eagerly.
         """
         r = self.runner
         kind = replay_kind(
@@ -129,7 +133,12 @@ class DeviceGraphs:
         graphs = self.decode if kind == "decode" else self.piecewise if kind else None
         if graphs is None or not graphs.can_run(forward_batch):
             return None
-        return graphs.replay(forward_batch)
+        # only a decode graph of a stage after the first takes proxy tensors (piecewise: pp 1)
+        proxy = () if pp_proxy_tensors is None else (pp_proxy_tensors,)
+        output = graphs.replay(forward_batch, *proxy)
+        if r.eplb_manager is not None:  # the graph recorded into the pass counts: close the pass
+            r.eplb_manager.on_forward_pass_end()
+        return output
 
     # ---- life ---------------------------------------------------------------------------------
 
@@ -139,10 +148,15 @@ class DeviceGraphs:
         graphs = cls(runner)
         reason = graphs.blocked_by()
         wanted = not settings.disable_cuda_graph or settings.enable_piecewise_cuda_graph
-        if runner.device.type != "cuda" or not wanted:
+        if runner.device.type != "cuda":
+            graphs.skipped = f"{runner.device.type}: no CUDA graphs"
+            return graphs
+        if not wanted:
+            graphs.skipped = "disabled by flag: --disable-cuda-graph"
             return graphs
         if reason is not None:
             logger.warning("[tp %d] CUDA graphs disabled: %s", runner.tp_rank, reason)
+            graphs.skipped = reason
             return graphs
         from shardline_runtime.model_executor.cuda_graph_runner import (
             CudaGraphRunner,
@@ -158,7 +172,11 @@ class DeviceGraphs:
                 settings.cuda_graph_max_bs, runner.args.memory.max_running_requests
             )
             graphs.decode = CudaGraphRunner(runner, batch_sizes=sizes)
-        if settings.enable_piecewise_cuda_graph:
+        if (
+            settings.enable_piecewise_cuda_graph
+            and runner.lora_manager is None
+            and runner.pp_size == 1
+        ):
             buckets = get_token_buckets(settings.piecewise_cuda_graph_max_tokens)
             graphs.piecewise = PiecewiseCudaGraphRunner(runner, token_buckets=buckets)
         return graphs
@@ -167,6 +185,22 @@ class DeviceGraphs:
     def present(self) -> bool:
         """Whether any graph runner is held (captured, or the CPU static-buffer path)."""
         return self.decode is not None or self.piecewise is not None
+
+    def report(self) -> CapturedGraphs:
+        """What this runner really captured: the batch sizes and token buckets of its graphs
+        (a runner on the CPU static-buffer path captured none), or why there are none."""
+        decode = sorted(self.decode.graphs) if self.decode is not None else []
+        piecewise = sorted(self.piecewise.graphs) if self.piecewise is not None else []
+        reason = None
+        if not decode and not piecewise:
+            reason = self.skipped or (
+                "released with the GPU memory" if self._released else "no graph was captured"
+            )
+        return CapturedGraphs(
+            decode_batch_sizes=tuple(decode),
+            piecewise_token_buckets=tuple(piecewise),
+            reason=reason,
+        )
 
     def capture(self) -> None:
         """Capture every held runner again (decode, then the EXTEND pieces), e.g. after a
@@ -216,6 +250,8 @@ class DeviceGraphs:
         if old is not None and (disable or cuda_graph_max_bs is not None):
             r.req_to_token_pool.free(old.dummy_req_row)
             self.decode = None
+        if disable:
+            self.skipped = "disabled by the update request: disable_cuda_graph"
         if not disable and cuda_graph_max_bs is not None:
             if on_phase is not None:
                 on_phase(WeightsPhase.RECAPTURING)
@@ -223,6 +259,7 @@ class DeviceGraphs:
                 cuda_graph_max_bs, r.args.memory.max_running_requests
             )
             self.decode = CudaGraphRunner(r, batch_sizes=sizes)
+            self.skipped = None
         logger.info(
             "[tp %d] CUDA graphs: %s",
             r.tp_rank,

@@ -6,7 +6,8 @@ the models and the attention backend read. The batch is passed explicitly throug
 (never through a global), following SGLang's ``ForwardBatch``.
 
 Token layout: tokens of all requests are packed one after another (no padding), request ``i``
-contributing ``extend_seq_lens[i]`` tokens in EXTEND mode and exactly one token in DECODE mode.
+contributing ``extend_seq_lens[i]`` tokens in EXTEND (and TARGET_VERIFY) mode and exactly one token
+in DECODE mode.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shardline_runtime.device_copy import to_device
+
 if TYPE_CHECKING:
     from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 
@@ -28,16 +31,25 @@ class ForwardMode(IntEnum):
     EXTEND: prefill of new tokens (possibly after a cached prefix, possibly one chunk of a
     chunked prefill). DECODE: one new token per request. IDLE: no tokens on this rank (keeps
     the ranks' collectives in step). SPLIT_PREFILL: EXTEND over a range of layers only.
+    TARGET_VERIFY (speculative decoding): each request runs its last token and its draft tokens
+    after its cached sequence, laid out as an EXTEND (``extend_seq_lens = 1 + drafts``), and the
+    logits of every one of those tokens are returned (``speculative/``).
     """
 
     EXTEND = auto()
     DECODE = auto()
     IDLE = auto()
     SPLIT_PREFILL = auto()
+    TARGET_VERIFY = auto()
 
     def is_extend(self) -> bool:
-        """True for EXTEND and SPLIT_PREFILL (both write prompt tokens into the KV cache)."""
-        return self in (ForwardMode.EXTEND, ForwardMode.SPLIT_PREFILL)
+        """True for EXTEND, SPLIT_PREFILL and TARGET_VERIFY: each writes several tokens per
+        request after a cached prefix, with the EXTEND attention layout (as SGLang's
+        ``is_extend``)."""
+        return self in (ForwardMode.EXTEND, ForwardMode.SPLIT_PREFILL, ForwardMode.TARGET_VERIFY)
+
+    def is_target_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE
@@ -74,8 +86,8 @@ def _as_int64(name: str, value: Any, device: torch.device) -> torch.Tensor:
             raise TypeError(
                 f"ForwardBatch.{name} must be an integer tensor, got dtype {value.dtype}"
             )
-        return value.to(device=device, dtype=torch.int64)
-    return torch.as_tensor(list(value), dtype=torch.int64, device=device)
+        return to_device(value, device, torch.int64)
+    return to_device(list(value), device, torch.int64)
 
 
 @dataclass
@@ -132,6 +144,8 @@ class ForwardBatch:
     # Caller-given embeddings: packed token rows (K,) int64 and their vectors (K, hidden_size).
     input_embeds_indices: torch.Tensor | None = None
     input_embeds_values: torch.Tensor | None = None
+    # Constrained decoding: (bs, ceil(vocab / 32)) int32 allowed-token bits per row, or None.
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -202,10 +216,7 @@ class ForwardBatch:
         extend_seq_lens = extend_seq_lens_cpu = extend_prefix_lens_cpu = None
         if forward_mode.is_extend():
             if extend_prefix_lens is None:
-                extend_prefix_lens, prefix_cpu = (
-                    torch.zeros(bs, dtype=torch.int64, device=device),
-                    [0] * bs,
-                )
+                extend_prefix_lens, prefix_cpu = [0] * bs, [0] * bs
             extend_prefix_lens = _as_int64("extend_prefix_lens", extend_prefix_lens, device)
             if extend_prefix_lens.shape[0] != bs:
                 raise ValueError(

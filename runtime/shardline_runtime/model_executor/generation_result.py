@@ -37,6 +37,11 @@ class GenerationBatchResult:
         top_values / top_indices: per sampled row, the top logprobs and their token ids (Python
             lists: the sampler reads them on the host), or ``None``.
         copy_done: CUDA event recorded after the device-to-host copies (``None`` on CPU).
+        accepted_ids: (TARGET_VERIFY) per request, the kept draft tokens and the target's next
+            token, on the host; None for other steps.
+        accepted_logprobs / accepted_top_logprobs: (TARGET_VERIFY with logprobs) per request,
+            one raw logprob and one ``(values, token_ids)`` per kept token (empty lists for
+            requests that did not ask).
         pp_hidden_states_proxy_tensors: on a pipeline stage that is not the last, what it sent
             on; nothing is sampled there (``TpModelWorker.resolve_stage_outputs`` fills the ids
             from the last stage).
@@ -57,14 +62,23 @@ class GenerationBatchResult:
     top_indices: list[list[int]] | None = None
     copy_done: Any = None
     pp_hidden_states_proxy_tensors: Any = None
+    accepted_ids: list[list[int]] | None = None
+    accepted_logprobs: list[list[float]] | None = None
+    accepted_top_logprobs: list[list[tuple[list[float], list[int]]]] | None = None
 
     def copy_to_cpu(self) -> GenerationBatchResult:
-        """Start copying the sampled ids and logprobs to the host (non-blocking on CUDA)."""
+        """Start copying the sampled ids and logprobs to the host (non-blocking on CUDA), and,
+        for an EXTEND step that returns prompt logprobs, the logits output the result processor
+        reads (so processing this step never reads the device while the next one runs)."""
         cuda = self.next_token_ids is not None and self.next_token_ids.device.type == "cuda"
         for name in ("next_token_ids", "sampled_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.to("cpu", non_blocking=cuda))
+        batch = self.forward_batch
+        if self.logits_output is not None and batch is not None and batch.return_logprob:
+            if batch.forward_mode.is_extend():
+                self.logits_output = logits_output_to_cpu(self.logits_output, cuda)
         if cuda:
             self.copy_done = torch.cuda.Event()
             self.copy_done.record()
@@ -89,3 +103,17 @@ class GenerationBatchResult:
             ):
                 self.next_token_top_logprobs[row] = (self.top_values[j], self.top_indices[j])
         return self
+
+
+def logits_output_to_cpu(logits_output: Any, non_blocking: bool = False) -> Any:
+    """A copy of a ``LogitsProcessorOutput`` whose tensors (and lists of tensors) are on the host
+    (``non_blocking``: queued copies, valid after the step's ``copy_done`` event)."""
+
+    def host(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to("cpu", non_blocking=non_blocking)
+        if isinstance(value, list):
+            return [host(v) for v in value]
+        return value
+
+    return type(logits_output)(**{k: host(v) for k, v in vars(logits_output).items()})

@@ -44,6 +44,7 @@ from shardline_runtime.model_executor.kv_pools import (
 )
 from shardline_runtime.model_executor.memory_saver import MemorySaver
 from shardline_runtime.model_executor.model_forward import forward_eager
+from shardline_runtime.model_executor.verify_step import verify_batch
 from shardline_runtime.model_executor.weight_update import update_weights_from_disk
 from shardline_runtime.weights_state import WeightsPhase
 
@@ -105,6 +106,7 @@ class ModelRunner:
                 dtype=args.model.dtype,
                 context_length=args.model.context_length,
                 device_type=self.device.type,
+                quantization=args.model.quantization,
             )
         self.model_config = model_config
         self.model_config.check_tp_size(self.tp_size)
@@ -232,7 +234,8 @@ class ModelRunner:
         Returns:
             a :class:`GenerationBatchResult` whose sampled ids and logprobs are still on the
             device (call ``copy_to_cpu()`` and ``wait()`` before reading them); on a stage that is
-            not the last, one with ``pp_hidden_states_proxy_tensors`` and nothing sampled.
+            not the last, one with ``pp_hidden_states_proxy_tensors`` and nothing sampled; for a
+            TARGET_VERIFY step, the kept tokens (``verify_step.verify_batch``).
 
         Raises:
             ValueError: the step stops before the stage's last layer (a partial SPLIT_PREFILL).
@@ -244,6 +247,8 @@ class ModelRunner:
             )
         if isinstance(output, PPProxyTensors):
             return GenerationBatchResult(None, forward_batch, pp_hidden_states_proxy_tensors=output)
+        if forward_batch.forward_mode.is_target_verify():
+            return verify_batch(output, forward_batch, self.device, self.tp_size)
         return self.sample(output, forward_batch)
 
     def forward(
@@ -264,7 +269,7 @@ class ModelRunner:
                 f"unknown forward_mode {mode!r}; allowed: {[m.name for m in ForwardMode]}"
             )
         self.forward_pass_id += 1
-        replayed = self.graphs.try_replay(forward_batch)
+        replayed = self.graphs.try_replay(forward_batch, pp_proxy_tensors)
         if replayed is not None:
             return replayed
         return forward_eager(self, forward_batch, pp_proxy_tensors)
@@ -284,16 +289,19 @@ class ModelRunner:
         load_format: str = "auto",
         recapture_cuda_graph: bool = True,
         on_phase: Callable[[WeightsPhase], None] | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> tuple[bool, str]:
         """Load new weights (and fp8 KV scales) in place on every rank, all or nothing
         (``weight_update.py``); ``recapture_cuda_graph`` captures the graphs again after the copy
         (the HTTP API's default, DESIGN 2.4); ``on_phase`` is called as each
-        :class:`WeightsPhase` begins. Returns ``(success, message)``; on failure the old weights
-        keep serving."""
+        :class:`WeightsPhase` begins; ``cancelled`` (polled while the new weights are staged)
+        aborts it before it commits. Returns ``(success, message)``; on failure or abort the
+        old weights keep serving."""
         return update_weights_from_disk(
             self,
             model_path,
             load_format=load_format,
             recapture_cuda_graph=recapture_cuda_graph,
             on_phase=on_phase,
+            cancelled=cancelled,
         )

@@ -10,7 +10,10 @@ Steps, each rank:
      and new shapes), same dtype, and the same non-weight config (RoPE, norms, heads...), since
      only weights are replaced. Live weights are not touched.
   2. All ranks agree: ``all_reduce_min`` of a success flag. Any failure on any rank -> every
-     rank keeps its old weights and returns ``(False, message)``.
+     rank keeps its old weights and returns ``(False, message)``. This vote is the commit point:
+     an abort (``POST /abort_weight_update``, seen through ``cancelled``) before it makes that
+     rank vote no, so the update stops while the new weights are only staged on the CPU;
+     after it the update runs to its end.
   3. Copy each new tensor into the existing parameter storage (``param.data.copy_``), so every
      ``data_ptr`` stays the same and captured CUDA graphs read the new weights; set the fp8 KV
      scales to the new checkpoint's (1.0 where it has none; read and checked in step 1).
@@ -79,12 +82,22 @@ class WeightUpdateError(ValueError):
     """The new checkpoint cannot replace the live weights (the message says why)."""
 
 
+class WeightUpdateAborted(Exception):
+    """The update was aborted before it committed (``POST /abort_weight_update``)."""
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def load_candidate(model_runner: Any, model_path: str, load_format: str = "auto"):
-    """Parse and load the new checkpoint for this rank on the CPU, without touching live weights.
+def load_candidate(
+    model_runner: Any,
+    model_path: str,
+    load_format: str = "auto",
+    before_tensor: Callable[[], None] | None = None,
+):
+    """Parse and load the new checkpoint for this rank on the CPU, without touching live weights
+    (``before_tensor()`` runs before each tensor is loaded; what it raises stops the load).
 
     Returns:
         ``(new_model_config, new_model)``.
@@ -94,6 +107,7 @@ def load_candidate(model_runner: Any, model_path: str, load_format: str = "auto"
         CheckpointError / ModelConfigError / OSError: from the validator, parser and loader.
     """
     from shardline_runtime.configs.model_config import ModelConfig
+    from shardline_runtime.layers.quantization.online_fp8 import requested_by
     from shardline_runtime.model_loader.loader import load_model
     from shardline_runtime.model_loader.validate import validate_checkpoint
 
@@ -106,6 +120,7 @@ def load_candidate(model_runner: Any, model_path: str, load_format: str = "auto"
         dtype=_dtype_name(live.dtype),
         context_length=model_runner.args.model.context_length,
         device_type=torch.device(model_runner.device).type,
+        quantization=requested_by(live.quantization),
     )
     if new_config.architecture != live.architecture:
         raise WeightUpdateError(
@@ -123,6 +138,7 @@ def load_candidate(model_runner: Any, model_path: str, load_format: str = "auto"
         torch.device("cpu"),
         prepare=same_expert_placement,
         stage=model_runner.pipeline_stage,
+        before_tensor=before_tensor,
     )
 
 
@@ -188,6 +204,7 @@ def update_weights_from_disk(
     *,
     recapture_cuda_graph: bool,
     on_phase: Callable[[WeightsPhase], None] | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> tuple[bool, str]:
     """Replace ``model_runner``'s weights by those in ``model_path``, in place, on every rank.
 
@@ -202,6 +219,8 @@ def update_weights_from_disk(
         load_format: ``auto`` or ``safetensors``.
         recapture_cuda_graph: capture the decode graphs again after the copy (when captured).
         on_phase: called with each :class:`WeightsPhase` as the update progresses.
+        cancelled: polled before each tensor is staged and once more before the vote; True
+            makes this rank vote no (an abort), so every rank keeps its old weights.
 
     Returns:
         ``(True, message)`` after the new weights are live, or ``(False, reason)`` with the
@@ -212,17 +231,34 @@ def update_weights_from_disk(
     reason = ""
     new_config = new_model = None
     kv_scales: dict[int, dict[str, float]] = {}
+    is_cancelled = cancelled or (lambda: False)
+    aborted = False
+
+    def check_cancelled() -> None:
+        if is_cancelled():
+            raise WeightUpdateAborted("aborted before it committed")
+
     try:
-        new_config, new_model = load_candidate(model_runner, model_path, load_format)
+        new_config, new_model = load_candidate(
+            model_runner, model_path, load_format, check_cancelled
+        )
         compare_models(model_runner.model_config, model_runner.model, new_config, new_model)
         # the fp8 KV scales belong to the checkpoint: read (and check) them with its weights
         kv_scales = checkpoint_kv_scales(model_path, model_runner.kv_cache_dtype)
+        check_cancelled()  # the last moment an abort can stop the update: the vote commits it
+    except WeightUpdateAborted:
+        aborted = True
+        reason = f"update_weights_from_disk({model_path}) aborted before it committed"
+        logger.info("[tp %d] %s", model_runner.tp_rank, reason)
     except Exception as exc:  # any failure here must leave the live weights alone
         reason = f"{type(exc).__name__}: {exc}"
         logger.warning(
             "[tp %d] new checkpoint %s rejected: %s", model_runner.tp_rank, model_path, reason
         )
     all_ok = all_reduce_min_int(0 if reason else 1) == 1
+    if not all_ok and aborted:  # nothing failed: the old weights simply stay
+        phase(WeightsPhase.SERVING)
+        return False, f"{reason}; old weights kept"
     if not all_ok:
         phase(WeightsPhase.FAILED)
         if not reason:

@@ -24,7 +24,16 @@ from shardline_runtime.model_loader.errors import CheckpointError
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
-FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# safetensors dtype strings the loader reads (quantized checkpoints add FP8 and packed ints)
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "I32": torch.int32,
+    "I64": torch.int64,
+}
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -67,6 +67,7 @@ def load_model(
     device: torch.device,
     prepare: Callable[[nn.Module], None] | None = None,
     stage: PipelineStage | None = None,
+    before_tensor: Callable[[], None] | None = None,
 ) -> LlamaForCausalLM:
     """Check the files (fails fast on a missing/short shard), build the model, load weights
     (only the pipeline ``stage``'s, when given: its layers, embedding / norm / LM head).
@@ -88,6 +89,17 @@ def load_model(
             for n, info in tensors.items()
             if any(True for _ in model.stage_weights([(n, _NO_TENSOR)]))
         }
+    weights = iterate_weights(tensors)
+    if before_tensor is not None:
+        weights = _each_after(before_tensor, weights)
     with torch.no_grad():
-        model.load_weights(iterate_weights(tensors))
+        model.load_weights(weights)
     return model
+
+
+def _each_after(
+    check: Callable[[], None], weights: Iterator[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for named in weights:
+        check()
+        yield named

@@ -46,18 +46,33 @@ from shardline_runtime.models.weight_loading import load_named_weights
 class LlamaMLP(nn.Module):
     """SwiGLU MLP of ``intermediate_size`` (default: the config's); ``reduce_results=False``
     returns this rank's partial sum (a MoE shared expert adds it to the experts' before one
-    all-reduce)."""
+    all-reduce). ``prefix`` is its checkpoint module name (``model.layers.0.mlp``), which the
+    checkpoint's quantization config matches."""
 
     def __init__(
-        self, config: ModelConfig, intermediate_size: int | None = None, reduce_results: bool = True
+        self,
+        config: ModelConfig,
+        intermediate_size: int | None = None,
+        reduce_results: bool = True,
+        prefix: str = "",
     ):
         super().__init__()
         inter = intermediate_size or config.intermediate_size
+        quant = config.quantization
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [inter, inter], bias=config.mlp_bias
+            config.hidden_size,
+            [inter, inter],
+            bias=config.mlp_bias,
+            quant_config=quant,
+            prefix=f"{prefix}.gate_up_proj",
         )
         self.down_proj = RowParallelLinear(
-            inter, config.hidden_size, bias=config.mlp_bias, reduce_results=reduce_results
+            inter,
+            config.hidden_size,
+            bias=config.mlp_bias,
+            reduce_results=reduce_results,
+            quant_config=quant,
+            prefix=f"{prefix}.down_proj",
         )
         self.act_fn = SiluAndMul()
 
@@ -95,6 +110,8 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads,
             config.num_key_value_heads,
             bias=self.qkv_bias(config),
+            quant_config=config.quantization,
+            prefix=f"model.layers.{layer_id}.self_attn.qkv_proj",
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
@@ -102,6 +119,8 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads * config.head_dim,
             config.hidden_size,
             bias=self.o_proj_bias(config),
+            quant_config=config.quantization,
+            prefix=f"model.layers.{layer_id}.self_attn.o_proj",
         )
         self.q_norm = self.k_norm = None
         if self.qk_norm:
@@ -151,7 +170,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def build_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
         """The feed-forward block of layer ``layer_id`` (a sparse MoE block in MoE models)."""
-        return LlamaMLP(config)
+        return LlamaMLP(config, prefix=f"model.layers.{layer_id}.mlp")
 
     def forward(self, positions, hidden_states, forward_batch, residual):
         if residual is None:

@@ -41,7 +41,10 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate: ReplicatedLinear | None = None
         if config.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(
-                config, config.shared_expert_intermediate_size, reduce_results=False
+                config,
+                config.shared_expert_intermediate_size,
+                reduce_results=False,
+                prefix=f"model.layers.{layer_id}.mlp.shared_expert",
             )
             self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)
 
@@ -62,7 +65,11 @@ class MoeDecoderLayer(LlamaDecoderLayer):
     """A decoder layer whose MLP is a :class:`SparseMoeBlock` where ``config.moe_layers`` says."""
 
     def build_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
-        return SparseMoeBlock(config, layer_id) if config.moe_layers[layer_id] else LlamaMLP(config)
+        return (
+            SparseMoeBlock(config, layer_id)
+            if config.moe_layers[layer_id]
+            else LlamaMLP(config, prefix=f"model.layers.{layer_id}.mlp")
+        )
 
 
 class MoeForCausalLM(LlamaForCausalLM):

@@ -14,7 +14,11 @@ import torch
 from torch import nn
 
 from shardline_runtime.layers.linear import ShardShapeError
-from shardline_runtime.layers.parameter import checkpoint_shapes_of, weight_loader_of
+from shardline_runtime.layers.parameter import (
+    checkpoint_shapes_of,
+    loadable_dtype_problem,
+    weight_loader_of,
+)
 from shardline_runtime.model_loader.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -49,6 +53,8 @@ def load_named_weights(
         for _, fused, _, _ in expert_params_mapping:
             if fused in name:
                 expected[name] = {(e, s) for _, f, e, s in expert_params_mapping if f == fused}
+        if not checkpoint_shapes_of(params[name]):  # an online FP8 scale: the weight writes it
+            expected[name] = set()
     written: dict[str, set] = {name: set() for name in params}
     for ckpt_name, tensor in weights:
         if any(ckpt_name.endswith(i) for i in ignored):
@@ -72,11 +78,10 @@ def load_named_weights(
             raise CheckpointError(
                 f"parameter {ckpt_name!r} is written twice (it appears in more than one shard)"
             )
-        if not tensor.dtype.is_floating_point:
-            raise CheckpointError(
-                f"parameter {ckpt_name!r} has dtype {tensor.dtype}; a floating-point dtype is expected"
-            )
         param = params[target]
+        problem = loadable_dtype_problem(param, tensor.dtype)
+        if problem is not None:
+            raise CheckpointError(f"parameter {ckpt_name!r} has {problem}")
         try:
             loader = weight_loader_of(param)
             if shard_id is None:
@@ -96,8 +101,13 @@ def load_named_weights(
 
 
 def checkpoint_shapes(model: LlamaForCausalLM) -> dict[str, tuple[int, ...]]:
-    """Checkpoint name -> full (unsharded) shape of every tensor a checkpoint of ``model`` holds,
-    read from the built module: each parameter's ``checkpoint_shapes`` (declared by its layer
+    """Checkpoint name -> full shape of every tensor (see :func:`checkpoint_tensors`)."""
+    return {name: shape for name, (shape, _) in checkpoint_tensors(model).items()}
+
+
+def checkpoint_tensors(model: LlamaForCausalLM) -> dict[str, tuple[tuple[int, ...], nn.Parameter]]:
+    """Checkpoint name -> (full (unsharded) shape, the parameter it loads into) of every tensor a
+    checkpoint of ``model`` holds, read from the built module: each parameter's ``checkpoint_shapes`` (declared by its layer
     next to its ``weight_loader``: shard id -> full shape), named back through the model's
     ``expert_params_mapping`` / ``stacked_params_mapping`` and ``to_checkpoint_name``. A tied
     LM head is the embedding parameter, so it is listed once, as the embedding.
@@ -107,7 +117,7 @@ def checkpoint_shapes(model: LlamaForCausalLM) -> dict[str, tuple[int, ...]]:
     """
     stacked = tuple(model.stacked_params_mapping)
     experts = tuple(model.expert_params_mapping())
-    shapes: dict[str, tuple[int, ...]] = {}
+    shapes: dict[str, tuple[tuple[int, ...], nn.Parameter]] = {}
     for name, param in model.named_parameters(remove_duplicate=True):
         for shard_id, shape in checkpoint_shapes_of(param).items():
             if shard_id is None:
@@ -124,7 +134,7 @@ def checkpoint_shapes(model: LlamaForCausalLM) -> dict[str, tuple[int, ...]]:
                     for fragment, st, s in stacked
                     if st in name and s == shard_id
                 )
-            shapes[model.to_checkpoint_name(ckpt)] = tuple(shape)
+            shapes[model.to_checkpoint_name(ckpt)] = (tuple(shape), param)
     return shapes
 
 

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from shardline_runtime.device_copy import to_device
+
 
 class BatchedPenalties:
     """Penalty parameters and token statistics of the rows of one batch.
@@ -72,16 +74,14 @@ class BatchedPenalties:
                 seen[row, out] = True
 
         def column(name: str) -> torch.Tensor:
-            return torch.tensor(
-                [getattr(p, name) for p in params], dtype=torch.float32, device=device
-            )
+            return to_device([getattr(p, name) for p in params], device, torch.float32)
 
         return cls(
             column("frequency_penalty"),
             column("presence_penalty"),
             column("repetition_penalty"),
-            counts.to(device),
-            seen.to(device),
+            to_device(counts, device),
+            to_device(seen, device),
         )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:

@@ -7,10 +7,11 @@ reads it every step without touching Python lists.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from shardline_runtime.device_copy import to_device
 from shardline_runtime.sampling.penalties import BatchedPenalties
 from shardline_runtime.sampling.sampling_params import SamplingParams
 
@@ -26,6 +27,10 @@ class SamplingBatchInfo:
         generators: per row, the request's own ``torch.Generator`` when seeded, else ``None``.
         penalties: penalty state, or ``None`` when no row has a penalty.
         vocab_size: real (unpadded) vocabulary size; logits beyond it are never sampled.
+        all_greedy / need_top_k / need_top_p / need_min_p: batch flags the sampler branches on.
+        row_needs: per row, on the host, ``(sampled, top_k, top_p, min_p)``: whether the row
+            samples and which filters it needs; the batch flags are computed from these when
+            rows leave or join (reading the device tensors would wait for the step in flight).
     """
 
     temperatures: torch.Tensor
@@ -40,6 +45,7 @@ class SamplingBatchInfo:
     need_top_k: bool
     need_top_p: bool
     need_min_p: bool
+    row_needs: list[tuple[bool, bool, bool, bool]] = field(default_factory=list)
 
     @classmethod
     def from_reqs(
@@ -50,16 +56,17 @@ class SamplingBatchInfo:
         """
         params: list[SamplingParams] = [r.sampling_params for r in reqs]
         greedy = [p.is_greedy for p in params]
-        temperatures = torch.tensor(
-            [[1.0 if g else p.temperature] for p, g in zip(params, greedy)],
-            dtype=torch.float32,
-            device=device,
+        temperatures = to_device(
+            [[1.0 if g else p.temperature] for p, g in zip(params, greedy)], device, torch.float32
         )
-        top_ks = torch.tensor(
-            [p.effective_top_k(vocab_size) for p in params], dtype=torch.int64, device=device
-        )
-        top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-        min_ps = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+        top_k_values = [p.effective_top_k(vocab_size) for p in params]
+        top_ks = to_device(top_k_values, device, torch.int64)
+        top_ps = to_device([p.top_p for p in params], device, torch.float32)
+        min_ps = to_device([p.min_p for p in params], device, torch.float32)
+        row_needs = [
+            (not g, not g and k < vocab_size, not g and p.top_p < 1.0, not g and p.min_p > 0.0)
+            for p, g, k in zip(params, greedy, top_k_values)
+        ]
         penalties = None
         if any(p.has_penalties for p in params):
             penalties = BatchedPenalties.build(
@@ -74,16 +81,15 @@ class SamplingBatchInfo:
             top_ps=top_ps,
             top_ks=top_ks,
             min_ps=min_ps,
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            is_greedy=to_device(greedy, device, torch.bool),
             generators=[r.sampling_generator(device) for r in reqs],
             penalties=penalties,
             vocab_size=vocab_size,
             all_greedy=all(greedy),
-            need_top_k=any(
-                not g and p.effective_top_k(vocab_size) < vocab_size for p, g in zip(params, greedy)
-            ),
-            need_top_p=any(not g and p.top_p < 1.0 for p, g in zip(params, greedy)),
-            need_min_p=any(not g and p.min_p > 0.0 for p, g in zip(params, greedy)),
+            need_top_k=any(n[1] for n in row_needs),
+            need_top_p=any(n[2] for n in row_needs),
+            need_min_p=any(n[3] for n in row_needs),
+            row_needs=row_needs,
         )
 
     @property
@@ -91,18 +97,20 @@ class SamplingBatchInfo:
         return len(self.generators)
 
     def _refresh_flags(self) -> None:
-        sampled = ~self.is_greedy
-        self.all_greedy = not bool(sampled.any())
-        self.need_top_k = bool((sampled & (self.top_ks < self.vocab_size)).any())
-        self.need_top_p = bool((sampled & (self.top_ps < 1.0)).any())
-        self.need_min_p = bool((sampled & (self.min_ps > 0.0)).any())
+        needs = self.row_needs
+        self.all_greedy = not any(n[0] for n in needs)
+        self.need_top_k = any(n[1] for n in needs)
+        self.need_top_p = any(n[2] for n in needs)
+        self.need_min_p = any(n[3] for n in needs)
 
     def filter_batch(self, keep_indices: Sequence[int]) -> None:
         """Keep rows ``keep_indices`` in that order (finished requests leave the batch)."""
-        keep = torch.tensor(list(keep_indices), dtype=torch.int64, device=self.temperatures.device)
+        keep_list = list(keep_indices)
+        keep = to_device(keep_list, self.temperatures.device, torch.int64)
         for name in ("temperatures", "top_ps", "top_ks", "min_ps", "is_greedy"):
             setattr(self, name, getattr(self, name)[keep])
-        self.generators = [self.generators[i] for i in keep_indices]
+        self.generators = [self.generators[i] for i in keep_list]
+        self.row_needs = [self.row_needs[i] for i in keep_list]
         if self.penalties is not None:
             self.penalties.filter(keep)
         self._refresh_flags()
@@ -124,12 +132,14 @@ class SamplingBatchInfo:
             mine.merge(theirs)
             self.penalties = mine
         self.generators = self.generators + other.generators
+        self.row_needs = self.row_needs + other.row_needs
         self._refresh_flags()
 
     def copy_rows(self, rows: Sequence[int]) -> SamplingBatchInfo:
         """A new info holding only ``rows`` (this one is unchanged; penalty tensors are copied,
         generators shared). Used when only some rows of a step sample (chunked prefill)."""
-        keep = torch.tensor(list(rows), dtype=torch.int64, device=self.temperatures.device)
+        rows = list(rows)
+        keep = to_device(rows, self.temperatures.device, torch.int64)
         penalties = None
         if self.penalties is not None:
             p = self.penalties
@@ -153,6 +163,7 @@ class SamplingBatchInfo:
             need_top_k=False,
             need_top_p=False,
             need_min_p=False,
+            row_needs=[self.row_needs[i] for i in rows],
         )
         out._refresh_flags()
         return out

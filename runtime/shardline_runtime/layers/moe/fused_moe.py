@@ -185,7 +185,7 @@ class FusedMoE(nn.Module):
             physical = route_to_physical(
                 topk_ids, self.logical_to_physical_map, self.logical_replica_count
             )  # (T, k)
-        if self.recorder is not None and self.recorder.recording:
+        if self.recorder is not None and self.recorder.active:
             self.recorder.record(self.layer_id, physical)
         if self.num_local_experts == self.num_physical_experts:
             local = physical  # every slot is on this rank

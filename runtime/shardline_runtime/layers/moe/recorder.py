@@ -11,6 +11,13 @@ Modes (chosen at :meth:`start`):
 - ``stat``: counts summed over all passes since the start, (num_layers, num_physical_experts).
 - ``per_pass``: one (num_layers, num_physical_experts) count tensor per forward pass.
 
+Inside CUDA graphs: a captured decode step records too. The graph runner captures with
+:attr:`capturing` set, so ``FusedMoE`` records whether or not anyone records then; the counts go
+to the static ``_pass_counts`` buffer, and :attr:`row_mask` (a static (max_bs,) int64 buffer of
+1 for real rows, 0 for padded ones, set by the runner) keeps padded rows out of them. While
+nothing records, a replay's counts land in ``_pass_counts`` and are dropped by the next
+:meth:`start` (nothing reads them before).
+
 Expert parallelism does not need a gather here: every rank routes every token (the router is
 replicated), so each rank's record already covers all physical experts and all ranks agree.
 A separate *window* accumulates counts for EPLB's periodic rebalance, independently of what a
@@ -65,6 +72,14 @@ class ExpertDistributionRecorder:
         self._passes: list[torch.Tensor] = []
         self._num_recorded_passes = 0
         self._window: torch.Tensor | None = None
+        self.capturing = False  # a graph runner captures (or runs its static path): record
+        self.row_mask: torch.Tensor | None = None  # (rows,) int64 1/0: which rows count
+
+    @property
+    def active(self) -> bool:
+        """Whether ``FusedMoE`` must call :meth:`record` now (recording, or capturing a graph
+        that must record whenever it replays)."""
+        return self.recording or self.capturing
 
     # ---- control ------------------------------------------------------------------------------
 
@@ -121,9 +136,15 @@ class ExpertDistributionRecorder:
     # ---- hot path -----------------------------------------------------------------------------
 
     def record(self, layer_id: int, physical_ids: torch.Tensor) -> None:
-        """Add one token per entry of ``physical_ids`` (T, k) int64 to layer ``layer_id``."""
+        """Add one token per entry of ``physical_ids`` (T, k) int64 to layer ``layer_id``; with
+        a :attr:`row_mask`, only rows whose mask is 1 (no host sync: capturable)."""
         flat = physical_ids.reshape(-1)
-        self._pass_counts[layer_id].index_add_(0, flat, self._ones.expand(flat.numel()))
+        if self.row_mask is None:
+            weights = self._ones.expand(flat.numel())
+        else:
+            rows, k = physical_ids.shape
+            weights = self.row_mask[:rows].unsqueeze(1).expand(rows, k).reshape(-1)
+        self._pass_counts[layer_id].index_add_(0, flat, weights)
 
     def on_forward_pass_end(self) -> None:
         """Close one forward pass: fold its counts into the record and the window."""

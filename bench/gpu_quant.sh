@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Quantization on a CUDA machine (issue 28; about 3 minutes on one GPU), beside bench/gpu_check.sh:
+#   1. the quantized-GEMM kernels on CUDA against their dequantized references
+#      (tests/runtime/test_quant_kernels.py: Triton block FP8 and W4A16, torch._scaled_mm FP8);
+#   2. the decode table of bench/engine.py on the llama-1b preset, bf16 weights then online FP8
+#      weights (--quantization fp8), batch 1, 8, 32 and contexts 512, 4096 with CUDA graphs.
+#      Target: batch-1 decode with FP8 weights >= 1.6x the bf16 tokens/s.
+# Usage: bash bench/gpu_quant.sh
+# CPU dry run (tiny sizes, Triton's interpreter): GPU_CHECK_DRY_RUN=1 bash bench/gpu_quant.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="runtime:operator:.${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+status=0
+start=$SECONDS
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "bench/gpu_quant.sh: installing .whl/*.whl failed"; exit 1; }
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+if [[ "${GPU_CHECK_DRY_RUN:-0}" == "1" ]]; then
+  export TRITON_INTERPRET=1
+  bench_args=(--device cpu --decode-table --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128
+              --vocab 512 --dtype float32 --graph-batch-sizes 1 2 --contexts 16 32 --decode-steps 2 --no-transformers)
+else
+  python3 -c "import torch, sys; torch.cuda.is_available() or sys.exit('bench/gpu_quant.sh: no CUDA device')" || exit 1
+  bench_args=(--device cuda --preset llama-1b --dtype bfloat16 --graph-batch-sizes 1 8 32
+              --contexts 512 4096 --decode-steps 16 --table-context-len 8192 --backends triton --no-transformers)
+fi
+
+echo "== quantized kernels ($((SECONDS - start)) s)"
+timeout 150 python3 -m pytest -q -p no:cacheprovider -p no:tests.kube_fixtures tests/runtime/test_quant_kernels.py || status=1
+
+for quantization in auto fp8; do
+  echo "== decode table, --quantization $quantization ($((SECONDS - start)) s)"
+  timeout 150 python3 bench/engine.py "${bench_args[@]}" --quantization "$quantization" || status=1
+done
+echo "== done in $((SECONDS - start)) s, status $status"
+exit "$status"

@@ -1,0 +1,5 @@
+import sys
+
+from hack.s3server import main
+
+sys.exit(main())

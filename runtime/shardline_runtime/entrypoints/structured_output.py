@@ -1,0 +1,124 @@
+"""Request fields that constrain the output -> one :class:`GrammarSpec` (or None: free text).
+
+- OpenAI ``response_format``: ``{"type": "text"}`` (free), ``{"type": "json_object"}`` (any JSON
+  object), ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"?}}``. ``strict``
+  true or absent: no property or item beyond the schema's (OpenAI's strict mode; vLLM's and
+  SGLang's only behaviour); false: JSON Schema's own default, where an object without
+  ``"additionalProperties": false`` may carry more properties.
+- ``regex`` and ``ebnf`` as extra body fields (as SGLang accepts them; vLLM reads the same from
+  ``structured_outputs``), and in ``/generate``'s ``sampling_params`` SGLang's ``json_schema``,
+  ``regex`` and ``ebnf``.
+
+At most one constraint per request; two are a 400 naming the second. The spec is compiled here
+(``RequestValidator.check_grammar``), so a schema the library rejects is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from shardline_runtime.constrained.grammar_spec import GrammarSpec
+from shardline_runtime.managers.request_validation import RequestValidationError
+
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
+def _schema_text(schema: Any, param: str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise RequestValidationError(f"{param}: not valid JSON: {exc}", param) from None
+    if not isinstance(schema, (dict, bool)):
+        raise RequestValidationError(f"{param}: a JSON Schema must be an object", param)
+    return json.dumps(schema)
+
+
+def response_format_spec(response_format: dict[str, Any] | None) -> GrammarSpec | None:
+    """The spec of an OpenAI ``response_format`` (None for absent or ``text``).
+
+    Raises:
+        RequestValidationError: an unknown ``type``, or ``json_schema`` without a schema.
+    """
+    if response_format is None:
+        return None
+    kind = response_format.get("type", "text")
+    if kind not in RESPONSE_FORMAT_TYPES:
+        raise RequestValidationError(
+            f"response_format.type must be one of {list(RESPONSE_FORMAT_TYPES)}, got {kind!r}",
+            "response_format",
+        )
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object", param="response_format")
+    body = response_format.get("json_schema")
+    if not isinstance(body, dict) or "schema" not in body:
+        raise RequestValidationError(
+            'response_format: type "json_schema" needs {"json_schema": {"name": ..., '
+            '"schema": {...}}}',
+            "response_format",
+        )
+    strict = body.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise RequestValidationError(
+            f"response_format.json_schema.strict must be a boolean, got {strict!r}",
+            "response_format",
+        )
+    source = _schema_text(body["schema"], "response_format")
+    return GrammarSpec("json_schema", source, strict=strict is not False, param="response_format")
+
+
+def request_grammar(req: Any) -> GrammarSpec | None:
+    """The one constraint of an OpenAI request (chat or completions), or None.
+
+    Raises:
+        RequestValidationError: a malformed field, or more than one constraint.
+    """
+    specs: list[GrammarSpec] = []
+    rf = response_format_spec(getattr(req, "response_format", None))
+    if rf is not None:
+        specs.append(rf)
+    for kind in ("regex", "ebnf"):
+        value = getattr(req, kind, None)
+        if value is not None:
+            specs.append(GrammarSpec(kind, _text((kind, value)), param=kind))
+    return _one(specs)
+
+
+def sampling_params_grammar(values: dict[str, Any]) -> GrammarSpec | None:
+    """Pop SGLang's ``json_schema`` / ``regex`` / ``ebnf`` from ``/generate``'s
+    ``sampling_params`` (in place) and return the one constraint, or None.
+
+    Raises:
+        RequestValidationError: a malformed value, or more than one constraint.
+    """
+    specs: list[GrammarSpec] = []
+    for key in ("json_schema", "regex", "ebnf"):
+        value = values.pop(key, None)
+        if value is None:
+            continue
+        param = f"sampling_params.{key}"
+        if key == "json_schema":
+            specs.append(GrammarSpec("json_schema", _schema_text(value, param), param=param))
+        else:
+            specs.append(GrammarSpec(key, _text((param, value)), param=param))
+    return _one(specs)
+
+
+def _text(item: tuple[str, Any]) -> str:
+    name, value = item
+    if not isinstance(value, str) or not value:
+        raise RequestValidationError(f"{name} must be a non-empty string", name)
+    return value
+
+
+def _one(specs: list[GrammarSpec]) -> GrammarSpec | None:
+    if len(specs) > 1:
+        raise RequestValidationError(
+            f"{specs[1].param}: only one output constraint per request; "
+            f"{specs[0].param} is set too",
+            specs[1].param,
+        )
+    return specs[0] if specs else None

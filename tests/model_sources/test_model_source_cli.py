@@ -1,0 +1,118 @@
+"""Parsing of model references and ``shardline-runtime serve`` with a remote --model-path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardline_runtime.cli import fetch_model_args, main
+from shardline_runtime.model_loader.errors import ModelSourceError
+from shardline_runtime.model_loader.model_source import parse_model_source
+from shardline_runtime.server_args import ServerArgs
+from tests.model_sources.conftest import checkpoint_files
+from tests.model_sources.hub_double import HubDouble, HubRepo
+from tests.serving.serving_server import start_server
+
+
+def test_hf_reference_carries_its_revision():
+    assert parse_model_source("hf://Org/Name@v1.2").revision == "v1.2"
+
+
+def test_bare_repo_id_without_a_local_directory_is_a_hub_repository(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert parse_model_source("Org/Name").scheme == "hf"
+
+
+def test_existing_local_directory_wins_over_a_repo_id(tmp_path, monkeypatch):
+    (tmp_path / "Org" / "Name").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert parse_model_source("Org/Name").scheme == "local"
+
+
+def test_s3_reference_splits_bucket_and_prefix():
+    assert parse_model_source("s3://models/llama/v2/").prefix == "llama/v2"
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["hf://only-one-part", "hf://a/b/c", "hf://Org/Name@", "s3://Bucket_Upper/p", "s3://models",
+     "gs://bucket/p"],
+)
+def test_malformed_reference_names_the_flag(text):
+    with pytest.raises(ModelSourceError, match="--model-path"):
+        parse_model_source(text)
+
+
+def test_serve_with_a_malformed_reference_exits_2(tmp_path, capsys):
+    code = main(["serve", "--model-path", "hf://only-one-part", "--download-dir", str(tmp_path)])
+    assert code == 2
+
+
+def test_serve_with_a_missing_revision_exits_1_naming_it(hub, tmp_path, capsys):
+    args = ["serve", "--model-path", "hf://shardline/tiny-llama@nope", "--download-dir", str(tmp_path)]
+    assert main(args) == 1
+    assert "revision not found" in capsys.readouterr().err
+
+
+def test_fetched_args_serve_the_name_the_user_gave(hub, tmp_path):
+    args = ServerArgs(model_path="shardline/tiny-llama", download_dir=str(tmp_path))
+    assert fetch_model_args(args).model_name == "shardline/tiny-llama"
+
+
+def test_fetched_args_report_the_resolved_commit(hub, tmp_path):
+    args = ServerArgs(model_path="hf://shardline/tiny-llama@v1", download_dir=str(tmp_path))
+    assert fetch_model_args(args).revision == hub.repos["shardline/tiny-llama"].refs["v1"]
+
+
+def test_unsupported_load_format_is_refused_naming_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--model-path", "/m", "--load-format", "gguf"])
+    assert "--load-format" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def hub_server(tiny_checkpoint, tmp_path_factory):
+    """A runtime serving ``hf://shardline/tiny-llama@v1`` from a Hub double that also holds a
+    second checkpoint on branch ``v2``. Yields ``(server, hub)``."""
+    root = tmp_path_factory.mktemp("hub-server")
+    with HubDouble() as hub:
+        repo = HubRepo()
+        repo.commit(checkpoint_files(Path(tiny_checkpoint("llama"))), ref="v1")
+        repo.commit(checkpoint_files(Path(tiny_checkpoint("llama", seed=1))), ref="v2")
+        hub.repos["shardline/tiny-llama"] = repo
+        server = start_server(
+            "hf://shardline/tiny-llama@v1", root, "--download-dir", str(root / "models"),
+            "--max-total-tokens", "512", env={"HF_ENDPOINT": hub.endpoint},
+        )
+        try:
+            yield server, hub
+        finally:
+            server.stop()
+
+
+@pytest.mark.slow
+def test_runtime_serves_a_hub_model_under_its_repository_name(hub_server):
+    server, _ = hub_server
+    assert [m["id"] for m in server.get("/v1/models").json()["data"]] == ["shardline/tiny-llama"]
+
+
+@pytest.mark.slow
+def test_update_to_a_missing_revision_is_refused_naming_it(hub_server):
+    server, _ = hub_server
+    reply = server.post("/update_weights_from_disk", {"model_path": "hf://shardline/tiny-llama@v9"})
+    assert reply.json()["message"].startswith("NotFound:")
+
+
+@pytest.mark.slow
+def test_update_to_a_hub_revision_succeeds(hub_server):
+    server, _ = hub_server
+    reply = server.post("/update_weights_from_disk", {"model_path": "hf://shardline/tiny-llama@v2"})
+    assert reply.json()["success"] is True
+
+
+@pytest.mark.slow
+def test_served_model_path_is_the_reference_not_the_cache_directory(hub_server):
+    server, _ = hub_server
+    info = server.get("/get_server_info").json()
+    assert info["weights"]["model_path"].startswith("hf://shardline/tiny-llama@")

@@ -1,0 +1,44 @@
+"""``spec.runtime.speculative``: parsed into the runtime's flags, refused where the runtime
+refuses it (pipeline parallelism, LoRA adapters, an algorithm it does not serve)."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardline_operator.spec import SpecError, parse_spec
+
+BASE = {"model": {"name": "m", "path": "/models/m/v1"}, "runtime": {"image": "r:1"}}
+
+
+def _spec(speculative, **extra):
+    return {**BASE, "runtime": {"image": "r:1", "speculative": speculative}, **extra}
+
+
+def test_speculative_defaults_to_five_draft_tokens():
+    parsed = parse_spec("m", "ns", "u", _spec({"algorithm": "NGRAM"}))
+    assert parsed.runtime.speculative.num_draft_tokens == 5
+
+
+def test_absent_speculative_is_off():
+    assert parse_spec("m", "ns", "u", BASE).runtime.speculative is None
+
+
+@pytest.mark.parametrize(
+    ("speculative", "extra", "message"),
+    [
+        ({"algorithm": "EAGLE"}, {}, "spec.runtime.speculative.algorithm must be one of NGRAM"),
+        ({}, {}, "spec.runtime.speculative.algorithm must be one of NGRAM"),
+        ({"algorithm": "NGRAM", "numDraftTokens": 1}, {}, "numDraftTokens"),
+        ({"algorithm": "NGRAM"}, {"parallelism": {"tensor": 2, "pipeline": 2, "gpusPerPod": 4}},
+         "not served with spec.parallelism.pipeline > 1"),
+        ({"algorithm": "NGRAM"}, {"loraAdapters": [{"name": "a", "path": "/models/a"}]}, "spec.loraAdapters"),
+    ],
+)
+def test_speculative_combinations_the_runtime_refuses_are_refused(speculative, extra, message):
+    with pytest.raises(SpecError, match=message):
+        parse_spec("m", "ns", "u", _spec(speculative, **extra))
+
+
+def test_speculative_flags_are_reserved():
+    with pytest.raises(SpecError, match="--speculative-algorithm"):
+        parse_spec("m", "ns", "u", {**BASE, "runtime": {"image": "r:1", "args": ["--speculative-algorithm=NGRAM"]}})

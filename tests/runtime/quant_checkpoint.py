@@ -1,0 +1,75 @@
+"""Tiny quantized checkpoints written by the compressed-tensors library itself (the reference
+is independent of the runtime's reader): a tiny transformers model, the library's preset
+scheme applied (``apply_quantization_config``), weight scales from the library's
+``calculate_qparams`` over each weight's min/max in the scheme's strategy, then
+``ModelCompressor.compress_model`` + ``save_pretrained`` + ``update_config`` (llm-compressor's
+save path, without its calibration)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+STATIC_INPUT_SCALE = 0.02  # the calibrated activation scale written for static FP8 schemes
+
+
+def _min_max(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    from compressed_tensors.quantization import QuantizationStrategy as S
+
+    if args.strategy == S.TENSOR:
+        return weight.amin().reshape(1), weight.amax().reshape(1)
+    if args.strategy == S.CHANNEL:
+        return weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
+    if args.strategy == S.GROUP:
+        grouped = weight.unflatten(1, (-1, args.group_size))
+        return grouped.amin(-1), grouped.amax(-1)
+    if args.strategy == S.BLOCK:
+        bn, bk = args.block_structure
+        blocks = weight.unflatten(0, (-1, bn)).unflatten(2, (-1, bk))
+        return blocks.amin((1, 3)), blocks.amax((1, 3))
+    raise ValueError(f"no min/max for strategy {args.strategy}")
+
+
+def quantize_checkpoint(src: Path, out: Path, preset: str, **weight_args) -> Path:
+    """Write ``src`` (a float checkpoint with its tokenizer) quantized with the compressed-tensors
+    ``preset`` (``FP8``, ``FP8_DYNAMIC``, ``FP8_BLOCK``, ``W4A16``) into ``out``; ``weight_args``
+    override the preset's weight arguments (``group_size``, ``block_structure``); the block
+    preset's activation group follows the block width. ``lm_head`` stays unquantized."""
+    import transformers
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    if weight_args:
+        scheme.weights = scheme.weights.model_copy(update=weight_args)
+    if "block_structure" in weight_args:
+        group = weight_args["block_structure"][1]
+        scheme.input_activations = scheme.input_activations.model_copy(update={"group_size": group})
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    apply_quantization_config(model, config, show_progress=False)
+    with torch.no_grad():
+        for module in model.modules():
+            scheme_of = getattr(module, "quantization_scheme", None)
+            if scheme_of is None:
+                continue
+            low, high = _min_max(module.weight, scheme_of.weights)
+            scale, _ = calculate_qparams(low, high, scheme_of.weights)
+            module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
+            if hasattr(module, "input_scale"):
+                module.input_scale.fill_(STATIC_INPUT_SCALE)
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(str(out))
+    compressor.update_config(str(out))
+    for name in Path(src).iterdir():
+        if name.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(name, out / name.name)
+    return out

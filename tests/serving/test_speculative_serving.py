@@ -1,0 +1,86 @@
+"""A real server with ``--speculative-algorithm NGRAM`` against the shared server without it
+(same checkpoint): the same greedy text, stop strings cut at the same place, logprobs per
+token, ``n > 1``, and the acceptance metrics on ``/metrics``."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from serving_server import POOL, start_server
+
+pytestmark = pytest.mark.slow
+MODEL = "tiny-llama"
+PROMPT = "the model serves tokens the model serves tokens the model serves tokens the model"
+
+
+@pytest.fixture(scope="module")
+def spec_server(serving_checkpoint, checkpoint_dir):
+    srv = start_server(serving_checkpoint, checkpoint_dir, "--max-total-tokens", str(POOL),
+                       "--served-model-name", MODEL, "--speculative-algorithm", "NGRAM",
+                       "--speculative-num-draft-tokens", "4")
+    yield srv
+    srv.stop()
+
+
+def _complete(server, **body) -> dict:
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _metric(server, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+-]+)$", server.get("/metrics").text, re.M)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def test_greedy_text_equals_the_server_without_speculation(spec_server, server):
+    spec = _complete(spec_server, max_tokens=40)["choices"][0]["text"]
+    plain = _complete(server, max_tokens=40)["choices"][0]["text"]
+    assert spec == plain
+
+
+def test_stop_string_cuts_where_it_does_without_speculation(spec_server, server):
+    text = _complete(server, max_tokens=40)["choices"][0]["text"]
+    stop = text.strip()[5:9]
+    spec = _complete(spec_server, max_tokens=40, stop=[stop])["choices"][0]
+    plain = _complete(server, max_tokens=40, stop=[stop])["choices"][0]
+    assert spec["text"] == plain["text"]
+    assert spec["finish_reason"] == "stop"
+
+
+def test_logprobs_come_one_per_token(spec_server):
+    choice = _complete(spec_server, max_tokens=16, logprobs=2)["choices"][0]
+    assert len(choice["logprobs"]["token_logprobs"]) == len(choice["logprobs"]["tokens"])
+
+
+def test_n_returns_every_choice(spec_server):
+    body = _complete(spec_server, max_tokens=8, n=3, temperature=0.8, seed=5)
+    assert len(body["choices"]) == 3
+
+
+def test_metrics_report_the_accept_length(spec_server):
+    _complete(spec_server, max_tokens=40)
+    assert _metric(spec_server, "shardline:spec_accept_length") >= 1.0
+    assert _metric(spec_server, "shardline:spec_verify_steps") > 0
+
+
+@pytest.fixture(scope="module")
+def spec_tp2_server(serving_checkpoint, checkpoint_dir):
+    srv = start_server(serving_checkpoint, checkpoint_dir, "--max-total-tokens", str(POOL),
+                       "--served-model-name", MODEL, "--speculative-algorithm", "NGRAM", "--tp-size", "2")
+    yield srv
+    srv.stop()
+
+
+def test_tp2_greedy_text_equals_the_server_without_speculation(spec_tp2_server, server):
+    spec = _complete(spec_tp2_server, max_tokens=40)["choices"][0]["text"]
+    plain = _complete(server, max_tokens=40)["choices"][0]["text"]
+    assert spec == plain
+
+
+def test_tp2_sampled_requests_finish_on_every_rank(spec_tp2_server):
+    body = _complete(spec_tp2_server, max_tokens=24, n=2, temperature=1.0, seed=3)
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "length"]
+    assert _metric(spec_tp2_server, "shardline:spec_verify_steps") > 0

@@ -1,0 +1,112 @@
+"""Structured output over HTTP on a random tiny model: ``response_format`` (json_schema,
+json_object), ``regex`` / ``ebnf`` extras, ``/generate``'s ``sampling_params``, streaming,
+``n > 1``, the 400s, and the openai SDK's ``chat.completions.parse`` with a Pydantic model."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import pytest
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "population": {"type": "integer", "minimum": 0, "maximum": 10000},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["city", "population", "capital"],
+    "additionalProperties": False,
+}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
+MESSAGES = [{"role": "user", "content": "Describe a city as JSON."}]
+
+
+def _error(r: httpx.Response) -> dict:
+    assert r.status_code == 400, r.text
+    return r.json()["error"]
+
+
+def test_chat_json_schema_every_choice_validates(server):
+    r = server.post("/v1/chat/completions", {"messages": MESSAGES, "response_format": RESPONSE_FORMAT,
+                                             "n": 3, "max_tokens": 120, "temperature": 1.0, "seed": 1})
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+
+
+def test_streamed_json_schema_deltas_join_into_valid_json(server):
+    body = {"messages": MESSAGES, "response_format": RESPONSE_FORMAT, "max_tokens": 120, "stream": True,
+            "temperature": 1.0, "seed": 2}
+    text = ""
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    text += choice["delta"].get("content") or ""
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_json_object_mode_answers_an_object(server):
+    body = {"messages": MESSAGES, "response_format": {"type": "json_object"}, "max_tokens": 60,
+            "temperature": 0.0}
+    r = server.post("/v1/chat/completions", body)
+    content = r.json()["choices"][0]["message"]["content"]
+    if r.json()["choices"][0]["finish_reason"] == "stop":
+        assert isinstance(json.loads(content), dict)
+    else:  # cut by max_tokens: still an object's prefix
+        assert content.startswith("{")
+
+
+def test_completions_regex_output_matches(server):
+    body = {"prompt": "code:", "regex": r"[A-Z]{3}-[0-9]{2,4}", "max_tokens": 20, "n": 2, "temperature": 1.0}
+    r = server.post("/v1/completions", body)
+    for choice in r.json()["choices"]:
+        assert re.fullmatch(r"[A-Z]{3}-[0-9]{2,4}", choice["text"]), choice
+
+
+def test_generate_sampling_params_json_schema_and_ebnf(server):
+    r = server.post("/generate", {"text": "hi", "sampling_params": {"json_schema": json.dumps(SCHEMA),
+                                                                    "max_new_tokens": 120}})
+    jsonschema.validate(json.loads(r.json()["text"]), SCHEMA)
+    r = server.post("/generate", {"text": "hi", "sampling_params": {"ebnf": 'root ::= "yes" | "no"',
+                                                                    "max_new_tokens": 8}})
+    assert r.json()["text"] in ("yes", "no")
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"regex": "a["}, "regex"),
+    ({"ebnf": "root ::= undefined_rule"}, "ebnf"),
+    ({"response_format": {"type": "json_object"}, "regex": "a+"}, "regex"),
+], ids=["schema-the-library-rejects", "no-schema", "unknown-type", "bad-regex", "bad-ebnf", "two-constraints"])
+def test_rejected_constraints_are_400_naming_the_field(server, body, param):
+    r = server.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4, **body})
+    assert _error(r)["param"] == param
+
+
+def test_generate_bad_regex_is_400_naming_sampling_params_regex(server):
+    r = server.post("/generate", {"text": "hi", "sampling_params": {"regex": "(", "max_new_tokens": 4}})
+    assert _error(r)["param"] == "sampling_params.regex"
+
+
+def test_openai_sdk_parse_with_a_pydantic_model(server):
+    from openai import OpenAI
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        city: str = Field(max_length=8)
+        capital: bool
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    completion = client.chat.completions.parse(model="tiny-llama", messages=MESSAGES, response_format=City,
+                                               max_tokens=80, temperature=1.0, seed=3)
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, City)
