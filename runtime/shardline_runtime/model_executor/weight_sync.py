@@ -315,6 +315,8 @@ def get_weights_by_name(model_runner: Any, name: str, truncate_size: int = 100) 
     if resolved is not None:
         param, args = resolved
         where = torch.zeros(param.shape, dtype=torch.int64)
+        # the loader reads its layer's attributes (checkpoint shapes, shard layout) off the target
+        vars(where).update(vars(param))
         index = torch.arange(1, row * full_shape[0] + 1, dtype=torch.int64).view(full_shape)
         weight_loader_of(param)(where, index, *args)
         mine = (where > 0) & (where <= limit)
