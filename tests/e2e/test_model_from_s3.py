@@ -1,10 +1,14 @@
-"""Issue 25: a deployment whose model lives in S3 (a real versitygw) in the local cluster.
+"""Issue 25: a deployment whose model lives in S3 (a real versitygw) in the local cluster,
+staged on the nodes before any group pauses.
 
-``examples/model-from-s3.yaml`` as two groups of one pod, keys from a Secret. Then, under client
-traffic with no failed request: change the uri to a new revision (each leader fetches and
-verifies it before it pauses); point it at a prefix that does not exist (the old revision keeps
-serving, the status names NotFound); serve a prefix whose stored bytes were corrupted (the
-checksum fails before any group pauses).
+``examples/model-from-s3.yaml`` as two groups of one pod, keys from a Secret, its model cache a
+``hostPath`` (node-local, shared by the staging Jobs and the runtime pods; on the node agent
+every fake node is this one host, so the nodes share the directory). Then, under client
+traffic with no failed request: change the uri to a new revision (phase ``Staging``: a staging
+Job per node downloads and verifies it, then the in-place update reads it from the cache);
+point it at a prefix that does not exist (staging fails with NotFound, no group pauses, the old
+revision keeps serving); serve a prefix whose stored bytes were corrupted (staging fails the
+checksum before any group pauses).
 """
 
 from __future__ import annotations
@@ -57,7 +61,9 @@ def fleet(kube_cluster, tmp_path_factory):
         doc["spec"].update(replicas=2, parallelism={"tensor": 1, "gpusPerPod": 1})
         doc["spec"]["model"].update(uri=f"s3://{BUCKET}/tiny/rev-a", name="tiny-llama")
         doc["spec"]["model"]["s3"] = {"endpoint": s3.endpoint, "region": s3.env["AWS_REGION"]}
-        doc["spec"]["model"].pop("cache")
+        cache = tmp_path_factory.mktemp("model-cache")
+        doc["spec"]["model"]["cache"] = {
+            "volume": {"hostPath": {"path": str(cache), "type": "DirectoryOrCreate"}}}
         doc["spec"]["runtime"].update(dtype="float32", maxTotalTokens=4096)
         secret = {"AWS_ACCESS_KEY_ID": s3.env["AWS_ACCESS_KEY_ID"],
                   "AWS_SECRET_ACCESS_KEY": s3.env["AWS_SECRET_ACCESS_KEY"]}
@@ -85,25 +91,40 @@ def _traffic(fleet) -> Traffic:
     return Traffic(fleet["client"], fleet["ns"], "s3m", "tiny-llama")
 
 
-def _failed_update(fleet, mark: int):
+def _staging_failed(fleet, mark: int):
     return fleet["watch"].wait(
-        lambda s: s.conditions.get("WeightsUpdated", ("", ""))[:2] == ("False", "UpdateFailed"),
-        READY_TIMEOUT,
-        "the update failed", mark)
+        lambda s: s.conditions.get("Staging", ("", ""))[0] == "False"
+        and s.conditions["Staging"][1] not in ("Staged", "Staging"),
+        READY_TIMEOUT, "staging failed", mark)
 
 
-def test_new_s3_revision_rolls_in_under_traffic_without_a_failed_request(fleet):
+def _status(fleet) -> dict:
+    path = f"/apis/shardline.dev/v1alpha1/namespaces/{fleet['ns']}/inferencedeployments/s3m"
+    return fleet["client"].get(path)["status"]
+
+
+def test_new_s3_revision_is_staged_then_rolls_in_under_traffic_without_a_failed_request(fleet):
     with _traffic(fleet) as client:
         mark = _patch_uri(fleet, "rev-b")
         rollout_fleet.wait_ready(fleet["watch"], "rev-b", mark, READY_TIMEOUT)
+    phases = fleet["watch"].phases_since(mark)
     assert client.failures == [], rollout_fleet.diagnostics(fleet["cluster"], fleet["watch"])
+    assert phases.index("Staging") < phases.index("UpdatingWeights"), phases
 
 
-def test_missing_s3_prefix_keeps_the_old_revision_serving(fleet):
+def test_staged_revision_is_recorded_in_each_groups_digest(fleet):
+    status = _status(fleet)
+    digests = [g.get("weightsDigest", "") for g in status["groups"]]
+    assert digests == [f"{digests[0].split(';')[0]};source={status['staging']['resolvedRevision']}"] * 2
+
+
+def test_missing_s3_prefix_fails_staging_and_keeps_the_old_revision_serving(fleet):
     with _traffic(fleet) as client:
-        snap = _failed_update(fleet, _patch_uri(fleet, "rev-missing"))
-    assert "NotFound" in snap.conditions["WeightsUpdated"][2]
+        mark = _patch_uri(fleet, "rev-missing")
+        snap = _staging_failed(fleet, mark)
+    assert snap.conditions["Staging"][1] == "NotFound"
     assert snap.served_revision == "rev-b"
+    assert "UpdatingWeights" not in fleet["watch"].phases_since(mark)
     assert client.failures == []
 
 
@@ -113,8 +134,9 @@ def test_corrupt_object_fails_the_checksum_before_any_group_pauses(fleet):
     data[-1] ^= 0xFF
     stored.write_bytes(bytes(data))
     mark = _patch_uri(fleet, "rev-c")
-    snap = _failed_update(fleet, mark)
-    assert "ChecksumMismatch" in snap.conditions["WeightsUpdated"][2]
+    snap = _staging_failed(fleet, mark)
+    assert snap.conditions["Staging"][1] == "ChecksumMismatch"
+    assert "UpdatingWeights" not in fleet["watch"].phases_since(mark)
     leaders = rollout_fleet.leader_server_infos(fleet["client"], fleet["ns"], "s3m").values()
     loaded = [(info.get("last_weight_update") or {}).get("model_path", "") for info in leaders]
     assert not [path for path in loaded if "rev-c" in path], loaded  # no group started loading
