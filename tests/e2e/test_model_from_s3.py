@@ -14,62 +14,33 @@ checksum before any group pauses).
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
 
 import pytest
-import yaml
 
 from hack.s3server import S3Server
 from hack.scenario import rollout_fleet
 from hack.scenario.models import write_revisions
 from hack.scenario.operator_install import install_operator
 from hack.scenario.rollout_fleet import apply
+from hack.scenario.s3_models import BUCKET, s3_deployment, upload_revisions
 from hack.scenario.traffic import Traffic
 from tests.kube_fixtures import agent_nodes_only
 
 pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.slow]
 
 READY_TIMEOUT = 420
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "model-from-s3.yaml"
-BUCKET = "models"
-
-
-def _upload(client, directory: Path, prefix: str) -> None:
-    for path in sorted(directory.iterdir()):
-        if path.is_file():
-            client.put_object(Bucket=BUCKET, Key=f"{prefix}/{path.name}", Body=path.read_bytes())
 
 
 @pytest.fixture(scope="module")
 def fleet(kube_cluster, tmp_path_factory):
-    import boto3
-
     revisions = write_revisions()
     with S3Server(tmp_path_factory.mktemp("s3")) as s3:
-        client = boto3.session.Session(
-            aws_access_key_id=s3.env["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=s3.env["AWS_SECRET_ACCESS_KEY"],
-            region_name=s3.env["AWS_REGION"],
-        ).client("s3", endpoint_url=s3.endpoint)
-        client.create_bucket(Bucket=BUCKET)
-        for name in ("rev-a", "rev-b", "rev-c"):
-            _upload(client, revisions["rev-a" if name == "rev-c" else name], f"tiny/{name}")
+        upload_revisions(s3, revisions, {"rev-a": "rev-a", "rev-b": "rev-b", "rev-c": "rev-a"})
         install_operator(kube_cluster)
         ns = f"e2e-s3-{uuid.uuid4().hex[:6]}"
-        doc = yaml.safe_load(EXAMPLE.read_text())
-        doc["metadata"] = {"name": "s3m", "namespace": ns}
-        doc["spec"].update(replicas=2, parallelism={"tensor": 1, "gpusPerPod": 1})
-        doc["spec"]["model"].update(uri=f"s3://{BUCKET}/tiny/rev-a", name="tiny-llama")
-        doc["spec"]["model"]["s3"] = {"endpoint": s3.endpoint, "region": s3.env["AWS_REGION"]}
         cache = tmp_path_factory.mktemp("model-cache")
-        doc["spec"]["model"]["cache"] = {
-            "volume": {"hostPath": {"path": str(cache), "type": "DirectoryOrCreate"}}}
-        doc["spec"]["runtime"].update(dtype="float32", maxTotalTokens=4096)
-        secret = {"AWS_ACCESS_KEY_ID": s3.env["AWS_ACCESS_KEY_ID"],
-                  "AWS_SECRET_ACCESS_KEY": s3.env["AWS_SECRET_ACCESS_KEY"]}
-        kube_cluster.kubectl("create", "namespace", ns, check=False)
-        kube_cluster.kubectl("create", "secret", "generic", "s3-keys", "-n", ns,
-                             *[f"--from-literal={k}={v}" for k, v in secret.items()])
+        volume = {"hostPath": {"path": str(cache), "type": "DirectoryOrCreate"}}
+        doc = s3_deployment(kube_cluster, s3, ns, "s3m", "rev-a", volume)
         with agent_nodes_only(kube_cluster):
             watch = apply(kube_cluster, doc)
             state = {"cluster": kube_cluster, "ns": ns, "watch": watch, "s3": s3,
