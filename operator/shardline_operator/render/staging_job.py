@@ -29,6 +29,7 @@ from ..staging_state import (
     StagingTarget,
 )
 from .meta import owner_reference
+from .pod_template import container_security_context, pod_security_context
 from .volumes import MODEL_CACHE_VOLUME, WRITABLE_DIRS, model_store_env, writable_env
 
 COMPONENT_STAGING = "staging"
@@ -91,21 +92,10 @@ def build_staging_job(
         "volumeMounts": mounts,
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "File",
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "runAsUser": labels.RUNTIME_UID,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": container_security_context(),
     }
     pod_spec: dict[str, Any] = {
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": labels.RUNTIME_UID,
-            "runAsGroup": labels.RUNTIME_UID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security_context(),
         "containers": [container],
         "volumes": volumes,
         "restartPolicy": "Never",
