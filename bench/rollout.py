@@ -54,6 +54,8 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=4.0, help="client requests per second")
     parser.add_argument("--staging", action="store_true",
                         help="an S3 rollout with and without staging (bench/rollout_staging.py)")
+    parser.add_argument("--staging-last", action="store_true",
+                        help="with --staging: run the rollout without staging first")
     args = parser.parse_args()
     existing = os.environ.get("SHARDLINE_CLUSTER_DIR")
     cluster = LocalCluster.load(Path(existing)) if existing else LocalCluster(state_dir=Path(tempfile.mkdtemp(prefix="kube-")))
@@ -65,7 +67,7 @@ def main() -> None:
         if args.staging:
             from bench.rollout_staging import compare
 
-            compare(cluster, revs, args.rate)
+            compare(cluster, revs, args.rate, staging_first=not args.staging_last)
             return
         ns = f"bench-{uuid.uuid4().hex[:6]}"
         doc = two_group_doc(ns, "bench", str(revs["rev-a"]), "rev-a", startup_timeout=900)

@@ -60,6 +60,11 @@ def one_rollout(cluster, s3, cache_volume: dict | None, rate: float) -> dict:
             patch(cluster, ns, "bench", {"model": {"uri": f"s3://{BUCKET}/tiny/rev-b", "revision": "rev-b"}})
             wait_ready(watch, "rev-b", mark, TIMEOUT)
             seconds = time.monotonic() - started
+        timeline, last = [], None
+        for snap in watch.history[mark:]:
+            if snap.phase != last:
+                timeline.append(f"{snap.phase} {max(snap.at - started, 0.0):.1f}s")
+                last = snap.phase
         status = client.get(f"/apis/shardline.dev/v1alpha1/namespaces/{ns}/inferencedeployments/bench")["status"]
         staging = status.get("staging") or {}
         return {
@@ -68,24 +73,26 @@ def one_rollout(cluster, s3, cache_volume: dict | None, rate: float) -> dict:
             "updates": _update_seconds(client, ns),
             "sent": traffic.sent,
             "failed": len(traffic.failures),
-            "phases": watch.phases_since(mark),
+            "phases": timeline,
         }
     finally:
         watch.stop()
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
-def compare(cluster, revisions: dict[str, Path], rate: float) -> None:
-    """Run both rollouts and print the table."""
+def compare(cluster, revisions: dict[str, Path], rate: float, staging_first: bool = True) -> None:
+    """Run both rollouts (``staging_first``: in that order) and print the table, with each
+    rollout's phases and when they began (seconds after the patch)."""
     with S3Server(Path(tempfile.mkdtemp(prefix="bench-s3-"))) as s3:
         upload_revisions(s3, revisions, {"rev-a": "rev-a", "rev-b": "rev-b"})
         cache = Path(tempfile.mkdtemp(prefix="bench-model-cache-"))
         hostpath = {"hostPath": {"path": str(cache), "type": "DirectoryOrCreate"}}
-        rows = [("with staging", one_rollout(cluster, s3, hostpath, rate)),
-                ("without staging", one_rollout(cluster, s3, None, rate))]
+        order = [("with staging", hostpath), ("without staging", None)]
+        rows = [(name, one_rollout(cluster, s3, volume, rate))
+                for name, volume in (order if staging_first else order[::-1])]
     print(f"S3 rollout rev-a -> rev-b; 2 groups (TP=1); client {rate:g} req/s")
     print(f"{'':<17}{'rollout s':>10}{'staging s':>10}{'updates s':>10}{'requests':>9}{'failed':>7}")
     for name, r in rows:
         staging = f"{r['staging']:.1f}" if r["staging"] is not None else "-"
         print(f"{name:<17}{r['seconds']:>10.1f}{staging:>10}{r['updates']:>10.1f}{r['sent']:>9}{r['failed']:>7}")
-        print(f"  phases: {' -> '.join(r['phases'])}")
+        print(f"  phases (s after the patch): {' -> '.join(r['phases'])}")
