@@ -2,8 +2,10 @@
 
 Order, as the actions run: remove groups beyond ``replicas`` -> NetworkPolicies, Services, PDB
 -> create missing StatefulSets -> group health (whole-group restarts) and template drift ->
-either the next group of a restart rollout (``restart_plan``) or the next step of the in-place
-rollout (``rollout.plan_rollout``) -> LoRA adapters -> status (with the trail of phases a group
+staging Jobs (``staging_step``: a new hf:// / s3:// revision is staged on every node first, and
+holds the in-place rollout until it is) -> either the next group of a restart rollout
+(``restart_plan``) or the next step of the in-place rollout (``rollout.plan_rollout``) -> LoRA
+adapters -> status (with the trail of phases a group
 passed through since the last pass), events, metrics and the next pass's time.
 
 The digest, mixed-version and phase-override rules are computed here once and handed to both
