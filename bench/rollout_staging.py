@@ -83,10 +83,11 @@ def one_rollout(cluster, s3, cache_volume: dict | None, rate: float) -> dict:
 def compare(cluster, revisions: dict[str, Path], rate: float, staging_first: bool = True) -> None:
     """Run both rollouts (``staging_first``: in that order) and print the table, with each
     rollout's phases and when they began (seconds after the patch)."""
-    with S3Server(Path(tempfile.mkdtemp(prefix="bench-s3-"))) as s3:
+    with (tempfile.TemporaryDirectory(prefix="bench-s3-") as root,
+          tempfile.TemporaryDirectory(prefix="bench-model-cache-") as cache,
+          S3Server(Path(root)) as s3):
         upload_revisions(s3, revisions, {"rev-a": "rev-a", "rev-b": "rev-b"})
-        cache = Path(tempfile.mkdtemp(prefix="bench-model-cache-"))
-        hostpath = {"hostPath": {"path": str(cache), "type": "DirectoryOrCreate"}}
+        hostpath = {"hostPath": {"path": cache, "type": "DirectoryOrCreate"}}
         order = [("with staging", hostpath), ("without staging", None)]
         rows = [(name, one_rollout(cluster, s3, volume, rate))
                 for name, volume in (order if staging_first else order[::-1])]
