@@ -131,3 +131,19 @@ def test_constrained_requests_survive_an_in_place_weight_update(ckpt, tokenizer,
     results = run_loop(scheduler, {0: first, 2: [update], 3: later})
     for rid in [r.rid for r in first + later]:
         jsonschema.validate(json.loads(_text(tokenizer, results[rid]["ids"])), SCHEMA)
+
+
+def test_constrained_requests_keep_their_grammar_under_speculative_decoding(ckpt, tokenizer):
+    """With ``--speculative-algorithm NGRAM`` and repetitive prompts (drafts exist), every
+    constrained output still fits its schema or regex."""
+    rng = random.Random(5)
+    scheduler = make_scheduler(ckpt, disable_overlap_schedule=True, speculative_algorithm="NGRAM")
+    regex = GrammarSpec("regex", r"(yes|no)[0-9]{2}", param="regex")
+    reqs = [_request(f"j{i}", rng, SPEC, seed=i) for i in range(3)]
+    reqs += [_request(f"r{i}", rng, regex, seed=i) for i in range(3)]
+    for req in reqs:
+        req.input_ids = req.input_ids[:4] * 5
+    results = run_loop(scheduler, {0: reqs})
+    for i in range(3):
+        jsonschema.validate(json.loads(_text(tokenizer, results[f"j{i}"]["ids"])), SCHEMA)
+        assert re.fullmatch(r"(yes|no)[0-9]{2}", _text(tokenizer, results[f"r{i}"]["ids"])), results[f"r{i}"]

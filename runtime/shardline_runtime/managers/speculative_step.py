@@ -13,7 +13,8 @@ Each DECODE step of the running batch becomes, when drafts exist, a TARGET_VERIF
    tokens after a finish), so ``kv_len`` is again ``len(tokens) - 1`` as after a DECODE step.
 
 A step stays a plain DECODE when no request got a draft, when a request has penalties (their
-counts change inside the chain), or when the KV slots for the drafts cannot be had (DECODE's own
+counts change inside the chain), when a request has a grammar (constrained decoding: drafts are
+not checked against it, and a verify step applies no token mask), or when the KV slots for the drafts cannot be had (DECODE's own
 retraction then applies). The overlap scheduler is off with speculation: the next step's inputs
 depend on how many tokens this step kept.
 """
@@ -138,6 +139,8 @@ class SpeculativeDecoding:
         if batch.sampling_info is None or batch.sampling_info.penalties is not None:
             return False
         reqs = batch.reqs
+        if any(r.grammar is not None for r in reqs):
+            return False
         budgets = [self.draft_budget(r) for r in reqs]
         proposal = self.proposer.propose([r.origin_input_ids + r.output_ids for r in reqs], budgets)
         drafts = [list(d[:b]) for d, b in zip(proposal.draft_ids, budgets)]
