@@ -54,6 +54,32 @@ def test_malformed_bodies_are_400_error_objects(server, raw):
     _healthy(server)
 
 
+@pytest.mark.parametrize("path,raw,where", [
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', "messages.0.content"),
+    ("/v1/completions", b'{"prompt": "\\udfff", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", b'{"prompt": "a", "stop": ["\\ud83d"], "max_tokens": 2}', "stop.0"),
+    ("/generate", b'{"text": "\\ud800", "sampling_params": {"max_new_tokens": 2}}', "text"),
+])
+def test_lone_surrogate_escapes_are_400_naming_the_field(server, path, raw, where):
+    r = httpx.post(server.url + path, content=raw, headers={"content-type": "application/json"}, timeout=60)
+    err = _error(r)
+    assert err["message"].startswith(f"{where}: contains a lone UTF-16 surrogate"), err
+    _healthy(server)
+
+
+def test_invalid_utf8_body_is_400_naming_the_byte(server):
+    raw = b'{"prompt": "\xff", "max_tokens": 2}'
+    r = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"}, timeout=60)
+    assert "not valid UTF-8: byte 12 is 0xff" in _error(r)["message"]
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded"])
+def test_json_sent_with_another_content_type_is_400_naming_the_header(server, content_type):
+    raw = b'{"prompt": "a", "max_tokens": 2}'
+    r = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": content_type}, timeout=60)
+    assert _error(r)["message"].startswith(f"Content-Type must be application/json, got '{content_type}'")
+
+
 @pytest.mark.parametrize("raw,param", [
     (b'{"prompt": "hi", "temperature": NaN}', "temperature"),
     (b'{"prompt": "hi", "top_p": NaN}', "top_p"),

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shardline_runtime.entrypoints.errors import error_response
 from shardline_runtime.entrypoints.expert_routes import add_expert_routes
 from shardline_runtime.entrypoints.generate import serve_generate
+from shardline_runtime.entrypoints.json_body import CheckedJSONRoute
 from shardline_runtime.entrypoints.lora_routes import add_lora_routes
 from shardline_runtime.entrypoints.openai_serving import (
     ClientDisconnected,
@@ -80,6 +81,7 @@ def _pydantic_message(
 def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any]) -> FastAPI:
     """The app. ``state`` is shared with the launcher: ``healthy`` (bool), ``ready`` (bool)."""
     app = FastAPI(title="Shardline runtime", version="0.1.0")
+    app.router.route_class = CheckedJSONRoute  # before any route is added
     model_name = server_args.model_name
 
     @app.exception_handler(FastAPIValidationError)
