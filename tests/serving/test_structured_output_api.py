@@ -92,6 +92,31 @@ def test_rejected_constraints_are_400_naming_the_field(server, body, param):
     assert _error(r)["param"] == param
 
 
+def _schema_format(schema) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+@pytest.mark.parametrize(("schema", "where"), [
+    ({"$ref": "http://example.com/s.json"}, "schema.$ref"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "if": {"required": ["a"]}, "then": {}}, "schema.if"),
+    ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "schema.properties.a.not"),
+    ({"type": "array", "items": {"type": "object", "dependentRequired": {"a": ["b"]}}}, "schema.items.dependentRequired"),
+    ({"anyOf": [{"type": "integer"}, {"allOf": [{"type": "integer"}, {"minimum": 5}]}]}, "schema.anyOf.1.allOf"),
+], ids=["remote-ref", "if-then", "not", "dependent-required", "all-of"])
+def test_schema_keywords_the_backend_would_ignore_are_400_naming_them(server, schema, where):
+    r = server.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4,
+                                             "response_format": _schema_format(schema)})
+    assert _error(r)["message"].startswith(f"response_format: {where}: "), r.text
+
+
+def test_properties_named_like_keywords_are_served(server):
+    schema = {"type": "object", "properties": {"not": {"type": "boolean"}, "if": {"enum": ["then"]}},
+              "required": ["not", "if"], "additionalProperties": False}
+    r = server.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 40,
+                                             "response_format": _schema_format(schema)})
+    assert r.status_code == 200, r.text
+
+
 def test_generate_bad_regex_is_400_naming_sampling_params_regex(server):
     r = server.post("/generate", {"text": "hi", "sampling_params": {"regex": "(", "max_new_tokens": 4}})
     assert _error(r)["param"] == "sampling_params.regex"

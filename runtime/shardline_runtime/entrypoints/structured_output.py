@@ -32,7 +32,54 @@ def _schema_text(schema: Any, param: str) -> str:
             raise RequestValidationError(f"{param}: not valid JSON: {exc}", param) from None
     if not isinstance(schema, (dict, bool)):
         raise RequestValidationError(f"{param}: a JSON Schema must be an object", param)
+    found = _unenforced_keyword(schema, "schema")
+    if found is not None:
+        where, why = found
+        raise RequestValidationError(f"{param}: {where}: {why}", param)
     return json.dumps(schema)
+
+
+# JSON Schema keywords the grammar library (xgrammar 0.2) accepts but does not enforce: a schema
+# using them would be a 200 whose output may break it, so they are refused (vLLM refuses the
+# same ones for xgrammar, ``has_xgrammar_unsupported_json_features``).
+UNENFORCED_KEYWORDS = ("if", "then", "else", "not", "dependentRequired", "dependentSchemas")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "contains", "propertyNames", "additionalItems")
+
+
+def _unenforced_keyword(schema: Any, where: str) -> tuple[str, str] | None:
+    """(path, why) of the first keyword in ``schema`` (or a subschema) that would not be
+    enforced, or None. Walks subschemas only (property names and ``enum`` values are data)."""
+    if not isinstance(schema, dict):
+        return None
+    for key in UNENFORCED_KEYWORDS:
+        if key in schema:
+            return f"{where}.{key}", (
+                f"the JSON Schema keyword {key!r} is not enforced by the grammar backend; "
+                f"unsupported keywords: {list(UNENFORCED_KEYWORDS)}"
+            )
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        return f"{where}.$ref", f"only local references ('#' or '#/...') are served, got {ref!r}"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return f"{where}.allOf", "allOf with more than one subschema is not enforced; merge them"
+    children: list[tuple[str, Any]] = []
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            children += [(f"{where}.{key}.{name}", sub) for name, sub in schema[key].items()]
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            children += [(f"{where}.{key}.{i}", sub) for i, sub in enumerate(schema[key])]
+    for key in _SUBSCHEMAS:
+        sub = schema.get(key)
+        subs = enumerate(sub) if isinstance(sub, list) else [(None, sub)]
+        children += [(f"{where}.{key}" + ("" if i is None else f".{i}"), s) for i, s in subs]
+    for path, sub in children:
+        found = _unenforced_keyword(sub, path)
+        if found is not None:
+            return found
+    return None
 
 
 def response_format_spec(response_format: dict[str, Any] | None) -> GrammarSpec | None:
