@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import httpx
 import jsonschema
@@ -115,6 +117,25 @@ def test_properties_named_like_keywords_are_served(server):
     r = server.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 40,
                                              "response_format": _schema_format(schema)})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.slow
+def test_health_answers_while_a_slow_schema_compiles(server):
+    """A deeply nested schema takes seconds to compile; the compile runs off the event loop."""
+    schema: dict = {"type": "integer"}
+    for _ in range(390):
+        schema = {"type": "array", "items": schema}
+    body = {"messages": MESSAGES, "max_tokens": 2, "response_format": _schema_format(schema)}
+    started = time.monotonic()
+    thread = threading.Thread(target=server.post, args=("/v1/chat/completions", body))
+    thread.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    assert server.get("/health").status_code == 200
+    health_seconds = time.monotonic() - t0
+    thread.join()
+    assert time.monotonic() - started > 2, "the compile is slow enough for the test to mean something"
+    assert health_seconds < 1.0
 
 
 def test_generate_bad_regex_is_400_naming_sampling_params_regex(server):

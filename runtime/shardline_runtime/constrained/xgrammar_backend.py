@@ -18,6 +18,7 @@ Choices, documented in docs/api.md:
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -127,6 +128,7 @@ class GrammarBackend:
             info, max_threads=max_threads, cache_enabled=False
         )
         self._cache: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
+        self._cache_lock = threading.Lock()  # the HTTP process compiles in worker threads
 
     @classmethod
     def from_tokenizer_path(
@@ -144,13 +146,15 @@ class GrammarBackend:
             GrammarError: the library rejects the schema, regex or grammar (names ``spec.param``).
         """
         key = (spec.kind, spec.source, spec.strict)
-        compiled = self._cache.get(key)
+        with self._cache_lock:
+            compiled = self._cache.get(key)
         if compiled is None:
-            compiled = self._compile(spec)
-            if len(self._cache) >= CACHE_SIZE:
+            compiled = self._compile(spec)  # outside the lock: compiles run in parallel
+        with self._cache_lock:
+            if key not in self._cache and len(self._cache) >= CACHE_SIZE:
                 self._cache.popitem(last=False)
             self._cache[key] = compiled
-        self._cache.move_to_end(key)
+            self._cache.move_to_end(key)
         return compiled
 
     def _compile(self, spec: GrammarSpec) -> Any:

@@ -142,6 +142,8 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
     else:  # exactly one was given: input_ids
         input_ids = tm.validator.tokenize(req.input_ids or [], "input_ids")
     embeds = input_embeds_override(req, len(input_ids), tm.info.hidden_size)
+    # compiled off the event loop; _params's check is then a cache lookup
+    await tm.validator.compile_grammar(sampling_params_grammar(dict(req.sampling_params)))
     params, grammar = _params(req, input_ids, tm)
     if req.logprob_start_len >= len(input_ids):
         raise RequestValidationError(

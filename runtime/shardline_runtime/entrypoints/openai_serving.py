@@ -41,6 +41,7 @@ from shardline_runtime.entrypoints.logprobs import (
     prompt_text_offsets,
 )
 from shardline_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from shardline_runtime.entrypoints.structured_output import request_grammar
 from shardline_runtime.managers.step_detokenizer import GenerateChunk
 from shardline_runtime.managers.tokenizer_manager import TokenizerManager
 
@@ -260,6 +261,7 @@ class _ChatServing(OpenAIServing):
 
 async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: str, raw: Request):
     """Handle ``POST /v1/completions`` (validated body); raises RequestValidationError for 400s."""
+    await tm.validator.compile_grammar(request_grammar(req))  # off the event loop
     specs = completion_choices(req, tm)
     # held during a weight update or a pause, 503 now: before a stream's headers go out
     await tm.gate.admit()
@@ -270,6 +272,7 @@ async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: 
 
 async def serve_chat(req: ChatCompletionRequest, tm: TokenizerManager, model: str, raw: Request):
     """Handle ``POST /v1/chat/completions`` (validated body); raises RequestValidationError for 400s."""
+    await tm.validator.compile_grammar(request_grammar(req))  # as serve_completion
     specs = chat_choices(req, tm)
     await tm.gate.admit()  # as serve_completion
     serving = _ChatServing(tm, model, specs, "chatcmpl")

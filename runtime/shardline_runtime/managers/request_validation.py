@@ -6,6 +6,7 @@ Every failure is a :class:`RequestValidationError` naming the field (HTTP 400).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from shardline_runtime.constrained.grammar_spec import GrammarError, GrammarSpec
@@ -52,6 +53,18 @@ class RequestValidator:
             self._grammars.compile(spec)
         except GrammarError as exc:
             raise RequestValidationError(str(exc), exc.param) from None
+
+    async def compile_grammar(self, spec: GrammarSpec | None) -> None:
+        """:meth:`check_grammar` in a worker thread (None: nothing to do). Compiling a deep or
+        large schema takes seconds; xgrammar releases the GIL meanwhile, so the event loop keeps
+        answering ``/health`` and other requests. The compiled grammar is cached, so the
+        synchronous check that follows is a lookup.
+
+        Raises:
+            RequestValidationError: the library rejected it (``param`` names the field).
+        """
+        if spec is not None:
+            await asyncio.to_thread(self.check_grammar, spec)
 
     def encode_text(self, text: str, add_special_tokens: bool) -> tuple[list[int], int]:
         """Token ids of ``text`` and how many of them the tokenizer added in front of it.
