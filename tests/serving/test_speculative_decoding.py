@@ -7,11 +7,10 @@ distribution (a chi-square test of homogeneity); every KV slot comes back."""
 from __future__ import annotations
 
 import random
-from collections import Counter
 
 import pytest
-import torch
-from scheduler_harness import greedy, make_scheduler, run_loop
+from scheduler_harness import greedy, make_scheduler
+from speculative_harness import CYCLE, assert_settled, homogeneity_p_value, prompt, run, sampled_triples
 
 from shardline_runtime.managers.io_struct import AbortReq, TokenizedGenerateReqInput
 from shardline_runtime.sampling.sampling_params import SamplingParams
@@ -23,20 +22,12 @@ def ckpt(tiny_checkpoint):
     return tiny_checkpoint("llama", 0, max_position_embeddings=2048)
 
 
-def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(5, 500) for _ in range(n)]
-
-
-def _assert_settled(scheduler) -> None:
-    assert scheduler.cache.used_tokens() == 0, "every KV slot is free or in the prefix cache"
-    rows = scheduler.cache.req_to_token_pool
-    assert rows.available_size() == rows.size, "every request row is free"
+NGRAM = {"speculative_algorithm": "NGRAM"}
+_prompt, _assert_settled = prompt, assert_settled
 
 
 def _run(ckpt, arrivals, spec: bool, **overrides):
-    extra = {"speculative_algorithm": "NGRAM"} if spec else {}
-    scheduler = make_scheduler(ckpt, disable_overlap_schedule=True, **extra, **overrides)
-    return run_loop(scheduler, arrivals), scheduler
+    return run(ckpt, arrivals, NGRAM if spec else None, **overrides)
 
 
 def test_greedy_single_request_equals_no_speculation(ckpt):
@@ -96,9 +87,6 @@ def test_verify_steps_take_fewer_target_forwards(ckpt):
     assert runner.forward_pass_id < base_runner.forward_pass_id
 
 
-CYCLE = [11, 12, 13, 14, 15, 16]
-
-
 @pytest.fixture(scope="module")
 def cycle_ckpt(ckpt, tmp_path_factory):
     """The tiny model made to continue the cycle ``CYCLE`` with probability about 1/2 at
@@ -109,30 +97,14 @@ def cycle_ckpt(ckpt, tmp_path_factory):
     return make_cycle_checkpoint(ckpt, tmp_path_factory.mktemp("cycle"), CYCLE, 6.2)
 
 
-def _sampled_triples(ckpt, spec: bool, n: int) -> tuple[Counter, object]:
-    """Output ids of ``n`` sampled requests (3 tokens each) on a cyclic prompt, ids outside the
-    cycle binned as -1."""
-    params = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True)
-    reqs = [TokenizedGenerateReqInput(rid=f"s{i}", input_ids=CYCLE * 4, sampling_params=params) for i in range(n)]
-    torch.manual_seed(1234 if spec else 4321)
-    out, scheduler = _run(ckpt, {0: reqs}, spec=spec, max_total_tokens=n * 40, max_running_requests=n)
-    cells = Counter(tuple(t if t in CYCLE else -1 for t in v["ids"]) for v in out.values())
-    return cells, scheduler
-
-
 @pytest.mark.slow
 def test_sampled_output_follows_the_distribution_without_speculation(cycle_ckpt):
     n = 600
-    a, _ = _sampled_triples(cycle_ckpt, False, n)
-    b, scheduler = _sampled_triples(cycle_ckpt, True, n)
+    a, _ = sampled_triples(cycle_ckpt, None, n, 4321)
+    b, scheduler = sampled_triples(cycle_ckpt, NGRAM, n, 1234)
     stats = scheduler.speculative.stats
     assert 0 < stats.accepted_tokens < stats.draft_tokens, "drafts were both kept and rejected"
-    cells = sorted(set(a) | set(b))
-    table = torch.tensor([[a[c] for c in cells], [b[c] for c in cells]], dtype=torch.float64)
-    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
-    stat = float(((table - expected) ** 2 / expected).sum())
-    dof = len(cells) - 1
-    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
+    p_value, stat, dof = homogeneity_p_value(a, b)
     assert p_value > 1e-3, f"chi-square {stat:.1f} on {dof} degrees of freedom"
 
 
@@ -144,6 +116,12 @@ def test_sampled_output_follows_the_distribution_without_speculation(cycle_ckpt)
         ({"speculative_algorithm": "NGRAM", "pp_size": 2}, "not supported with --pp-size > 1"),
         ({"speculative_algorithm": "NGRAM", "enable_lora": True}, "not supported with --enable-lora"),
         ({"speculative_draft_model_path": "/d"}, "--speculative-draft-model-path needs"),
+        ({"speculative_algorithm": "STANDALONE"}, "STANDALONE needs --speculative-draft-model-path"),
+        ({"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "/d"}, "is not used by"),
+        (
+            {"speculative_algorithm": "NGRAM", "speculative_num_steps": 2, "speculative_num_draft_tokens": 5},
+            "num-draft-tokens must be num-steps \\+ 1",
+        ),
     ],
 )
 def test_combinations_that_do_not_compose_are_refused(flags, message):

@@ -53,6 +53,11 @@ from shardline_runtime.model_executor.generation_result import (
     logits_output_to_cpu,
 )
 from shardline_runtime.model_executor.model_runner import ModelRunner
+from shardline_runtime.speculative.draft_worker import (
+    DraftWorker,
+    check_draft_vocab,
+    draft_server_args,
+)
 from shardline_runtime.weights_state import CapturedGraphs, WeightsPhase
 
 logger = logging.getLogger(__name__)
@@ -117,6 +122,7 @@ class TpModelWorker(BaseTpWorker):
         self._init_model_config(model_runner)
         self._init_model_runner(model_runner)
         self._init_limits()
+        self.draft_worker = self._init_draft_worker()
         # World rank 0's seed on every rank of every stage, so unseeded sampling draws the same numbers.
         self.random_seed = broadcast_pyobj_world(int(getattr(server_args, "random_seed", 0)))
         torch.manual_seed(self.random_seed)
@@ -146,6 +152,24 @@ class TpModelWorker(BaseTpWorker):
         self.pp_rank = getattr(model_runner, "pp_rank", self.pp_rank)
         self.pp_size = getattr(model_runner, "pp_size", 1)
         self.device = model_runner.device
+
+    def _init_draft_worker(self) -> DraftWorker | None:
+        """STANDALONE: the draft model's own runner, with a KV pool as large as the target's.
+
+        Raises:
+            DraftModelError: the draft's vocabulary is not the target's.
+        """
+        spec = getattr(self.server_args, "speculative", None)
+        if spec is None or spec.speculative_algorithm != "STANDALONE":
+            return None
+        args = draft_server_args(self.server_args, self.max_total_num_tokens)
+        runner = ModelRunner(args, self.tp_rank, self.pp_rank)
+        check_draft_vocab(
+            self.model_config.vocab_size,
+            runner.model_config.vocab_size,
+            str(spec.speculative_draft_model_path),
+        )
+        return DraftWorker(runner)
 
     def _init_limits(self) -> None:
         runner = self.model_runner

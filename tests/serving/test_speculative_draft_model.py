@@ -1,0 +1,132 @@
+"""Speculative decoding with a draft model (``--speculative-algorithm STANDALONE``) through the
+scheduler on a real tiny target: greedy output equals greedy output without speculation token
+for token (alone and in a mixed batch with chunked prefill, prefix-cache hits, stop tokens,
+logprobs, penalties, ``max_new_tokens`` 0 and 1, and an abort); sampled output follows the
+target's distribution (chi-square test of homogeneity); the draft's KV of rejected drafts is
+freed, of accepted ones kept, and every slot of both pools comes back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from scheduler_harness import greedy, make_scheduler
+from speculative_harness import CYCLE, assert_settled, homogeneity_p_value, prompt, run, sampled_triples
+
+from shardline_runtime.managers.io_struct import AbortReq, TokenizedGenerateReqInput
+from shardline_runtime.sampling.sampling_params import SamplingParams
+from shardline_runtime.speculative.draft_worker import DraftModelError
+from shardline_runtime.tiny_checkpoint import make_cycle_checkpoint, make_draft_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint("llama", 0, max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def draft(ckpt, tmp_path_factory):
+    """The target with a noisy LM head: its argmax agrees with the target's often, not always."""
+    return make_draft_checkpoint(ckpt, tmp_path_factory.mktemp("draft"), noise=0.6)
+
+
+def _flags(draft_path, tokens: int = 4) -> dict:
+    return {
+        "speculative_algorithm": "STANDALONE",
+        "speculative_draft_model_path": str(draft_path),
+        "speculative_num_draft_tokens": tokens,
+    }
+
+
+def _assert_draft_settled(scheduler) -> None:
+    draft = scheduler.worker.draft_worker
+    assert draft.used_tokens == 0, "every draft KV slot is free"
+    rows = draft.runner.req_to_token_pool
+    assert rows.available_size() == rows.size, "every draft request row is free"
+
+
+def test_greedy_single_request_equals_no_speculation(ckpt, draft):
+    rng = random.Random(1)
+    arrivals = {0: [greedy("one", prompt(rng, 30), 60)]}
+    plain, _ = run(ckpt, arrivals, None)
+    spec, scheduler = run(ckpt, arrivals, _flags(draft))
+    stats = scheduler.speculative.stats
+    assert spec["one"]["ids"] == plain["one"]["ids"]
+    assert stats.accepted_tokens > 0, "some drafts were kept"
+    assert stats.accepted_tokens < stats.draft_tokens, "some drafts were rejected"
+    _assert_draft_settled(scheduler)
+
+
+def test_greedy_mixed_workload_equals_no_speculation(ckpt, draft):
+    rng = random.Random(0)
+    shared = prompt(rng, 90)
+    first = [greedy(f"a{i}", prompt(rng, rng.randint(3, 150)), rng.randint(1, 24)) for i in range(6)]
+    first.append(greedy("prefill_only", prompt(rng, 20), 0))
+    first.append(greedy("logprobs", prompt(rng, 150), 24, return_logprob=True, top_logprobs_num=2, logprob_start_len=5))
+    first.append(greedy("shared0", shared + [7, 8], 30))
+    stop_params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=tuple(range(5, 500, 3)))
+    penalty = SamplingParams(max_new_tokens=20, temperature=0.0, frequency_penalty=1.5)
+    arrivals = {
+        0: first,
+        2: [
+            greedy("late", prompt(rng, 200), 30),
+            TokenizedGenerateReqInput(rid="stops", input_ids=prompt(rng, 12), sampling_params=stop_params),
+            TokenizedGenerateReqInput(rid="penalty", input_ids=prompt(rng, 12) * 2, sampling_params=penalty),
+        ],
+        4: [greedy("long", prompt(rng, 40), 300)],
+        30: [AbortReq("long")],
+        50: [greedy("shared1", shared + [9, 10, 11], 30)],
+    }
+    limits = {"chunked_prefill_size": 64, "max_prefill_tokens": 256}
+    plain, _ = run(ckpt, arrivals, None, **limits)
+    spec, scheduler = run(ckpt, arrivals, _flags(draft), **limits)
+    assert spec.keys() == plain.keys()
+    for rid in plain:
+        if rid == "long":
+            continue
+        assert spec[rid]["ids"] == plain[rid]["ids"], f"{rid}: greedy tokens differ with speculation"
+        assert spec[rid]["finish"] == plain[rid]["finish"], rid
+    assert spec["logprobs"]["logprobs"] == pytest.approx(plain["logprobs"]["logprobs"], abs=1e-4)
+    assert spec["shared1"]["cached"] > 0, "the prefix cache still serves prefixes"
+    assert spec["long"]["finish"]["type"] == "abort"
+    assert plain["long"]["ids"][: len(spec["long"]["ids"])] == spec["long"]["ids"]
+    assert scheduler.speculative.stats.accepted_tokens > 0
+    assert_settled(scheduler)
+    _assert_draft_settled(scheduler)
+
+
+def test_draft_keeps_the_kv_of_accepted_tokens_and_frees_the_rejected(ckpt, draft):
+    rng = random.Random(5)
+    scheduler = make_scheduler(ckpt, disable_overlap_schedule=True, **_flags(draft, tokens=5))
+    scheduler.run_step([greedy("r", prompt(rng, 20), 40)])
+    for _ in range(6):
+        scheduler.run_step([])
+        req = scheduler.decode_manager.running_reqs[0]
+        entry = scheduler.worker.draft_worker.entries["r"]
+        history = req.origin_input_ids + req.output_ids
+        assert entry.tokens == history[: len(entry.tokens)], "the draft caches only tokens the target kept"
+        assert len(entry.tokens) == scheduler.worker.draft_worker.used_tokens, "no draft slot held past them"
+
+
+def test_a_draft_with_another_vocabulary_is_refused(ckpt, tiny_checkpoint):
+    other = tiny_checkpoint("llama", 2, vocab_size=640, tokenizer=False)
+    with pytest.raises(DraftModelError, match="vocab_size 640 differs from the target's 512"):
+        make_scheduler(ckpt, **_flags(other))
+
+
+@pytest.fixture(scope="module")
+def cycle_ckpt(ckpt, tmp_path_factory):
+    """The tiny model continuing ``CYCLE`` with probability about 1/2 at temperature 1."""
+    return make_cycle_checkpoint(ckpt, tmp_path_factory.mktemp("cycle"), CYCLE, 6.2)
+
+
+@pytest.mark.slow
+def test_sampled_output_follows_the_targets_distribution(cycle_ckpt):
+    # the draft is the target itself: its argmax (the cycle) is kept about half the time
+    n = 600
+    a, _ = sampled_triples(cycle_ckpt, None, n, 4321)
+    b, scheduler = sampled_triples(cycle_ckpt, _flags(cycle_ckpt), n, 1234)
+    stats = scheduler.speculative.stats
+    assert 0 < stats.accepted_tokens < stats.draft_tokens, "drafts were both kept and rejected"
+    p_value, stat, dof = homogeneity_p_value(a, b)
+    assert p_value > 1e-3, f"chi-square {stat:.1f} on {dof} degrees of freedom"
