@@ -130,3 +130,42 @@ def test_sampled_output_follows_the_targets_distribution(cycle_ckpt):
     assert 0 < stats.accepted_tokens < stats.draft_tokens, "drafts were both kept and rejected"
     p_value, stat, dof = homogeneity_p_value(a, b)
     assert p_value > 1e-3, f"chi-square {stat:.1f} on {dof} degrees of freedom"
+
+
+def _update_replies(scheduler) -> list:
+    from shardline_runtime.managers.io_struct import UpdateWeightsFromDiskReqOutput
+
+    return [m for m in scheduler.sender.socket.messages if isinstance(m, UpdateWeightsFromDiskReqOutput)]
+
+
+def test_weight_update_changes_target_and_draft_together(ckpt, draft, tiny_checkpoint, tmp_path):
+    from shardline_runtime.managers.io_struct import UpdateWeightsFromDiskReqInput
+
+    ckpt_b = tiny_checkpoint("llama", 1, max_position_embeddings=2048, tokenizer=False)
+    draft_b = make_draft_checkpoint(ckpt_b, tmp_path / "draft_b", noise=0.6)
+    rng = random.Random(3)
+    new = greedy("new", prompt(rng, 20), 24)
+    update = UpdateWeightsFromDiskReqInput(model_path=str(ckpt_b), revision="b", draft_model_path=str(draft_b))
+    expected, _ = run(ckpt_b, {0: [new]}, None)
+    spec, scheduler = run(ckpt, {0: [update], 1: [new]}, _flags(draft))
+    assert _update_replies(scheduler)[0].success is True
+    assert spec["new"]["ids"] == expected["new"]["ids"]
+    assert scheduler.worker.draft_worker.runner.model_config.model_path == str(draft_b)
+    assert scheduler.speculative.stats.accepted_tokens > 0, "the new draft agrees with the new target"
+
+
+def test_a_draft_that_fails_to_load_aborts_the_targets_update(ckpt, draft, tiny_checkpoint, tmp_path):
+    from shardline_runtime.managers.io_struct import UpdateWeightsFromDiskReqInput
+
+    ckpt_b = tiny_checkpoint("llama", 1, max_position_embeddings=2048, tokenizer=False)
+    broken = make_draft_checkpoint(ckpt_b, tmp_path / "broken", num_layers=1)  # other shapes
+    rng = random.Random(3)
+    new = greedy("new", prompt(rng, 20), 24)
+    update = UpdateWeightsFromDiskReqInput(model_path=str(ckpt_b), revision="b", draft_model_path=str(broken))
+    expected, _ = run(ckpt, {0: [new]}, None)
+    spec, scheduler = run(ckpt, {0: [update], 1: [new]}, _flags(draft))
+    reply = _update_replies(scheduler)[0]
+    assert reply.success is False
+    assert f"draft model {broken}" in reply.message
+    assert spec["new"]["ids"] == expected["new"]["ids"], "the old target still serves"
+    assert scheduler.worker.model_runner.model_config.model_path == str(ckpt)

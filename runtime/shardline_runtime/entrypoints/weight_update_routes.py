@@ -70,6 +70,9 @@ def add_weight_update_routes(
             return busy
         try:  # fetched and verified while the group still serves the old weights
             model_path = await local_model_path(body.model_path, server_args, tm)
+            draft_path = body.draft_model_path
+            if draft_path is not None:
+                draft_path = await local_model_path(draft_path, server_args, tm)
         except ModelSourceError as exc:
             message = f"{exc.reason}: {exc}"
             return JSONResponse({"success": False, "message": message}, status_code=400)
@@ -84,6 +87,7 @@ def add_weight_update_routes(
             body.weight_version,
             body.flush_cache,
             model_source=body.model_path if model_path != body.model_path else None,
+            draft_model_path=draft_path,
         )
         out = await tm.update_weights_from_disk(req)
         status = 200 if out.success else 409 if out.aborted else 400

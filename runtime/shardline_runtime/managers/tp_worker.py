@@ -276,8 +276,13 @@ class TpModelWorker(BaseTpWorker):
         recapture_cuda_graph: bool = True,
         on_phase: Callable[[WeightsPhase], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
+        draft_model_path: str | None = None,
     ) -> tuple[bool, str]:
         """Route an update from disk to ``ModelRunner.update_weights_from_disk`` (every rank).
+
+        With ``draft_model_path`` the draft model's new checkpoint is staged and checked beside
+        the target's and both commit together or neither does; the draft's KV is then dropped
+        (it was computed by the old draft weights).
 
         ``on_phase`` is called with each phase as it begins (``loading``, ``recapturing``, then
         ``serving`` or ``failed``), so the scheduler can report progress while this call runs.
@@ -290,13 +295,24 @@ class TpModelWorker(BaseTpWorker):
         Returns:
             ``(success, message)``.
         """
+        if draft_model_path is not None and self.draft_worker is None:
+            return False, (
+                f"draft_model_path {draft_model_path} given but this server runs no draft model "
+                "(--speculative-algorithm STANDALONE); old weights kept"
+            )
+        draft = None
+        if draft_model_path is not None and self.draft_worker is not None:
+            draft = (self.draft_worker.runner, draft_model_path)
         ok, message = self.model_runner.update_weights_from_disk(
             model_path,
             load_format,
             recapture_cuda_graph=recapture_cuda_graph,
             on_phase=on_phase,
             cancelled=cancelled,
+            draft=draft,
         )
+        if ok and draft is not None and self.draft_worker is not None:
+            self.draft_worker.release_all()
         logger.info(
             "[tp %d] update_weights_from_disk(%s): %s %s", self.tp_rank, model_path, ok, message
         )

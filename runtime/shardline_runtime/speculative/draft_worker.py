@@ -118,6 +118,11 @@ class DraftWorker:
         self._truncate(entry, 0)
         self.runner.req_to_token_pool.free(entry.row)
 
+    def release_all(self) -> None:
+        """Free every request's draft KV (after the draft's weights changed)."""
+        for rid in list(self.entries):
+            self.release(rid)
+
     def keep(self, rid: str, tokens: Sequence[int]) -> None:
         """Free ``rid``'s draft KV past its common prefix with ``tokens`` (the drafts the
         target rejected); the accepted drafts' KV stays."""
