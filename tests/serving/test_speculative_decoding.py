@@ -119,6 +119,10 @@ def test_sampled_output_follows_the_distribution_without_speculation(cycle_ckpt)
         ({"speculative_algorithm": "STANDALONE"}, "STANDALONE needs --speculative-draft-model-path"),
         ({"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "/d"}, "is not used by"),
         (
+            {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "hf://org/draft"},
+            "must be a local checkpoint directory",
+        ),
+        (
             {"speculative_algorithm": "NGRAM", "speculative_num_steps": 2, "speculative_num_draft_tokens": 5},
             "num-draft-tokens must be num-steps \\+ 1",
         ),

@@ -89,6 +89,11 @@ def speculative_errors(spec: SpeculativeArgs, pp_size: int, lora: bool) -> list[
     needs_draft = algo in DRAFT_MODEL_ALGORITHMS
     if needs_draft and not spec.speculative_draft_model_path:
         errors.append(f"--speculative-algorithm {algo} needs --speculative-draft-model-path")
+    if needs_draft and "://" in (spec.speculative_draft_model_path or ""):
+        errors.append(
+            f"--speculative-draft-model-path {spec.speculative_draft_model_path}: must be a local "
+            "checkpoint directory (hf:// and s3:// drafts are not fetched)"
+        )
     if not needs_draft and spec.speculative_draft_model_path:
         errors.append(
             f"--speculative-draft-model-path is not used by --speculative-algorithm {algo}; "
