@@ -53,11 +53,7 @@ from shardline_runtime.model_executor.generation_result import (
     logits_output_to_cpu,
 )
 from shardline_runtime.model_executor.model_runner import ModelRunner
-from shardline_runtime.speculative.draft_worker import (
-    DraftWorker,
-    check_draft_vocab,
-    draft_server_args,
-)
+from shardline_runtime.speculative.draft_worker import build_draft_worker, draft_update
 from shardline_runtime.weights_state import CapturedGraphs, WeightsPhase
 
 logger = logging.getLogger(__name__)
@@ -122,7 +118,10 @@ class TpModelWorker(BaseTpWorker):
         self._init_model_config(model_runner)
         self._init_model_runner(model_runner)
         self._init_limits()
-        self.draft_worker = self._init_draft_worker()
+        # STANDALONE: the draft model's own runner and KV pools (raises DraftModelError)
+        self.draft_worker = build_draft_worker(
+            server_args, tp_rank, self.pp_rank, self.model_config, self.max_total_num_tokens
+        )
         # World rank 0's seed on every rank of every stage, so unseeded sampling draws the same numbers.
         self.random_seed = broadcast_pyobj_world(int(getattr(server_args, "random_seed", 0)))
         torch.manual_seed(self.random_seed)
@@ -152,24 +151,6 @@ class TpModelWorker(BaseTpWorker):
         self.pp_rank = getattr(model_runner, "pp_rank", self.pp_rank)
         self.pp_size = getattr(model_runner, "pp_size", 1)
         self.device = model_runner.device
-
-    def _init_draft_worker(self) -> DraftWorker | None:
-        """STANDALONE: the draft model's own runner, with a KV pool as large as the target's.
-
-        Raises:
-            DraftModelError: the draft's vocabulary is not the target's.
-        """
-        spec = getattr(self.server_args, "speculative", None)
-        if spec is None or spec.speculative_algorithm != "STANDALONE":
-            return None
-        args = draft_server_args(self.server_args, self.max_total_num_tokens)
-        runner = ModelRunner(args, self.tp_rank, self.pp_rank)
-        check_draft_vocab(
-            self.model_config.vocab_size,
-            runner.model_config.vocab_size,
-            str(spec.speculative_draft_model_path),
-        )
-        return DraftWorker(runner)
 
     def _init_limits(self) -> None:
         runner = self.model_runner
@@ -295,14 +276,9 @@ class TpModelWorker(BaseTpWorker):
         Returns:
             ``(success, message)``.
         """
-        if draft_model_path is not None and self.draft_worker is None:
-            return False, (
-                f"draft_model_path {draft_model_path} given but this server runs no draft model "
-                "(--speculative-algorithm STANDALONE); old weights kept"
-            )
-        draft = None
-        if draft_model_path is not None and self.draft_worker is not None:
-            draft = (self.draft_worker.runner, draft_model_path)
+        draft, refused = draft_update(self.draft_worker, draft_model_path)
+        if refused:
+            return False, refused
         ok, message = self.model_runner.update_weights_from_disk(
             model_path,
             load_format,

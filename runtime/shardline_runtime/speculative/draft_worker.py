@@ -74,6 +74,40 @@ def check_draft_vocab(target_vocab: int, draft_vocab: int, path: str) -> None:
         )
 
 
+def build_draft_worker(
+    args, tp_rank: int, pp_rank: int, target_config, max_total_num_tokens: int
+) -> DraftWorker | None:
+    """The draft model's :class:`DraftWorker` with STANDALONE (else None): its own runner on
+    :func:`draft_server_args`, a KV pool of the target's ``max_total_num_tokens``.
+
+    Raises:
+        DraftModelError: the draft's vocabulary is not the target's ``target_config``'s.
+    """
+    spec = getattr(args, "speculative", None)
+    if spec is None or spec.speculative_algorithm != "STANDALONE":
+        return None
+    runner = ModelRunner(draft_server_args(args, max_total_num_tokens), tp_rank, pp_rank)
+    path = str(spec.speculative_draft_model_path)
+    check_draft_vocab(target_config.vocab_size, runner.model_config.vocab_size, path)
+    return DraftWorker(runner)
+
+
+def draft_update(
+    draft: DraftWorker | None, draft_model_path: str | None
+) -> tuple[tuple[ModelRunner, str] | None, str]:
+    """What a disk update with ``draft_model_path`` updates beside the target: ``((runner,
+    path), "")``, ``(None, "")`` without a draft path, or ``(None, reason)`` when the server
+    runs no draft model (the update is refused; nothing is loaded)."""
+    if draft_model_path is None:
+        return None, ""
+    if draft is None:
+        return None, (
+            f"draft_model_path {draft_model_path} given but this server runs no draft model "
+            "(--speculative-algorithm STANDALONE); old weights kept"
+        )
+    return (draft.runner, draft_model_path), ""
+
+
 @dataclass
 class _Entry:
     row: int
