@@ -6,10 +6,11 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pytest
 import torch
-from scheduler_harness import make_scheduler, run_loop
+from scheduler_harness import greedy, make_scheduler, run_loop
 
-from shardline_runtime.managers.io_struct import TokenizedGenerateReqInput
+from shardline_runtime.managers.io_struct import AbortReq, TokenizedGenerateReqInput
 from shardline_runtime.sampling.sampling_params import SamplingParams
 
 CYCLE = [11, 12, 13, 14, 15, 16]
@@ -53,3 +54,46 @@ def homogeneity_p_value(a: Counter, b: Counter) -> tuple[float, float, int]:
     dof = len(cells) - 1
     p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
     return p_value, stat, dof
+
+
+MIXED_LIMITS = {"chunked_prefill_size": 64, "max_prefill_tokens": 256}
+
+
+def mixed_workload() -> dict[int, list]:
+    """Arrivals by step: short and long prompts (chunked at ``MIXED_LIMITS``), a prefill-only
+    request, prompt and token logprobs, a shared prefix arriving again later (prefix cache), stop
+    tokens, a frequency penalty, and a long request aborted at step 30."""
+    rng = random.Random(0)
+    shared = prompt(rng, 90)
+    first = [greedy(f"a{i}", prompt(rng, rng.randint(3, 150)), rng.randint(1, 24)) for i in range(6)]
+    first.append(greedy("prefill_only", prompt(rng, 20), 0))
+    first.append(greedy("logprobs", prompt(rng, 150), 24, return_logprob=True, top_logprobs_num=2, logprob_start_len=5))
+    first.append(greedy("shared0", shared + [7, 8], 30))
+    stop_params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=tuple(range(5, 500, 3)))
+    penalty = SamplingParams(max_new_tokens=20, temperature=0.0, frequency_penalty=1.5)
+    return {
+        0: first,
+        2: [
+            greedy("late", prompt(rng, 200), 30),
+            TokenizedGenerateReqInput(rid="stops", input_ids=prompt(rng, 12), sampling_params=stop_params),
+            TokenizedGenerateReqInput(rid="penalty", input_ids=prompt(rng, 12) * 2, sampling_params=penalty),
+        ],
+        4: [greedy("long", prompt(rng, 40), 300)],
+        30: [AbortReq("long")],
+        50: [greedy("shared1", shared + [9, 10, 11], 30)],
+    }
+
+
+def assert_mixed_workload_matches(spec: dict, plain: dict) -> None:
+    """The speculative run of :func:`mixed_workload` gave the plain run's tokens, finishes and
+    logprobs; the prefix cache served; the abort cut a prefix of the plain output."""
+    assert spec.keys() == plain.keys()
+    for rid in plain:
+        if rid == "long":
+            continue
+        assert spec[rid]["ids"] == plain[rid]["ids"], f"{rid}: greedy tokens differ with speculation"
+        assert spec[rid]["finish"] == plain[rid]["finish"], rid
+    assert spec["logprobs"]["logprobs"] == pytest.approx(plain["logprobs"]["logprobs"], abs=1e-4)
+    assert spec["shared1"]["cached"] > 0, "the prefix cache still serves prefixes"
+    assert spec["long"]["finish"]["type"] == "abort"
+    assert plain["long"]["ids"][: len(spec["long"]["ids"])] == spec["long"]["ids"]

@@ -10,10 +10,18 @@ import random
 
 import pytest
 from scheduler_harness import greedy, make_scheduler
-from speculative_harness import CYCLE, assert_settled, homogeneity_p_value, prompt, run, sampled_triples
+from speculative_harness import (
+    CYCLE,
+    MIXED_LIMITS,
+    assert_mixed_workload_matches,
+    assert_settled,
+    homogeneity_p_value,
+    mixed_workload,
+    prompt,
+    run,
+    sampled_triples,
+)
 
-from shardline_runtime.managers.io_struct import AbortReq, TokenizedGenerateReqInput
-from shardline_runtime.sampling.sampling_params import SamplingParams
 from shardline_runtime.server_args import ServerArgs, ServerArgsError
 
 
@@ -41,37 +49,10 @@ def test_greedy_single_request_equals_no_speculation(ckpt):
 
 
 def test_greedy_mixed_workload_equals_no_speculation(ckpt):
-    rng = random.Random(0)
-    shared = _prompt(rng, 90)
-    first = [greedy(f"a{i}", _prompt(rng, rng.randint(3, 150)), rng.randint(1, 24)) for i in range(6)]
-    first.append(greedy("prefill_only", _prompt(rng, 20), 0))
-    first.append(greedy("logprobs", _prompt(rng, 150), 24, return_logprob=True, top_logprobs_num=2, logprob_start_len=5))
-    first.append(greedy("shared0", shared + [7, 8], 30))
-    stop_params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=tuple(range(5, 500, 3)))
-    penalty = SamplingParams(max_new_tokens=20, temperature=0.0, frequency_penalty=1.5)
-    arrivals = {
-        0: first,
-        2: [
-            greedy("late", _prompt(rng, 200), 30),
-            TokenizedGenerateReqInput(rid="stops", input_ids=_prompt(rng, 12), sampling_params=stop_params),
-            TokenizedGenerateReqInput(rid="penalty", input_ids=_prompt(rng, 12) * 2, sampling_params=penalty),
-        ],
-        4: [greedy("long", _prompt(rng, 40), 300)],
-        30: [AbortReq("long")],
-        50: [greedy("shared1", shared + [9, 10, 11], 30)],
-    }
-    plain, _ = _run(ckpt, arrivals, spec=False, chunked_prefill_size=64, max_prefill_tokens=256)
-    spec, scheduler = _run(ckpt, arrivals, spec=True, chunked_prefill_size=64, max_prefill_tokens=256)
-    assert spec.keys() == plain.keys()
-    for rid in plain:
-        if rid == "long":
-            continue
-        assert spec[rid]["ids"] == plain[rid]["ids"], f"{rid}: greedy tokens differ with speculation"
-        assert spec[rid]["finish"] == plain[rid]["finish"], rid
-    assert spec["logprobs"]["logprobs"] == pytest.approx(plain["logprobs"]["logprobs"], abs=1e-4)
-    assert spec["shared1"]["cached"] > 0, "the prefix cache still serves prefixes"
-    assert spec["long"]["finish"]["type"] == "abort"
-    assert plain["long"]["ids"][: len(spec["long"]["ids"])] == spec["long"]["ids"]
+    arrivals = mixed_workload()
+    plain, _ = _run(ckpt, arrivals, spec=False, **MIXED_LIMITS)
+    spec, scheduler = _run(ckpt, arrivals, spec=True, **MIXED_LIMITS)
+    assert_mixed_workload_matches(spec, plain)
     assert scheduler.speculative.stats.verify_steps > 0
     assert scheduler.speculative.stats.accepted_tokens > 0
     _assert_settled(scheduler)
