@@ -101,3 +101,9 @@ def test_standalone_tp2_greedy_text_equals_the_server_without_speculation(standa
     plain = _complete(server, max_tokens=40)["choices"][0]["text"]
     assert spec == plain
     assert _metric(standalone_tp2_server, "shardline:spec_accept_length") > 1.0
+
+
+def test_a_draft_update_on_a_server_without_a_draft_model_is_a_400(server):
+    r = server.post("/update_weights_from_disk", {"model_path": "/nowhere", "draft_model_path": "/nowhere-draft"})
+    assert r.status_code == 400
+    assert "--speculative-algorithm STANDALONE" in r.json()["message"]

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardline_runtime import distributed
+from shardline_runtime.layers.logits_processor import LogitsProcessorOutput
 from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from shardline_runtime.model_executor.model_runner import ModelRunner
 from shardline_runtime.speculative.proposer import Proposal
@@ -277,6 +278,6 @@ class DraftWorker:
             model_runner=runner,
         )
         output = runner.forward(forward_batch)
-        assert output is not None and not isinstance(output, tuple)
+        assert isinstance(output, LogitsProcessorOutput)  # a whole model, one stage
         logits = output.next_token_logits  # (bs, vocab)
         return logits.argmax(dim=-1).tolist()
