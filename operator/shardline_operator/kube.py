@@ -25,6 +25,7 @@ RESOURCES = {
     ("networking.k8s.io/v1", "NetworkPolicy"): ("/apis/networking.k8s.io/v1", "networkpolicies"),
     ("apps/v1", "StatefulSet"): ("/apis/apps/v1", "statefulsets"),
     ("policy/v1", "PodDisruptionBudget"): ("/apis/policy/v1", "poddisruptionbudgets"),
+    ("discovery.k8s.io/v1", "EndpointSlice"): ("/apis/discovery.k8s.io/v1", "endpointslices"),
     (f"{labels.API_GROUP}/{labels.API_VERSION}", labels.KIND): (
         f"/apis/{labels.API_GROUP}/{labels.API_VERSION}",
         labels.PLURAL,

@@ -1,6 +1,6 @@
 """The read-only first step of a pass: list the children and ask the leaders.
 
-:func:`observe` lists the deployment's StatefulSets, pods and NetworkPolicies and asks each
+:func:`observe` lists the deployment's StatefulSets, pods, NetworkPolicies and per-revision Services and asks each
 group's leader (a Running rank-0 pod with an IP) for ``/get_server_info``, for the state of an
 update request this process sent (groups of the wave in flight), for the canary gate (the group
 under verification) and for its LoRA adapters (Ready groups). It changes nothing: every change
@@ -130,6 +130,11 @@ def observe(
         p["metadata"]["name"]
         for p in kube.list("networking.k8s.io/v1", "NetworkPolicy", spec.namespace, selector)
     )
+    revision_services = tuple(
+        service["metadata"]["name"]
+        for service in kube.list("v1", "Service", spec.namespace, selector)
+        if labels.LABEL_REVISION_SERVICE in (service["metadata"].get("labels") or {})
+    )
     rollout = RolloutState.from_status(previous_status.get("rollout"))
     size = spec.parallelism.pods_per_group
     groups = {}
@@ -140,5 +145,9 @@ def observe(
             answers = observe_leader(spec, index, members, rollout, client)
         groups[index] = GroupObservation(index, size, statefulsets.get(index), members, answers)
     return Observation(
-        generation, groups, policies, lora_client=isinstance(client, LoRALeaderClient)
+        generation,
+        groups,
+        policies,
+        lora_client=isinstance(client, LoRALeaderClient),
+        revision_services=revision_services,
     )
