@@ -1,7 +1,8 @@
 """The read-only first step of a pass: list the children and ask the leaders.
 
-:func:`observe` lists the deployment's StatefulSets, pods, NetworkPolicies and per-revision Services and asks each
-group's leader (a Running rank-0 pod with an IP) for ``/get_server_info``, for the state of an
+:func:`observe` lists the deployment's StatefulSets, pods, NetworkPolicies and per-revision
+Services and asks each group's leader (a Running rank-0 pod with an IP) for
+``/get_server_info``, for the state of an
 update request this process sent (groups of the wave in flight), for the canary gate (the group
 under verification) and for its LoRA adapters (Ready groups). It changes nothing: every change
 is an action that ``decide`` plans and ``execute`` performs. The leader is reached through a
