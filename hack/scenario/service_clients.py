@@ -1,6 +1,7 @@
-"""Clients that route as kube-proxy does, from a Service's EndpointSlices (the local cluster
-runs the EndpointSlice controller but no kube-proxy): one that pins a revision (an RL loop's
-sampler) and one over the deployment's client Service. Used by tests/e2e/test_routing_e2e.py.
+"""Clients that route as a Service does (the local cluster with the node agent has no
+kube-proxy): to the Ready pods the Service's selector matches, read from the API at every
+request. One pins a revision (an RL loop's sampler), one goes through the deployment's client
+Service. Used by tests/e2e/test_routing_e2e.py.
 
 The pinned client follows the recipe of docs/operations.md ("Behind a gateway"): it sends to
 the per-revision Service ``<name>-rev-<revision>`` with ``X-Shardline-Revision``; once that
@@ -15,15 +16,30 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from hack.localcluster.rest import ApiError
+
 REVISION_HEADER = "X-Shardline-Revision"
 
 
 def ready_addresses(client, namespace: str, service: str) -> list[str]:
-    """Ready endpoint addresses of ``service`` (what kube-proxy would route to), sorted."""
-    slices = client.get(f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
-                        params={"labelSelector": f"kubernetes.io/service-name={service}"})
-    return sorted(a for s in (slices or {}).get("items", []) for e in s.get("endpoints") or []
-                  if (e.get("conditions") or {}).get("ready") is not False for a in e.get("addresses") or [])
+    """Addresses ``service`` routes to, sorted: the Ready, non-terminating pods its selector
+    matches (the EndpointSlice controller's rule). Resolved here because the node agent gives
+    pods loopback addresses, which EndpointSlices may not carry. [] when the Service is gone."""
+    try:
+        selector = client.get(f"/api/v1/namespaces/{namespace}/services/{service}")["spec"]["selector"]
+    except ApiError as exc:
+        if exc.status == 404:
+            return []
+        raise
+    query = ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
+    pods = client.get(f"/api/v1/namespaces/{namespace}/pods", params={"labelSelector": query})
+    ready = []
+    for pod in (pods or {}).get("items", []):
+        conditions = {c["type"]: c["status"] for c in pod.get("status", {}).get("conditions") or []}
+        if conditions.get("Ready") == "True" and not pod["metadata"].get("deletionTimestamp") \
+                and pod.get("status", {}).get("podIP"):
+            ready.append(pod["status"]["podIP"])
+    return sorted(ready)
 
 
 @dataclass

@@ -26,10 +26,20 @@ pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.slow]
 READY_TIMEOUT = 420
 
 
-def _until(predicate, timeout: float, what: str) -> None:
+def _routing_state(client, ns: str) -> str:
+    """The leaders' labels, the Services and their EndpointSlices, for failure messages."""
+    pods = client.get(f"/api/v1/namespaces/{ns}/pods")["items"]
+    slices = client.get(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices")["items"]
+    return "\n".join(
+        [f"pod {p['metadata']['name']} {p['metadata'].get('labels')} {p['status'].get('podIP')}" for p in pods]
+        + [f"slice {s['metadata'].get('labels', {}).get('kubernetes.io/service-name')} {s.get('endpoints')}"
+           for s in slices])
+
+
+def _until(predicate, timeout: float, what: str, state=lambda: "") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{state()}"
         time.sleep(0.2)
 
 
@@ -45,7 +55,7 @@ def rollout(kube_cluster):
         watch = apply(kube_cluster, doc)
         rollout_fleet.wait_ready(watch, "rev-a", 0, READY_TIMEOUT)
         _until(lambda: len(ready_addresses(client, ns, "route-rev-rev-a")) == 2, 60,
-               "both leaders behind route-rev-rev-a")
+               "both leaders behind route-rev-rev-a", lambda: _routing_state(client, ns))
         mark = watch.mark()
         pinned = ServiceClient(client, ns, "route-rev-rev-a", pin="rev-a", fallback="route")
         plain = ServiceClient(client, ns, "route")
@@ -54,7 +64,7 @@ def rollout(kube_cluster):
                                 {"model": {"path": str(revisions["rev-b"]), "revision": "rev-b"}})
             rollout_fleet.wait_ready(watch, "rev-b", mark, READY_TIMEOUT)
             _until(lambda: any(x.status == 503 for x in pinned.samples[-3:]), 60,
-                   "the pinned client refused after rev-a is gone")
+                   "the pinned client refused after rev-a is gone", lambda: _routing_state(client, ns))
         infos = rollout_fleet.leader_server_infos(client, ns, "route")
         final = client.get(f"/apis/shardline.dev/v1alpha1/namespaces/{ns}/inferencedeployments/route")
         yield {"pinned": pinned, "plain": plain, "final": final, "infos": infos,
