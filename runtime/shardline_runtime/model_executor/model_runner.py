@@ -26,6 +26,7 @@ from shardline_runtime import distributed
 from shardline_runtime.configs.model_config import ModelConfig
 from shardline_runtime.configs.pipeline_stage import PipelineStage
 from shardline_runtime.layers.logits_processor import LogitsProcessorOutput
+from shardline_runtime.layers.pooler import EmbeddingPoolerOutput
 from shardline_runtime.layers.sampler import Sampler
 from shardline_runtime.model_executor.device_graphs import DeviceGraphs
 from shardline_runtime.model_executor.forward_batch_info import (
@@ -118,7 +119,8 @@ class ModelRunner:
             self.model_config.num_hidden_layers, pp_rank, self.pp_size, par.pp_layer_partition
         )
         self.dtype = self.model_config.dtype
-        self.is_generation = True  # every registered architecture is a causal LM (SGLang's flag)
+        # SGLang's flag: False for an embedding model (sentence-transformers files in the checkpoint)
+        self.is_generation = self.model_config.is_generation
         self.forward_pass_id = 0
         pre_model_load_memory = self.init_torch_distributed()
         self.forward_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -235,7 +237,8 @@ class ModelRunner:
             a :class:`GenerationBatchResult` whose sampled ids and logprobs are still on the
             device (call ``copy_to_cpu()`` and ``wait()`` before reading them); on a stage that is
             not the last, one with ``pp_hidden_states_proxy_tensors`` and nothing sampled; for a
-            TARGET_VERIFY step, the kept tokens (``verify_step.verify_batch``).
+            TARGET_VERIFY step, the kept tokens (``verify_step.verify_batch``); for an embedding
+            model, ``pooled`` (bs, hidden) float32 and -1 for every id (nothing is sampled).
 
         Raises:
             ValueError: the step stops before the stage's last layer (a partial SPLIT_PREFILL).
@@ -247,6 +250,9 @@ class ModelRunner:
             )
         if isinstance(output, PPProxyTensors):
             return GenerationBatchResult(None, forward_batch, pp_hidden_states_proxy_tensors=output)
+        if isinstance(output, EmbeddingPoolerOutput):  # an embedding model: pooled, no sampler
+            ids = torch.full((forward_batch.batch_size,), -1, dtype=torch.int64, device=self.device)
+            return GenerationBatchResult(None, forward_batch, ids, pooled=output.pooled)
         if forward_batch.forward_mode.is_target_verify():
             return verify_batch(output, forward_batch, self.device, self.tp_size)
         return self.sample(output, forward_batch)
