@@ -130,10 +130,12 @@ async def serve_embeddings(
             raise RequestValidationError(problem, "dimensions")
     inputs = _inputs(tm, body.input)
     await tm.gate.admit()
+
+    async def run_all() -> list[list[float]]:
+        return list(await asyncio.gather(*(_embed(tm, ids) for ids in inputs)))
+
     try:
-        vectors = await until_disconnect(
-            raw, lambda: asyncio.gather(*(_embed(tm, ids) for ids in inputs))
-        )
+        vectors = await until_disconnect(raw, run_all)
     except RuntimeError as exc:
         return error_response(503, f"embedding failed: {exc}")
     tokens = sum(len(ids) for ids in inputs)
