@@ -313,3 +313,14 @@ def test_group_status_shows_the_scheme_the_leader_serves(world, spec_dict):
     }
     status = reconcile(ctx, copy.deepcopy(body)).status
     assert status["groups"][0]["quantization"] == "fp8-block-128x128"
+
+
+def test_status_says_what_the_leaders_serve(world):
+    kube, body, run = world
+    run()
+    kube.run_statefulsets()
+    leaders = FakeLeaders()
+    ctx = Context(kube=kube, leaders=leaders, clock=lambda: NOW[0])
+    ip = kube.pods()["llama-g0-0"]["status"]["podIP"]
+    leaders.info[f"http://{ip}:{labels.HTTP_PORT}"] = {"weights_phase": "serving", "model_kind": "embed"}
+    assert reconcile(ctx, copy.deepcopy(body)).status["modelKind"] == "embed"

@@ -86,3 +86,9 @@ def test_max_pooling_is_refused_naming_the_supported_modes(tmp_path):
     (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "max"}))
     with pytest.raises(ModelConfigError, match="pooling_mode.*lasttoken"):
         ModelConfig.from_pretrained(path)
+
+
+def test_a_declared_generate_kind_refuses_an_embedding_checkpoint(tmp_path):
+    path = make_tiny_embedding_checkpoint(tmp_path / "emb")
+    with pytest.raises(ModelConfigError, match="--model-kind generate: the checkpoint is an embedding model"):
+        make_scheduler(path, model_kind="generate")

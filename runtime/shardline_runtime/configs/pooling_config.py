@@ -39,6 +39,27 @@ class PoolingType(str, Enum):
     CLS = "cls"  # the first token's hidden state
 
 
+# --model-kind: what a deployment declares it serves (auto: whatever the checkpoint is)
+MODEL_KINDS = ("auto", "generate", "embed")
+
+
+def model_kind(pooling: PoolingConfig | None) -> str:
+    """``embed`` for an embedding model (a pooling config), else ``generate``."""
+    return "generate" if pooling is None else "embed"
+
+
+def model_kind_problem(requested: str, pooling: PoolingConfig | None) -> str | None:
+    """Why a checkpoint cannot serve as ``--model-kind requested``, or None."""
+    found = model_kind(pooling)
+    if requested in ("auto", found):
+        return None
+    what = "an embedding model (it has" if found == "embed" else "a generation model (it has no"
+    return (
+        f"--model-kind {requested}: the checkpoint is {what} sentence-transformers "
+        f"modules.json); allowed: {list(MODEL_KINDS)}"
+    )
+
+
 class PoolingConfigError(ValueError):
     """The sentence-transformers files ask for something not served; the message names it."""
 

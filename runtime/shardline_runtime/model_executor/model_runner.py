@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardline_runtime import distributed
-from shardline_runtime.configs.model_config import ModelConfig
+from shardline_runtime.configs.model_config import ModelConfig, ModelConfigError
 from shardline_runtime.configs.pipeline_stage import PipelineStage
+from shardline_runtime.configs.pooling_config import model_kind_problem
 from shardline_runtime.layers.logits_processor import LogitsProcessorOutput
 from shardline_runtime.layers.pooler import EmbeddingPoolerOutput
 from shardline_runtime.layers.sampler import Sampler
@@ -79,7 +80,8 @@ class ModelRunner:
     ``eplb_manager``, ``memory_saver`` (release/resume of weights, KV cache and graphs).
 
     Raises (from the constructor): ValueError (a rank outside the layout), ModelConfigError
-    (bad config.json or a head count that does not fit ``tp_size``) and PipelineLayoutError,
+    (bad config.json, a checkpoint of another kind than ``--model-kind``, or a head count that
+    does not fit ``tp_size``) and PipelineLayoutError,
     both before any weight is read; CheckpointError (a missing or short shard or parameter);
     KVCacheMemoryError (no memory left for the KV cache).
     """
@@ -110,6 +112,9 @@ class ModelRunner:
                 quantization=args.model.quantization,
             )
         self.model_config = model_config
+        kind_problem = model_kind_problem(args.model.model_kind, model_config.pooling)
+        if kind_problem is not None:
+            raise ModelConfigError(f"{model_config.model_path}: {kind_problem}")
         self.model_config.check_tp_size(self.tp_size)
         self.model_config.check_ep_size(
             self.tp_size, par.ep_size, args.experts.ep_num_redundant_experts
