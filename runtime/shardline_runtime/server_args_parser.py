@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from shardline_runtime.configs.pooling_config import MODEL_KINDS
+from shardline_runtime.configs.pooling_config import add_model_kind_argument
 from shardline_runtime.layers.quantization.online_fp8 import ONLINE_CHOICES
 from shardline_runtime.server_args_sections import (
     ATTENTION_BACKENDS,
@@ -136,14 +136,7 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
         choices=ONLINE_CHOICES,
         help="auto: serve the checkpoint's quantization_config (unquantized without one); fp8: quantize a bf16 checkpoint to FP8 per channel at load and at every weight update.",
     )
-    m.add_argument(
-        "--model-kind",
-        default=default("model_kind"),
-        choices=MODEL_KINDS,
-        help="What the server serves: generate (a causal LM), embed (an embedding model: a "
-        "checkpoint with sentence-transformers' modules.json, served at /v1/embeddings), or "
-        "auto: whichever the checkpoint is. A checkpoint of the other kind refuses to start.",
-    )
+    add_model_kind_argument(m, default("model_kind"))
     m.add_argument(
         "--attention-backend",
         default=default("attention_backend"),

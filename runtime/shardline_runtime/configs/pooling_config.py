@@ -60,6 +60,18 @@ def model_kind_problem(requested: str, pooling: PoolingConfig | None) -> str | N
     )
 
 
+def add_model_kind_argument(group: Any, default: str) -> None:
+    """Add ``--model-kind`` to ``group`` (an argparse group of ``make_parser``)."""
+    group.add_argument(
+        "--model-kind",
+        default=default,
+        choices=MODEL_KINDS,
+        help="What the server serves: generate (a causal LM), embed (an embedding model: a "
+        "checkpoint with sentence-transformers' modules.json, served at /v1/embeddings), or "
+        "auto: whichever the checkpoint is. A checkpoint of the other kind refuses to start.",
+    )
+
+
 class PoolingConfigError(ValueError):
     """The sentence-transformers files ask for something not served; the message names it."""
 
