@@ -301,26 +301,30 @@ def test_group_status_shows_the_leaders_weight_version(world, spec_dict):
     assert reconcile(ctx, copy.deepcopy(body)).status["groups"][0]["weightVersion"] == "step-7"
 
 
-def test_group_status_shows_the_scheme_the_leader_serves(world, spec_dict):
+def _status_with_leader_info(world, info: dict) -> dict:
+    """The status of a pass whose group-0 leader answers ``/get_server_info`` with ``info``."""
     kube, body, run = world
     run()
     kube.run_statefulsets()
     leaders = FakeLeaders()
     ctx = Context(kube=kube, leaders=leaders, clock=lambda: NOW[0])
     ip = kube.pods()["llama-g0-0"]["status"]["podIP"]
-    leaders.info[f"http://{ip}:{labels.HTTP_PORT}"] = {
-        "weights": {"phase": "serving", "model_path": "/m", "quantization": "fp8-block-128x128"}
-    }
-    status = reconcile(ctx, copy.deepcopy(body)).status
+    leaders.info[f"http://{ip}:{labels.HTTP_PORT}"] = info
+    return reconcile(ctx, copy.deepcopy(body)).status
+
+
+def test_group_status_shows_the_scheme_the_leader_serves(world, spec_dict):
+    status = _status_with_leader_info(
+        world, {"weights": {"phase": "serving", "model_path": "/m", "quantization": "fp8-block-128x128"}}
+    )
     assert status["groups"][0]["quantization"] == "fp8-block-128x128"
 
 
 def test_status_says_what_the_leaders_serve(world):
-    kube, body, run = world
-    run()
-    kube.run_statefulsets()
-    leaders = FakeLeaders()
-    ctx = Context(kube=kube, leaders=leaders, clock=lambda: NOW[0])
-    ip = kube.pods()["llama-g0-0"]["status"]["podIP"]
-    leaders.info[f"http://{ip}:{labels.HTTP_PORT}"] = {"weights_phase": "serving", "model_kind": "embed"}
-    assert reconcile(ctx, copy.deepcopy(body)).status["modelKind"] == "embed"
+    status = _status_with_leader_info(world, {"weights_phase": "serving", "model_kind": "embed"})
+    assert status["modelKind"] == "embed"
+
+
+def test_group_status_says_what_its_leader_serves(world):
+    status = _status_with_leader_info(world, {"weights_phase": "serving", "model_kind": "embed"})
+    assert status["groups"][0]["modelKind"] == "embed"
