@@ -5,6 +5,7 @@ without normalisation, inputs chunked by chunked prefill and batched together.""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -21,6 +22,16 @@ TEXTS = [
     "a",
     "kubernetes restarts the whole group when one member fails",
 ]
+
+
+@pytest.fixture(scope="module")
+def embedding_checkpoint(tmp_path_factory):
+    """Last-token pooling, normalised, not Matryoshka: the checkpoint the config tests read."""
+    return make_tiny_embedding_checkpoint(tmp_path_factory.mktemp("emb") / "emb")
+
+
+def _copy(path, tmp_path):
+    return shutil.copytree(path, tmp_path / "copy")
 
 
 def _embed(scheduler, input_ids: list[list[int]]) -> torch.Tensor:
@@ -56,24 +67,24 @@ def test_pooled_embeddings_equal_sentence_transformers(tmp_path, pooling, normal
     assert (got - expected).abs().max().item() < 1e-4
 
 
-def test_embedding_checkpoint_is_not_a_generation_model(tmp_path):
-    path = make_tiny_embedding_checkpoint(tmp_path / "emb")
-    assert ModelConfig.from_pretrained(path).is_generation is False
+def test_embedding_checkpoint_is_not_a_generation_model(embedding_checkpoint):
+    assert ModelConfig.from_pretrained(embedding_checkpoint).is_generation is False
 
 
-def test_matryoshka_flag_allows_every_width_up_to_hidden_size(tmp_path):
-    path = make_tiny_embedding_checkpoint(tmp_path / "emb", is_matryoshka=True)
-    pooling = ModelConfig.from_pretrained(path).pooling
-    assert pooling.dimensions_problem(16) is None
+def test_matryoshka_flag_allows_every_width_up_to_hidden_size(embedding_checkpoint, tmp_path):
+    path = _copy(embedding_checkpoint, tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "is_matryoshka": True}))
+    assert ModelConfig.from_pretrained(path).pooling.dimensions_problem(16) is None
 
 
-def test_dimensions_on_a_model_without_matryoshka_training_names_the_reason(tmp_path):
-    pooling = ModelConfig.from_pretrained(make_tiny_embedding_checkpoint(tmp_path / "emb")).pooling
+def test_dimensions_on_a_model_without_matryoshka_training_names_the_reason(embedding_checkpoint):
+    pooling = ModelConfig.from_pretrained(embedding_checkpoint).pooling
     assert "Matryoshka" in pooling.dimensions_problem(16)
 
 
-def test_a_dense_projection_module_is_refused_naming_modules_json(tmp_path):
-    path = make_tiny_embedding_checkpoint(tmp_path / "emb")
+def test_a_dense_projection_module_is_refused_naming_modules_json(embedding_checkpoint, tmp_path):
+    path = _copy(embedding_checkpoint, tmp_path)
     modules = json.loads((path / "modules.json").read_text())
     modules.append({"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"})
     (path / "modules.json").write_text(json.dumps(modules))
@@ -81,14 +92,14 @@ def test_a_dense_projection_module_is_refused_naming_modules_json(tmp_path):
         ModelConfig.from_pretrained(path)
 
 
-def test_max_pooling_is_refused_naming_the_supported_modes(tmp_path):
-    path = make_tiny_embedding_checkpoint(tmp_path / "emb")
+def test_max_pooling_is_refused_naming_the_supported_modes(embedding_checkpoint, tmp_path):
+    path = _copy(embedding_checkpoint, tmp_path)
     (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "max"}))
     with pytest.raises(ModelConfigError, match="pooling_mode.*lasttoken"):
         ModelConfig.from_pretrained(path)
 
 
-def test_a_declared_generate_kind_refuses_an_embedding_checkpoint(tmp_path):
-    path = make_tiny_embedding_checkpoint(tmp_path / "emb")
+def test_a_declared_generate_kind_refuses_an_embedding_checkpoint(embedding_checkpoint):
+    path = embedding_checkpoint
     with pytest.raises(ModelConfigError, match="--model-kind generate: the checkpoint is an embedding model"):
         make_scheduler(path, model_kind="generate")
