@@ -126,3 +126,19 @@ def test_langchain_openai_embeddings_equal_sentence_transformers(embedding_serve
     got = torch.tensor(embeddings.embed_documents(TEXTS) + [embeddings.embed_query(TEXTS[0])])
     expected = reference.encode([*TEXTS, TEXTS[0]], convert_to_tensor=True)
     assert (got - expected).abs().max().item() < 1e-4
+
+
+def test_an_in_place_weight_update_serves_the_new_embeddings(embedding_server, embedding_checkpoint, checkpoint_dir):
+    from sentence_transformers import SentenceTransformer
+
+    revision_b = checkpoint_dir / "qwen3-embedding-b"
+    if not (revision_b / "modules.json").exists():
+        make_tiny_embedding_checkpoint(revision_b, is_matryoshka=True, seed=1)
+    try:
+        update = embedding_server.post("/update_weights_from_disk", {"model_path": str(revision_b)})
+        assert update.json()["success"] is True, update.text
+        got = _vectors(embedding_server.post("/v1/embeddings", {"input": TEXTS}))
+        expected = SentenceTransformer(str(revision_b), device="cpu").encode(TEXTS, convert_to_tensor=True)
+        assert (got - expected).abs().max().item() < 1e-4
+    finally:
+        embedding_server.post("/update_weights_from_disk", {"model_path": str(embedding_checkpoint)})
