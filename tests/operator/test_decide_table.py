@@ -161,7 +161,19 @@ def test_a_finished_update_re_renders_and_relabels_its_group(make_spec, make_pod
                "canaryPassed": True, "groupPhases": {"0": "UpdatingWeights"}}
     done = {0: (pods(spec, make_pod, 0), leader("rev-b", update=("success", "")))}
     plan = decide(spec, observation(spec, make_pod, done), previous_status(spec, rollout=rollout), NOW)
-    assert changes(plan) == [("Apply", "StatefulSet/llama-g0"), ("Relabel", "rev-b")]
+    assert [c for c in changes(plan) if c[0] != "StartUpdate"] == [("Apply", "StatefulSet/llama-g0"),
+                                                                   ("Relabel", "rev-b")]
+
+
+def test_the_next_group_starts_in_the_pass_that_counts_the_last_one_updated(make_spec, make_pod):
+    # No pass in between: the gap between one group serving and the next loading is one pass.
+    spec = make_spec({"model": {**_model(), "path": REV_B, "revision": "rev-b"}})
+    rollout = {"phase": "Updating", "targetModelPath": REV_B, "targetRevision": "rev-b", "wave": [0],
+               "startedAt": "2027-01-15T08:00:00Z", "previousModelPath": REV_A, "previousRevision": "rev-a",
+               "canaryPassed": True, "groupPhases": {"0": "UpdatingWeights"}}
+    done = {0: (pods(spec, make_pod, 0), leader("rev-b", update=("success", "")))}
+    plan = decide(spec, observation(spec, make_pod, done), previous_status(spec, rollout=rollout), NOW)
+    assert [c for c in changes(plan) if c[0] == "StartUpdate"] == [("StartUpdate", 1, "rev-b")]
 
 
 def test_a_leader_on_another_digest_is_repaired_in_place(make_spec, make_pod):
