@@ -18,7 +18,11 @@ Prints:
 - per group the pre-rollout p95 latency and the time from "available again" until its p95 is
   back within 1.5x of it (a 5-s sliding window), and the worst latency after it was available.
 
+With ``--staging`` it measures instead an S3 rollout with and without the staging step (issue 25:
+``bench/rollout_staging.py``), in one run.
+
     python bench/rollout.py                      # starts a local cluster (binaries cached)
+    python bench/rollout.py --staging            # S3 rollout with vs without staging
     SHARDLINE_CLUSTER_DIR=/tmp/kube python bench/rollout.py --params-200m --restart
 """
 from __future__ import annotations
@@ -102,6 +106,10 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=20.0, help="seconds of traffic after the rollout")
     parser.add_argument("--verbose", action="store_true", help="print the statuses seen, timed from the patch")
     parser.add_argument("--restart", action="store_true", help="then roll back with strategy Restart")
+    parser.add_argument("--staging", action="store_true",
+                        help="an S3 rollout with and without staging (bench/rollout_staging.py)")
+    parser.add_argument("--staging-last", action="store_true",
+                        help="with --staging: run the rollout without staging first")
     args = parser.parse_args()
     existing = os.environ.get("SHARDLINE_CLUSTER_DIR")
     cluster = LocalCluster.load(Path(existing)) if existing else LocalCluster(state_dir=Path(tempfile.mkdtemp(prefix="kube-")))
@@ -110,6 +118,11 @@ def main() -> None:
     try:
         revs = large_revisions() if args.params_200m else write_revisions()
         install_operator(cluster)
+        if args.staging:
+            from bench.rollout_staging import compare
+
+            compare(cluster, revs, args.rate, staging_first=not args.staging_last)
+            return
         ns = f"bench-{uuid.uuid4().hex[:6]}"
         doc = two_group_doc(ns, "bench", str(revs["rev-a"]), "rev-a", startup_timeout=900, replicas=args.groups)
         watch = apply(cluster, doc)
