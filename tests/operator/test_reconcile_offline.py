@@ -170,12 +170,13 @@ def test_in_place_rollout_through_reconcile(world):
     leaders.results["default/llama/g1"] = ("success", "")
     leaders.seconds["default/llama/g1"] = {"load_seconds": 0.2, "recapture_seconds": 0.0}  # a CPU pod
     writes = len(kube.statuses)
-    body["status"] = reconcile(ctx, copy.deepcopy(body)).status
+    completed = reconcile(ctx, copy.deepcopy(body))  # the pass that counts the last group updated
+    body["status"] = completed.status
     assert "RecapturingGraphs" not in [s.get("phase") for s in kube.statuses[writes:]]  # it captured nothing
+    assert any(e[1] == "RolloutComplete" for e in completed.events)
     result = reconcile(ctx, copy.deepcopy(body))
     assert result.status["phase"] == "Ready" and result.status["servedRevision"] == "rev-b"
     assert {n: p["metadata"]["uid"] for n, p in kube.pods().items()} == uids  # no pod restarted
-    assert any(e[1] == "RolloutComplete" for e in result.events)
 
 
 def test_group_added_after_a_failed_rollout_joins_the_served_model(world):
