@@ -33,6 +33,7 @@ LABEL_ROUTABLE = "shardline.dev/routable"
 LABEL_SERVED_REVISION = "shardline.dev/served-revision"
 LABEL_WEIGHT_VERSION = "shardline.dev/weight-version"
 LABEL_REVISION_SERVICE = "shardline.dev/revision-service"  # marks a per-revision Service
+LABEL_MODEL_KIND = "shardline.dev/model-kind"  # on the client Service when spec.model.kind is set
 # Set by the StatefulSet controller on every pod (Kubernetes >= 1.28): the pod's ordinal = TP node rank.
 LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"
 

@@ -52,11 +52,16 @@ def routable_leader_labels(name: str) -> dict[str, str]:
 
 
 def build_client_service(spec: DeploymentSpec) -> dict[str, Any]:
-    """Client Service ``<name>`` over the routable rank-0 pod of every group."""
+    """Client Service ``<name>`` over the routable rank-0 pod (the HTTP server) of every
+    group; labelled ``shardline.dev/model-kind`` (generate / embed) when ``spec.model.kind``
+    declares it."""
+    meta_labels = labels.common_labels(spec.name)
+    if spec.model.kind != "auto":
+        meta_labels = {**meta_labels, labels.LABEL_MODEL_KIND: spec.model.kind}
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": child_metadata(spec, spec.name, labels.common_labels(spec.name)),
+        "metadata": child_metadata(spec, spec.name, meta_labels),
         "spec": {
             "type": spec.service.type,
             "selector": routable_leader_labels(spec.name),

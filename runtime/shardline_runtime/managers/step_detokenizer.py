@@ -35,6 +35,7 @@ class GenerateChunk:
     ``token_texts``: the text of every token id in ``logprobs`` and ``prompt_logprobs`` (their
     alternatives included), decoded alone with special tokens kept (for OpenAI logprobs).
     ``weight_version`` / ``revision``: the weights that produced the chunk (stamped on receipt).
+    ``embedding``: an embedding model's vector, on the last chunk.
     """
 
     text: str
@@ -47,6 +48,7 @@ class GenerateChunk:
     revision: str | None = None
     text_offsets: list[int] = field(default_factory=list)
     token_texts: dict[int, str] = field(default_factory=dict)
+    embedding: list[float] | None = None
 
 
 def detokenize_out(detok: IncrementalDetokenizer, out: TokenOut) -> tuple[GenerateChunk, bool]:
@@ -71,6 +73,7 @@ def detokenize_out(detok: IncrementalDetokenizer, out: TokenOut) -> tuple[Genera
         logprobs=out.logprobs[:consumed],
         prompt_logprobs=out.prompt_logprobs,
         text_offsets=detok.token_offsets[before : before + consumed],
+        embedding=out.embedding,
     )
     return chunk, stopped_here
 
