@@ -3,7 +3,13 @@ is independent of the runtime's reader): a tiny transformers model, the library'
 scheme applied (``apply_quantization_config``), weight scales from the library's
 ``calculate_qparams`` over each weight's min/max in the scheme's strategy, then
 ``ModelCompressor.compress_model`` + ``save_pretrained`` + ``update_config`` (llm-compressor's
-save path, without its calibration)."""
+save path, without its calibration).
+
+MoE experts: transformers holds them fused (``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I)
+parameters, not ``Linear`` modules), so before the scheme is applied each fused experts module
+is put back into the checkpoint's layout, one ``Linear`` per expert and projection
+(``experts.<e>.gate_proj``...), which is what llm-compressor's MoE calibration modules do; the
+library then quantizes and compresses them like any other ``Linear``."""
 
 from __future__ import annotations
 
@@ -32,6 +38,30 @@ def _min_max(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     raise ValueError(f"no min/max for strategy {args.strategy}")
 
 
+class _Expert(torch.nn.Module):
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
+        super().__init__()
+        inter, hidden = down.shape[1], down.shape[0]
+        self.gate_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.up_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.down_proj = torch.nn.Linear(inter, hidden, bias=False)
+        self.gate_proj.weight.data.copy_(gate_up[:inter])
+        self.up_proj.weight.data.copy_(gate_up[inter:])
+        self.down_proj.weight.data.copy_(down)
+
+
+def _unfuse_experts(model: torch.nn.Module) -> None:
+    """Replace every fused experts module by a ``ModuleList`` of per-expert ``Linear``s."""
+    fused = [
+        (name, m) for name, m in model.named_modules() if hasattr(m, "gate_up_proj")
+    ]
+    for name, module in fused:
+        experts = torch.nn.ModuleList(
+            _Expert(gu, d) for gu, d in zip(module.gate_up_proj.data, module.down_proj.data)
+        )
+        model.set_submodule(name, experts)
+
+
 def quantize_checkpoint(src: Path, out: Path, preset: str, **weight_args) -> Path:
     """Write ``src`` (a float checkpoint with its tokenizer) quantized with the compressed-tensors
     ``preset`` (``FP8``, ``FP8_DYNAMIC``, ``FP8_BLOCK``, ``W4A16``) into ``out``; ``weight_args``
@@ -47,6 +77,7 @@ def quantize_checkpoint(src: Path, out: Path, preset: str, **weight_args) -> Pat
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    _unfuse_experts(model)
     scheme = preset_name_to_scheme(preset, ["Linear"])
     if weight_args:
         scheme.weights = scheme.weights.model_copy(update=weight_args)

@@ -260,11 +260,6 @@ class ModelConfig:
             )
         except QuantizationError as e:
             raise ModelConfigError(str(e)) from None
-        if served is not None and moe.get("num_experts"):
-            raise ModelConfigError(
-                f"{path / 'config.json'}: quantization_config ({served.scheme}) with a "
-                f"mixture-of-experts model ({arch}) is not supported; supported: dense models"
-            )
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ModelConfigError(f"{path}: hidden_act {act!r} is not supported (only 'silu')")

@@ -36,6 +36,8 @@ class SparseMoeBlock(nn.Module):
             config.moe_intermediate_size,
             layer_id,
             reduce_results=False,
+            quant_config=config.quantization,
+            prefix=f"model.layers.{layer_id}.mlp.experts",
         )
         self.shared_expert: LlamaMLP | None = None
         self.shared_expert_gate: ReplicatedLinear | None = None
