@@ -16,6 +16,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 STATIC_INPUT_SCALE = 0.02  # the calibrated activation scale written for static FP8 schemes
@@ -104,3 +105,44 @@ def quantize_checkpoint(src: Path, out: Path, preset: str, **weight_args) -> Pat
         if name.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(name, out / name.name)
     return out
+
+
+# test scheme name -> (compressed-tensors preset, weight argument overrides)
+SCHEMES = {
+    "fp8_dynamic_channel": ("FP8_DYNAMIC", {}),
+    "fp8_static_tensor": ("FP8", {}),
+    "fp8_block": ("FP8_BLOCK", {"block_structure": [16, 32]}),
+    "w4a16": ("W4A16", {"group_size": 32}),
+}
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_checkpoint, tmp_path_factory):
+    """``make(name, seed=0, arch="llama")`` -> a compressed-tensors checkpoint of the tiny
+    ``arch`` model in scheme ``name`` (one of ``SCHEMES``), built once per module."""
+    cache: dict = {}
+
+    def make(name: str, seed: int = 0, arch: str = "llama"):
+        key = (name, seed, arch)
+        if key not in cache:
+            preset, args = SCHEMES[name]
+            src = tiny_checkpoint(arch, seed=seed)
+            out = tmp_path_factory.mktemp(f"{arch}-{name}-{seed}")
+            cache[key] = quantize_checkpoint(src, out, preset, **args)
+        return cache[key]
+
+    return make
+
+
+def reference(path):
+    """transformers' model of the checkpoint ``path`` (float32, eval); compressed-tensors
+    decompresses it."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def ref_logits(model, tokens):
+    """(T, vocab) logits of ``tokens`` under the reference ``model``."""
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]
