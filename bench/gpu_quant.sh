@@ -26,8 +26,8 @@ if [[ "${GPU_CHECK_DRY_RUN:-0}" == "1" ]]; then
   bench_args=(--device cpu --decode-table --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128
               --vocab 512 --dtype float32 --graph-batch-sizes 1 2 --contexts 16 32 --decode-steps 2 --no-transformers)
   moe_args=(--device cpu --decode-table --arch qwen3_moe --layers 2 --hidden 64 --heads 4 --kv-heads 2
-            --experts 4 --top-k 2 --moe-intermediate 64 --vocab 512 --dtype float32 --graph-batch-sizes 1 2
-            --contexts 16 32 --decode-steps 2 --no-transformers)
+            --experts 4 --top-k 2 --moe-intermediate 64 --vocab 512 --dtype float32 --graph-batch-sizes 1
+            --contexts 16 --decode-steps 2 --no-transformers)
 else
   python3 -c "import torch, sys; torch.cuda.is_available() or sys.exit('bench/gpu_quant.sh: no CUDA device')" || exit 1
   bench_args=(--device cuda --preset llama-1b --dtype bfloat16 --graph-batch-sizes 1 8 32

@@ -63,11 +63,14 @@ def _unfuse_experts(model: torch.nn.Module) -> None:
         model.set_submodule(name, experts)
 
 
-def quantize_checkpoint(src: Path, out: Path, preset: str, **weight_args) -> Path:
+def quantize_checkpoint(
+    src: Path, out: Path, preset: str, ignore: tuple[str, ...] = (), **weight_args
+) -> Path:
     """Write ``src`` (a float checkpoint with its tokenizer) quantized with the compressed-tensors
     ``preset`` (``FP8``, ``FP8_DYNAMIC``, ``FP8_BLOCK``, ``W4A16``) into ``out``; ``weight_args``
     override the preset's weight arguments (``group_size``, ``block_structure``); the block
-    preset's activation group follows the block width. ``lm_head`` stays unquantized."""
+    preset's activation group follows the block width. ``lm_head`` and the modules matching
+    ``ignore`` (compressed-tensors patterns) stay unquantized."""
     import transformers
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
@@ -85,7 +88,7 @@ def quantize_checkpoint(src: Path, out: Path, preset: str, **weight_args) -> Pat
     if "block_structure" in weight_args:
         group = weight_args["block_structure"][1]
         scheme.input_activations = scheme.input_activations.model_copy(update={"group_size": group})
-    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head", *ignore])
     apply_quantization_config(model, config, show_progress=False)
     with torch.no_grad():
         for module in model.modules():
@@ -118,17 +121,18 @@ SCHEMES = {
 
 @pytest.fixture(scope="module")
 def quantized(tiny_checkpoint, tmp_path_factory):
-    """``make(name, seed=0, arch="llama")`` -> a compressed-tensors checkpoint of the tiny
-    ``arch`` model in scheme ``name`` (one of ``SCHEMES``), built once per module."""
+    """``make(name, seed=0, arch="llama", ignore=())`` -> a compressed-tensors checkpoint of the
+    tiny ``arch`` model in scheme ``name`` (one of ``SCHEMES``), the modules matching ``ignore``
+    left unquantized, built once per module."""
     cache: dict = {}
 
-    def make(name: str, seed: int = 0, arch: str = "llama"):
-        key = (name, seed, arch)
+    def make(name: str, seed: int = 0, arch: str = "llama", ignore: tuple[str, ...] = ()):
+        key = (name, seed, arch, ignore)
         if key not in cache:
             preset, args = SCHEMES[name]
             src = tiny_checkpoint(arch, seed=seed)
             out = tmp_path_factory.mktemp(f"{arch}-{name}-{seed}")
-            cache[key] = quantize_checkpoint(src, out, preset, **args)
+            cache[key] = quantize_checkpoint(src, out, preset, ignore=ignore, **args)
         return cache[key]
 
     return make

@@ -7,9 +7,9 @@ an update in place to another revision of the scheme copies the experts' scales.
 
 Reference numerics: transformers decompresses MoE experts to dense weights and runs them with
 activations in the model dtype (``CompressedTensorsDequantize``), and so does the runtime
-(dequantize, then the unquantized MoE path). Tolerances as in test_quantized_checkpoints.py:
-1e-4, and 0.3 for dynamic per-token FP8 at TP2 (the row-parallel attention output quantizes
-each rank's half of a token with its own scale)."""
+(dequantize, then the unquantized MoE path). Tolerance 1e-4 in
+float32 (measured about 1e-6), at TP2 too: the dynamic per-token FP8 case there quantizes the
+experts only (see the test)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ PROMPT = [5, 17, 200, 33, 9, 41, 77, 300, 12, 8, 101]
 PROMPTS = [[5, 17, 33, 80, 9], [300, 12, 55, 66, 77, 88]]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
 TOL = 1e-4
-DYNAMIC_TP2_TOL = 0.3
 REFERENCED = ["fp8_dynamic_channel", "fp8_static_tensor", "w4a16"]
 
 
@@ -139,35 +138,42 @@ def test_update_in_place_to_another_revision_equals_cold_start(quantized):
     assert served == run_engine(cold_b, PROMPTS, GREEDY)
 
 
+EXPERTS_ONLY = ("re:.*self_attn.*",)  # attention left in the model dtype
+
+
 @pytest.mark.slow
 def test_tp2_quantized_moe_logits_match_transformers(quantized, tmp_path):
-    prompts = [PROMPT[:8], PROMPT[3:]]
     # moe_tp_size 2 splits the intermediate size 32 into halves of 16: the FP8 scales split
-    # with the weights; a W4A16 group of 32 cannot be cut, so W4A16 runs its experts over EP
+    # with the weights (per channel: w13 rows split, w2 rows replicated; per tensor: one per
+    # shard); a W4A16 group of 32 cannot be cut, so W4A16 runs its experts over EP. The dynamic
+    # FP8 case quantizes the experts only: at TP2 the row-parallel attention output would add
+    # per-rank activation-scale noise, enough to flip a top-k routing choice.
     cases = {
-        "fp8_dynamic_channel": {},
-        "fp8_static_tensor": {},
-        "w4a16-ep2": {"ep_size": 2},
+        "fp8_dynamic_channel": ({}, EXPERTS_ONLY),
+        "fp8_static_tensor": ({}, ()),
+        "w4a16": ({"ep_size": 2}, ()),
     }
+    paths = {
+        name: quantized(name, arch=ARCH, ignore=ignore) for name, (_, ignore) in cases.items()
+    }
+    prompts = [PROMPT[:8], PROMPT[3:]]
     scenarios = [
         {
-            "name": case,
-            "path": str(quantized(case.split("-")[0], arch=ARCH)),
+            "name": name,
+            "path": str(paths[name]),
             "prompts": prompts,
             "steps": 2,
             "runner_kwargs": kwargs,
         }
-        for case, kwargs in cases.items()
+        for name, (kwargs, _) in cases.items()
     ]
     ranks = harness.run_tp(2, scenarios, tmp_path)
-    for case in cases:
-        name = case.split("-")[0]
-        ref = reference(quantized(name, arch=ARCH))
-        tol = DYNAMIC_TP2_TOL if name == "fp8_dynamic_channel" else TOL
-        got = ranks[0][case]
+    for name in cases:
+        ref = reference(paths[name])
+        got = ranks[0][name]
         for i, prompt in enumerate(prompts):
             tokens = list(prompt)
             for step, logits in enumerate(got["logits"]):
                 expect = ref_logits(ref, tokens)[-1]
-                assert (logits[i] - expect).abs().max() <= tol, (case, i, step)
+                assert (logits[i] - expect).abs().max() <= TOL, (name, i, step)
                 tokens.append(got["tokens"][step][i])

@@ -151,15 +151,31 @@ def expert_param_names(layer: nn.Module) -> list[str]:
     return [name for name, _ in layer.named_parameters() if name.startswith(("w13_", "w2_"))]
 
 
+def active_slots(local_ids: torch.Tensor, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the local slots ``local_ids (T, k)`` route to, sorted (n,), the ids renumbered into
+    them, -1 kept); reads the ids on the host."""
+    slots = torch.unique(local_ids[local_ids >= 0])
+    renumber = torch.full((num_local,), -1, dtype=local_ids.dtype, device=local_ids.device)
+    renumber[slots] = torch.arange(slots.numel(), dtype=local_ids.dtype, device=local_ids.device)
+    return slots, torch.where(local_ids >= 0, renumber[local_ids.clamp(min=0)], -1)
+
+
 def dequantized_experts(
     layer: nn.Module,
     methods: tuple[LinearMethod, LinearMethod],
     inter_rank: int,
     hidden_size: int,
     dtype: torch.dtype,
+    slots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w13 (E_local, 2 inter_rank, hidden_size)`` and ``w2 (E_local, hidden_size,
-    inter_rank)`` in ``dtype`` (the stored tensors themselves when unquantized in ``dtype``)."""
-    w13 = methods[0].dequantize(lambda name: layer_tensor(layer, f"w13_{name}"), inter_rank, dtype)
-    w2 = methods[1].dequantize(lambda name: layer_tensor(layer, f"w2_{name}"), hidden_size, dtype)
+    """``w13 (E, 2 inter_rank, hidden_size)`` and ``w2 (E, hidden_size, inter_rank)`` in
+    ``dtype`` of the local ``slots`` (default: every local slot; the stored tensors themselves
+    when unquantized in ``dtype``)."""
+
+    def stacked(name: str) -> torch.Tensor:
+        tensor = layer_tensor(layer, name)
+        return tensor if slots is None else tensor[slots]
+
+    w13 = methods[0].dequantize(lambda name: stacked(f"w13_{name}"), inter_rank, dtype)
+    w2 = methods[1].dequantize(lambda name: stacked(f"w2_{name}"), hidden_size, dtype)
     return w13, w2

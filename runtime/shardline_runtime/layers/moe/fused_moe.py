@@ -27,6 +27,7 @@ from shardline_runtime.layers.moe.expert_location import (
     route_to_physical,
 )
 from shardline_runtime.layers.moe.expert_params import (
+    active_slots,
     create_expert_params,
     dequantized_experts,
     expert_methods,
@@ -195,12 +196,18 @@ class FusedMoE(nn.Module):
             local = torch.where(
                 (local >= 0) & (local < self.num_local_experts), local, -1
             )  # dispatch: keep ours
+        slots = None
+        if self.quantized and not hidden_states.is_cuda:
+            # CPU: dequantize only the slots this batch routes to (a decode step uses few);
+            # on CUDA every slot is, to keep the step free of host syncs (CUDA graphs)
+            slots, local = active_slots(local, self.num_local_experts)
         w13, w2 = dequantized_experts(
             self,
             self.quant_methods,
             self.intermediate_per_rank,
             self.hidden_size,
             hidden_states.dtype,
+            slots,
         )
         out = experts_forward(hidden_states, w13, w2, topk_weights, local)
         return expert_parallel_combine(out) if self.reduce_results else out
