@@ -177,3 +177,10 @@ def test_tp2_quantized_moe_logits_match_transformers(quantized, tmp_path):
                 expect = ref_logits(ref, tokens)[-1]
                 assert (logits[i] - expect).abs().max() <= TOL, (name, i, step)
                 tokens.append(got["tokens"][step][i])
+
+
+def test_lora_on_a_quantized_moe_base_is_refused(quantized):
+    from shardline_runtime.lora.lora_config import LoRAAdapterError
+
+    with pytest.raises(LoRAAdapterError, match="quantized base model"):
+        harness.make_runner(quantized("w4a16", arch=ARCH), enable_lora=True)
