@@ -184,3 +184,18 @@ def test_lora_on_a_quantized_moe_base_is_refused(quantized):
 
     with pytest.raises(LoRAAdapterError, match="quantized base model"):
         harness.make_runner(quantized("w4a16", arch=ARCH), enable_lora=True)
+
+
+def test_expert_replacement_moves_the_scales_with_the_weights(quantized):
+    from shardline_runtime.layers.moe.expert_rebalance import rebalance_in_place
+
+    path = quantized("fp8_static_tensor", arch=ARCH)
+    runner = harness.make_runner(path, ep_num_redundant_experts=2)
+    before = harness.greedy_generate(runner, PROMPTS, steps=4)
+    placement = torch.tensor([[7, 6, 5, 4, 3, 2, 1, 0, 0, 1]] * 2)  # (MoE layers, slots)
+    assert rebalance_in_place(runner.model, placement) > 0
+    fresh = experts_of(harness.make_runner(path, ep_num_redundant_experts=2))  # slot p: p % 8
+    moved = experts_of(runner)
+    assert torch.equal(moved.w13_weight_scale[0], fresh.w13_weight_scale[7])  # expert 7
+    assert torch.equal(moved.w2_weight[8], fresh.w2_weight[0])  # a replica of expert 0
+    assert harness.greedy_generate(runner, PROMPTS, steps=4) == before
