@@ -27,6 +27,7 @@ from shardline_runtime.layers.moe.expert_location import (
     route_to_physical,
 )
 from shardline_runtime.layers.moe.expert_params import (
+    DEFAULT_EXPERT_NAMES,
     active_slots,
     create_expert_params,
     dequantized_experts,
@@ -56,6 +57,8 @@ class FusedMoE(nn.Module):
         quant_config, prefix: the checkpoint's quantization and the experts' checkpoint module
             (``model.layers.3.mlp.experts``); quantized experts store the method's parameters
             (``w13_weight_scale``...) beside the weights (``expert_params.py``).
+        expert_names: the checkpoint's names of one expert's gate (w1), up (w3) and down (w2)
+            projections under ``<prefix>.<expert_id>``.
 
     Raises:
         ValueError: experts or intermediate size cannot be split over the layout.
@@ -77,6 +80,7 @@ class FusedMoE(nn.Module):
         reduce_results: bool = True,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
+        expert_names: dict[str, str] = DEFAULT_EXPERT_NAMES,
     ):
         super().__init__()
         layout = get_expert_parallel_layout()
@@ -96,7 +100,7 @@ class FusedMoE(nn.Module):
         self.moe_tp_rank = layout.moe_tp_rank
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.intermediate_per_rank = intermediate_size // layout.moe_tp_size
-        self.quant_methods = expert_methods(quant_config, prefix, num_experts)
+        self.quant_methods = expert_methods(quant_config, prefix, num_experts, expert_names)
         create_expert_params(
             self,
             self.quant_methods,
