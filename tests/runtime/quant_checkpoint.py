@@ -150,3 +150,14 @@ def ref_logits(model, tokens):
     """(T, vocab) logits of ``tokens`` under the reference ``model``."""
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0]
+
+
+def assert_scenario_matches(ref, result: dict, prompts: list[list[int]], tol: float, label) -> None:
+    """Every step's logits of a ``harness.run_scenario`` ``result`` are within ``tol`` of the
+    reference ``ref`` fed the same tokens (the prompt, then the tokens the runtime chose)."""
+    for i, prompt in enumerate(prompts):
+        tokens = list(prompt)
+        for step, logits in enumerate(result["logits"]):
+            expect = ref_logits(ref, tokens)[-1]
+            assert (logits[i] - expect).abs().max() <= tol, (label, i, step)
+            tokens.append(result["tokens"][step][i])

@@ -18,7 +18,13 @@ import pytest
 import torch
 
 import harness
-from quant_checkpoint import SCHEMES, quantized, ref_logits, reference  # noqa: F401 (fixture)
+from quant_checkpoint import (  # noqa: F401 (fixture)
+    SCHEMES,
+    assert_scenario_matches,
+    quantized,
+    ref_logits,
+    reference,
+)
 from shardline_runtime.configs.model_config import ModelConfig, ModelConfigError
 
 pytest.importorskip("compressed_tensors")
@@ -137,13 +143,7 @@ def test_tp2_quantized_logits_match_transformers(quantized, tmp_path):
     for name in SCHEMES:
         ref = reference(quantized(name))
         tol = DYNAMIC_TP2_TOL if name == "fp8_dynamic_channel" else TOL
-        got = ranks[0][name]
-        for i, prompt in enumerate(prompts):
-            tokens = list(prompt)
-            for step, logits in enumerate(got["logits"]):
-                expect = ref_logits(ref, tokens)[-1]
-                assert (logits[i] - expect).abs().max() <= tol, (name, i, step)
-                tokens.append(got["tokens"][step][i])
+        assert_scenario_matches(ref, ranks[0][name], prompts, tol, name)
 
 
 def test_lora_on_a_quantized_base_is_refused(quantized):

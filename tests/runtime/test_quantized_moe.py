@@ -20,7 +20,12 @@ import torch
 from safetensors.torch import load_file
 
 import harness
-from quant_checkpoint import quantized, ref_logits, reference  # noqa: F401 (fixture)
+from quant_checkpoint import (  # noqa: F401 (fixture)
+    assert_scenario_matches,
+    quantized,
+    ref_logits,
+    reference,
+)
 from shardline_runtime.configs.model_config import ModelConfig
 from shardline_runtime.layers.moe.expert_params import dequantized_experts
 from shardline_runtime.sampling import SamplingParams
@@ -170,13 +175,7 @@ def test_tp2_quantized_moe_logits_match_transformers(quantized, tmp_path):
     ranks = harness.run_tp(2, scenarios, tmp_path)
     for name in cases:
         ref = reference(paths[name])
-        got = ranks[0][name]
-        for i, prompt in enumerate(prompts):
-            tokens = list(prompt)
-            for step, logits in enumerate(got["logits"]):
-                expect = ref_logits(ref, tokens)[-1]
-                assert (logits[i] - expect).abs().max() <= TOL, (name, i, step)
-                tokens.append(got["tokens"][step][i])
+        assert_scenario_matches(ref, ranks[0][name], prompts, TOL, name)
 
 
 def test_lora_on_a_quantized_moe_base_is_refused(quantized):
