@@ -281,11 +281,6 @@ class ModelConfig:
             )
         except QuantizationError as e:
             raise ModelConfigError(str(e)) from None
-        if served is not None and moe.get("num_experts"):
-            raise ModelConfigError(
-                f"{path / 'config.json'}: quantization_config ({served.scheme}) with a "
-                f"mixture-of-experts model ({arch}) is not supported; supported: dense models"
-            )
         if pooling is not None and moe.get("num_experts"):
             raise ModelConfigError(
                 f"{path / 'modules.json'}: an embedding model of a mixture-of-experts architecture "
