@@ -23,6 +23,9 @@ KV_CACHE_DTYPES = (
 # the runtime's --quantization: auto reads the checkpoint's quantization_config; fp8 quantizes a
 # bf16 checkpoint to FP8 per channel at load and at every weight update
 QUANTIZATION_MODES = ("auto", "fp8")
+# the runtime's --model-kind: generate (a causal LM), embed (an embedding model), auto: whichever
+# the checkpoint is (the runtime refuses to start on a checkpoint of the other declared kind)
+MODEL_KINDS = ("auto", "generate", "embed")
 STRATEGIES = ("InPlace", "Restart")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -55,14 +58,17 @@ RESERVED_FLAGS = (
     "--admin-api-key",
     "--kv-cache-dtype",
     "--quantization",
+    "--model-kind",
     "--lora-paths",
     "--pp-size",
     "--pp-layer-partition",
     "--speculative-algorithm",
     "--speculative-num-draft-tokens",
+    "--speculative-draft-model-path",
 )
 # speculative decoding algorithms the runtime implements (its --speculative-algorithm)
-SPECULATIVE_ALGORITHMS = ("NGRAM",)
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+DRAFT_MODEL_ALGORITHMS = ("STANDALONE",)  # those that need spec.runtime.speculative.draftModel
 DEFAULT_MAX_LORAS_PER_BATCH = 8  # the runtime's --max-loras-per-batch default
 # The keys reach the runtime only through these env vars, filled from Secrets (spec.auth).
 API_KEY_ENV = "SHARDLINE_API_KEY"
@@ -80,7 +86,8 @@ class ModelSpec:
     """``spec.model``: ``name`` is the OpenAI model name; ``path`` an absolute directory in the
     pod, or for an ``hf://`` / ``s3://`` ``uri`` the uri itself (the runtime fetches it into the
     model cache volume; see ``spec_model.py``). A ``pvc://`` uri becomes ``volume`` + ``path``.
-    ``cache_max_bytes`` 0: no eviction bound."""
+    ``cache_max_bytes`` 0: no eviction bound. ``kind``: what the deployment serves
+    (``MODEL_KINDS``; ``auto``: whatever the checkpoint is)."""
 
     name: str
     path: str
@@ -93,6 +100,7 @@ class ModelSpec:
     credentials_secret: str | None = None
     cache_volume: Mapping[str, Any] | None = None
     cache_max_bytes: int = 0
+    kind: str = "auto"
 
     @property
     def is_remote(self) -> bool:
@@ -115,10 +123,13 @@ class CudaGraphSpec:
 @dataclass(frozen=True)
 class SpeculativeSpec:
     """``spec.runtime.speculative``: the runtime's ``--speculative-algorithm`` and
-    ``--speculative-num-draft-tokens`` (tokens one verify forward scores per request)."""
+    ``--speculative-num-draft-tokens`` (tokens one verify forward scores per request), and for
+    a draft-model algorithm ``--speculative-draft-model-path`` (``draftModel.path``, a directory
+    on ``spec.model``'s volume)."""
 
     algorithm: str
     num_draft_tokens: int = 5
+    draft_model_path: str | None = None
 
 
 @dataclass(frozen=True)

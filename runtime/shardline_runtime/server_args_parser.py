@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from shardline_runtime.configs.pooling_config import add_model_kind_argument
 from shardline_runtime.layers.quantization.online_fp8 import ONLINE_CHOICES
 from shardline_runtime.server_args_sections import (
     ATTENTION_BACKENDS,
@@ -135,6 +136,7 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
         choices=ONLINE_CHOICES,
         help="auto: serve the checkpoint's quantization_config (unquantized without one); fp8: quantize a bf16 checkpoint to FP8 per channel at load and at every weight update.",
     )
+    add_model_kind_argument(m, default("model_kind"))
     m.add_argument(
         "--attention-backend",
         default=default("attention_backend"),

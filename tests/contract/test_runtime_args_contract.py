@@ -35,8 +35,13 @@ SPECS = {
                           "runtime": {"image": "r:1"}},
     "pp4-two-stages-per-pod": {"model": {"name": "pp", "path": "/models/pp/v1"},
                                "parallelism": {"tensor": 1, "pipeline": 4, "gpusPerPod": 2}, "runtime": {"image": "r:1"}},
+    "embedding-model": {"model": {"name": "emb", "path": "/models/emb/v1", "kind": "embed"},
+                        "parallelism": {"tensor": 2, "gpusPerPod": 2}, "runtime": {"image": "r:1"}},
     "tp2-speculative-ngram": {"model": {"name": "tiny", "path": "/models/tiny/rev-a"}, "parallelism": {"tensor": 2, "gpusPerPod": 2},
                               "runtime": {"image": "r:1", "speculative": {"algorithm": "NGRAM", "numDraftTokens": 6}}},
+    "speculative-standalone": {"model": {"name": "tiny", "path": "/models/tiny/rev-a"},
+                               "runtime": {"image": "r:1", "speculative": {"algorithm": "STANDALONE",
+                                                                           "draftModel": {"path": "/models/draft"}}}},
 }
 
 
@@ -81,6 +86,7 @@ def test_rendered_args_parse_with_the_runtime_parser(spec_name):
         assert args.dtype == spec.runtime.dtype
         assert args.kv_cache_dtype == spec.runtime.kv_cache_dtype
         assert args.quantization == spec.runtime.quantization
+        assert args.model_kind == spec.model.kind
         assert args.mem_fraction_static == spec.runtime.mem_fraction_static
         assert args.max_total_tokens == spec.runtime.max_total_tokens
         assert args.disable_cuda_graph == (not spec.runtime.cuda_graph.enabled)
@@ -92,6 +98,13 @@ def test_rendered_args_parse_with_the_runtime_parser(spec_name):
 def test_user_args_reach_the_runtime():
     *_, argv = next(pods("tp2-two-pods"))
     assert server_args.ServerArgs.from_cli(argv).log_level == "debug"
+
+
+def test_model_kind_choices_match():
+    from shardline_operator.spec import MODEL_KINDS
+    from shardline_runtime.configs.pooling_config import MODEL_KINDS as RUNTIME_MODEL_KINDS
+
+    assert RUNTIME_MODEL_KINDS == MODEL_KINDS
 
 
 def test_quantization_choices_match():
@@ -126,6 +139,12 @@ def test_speculative_spec_reaches_the_runtime_section():
     parsed = server_args.ServerArgs.from_cli(args)
     assert parsed.speculative.speculative_algorithm == "NGRAM"
     assert parsed.speculative.speculative_num_draft_tokens == 6
+
+
+def test_draft_model_path_reaches_the_runtime_section():
+    _, _, _, _, args = next(pods("speculative-standalone"))
+    parsed = server_args.ServerArgs.from_cli(args)
+    assert parsed.speculative.speculative_draft_model_path == "/models/draft"
 
 
 def test_every_crd_speculative_algorithm_is_implemented_by_the_runtime():

@@ -16,7 +16,15 @@ import pytest
 from shardline_operator import labels
 from shardline_operator.decide import decide
 from shardline_operator.observed import GroupObservation, LeaderObservation, PodObservation
-from shardline_operator.pass_plan import ApplyObject, DeleteObject, DeletePods, Observation, RelabelPods, StartUpdate
+from shardline_operator.pass_plan import (
+    ApplyObject,
+    DeleteObject,
+    DeletePods,
+    LeaveRouting,
+    Observation,
+    RelabelPods,
+    StartUpdate,
+)
 from shardline_operator.render import build_statefulset
 from shardline_operator.runtime_args import ServedModel
 from shardline_operator.weights import LeaderReport
@@ -154,14 +162,26 @@ def test_a_new_revision_starts_one_in_place_update(make_spec, make_pod):
     assert changes(plan) == [("StartUpdate", 0, "rev-b")]
 
 
-def test_a_finished_update_re_renders_and_relabels_its_group(make_spec, make_pod):
+def _group_0_updated(make_spec, make_pod):
+    """The pass that sees group 0's update to rev-b succeed (group 1 still on rev-a)."""
     spec = make_spec({"model": {**_model(), "path": REV_B, "revision": "rev-b"}})
     rollout = {"phase": "Updating", "targetModelPath": REV_B, "targetRevision": "rev-b", "wave": [0],
                "startedAt": "2027-01-15T08:00:00Z", "previousModelPath": REV_A, "previousRevision": "rev-a",
                "canaryPassed": True, "groupPhases": {"0": "UpdatingWeights"}}
     done = {0: (pods(spec, make_pod, 0), leader("rev-b", update=("success", "")))}
-    plan = decide(spec, observation(spec, make_pod, done), previous_status(spec, rollout=rollout), NOW)
-    assert changes(plan) == [("Apply", "StatefulSet/llama-g0"), ("Relabel", "rev-b")]
+    return decide(spec, observation(spec, make_pod, done), previous_status(spec, rollout=rollout), NOW)
+
+
+def test_a_finished_update_re_renders_and_relabels_its_group(make_spec, make_pod):
+    plan = _group_0_updated(make_spec, make_pod)
+    assert [c for c in changes(plan) if c[0] != "StartUpdate"] == [("Apply", "StatefulSet/llama-g0"),
+                                                                   ("Relabel", "rev-b")]
+
+
+def test_the_next_group_starts_in_the_pass_that_counts_the_last_one_updated(make_spec, make_pod):
+    # No pass in between: the gap between one group serving and the next loading is one pass.
+    plan = _group_0_updated(make_spec, make_pod)
+    assert [c for c in changes(plan) if c[0] == "StartUpdate"] == [("StartUpdate", 1, "rev-b")]
 
 
 def test_a_leader_on_another_digest_is_repaired_in_place(make_spec, make_pod):
@@ -222,3 +242,16 @@ def test_the_decision_reaches_no_module_that_does_io():
                                 env=env).stdout.split())
     io_modules = {f"shardline_operator.{m}" for m in ("kube", "runtime_client", "execute", "observe", "handlers")}
     assert sorted(loaded & (io_modules | {"kubernetes", "httpx", "kopf"})) == []
+
+
+def test_a_group_leaves_routing_just_before_its_update_is_sent(make_spec, make_pod):
+    spec = make_spec({"model": {**_model(), "path": REV_B, "revision": "rev-b"}})
+    plan = decide(spec, observation(spec, make_pod), previous_status(spec), NOW)
+    order = [type(a).__name__ for a in plan.actions if isinstance(a, (LeaveRouting, StartUpdate))]
+    assert order == ["LeaveRouting", "StartUpdate"]
+
+
+def test_status_lists_the_revision_service_of_what_leaders_report(make_spec, make_pod):
+    spec = make_spec()
+    plan = decide(spec, observation(spec, make_pod), previous_status(spec), NOW)
+    assert plan.status["revisionServices"] == [{"revision": "rev-a", "service": "llama-rev-rev-a", "groups": [0, 1]}]

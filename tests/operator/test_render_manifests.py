@@ -66,6 +66,8 @@ def test_statefulset_wiring(make_spec):
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
     assert container["resources"]["limits"]["cpu"] == "2"
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    # back in the Service (and counted updated) within a second of an in-place update's end
+    assert container["readinessProbe"]["periodSeconds"] == 1
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     # Drain on deletion (issue 9): a pre-stop delay inside the grace period, then the runtime drains.
     pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
@@ -98,7 +100,8 @@ def test_rank_service_publishes_not_ready_addresses(make_spec):
 
 def test_client_service_selects_group_leaders(make_spec):
     svc = by_kind_name(render_children(make_spec({"service": {"port": 80}})))[("Service", "llama")]
-    assert svc["spec"]["selector"] == {labels.LABEL_DEPLOYMENT: "llama", labels.LABEL_POD_INDEX: "0"}
+    assert svc["spec"]["selector"] == {labels.LABEL_DEPLOYMENT: "llama", labels.LABEL_POD_INDEX: "0",
+                                       labels.LABEL_ROUTABLE: "true"}
     assert svc["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]
 
 

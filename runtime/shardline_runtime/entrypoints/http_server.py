@@ -3,7 +3,9 @@
 Every error a client can cause is an OpenAI-style error object
 ``{"error": {"message", "type", "param", "code"}}``: 400 naming the field and the allowed range,
 404 for an unknown model, 503 while the server is not ready (loading, updating weights,
-draining). Pydantic's 422 is turned into 400.
+draining) or does not serve the version a request is pinned to. Pydantic's 422 is turned into
+400. Every response names the weights in ``X-Shardline-Revision`` / ``X-Shardline-Weight-Version``
+(``version_headers.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from shardline_runtime.entrypoints.embeddings import (
+    add_embedding_routes,
+    refuse_for_embedding_model,
+)
 from shardline_runtime.entrypoints.errors import error_response
 from shardline_runtime.entrypoints.expert_routes import add_expert_routes
 from shardline_runtime.entrypoints.generate import serve_generate
@@ -35,6 +41,7 @@ from shardline_runtime.entrypoints.protocol import (
     CompletionRequest,
     GenerateRequest,
 )
+from shardline_runtime.entrypoints.version_headers import VersionHeadersMiddleware
 from shardline_runtime.entrypoints.weight_sync_routes import add_weight_sync_routes
 from shardline_runtime.entrypoints.weight_update_routes import add_weight_update_routes
 from shardline_runtime.managers.admission_gate import ServerNotReadyError
@@ -82,6 +89,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
     """The app. ``state`` is shared with the launcher: ``healthy`` (bool), ``ready`` (bool)."""
     app = FastAPI(title="Shardline runtime", version="0.1.0")
     app.router.route_class = CheckedJSONRoute  # before any route is added
+    app.add_middleware(VersionHeadersMiddleware, weights=lambda: tm.state.weights)
     model_name = server_args.model_name
 
     @app.exception_handler(FastAPIValidationError)
@@ -190,7 +198,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
             "model_path": tm.state.weights.model_path,
             "tokenizer_path": server_args.tokenizer_path or server_args.model_path,
             "served_model_name": model_name,
-            "is_generation": True,
+            "is_generation": tm.info.is_generation,
             "vocab_size": tm.info.vocab_size,
             "context_length": tm.info.context_len,
         }
@@ -215,6 +223,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
             "max_running_requests": tm.info.max_running_requests,
             "chunked_prefill_size": server_args.chunked_prefill_size,
             "overlap_schedule": tm.info.overlap_schedule,
+            "model_kind": "generate" if tm.info.is_generation else "embed",
             "num_running_reqs": s.num_running_reqs,
             "num_queued_reqs": s.num_queued_reqs,
             "kv_used_tokens": s.kv_used_tokens,
@@ -228,6 +237,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
         check_model(body.model)
+        refuse_for_embedding_model(tm, "/v1/completions")
         return await serve_completion(
             body, tm, tm.state.lora_for_model(body.model) or model_name, raw
         )
@@ -235,10 +245,12 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
         check_model(body.model)
+        refuse_for_embedding_model(tm, "/v1/chat/completions")
         return await serve_chat(body, tm, tm.state.lora_for_model(body.model) or model_name, raw)
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, raw: Request):
+        refuse_for_embedding_model(tm, "/generate")
         return await serve_generate(body, tm, raw)
 
     @app.post("/flush_cache")
@@ -247,6 +259,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
         status = 200 if out.success else 400
         return JSONResponse({"success": out.success, "message": out.message}, status_code=status)
 
+    add_embedding_routes(app, tm, model_name, check_model)
     add_weight_update_routes(app, tm, error_response, server_args)
 
     add_weight_sync_routes(

@@ -58,6 +58,7 @@ class BatchPlanner:
         self.in_flight = in_flight
         self.settle = settle
         self.tp_rank = tp_rank
+        self._decode_owed: set[int] = set()  # slots (by id) whose requests sat out an EXTEND
 
     # ------------------------------------------------------------------ views
 
@@ -79,17 +80,30 @@ class BatchPlanner:
 
     def load(self) -> tuple[int, int]:
         """``(running, queued)`` request counts (the chunked request counts as queued)."""
-        running = sum(sum(not r.finished() for r in b.reqs) for b in self.running_batches())
-        return running, len(self.prefill.waiting_queue) + (self.prefill.chunked_req is not None)
+        running, queued, _, _ = self.load_report()
+        return running, queued
 
     def lora_load(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """``(running, waiting)`` adapter names, each sorted without repeats: the adapters of
         running requests, and of queued ones (the chunked request counts as queued)."""
-        running = {r.lora_name for b in self.running_batches() for r in b.reqs if not r.finished()}
-        waiting = {r.lora_name for r in self.prefill.waiting_queue}
+        _, _, running, waiting = self.load_report()
+        return running, waiting
+
+    def load_report(self) -> tuple[int, int, tuple[str, ...], tuple[str, ...]]:
+        """:meth:`load` and :meth:`lora_load` in one pass over the requests (the loop reports
+        them after every step)."""
+        running_reqs = [r for b in self.running_batches() for r in b.reqs if not r.finished()]
+        waiting = list(self.prefill.waiting_queue)
         if self.prefill.chunked_req is not None:
-            waiting.add(self.prefill.chunked_req.lora_name)
-        return tuple(sorted(n for n in running if n)), tuple(sorted(n for n in waiting if n))
+            waiting.append(self.prefill.chunked_req)
+        running_lora = {r.lora_name for r in running_reqs if r.lora_name}
+        waiting_lora = {r.lora_name for r in waiting if r.lora_name}
+        return (
+            len(running_reqs),
+            len(waiting),
+            tuple(sorted(running_lora)) if running_lora else (),
+            tuple(sorted(waiting_lora)) if waiting_lora else (),
+        )
 
     def all_requests(self) -> list[Req]:
         """Queued, chunked and running requests."""
@@ -106,11 +120,23 @@ class BatchPlanner:
         """EXTEND of admitted requests (the running ones of ``decode``'s slot joining it with
         ``--enable-mixed-chunk``), else a DECODE step of that slot, else None.
 
+        No EXTEND follows an EXTEND that the slot's running requests sat out: a DECODE step of
+        them comes between. Prefill first alone starves decoding whenever a request arrives
+        during every step (a forward slower than the gap between arrivals, as under a burst of
+        requests held by a weight update on a busy machine): the running requests then never
+        advance and nothing finishes until arrivals stop (issue 23). Sarathi-Serve's
+        "stall-free" batching (Agrawal et al., OSDI 2024) makes the same point for decodes.
+
         ``started_only``: a pending weight update pauses admission, but a started chunked
         prefill must finish, and so must requests retracted after they began generating on the
         old weights (else they would end on the new ones: one response, two revisions).
         """
         decode = decode or self.slots[0]
+        if id(decode) in self._decode_owed:
+            self._decode_owed.discard(id(decode))
+            owed = self._decode_step(decode)
+            if owed is not None:
+                return owed
         # The KV reserve covers every running request (all micro-batch slots and the batches in
         # flight). --max-running-requests caps them all together, and each slot takes at most
         # max(cap // slots, 1), as SGLang's pp_max_micro_batch_size, so one slot cannot take
@@ -130,7 +156,14 @@ class BatchPlanner:
             mixed = decode.take_for_mix() if self.enable_mixed_chunk else None
             if mixed is not None:
                 batch.mix_with_running(mixed)  # the mixed batch becomes the running batch after it
+            elif decode.is_running():
+                self._decode_owed.add(id(decode))
             return batch
+        return self._decode_step(decode)
+
+    def _decode_step(self, decode: DecodeManager) -> ScheduleBatch | None:
+        """A DECODE step of ``decode``'s slot (requeueing what it retracts, streaming what it
+        finished), or None when nothing decodes."""
         step = decode.schedule(settle=self.make_room_for_decode)
         for req in step.retracted:
             self.prefill.requeue(req)
