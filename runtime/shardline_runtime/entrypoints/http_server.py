@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from shardline_runtime.entrypoints.chat_output import ChatParsers
 from shardline_runtime.entrypoints.errors import error_response
 from shardline_runtime.entrypoints.expert_routes import add_expert_routes
 from shardline_runtime.entrypoints.generate import serve_generate
@@ -81,6 +82,9 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
     """The app. ``state`` is shared with the launcher: ``healthy`` (bool), ``ready`` (bool)."""
     app = FastAPI(title="Shardline runtime", version="0.1.0")
     model_name = server_args.model_name
+    parsers = ChatParsers.resolve(
+        server_args.tool_call_parser, server_args.reasoning_parser, server_args.model_path
+    )
 
     @app.exception_handler(FastAPIValidationError)
     async def _validation(request: Request, exc: FastAPIValidationError):
@@ -233,7 +237,8 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
         check_model(body.model)
-        return await serve_chat(body, tm, tm.state.lora_for_model(body.model) or model_name, raw)
+        model = tm.state.lora_for_model(body.model) or model_name
+        return await serve_chat(body, tm, model, raw, parsers)
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, raw: Request):
