@@ -63,7 +63,9 @@ class ToolCallFormat:
 
     def section_prefix(self) -> str:
         """The text the grammar writes before the first call."""
-        return (self.markers[0] if not self.bare_json else "") + self.list_open
+        opens_each_call = self.call_open.strip() == self.markers[0]  # hermes: written per call
+        marker = "" if self.bare_json or opens_each_call else self.markers[0]
+        return marker + self.list_open
 
 
 LLAMA3 = ToolCallFormat(
@@ -147,7 +149,6 @@ def _section(fmt: ToolCallFormat, text: str, final: bool) -> tuple[int | None, i
     if not found:
         return None, 0
     at, marker = min(found)
-    # hermes' marker is its per-call opening too: the calls start at it
     return at, (at if fmt.call_open.strip() == marker else at + len(marker))
 
 
