@@ -24,7 +24,7 @@ from shardline_runtime.managers.request_validation import RequestValidationError
 
 WEATHER = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 6}, "days": {"type": "integer", "minimum": 1,
+    "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,6}$"}, "days": {"type": "integer", "minimum": 1,
                                                                          "maximum": 7}},
     "required": ["city", "days"],
 }
