@@ -74,11 +74,17 @@ def test_streamed_tool_call_deltas_join_into_the_non_streamed_calls(tools_server
 
 
 def test_a_calls_first_delta_names_it_with_an_id(tools_server):
-    events = _stream(tools_server, tools=TOOLS, tool_choice="required", max_tokens=20, temperature=1.0, seed=7)
+    events = _stream(tools_server, tools=TOOLS, tool_choice="required", max_tokens=60, temperature=1.0, seed=7)
     first = next(e["choices"][0]["delta"]["tool_calls"][0] for e in events
                  if e["choices"] and e["choices"][0]["delta"].get("tool_calls"))
     assert (first["index"], first["type"], first["id"].startswith("call_"), first["function"]["name"] in SCHEMAS) \
         == (0, "function", True, True)
+
+
+def test_a_forced_call_with_response_format_is_a_call(tools_server):
+    body = _chat(tools_server, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=1.0,
+                 seed=9, response_format={"type": "json_object"})
+    assert body["choices"][0]["message"]["tool_calls"]
 
 
 def test_a_tool_round_trip_renders_and_answers(tools_server):
@@ -103,7 +109,7 @@ def test_auto_tool_choice_with_a_reply_that_calls_nothing_is_content(tools_serve
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "regex": "[a-z]+"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"type": "nonsense"}}}],
       "tool_choice": "required"}, "tool_choice"),
     ({"tools": [{"type": "code_interpreter"}]}, "tools[0]"),
@@ -141,5 +147,5 @@ def test_streamed_reasoning_deltas_join_into_reasoning_content(reasoning_server)
 
 
 def test_a_forced_call_is_not_read_as_reasoning(reasoning_server):
-    body = _chat(reasoning_server, tools=TOOLS, tool_choice="required", max_tokens=20, temperature=1.0, seed=8)
+    body = _chat(reasoning_server, tools=TOOLS, tool_choice="required", max_tokens=60, temperature=1.0, seed=8)
     assert body["choices"][0]["message"]["tool_calls"]

@@ -162,7 +162,9 @@ def chat_choices(
     grammar = _check_common(req, tm)
     plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, tool_format)
     if plan.grammar is not None:
-        if grammar is not None:
+        # OpenAI's response_format shapes a text reply; a forced reply is calls only, so the
+        # call's grammar is the whole constraint. regex / ebnf constrain the whole reply: a clash.
+        if grammar is not None and grammar.param != "response_format":
             raise RequestValidationError(
                 f"tool_choice: a forced tool call is an output constraint, and {grammar.param} "
                 "is set too (one per request); use tool_choice auto with it",

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardline_runtime.entrypoints.tool_parsers import partial_marker_length
+
 THINK_START = "<think>"
 THINK_END = "</think>"
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
@@ -28,14 +30,6 @@ class ReasoningSplit:
 
     reasoning: str
     content: str
-
-
-def _held(text: str, tag: str) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of ``tag``."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 def split_reasoning(parser: str, text: str, final: bool) -> ReasoningSplit:
@@ -62,5 +56,5 @@ def split_reasoning(parser: str, text: str, final: bool) -> ReasoningSplit:
         return ReasoningSplit(text[body:end], text[end + len(THINK_END) :])
     thinking = text[body:]
     if not final:
-        thinking = thinking[: len(thinking) - _held(thinking, THINK_END)]
+        thinking = thinking[: len(thinking) - partial_marker_length(thinking, THINK_END)]
     return ReasoningSplit(thinking, "")

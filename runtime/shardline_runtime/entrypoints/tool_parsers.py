@@ -159,13 +159,16 @@ def _safe_end(fmt: ToolCallFormat, text: str) -> int:
         rest = text.lstrip()
         opens = [*fmt.markers, "{"] if fmt.bare_json else list(fmt.markers)
         return 0 if any(m.startswith(rest) for m in opens) else len(text)
-    hold = 0
-    for marker in fmt.markers:
-        for k in range(min(len(marker) - 1, len(text)), 0, -1):
-            if text.endswith(marker[:k]):
-                hold = max(hold, k)
-                break
-    return len(text) - hold
+    return len(text) - max(partial_marker_length(text, m) for m in fmt.markers)
+
+
+def partial_marker_length(text: str, marker: str) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of ``marker`` (text a
+    stream holds back: the next piece may complete the marker)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
 
 
 class _Incomplete(Exception):
