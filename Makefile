@@ -24,7 +24,8 @@ test-fast: install
 test-quick: install
 	$(PYTHON) -m pytest tests -m "not slow and not cluster and not e2e and not node"
 
-## The main job: local Kubernetes, kubectl apply, serve, roll weights, tear down.
+## The main job: local Kubernetes (a real kubelet running containers where root; hack/demo.py --node),
+## kubectl apply, serve, roll weights, tear down.
 demo: install
 	$(PYTHON) hack/demo.py
 

@@ -10,7 +10,11 @@ being Ready on the new revision with every group on it:
 
 Prints each rollout's duration and failed requests, and the InPlace / Restart duration ratio.
 
+With ``--staging`` it measures instead an S3 rollout with and without the staging step (issue 25:
+``bench/rollout_staging.py``), in one run.
+
     python bench/rollout.py                      # starts a local cluster (binaries cached)
+    python bench/rollout.py --staging            # S3 rollout with vs without staging
     SHARDLINE_CLUSTER_DIR=/tmp/kube python bench/rollout.py --params-200m
 """
 from __future__ import annotations
@@ -48,6 +52,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params-200m", action="store_true", help="a ~200M-parameter float32 model")
     parser.add_argument("--rate", type=float, default=4.0, help="client requests per second")
+    parser.add_argument("--staging", action="store_true",
+                        help="an S3 rollout with and without staging (bench/rollout_staging.py)")
+    parser.add_argument("--staging-last", action="store_true",
+                        help="with --staging: run the rollout without staging first")
     args = parser.parse_args()
     existing = os.environ.get("SHARDLINE_CLUSTER_DIR")
     cluster = LocalCluster.load(Path(existing)) if existing else LocalCluster(state_dir=Path(tempfile.mkdtemp(prefix="kube-")))
@@ -56,6 +64,11 @@ def main() -> None:
     try:
         revs = large_revisions() if args.params_200m else write_revisions()
         install_operator(cluster)
+        if args.staging:
+            from bench.rollout_staging import compare
+
+            compare(cluster, revs, args.rate, staging_first=not args.staging_last)
+            return
         ns = f"bench-{uuid.uuid4().hex[:6]}"
         doc = two_group_doc(ns, "bench", str(revs["rev-a"]), "rev-a", startup_timeout=900)
         watch = apply(cluster, doc)

@@ -34,8 +34,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SLOT_DIR = Path(tempfile.gettempdir()) / "shardline-localcluster"
 SLOT_BASE = 77
 MAX_SLOTS = 200
+# job-controller: the operator's staging Jobs (issue 25).
 CONTROLLERS = ("statefulset-controller,garbage-collector-controller,endpointslice-controller,"
-               "namespace-controller,replicaset-controller,deployment-controller")
+               "namespace-controller,replicaset-controller,deployment-controller,job-controller")
 # A real kubelet mounts each pod's ServiceAccount token and the cluster CA (kube-root-ca.crt).
 REAL_NODE_CONTROLLERS = CONTROLLERS + ",serviceaccount-controller,root-ca-cert-publisher"
 

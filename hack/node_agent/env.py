@@ -157,6 +157,15 @@ def empty_dir_paths(pod: dict, container: dict, pod_dir: Path) -> dict[str, str]
     return out
 
 
+def host_path_paths(pod: dict, container: dict) -> dict[str, str]:
+    """``{mountPath: host path}`` for the container's ``hostPath`` mounts: a local process sees
+    the host path, so env values under the mount path must name it (e.g. the model cache a
+    staging Job and the runtime pods of one node share)."""
+    host = {v["name"]: v["hostPath"]["path"] for v in pod["spec"].get("volumes", []) if "hostPath" in v}
+    return {os.path.normpath(m["mountPath"]): host[m["name"]]
+            for m in container.get("volumeMounts", []) if m["name"] in host}
+
+
 def remap_paths(env: dict[str, str], paths: Mapping[str, str]) -> dict[str, str]:
     """``env`` with each value at or under a mount path (``paths``' keys) moved to its host
     directory: ``HOME=/home/shardline`` becomes ``HOME=<pod dir>/home``."""

@@ -16,7 +16,8 @@ from hack.localcluster.rest import ApiError
 
 from . import service_account
 from .container import Container, now_rfc3339
-from .env import EnvError, container_argv, container_env, empty_dir_paths, remap_paths
+from .env import (EnvError, container_argv, container_env, empty_dir_paths, host_path_paths,
+                  remap_paths)
 from .hosts import pod_dns_names
 
 if TYPE_CHECKING:
@@ -102,6 +103,7 @@ class PodRunner(threading.Thread):
         try:
             env = container_env(self._pod_view(), c.spec, self.agent.fetch)
             env = remap_paths(env, empty_dir_paths(self.pod, c.spec, pod_tmpdir(self.pod)))
+            env = remap_paths(env, host_path_paths(self.pod, c.spec))
             argv = container_argv(c.spec, env)
         except (EnvError, ApiError, KeyError) as e:
             msg = f"container {c.name}: {e}"

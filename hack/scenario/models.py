@@ -42,6 +42,16 @@ def write_tiny_model(path: Path, seed: int, arch: str = "llama",
     return path
 
 
+def readable_by_all(tree: Path) -> Path:
+    """Add read permission for everyone to every file under ``tree`` (and read+search to its
+    directories), since runtime pods run as uid 10001 and read the hostPath as that user;
+    ``save_pretrained`` writes ``model.safetensors`` with mode 0600. Returns ``tree``."""
+    for path in [tree, *tree.rglob("*")]:
+        extra = 0o555 if path.is_dir() else 0o444
+        path.chmod(path.stat().st_mode | extra)
+    return tree
+
+
 def write_revisions(root: Path = MODELS_ROOT) -> dict[str, Path]:
     """The three revisions the demo and e2e use: ``rev-a`` (seed 1), ``rev-b`` (seed 2) and
     ``rev-broken`` (same architecture, hidden size 128 instead of 64: every parameter shape
@@ -77,12 +87,12 @@ def write_text_revisions(root: Path = MODELS_ROOT, log=print) -> dict[str, Path]
             tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=base))
             shutil.copytree(source, tmp, dirs_exist_ok=True)
             (tmp / ".source").write_text(str(source))
-            tmp.chmod(0o755)
+            readable_by_all(tmp)
             if target.exists():
                 shutil.rmtree(target)
             try:
                 tmp.rename(target)
             except OSError:  # another session won the race with the same files
                 shutil.rmtree(tmp, ignore_errors=True)
-        out[name] = target
+        out[name] = readable_by_all(target)  # copies left by older versions were 0600
     return out

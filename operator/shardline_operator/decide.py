@@ -2,8 +2,10 @@
 
 Order, as the actions run: remove groups beyond ``replicas`` -> NetworkPolicies, Services, PDB
 -> create missing StatefulSets -> group health (whole-group restarts) and template drift ->
-either the next group of a restart rollout (``restart_plan``) or the next step of the in-place
-rollout (``rollout.plan_rollout``) -> LoRA adapters -> status (with the trail of phases a group
+staging Jobs (``staging_step``: a new hf:// / s3:// revision is staged on every node first, and
+holds the in-place rollout until it is) -> either the next group of a restart rollout
+(``restart_plan``) or the next step of the in-place rollout (``rollout.plan_rollout``) -> LoRA
+adapters -> status (with the trail of phases a group
 passed through since the last pass), events, metrics and the next pass's time.
 
 The digest, mixed-version and phase-override rules are computed here once and handed to both
@@ -39,6 +41,8 @@ from .rollout_state import RolloutState
 from .rollout_wave import wave_target
 from .runtime_args import ServedModel
 from .spec import DeploymentSpec
+from .staging_status import checkpoint_digest, with_staging
+from .staging_step import decide_staging
 from .status import GroupReport, build_status
 from .weights import WeightsPhase
 
@@ -111,7 +115,8 @@ def recorded_digests(
     """Status's ``weightsDigest`` per group, forgotten for a group whose incarnation ended (a
     restart, or no Ready leader): new pods report afresh."""
     digests = {
-        item.get("index"): item.get("weightsDigest") for item in previous.get("groups") or []
+        item.get("index"): checkpoint_digest(item.get("weightsDigest"))
+        for item in previous.get("groups") or []
     }
     for group in groups:
         if overrides.get(group.index) == GroupPhase.RESTARTING or not group.ready:
@@ -177,10 +182,14 @@ def _rollout_step(
     mixed: Mapping[int, str],
     now: float,
     out: PassBuilder,
+    hold: bool = False,
 ) -> tuple[RolloutPlan, set[int]]:
     """The next group of a restart rollout, or the in-place rollout's next step (neither while
     stale groups wait for a wave in flight to end); updates ``groups``, ``records`` and
-    ``overrides`` for what it does. Returns the rollout plan and the groups restarted by plan."""
+    ``overrides`` for what it does. Returns the rollout plan and the groups restarted by plan.
+
+    ``hold``: the spec's revision is not staged yet (``staging.py``): no wave starts towards
+    it; a wave already in flight is followed to the end of its own target."""
     wave = set(rollout_state.wave) if rollout_state is not None else set()
     failed = {i: r.failed_message is not None for i, r in records.items()}
     restart = next_restart(spec, groups, failed, bool(wave))
@@ -196,10 +205,15 @@ def _rollout_step(
             ("Normal", "GroupRestart", f"group {i}: rolling out the new pod template")
         )
         planned.add(i)
+    elif hold and not wave:
+        pass  # the rollout waits for staging; status.rollout stays as it is
     elif not (stale and not wave):
+        desired = ServedModel.desired(spec)
+        if hold and rollout_state is not None:
+            desired = rollout_state.target
         plan = plan_rollout(
             rollout_state,
-            ServedModel.desired(spec),
+            desired,
             views,
             spec.weight_update,
             now,
@@ -245,8 +259,23 @@ def decide(
     wave = set(rollout_state.wave) if rollout_state is not None else set()
     stale = [g.index for g in groups if needs_restart(spec, g)]
     mixed = mixed_versions(views, wave | set(stale))
+    staging, staging_actions = decide_staging(
+        spec, groups, observed.staging_jobs, previous, generation, now
+    )
+    out.actions.extend(staging_actions)
+    out.events.extend(staging.events)
     plan, planned = _rollout_step(
-        spec, groups, records, overrides, views, rollout_state, stale, mixed, now, out
+        spec,
+        groups,
+        records,
+        overrides,
+        views,
+        rollout_state,
+        stale,
+        mixed,
+        now,
+        out,
+        hold=staging.holds_rollout,
     )
     for index in planned:
         digests[index] = None
@@ -294,6 +323,7 @@ def decide(
             len(stale),
             draining,
         )
+        step = with_staging(step, staging.state, generation, previous, now)
         event: Event = ("Normal", phase, f"group {index}: {phase}")
         trail.append((step, event))
         out.events.append(event)
@@ -304,6 +334,7 @@ def decide(
     status = build_status(
         spec, generation, reports(), plan.state, previous, now, len(stale), draining
     )
+    status = with_staging(status, staging.state, generation, previous, now)
     if status["phase"] != previous.get("phase"):
         troubled = (DeploymentPhase.DEGRADED, DeploymentPhase.FAILED)
         kind = "Warning" if status["phase"] in troubled else "Normal"
@@ -313,6 +344,8 @@ def decide(
             (kind, status["phase"], f"phase {old_phase} -> {status['phase']}{detail}")
         )
     requeue = plan.requeue_after_seconds
+    if staging.requeue_after_seconds is not None:
+        requeue = min(requeue or staging.requeue_after_seconds, staging.requeue_after_seconds)
     if stale and requeue is None:
         requeue = RESTART_POLL_SECONDS
     if out.requeue is not None:  # a health backoff ends sooner

@@ -24,6 +24,7 @@ RESOURCES = {
     ("v1", "Secret"): ("/api/v1", "secrets"),
     ("networking.k8s.io/v1", "NetworkPolicy"): ("/apis/networking.k8s.io/v1", "networkpolicies"),
     ("apps/v1", "StatefulSet"): ("/apis/apps/v1", "statefulsets"),
+    ("batch/v1", "Job"): ("/apis/batch/v1", "jobs"),
     ("policy/v1", "PodDisruptionBudget"): ("/apis/policy/v1", "poddisruptionbudgets"),
     (f"{labels.API_GROUP}/{labels.API_VERSION}", labels.KIND): (
         f"/apis/{labels.API_GROUP}/{labels.API_VERSION}",

@@ -19,8 +19,10 @@ from .kube import KubeClient
 from .lora_sync import LoRALeaderClient
 from .observed import GroupObservation, LeaderObservation, PodObservation, group_pods, pod_url
 from .pass_plan import Observation
+from .render.staging_job import staging_selector
 from .rollout_state import VERIFYING, RolloutState
 from .spec import DeploymentSpec, VerifySpec
+from .staging_state import LABEL_STAGING_KEY, StagingJob, staging_job_from_api
 from .weights import LeaderReport, WeightsPhase
 
 
@@ -108,6 +110,31 @@ def observe_leader(
     return LeaderObservation(report, update, phases, seconds, gate, adapters)
 
 
+def observe_staging_jobs(kube: KubeClient, spec: DeploymentSpec) -> tuple[StagingJob, ...]:
+    """The deployment's staging Jobs (not those being deleted) with their pods' reports;
+    none listed unless the model is an hf:// or s3:// uri."""
+    if not spec.model.is_remote:
+        return ()
+    selector = staging_selector(spec.name)
+    pods = kube.list("v1", "Pod", spec.namespace, selector)
+    found = []
+    for job in kube.list("batch/v1", "Job", spec.namespace, selector):
+        meta = job.get("metadata") or {}
+        if meta.get("deletionTimestamp") is not None:
+            continue
+        uid = meta.get("uid")
+        own = [
+            p
+            for p in pods
+            if any(ref.get("uid") == uid for ref in p["metadata"].get("ownerReferences") or [])
+            and (p["metadata"].get("labels") or {}).get(LABEL_STAGING_KEY)
+        ]
+        parsed = staging_job_from_api(job, own)
+        if parsed is not None:
+            found.append(parsed)
+    return tuple(found)
+
+
 def observe(
     kube: KubeClient,
     client: LeaderClient,
@@ -140,5 +167,9 @@ def observe(
             answers = observe_leader(spec, index, members, rollout, client)
         groups[index] = GroupObservation(index, size, statefulsets.get(index), members, answers)
     return Observation(
-        generation, groups, policies, lora_client=isinstance(client, LoRALeaderClient)
+        generation,
+        groups,
+        policies,
+        lora_client=isinstance(client, LoRALeaderClient),
+        staging_jobs=observe_staging_jobs(kube, spec),
     )

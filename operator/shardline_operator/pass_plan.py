@@ -13,6 +13,7 @@ from typing import Any
 
 from .observed import GroupObservation
 from .spec import LoRAAdapterSpec
+from .staging_state import StagingJob
 
 Event = tuple[str, str, str]  # (type, reason, message)
 
@@ -21,13 +22,14 @@ Event = tuple[str, str, str]  # (type, reason, message)
 class Observation:
     """Everything one pass read: the object's generation, each group found (every index with a
     StatefulSet or pods, and every index below ``replicas``; leaders asked only below
-    ``replicas``), the names of its NetworkPolicies, and whether the leader client can list
-    and load LoRA adapters."""
+    ``replicas``), the names of its NetworkPolicies, whether the leader client can list
+    and load LoRA adapters, and its staging Jobs (listed only for an hf:// or s3:// model)."""
 
     generation: int
     groups: Mapping[int, GroupObservation] = field(default_factory=dict)
     network_policies: tuple[str, ...] = ()
     lora_client: bool = False
+    staging_jobs: tuple[StagingJob, ...] = ()
 
 
 @dataclass(frozen=True)

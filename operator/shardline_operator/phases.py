@@ -39,7 +39,8 @@ class GroupPhase(TextEnum):
 
 class DeploymentPhase(TextEnum):
     """The deployment's phase: the group phases aggregated (``status.deployment_phase``);
-    ``ROLLING_OUT``: a rollout is under way; ``DEGRADED``: unplanned trouble (a health
+    ``ROLLING_OUT``: a rollout is under way; ``STAGING``: a new revision is being
+    downloaded and verified on the nodes before any group pauses (``staging.py``); ``DEGRADED``: unplanned trouble (a health
     restart, a mixed version, a failed rollout); ``SCALING_DOWN``: ``replicas: 0`` while pods
     still drain; ``SCALED_TO_ZERO``: ``replicas: 0`` and no pod left."""
 
@@ -49,6 +50,7 @@ class DeploymentPhase(TextEnum):
     UPDATING_WEIGHTS = "UpdatingWeights"
     RECAPTURING_GRAPHS = "RecapturingGraphs"
     ROLLING_OUT = "RollingOut"
+    STAGING = "Staging"
     DEGRADED = "Degraded"
     FAILED = "Failed"
     SCALING_DOWN = "ScalingDown"

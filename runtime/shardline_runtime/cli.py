@@ -1,7 +1,9 @@
-"""Command line: ``shardline-runtime serve [flags]`` (also ``python -m shardline_runtime serve``).
+"""Command line: ``shardline-runtime serve [flags]`` (also ``python -m shardline_runtime serve``)
+and ``shardline-runtime download [flags]`` (``download_cli.py``: stage a model revision into a
+cache directory, as the operator's staging Job does).
 
-The flags are those of :func:`shardline_runtime.server_args.make_parser`. The first fatal error
-line is written to the termination log (``termination_log.py``).
+The flags of ``serve`` are those of :func:`shardline_runtime.server_args.make_parser`. The first
+fatal error line is written to the termination log (``termination_log.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ from shardline_runtime.termination_log import write_termination_log
 if TYPE_CHECKING:
     from shardline_runtime.server_args import ServerArgs
 
-USAGE = "usage: shardline-runtime serve --model-path DIR|hf://ORG/NAME|s3://BUCKET/PREFIX [flags]   (shardline-runtime serve --help)"
+USAGE = (
+    "usage: shardline-runtime serve --model-path DIR|hf://ORG/NAME|s3://BUCKET/PREFIX [flags]"
+    "   (shardline-runtime serve --help)\n"
+    "       shardline-runtime download --model-path hf://ORG/NAME|s3://BUCKET/PREFIX "
+    "--download-dir DIR"
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -26,8 +33,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] == "download":
+        from shardline_runtime.download_cli import main as download
+
+        return download(argv[1:])
     if argv[0] != "serve":
-        print(f"unknown command {argv[0]!r}; the only command is 'serve'\n{USAGE}", file=sys.stderr)
+        print(
+            f"unknown command {argv[0]!r}; the commands are 'serve' and 'download'\n{USAGE}",
+            file=sys.stderr,
+        )
         return 2
     from shardline_runtime.server_args import ServerArgs, ServerArgsError
 

@@ -12,6 +12,7 @@ from hack.node_agent.env import (
     empty_dir_paths,
     expand,
     field_ref,
+    host_path_paths,
     remap_paths,
 )
 
@@ -104,3 +105,10 @@ def test_dev_shm_is_not_remapped(tmp_path):
     pod = {"spec": {"volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]}}
     container = {"volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}]}
     assert empty_dir_paths(pod, container, tmp_path) == {}
+
+
+def test_host_path_env_moves_to_the_host_directory(tmp_path):
+    pod = {"spec": {"volumes": [{"name": "model-cache", "hostPath": {"path": str(tmp_path)}}]}}
+    container = {"volumeMounts": [{"name": "model-cache", "mountPath": "/var/lib/shardline/model-cache"}]}
+    env = remap_paths({"SHARDLINE_MODEL_CACHE": "/var/lib/shardline/model-cache"}, host_path_paths(pod, container))
+    assert env == {"SHARDLINE_MODEL_CACHE": str(tmp_path)}

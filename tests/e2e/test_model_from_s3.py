@@ -1,69 +1,46 @@
-"""Issue 25: a deployment whose model lives in S3 (a real versitygw) in the local cluster.
+"""Issue 25: a deployment whose model lives in S3 (a real versitygw) in the local cluster,
+staged on the nodes before any group pauses.
 
-``examples/model-from-s3.yaml`` as two groups of one pod, keys from a Secret. Then, under client
-traffic with no failed request: change the uri to a new revision (each leader fetches and
-verifies it before it pauses); point it at a prefix that does not exist (the old revision keeps
-serving, the status names NotFound); serve a prefix whose stored bytes were corrupted (the
-checksum fails before any group pauses).
+``examples/model-from-s3.yaml`` as two groups of one pod, keys from a Secret, its model cache a
+``hostPath`` (node-local, shared by the staging Jobs and the runtime pods; on the node agent
+every fake node is this one host, so the nodes share the directory). Then, under client
+traffic with no failed request: change the uri to a new revision (phase ``Staging``: a staging
+Job per node downloads and verifies it, then the in-place update reads it from the cache);
+point it at a prefix that does not exist (staging fails with NotFound, no group pauses, the old
+revision keeps serving); serve a prefix whose stored bytes were corrupted (staging fails the
+checksum before any group pauses).
 """
 
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
 
 import pytest
-import yaml
 
 from hack.s3server import S3Server
 from hack.scenario import rollout_fleet
 from hack.scenario.models import write_revisions
 from hack.scenario.operator_install import install_operator
 from hack.scenario.rollout_fleet import apply
+from hack.scenario.s3_models import BUCKET, s3_deployment, upload_revisions
 from hack.scenario.traffic import Traffic
 from tests.kube_fixtures import agent_nodes_only
 
 pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.slow]
 
 READY_TIMEOUT = 420
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "model-from-s3.yaml"
-BUCKET = "models"
-
-
-def _upload(client, directory: Path, prefix: str) -> None:
-    for path in sorted(directory.iterdir()):
-        if path.is_file():
-            client.put_object(Bucket=BUCKET, Key=f"{prefix}/{path.name}", Body=path.read_bytes())
 
 
 @pytest.fixture(scope="module")
 def fleet(kube_cluster, tmp_path_factory):
-    import boto3
-
     revisions = write_revisions()
     with S3Server(tmp_path_factory.mktemp("s3")) as s3:
-        client = boto3.session.Session(
-            aws_access_key_id=s3.env["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=s3.env["AWS_SECRET_ACCESS_KEY"],
-            region_name=s3.env["AWS_REGION"],
-        ).client("s3", endpoint_url=s3.endpoint)
-        client.create_bucket(Bucket=BUCKET)
-        for name in ("rev-a", "rev-b", "rev-c"):
-            _upload(client, revisions["rev-a" if name == "rev-c" else name], f"tiny/{name}")
+        upload_revisions(s3, revisions, {"rev-a": "rev-a", "rev-b": "rev-b", "rev-c": "rev-a"})
         install_operator(kube_cluster)
         ns = f"e2e-s3-{uuid.uuid4().hex[:6]}"
-        doc = yaml.safe_load(EXAMPLE.read_text())
-        doc["metadata"] = {"name": "s3m", "namespace": ns}
-        doc["spec"].update(replicas=2, parallelism={"tensor": 1, "gpusPerPod": 1})
-        doc["spec"]["model"].update(uri=f"s3://{BUCKET}/tiny/rev-a", name="tiny-llama")
-        doc["spec"]["model"]["s3"] = {"endpoint": s3.endpoint, "region": s3.env["AWS_REGION"]}
-        doc["spec"]["model"].pop("cache")
-        doc["spec"]["runtime"].update(dtype="float32", maxTotalTokens=4096)
-        secret = {"AWS_ACCESS_KEY_ID": s3.env["AWS_ACCESS_KEY_ID"],
-                  "AWS_SECRET_ACCESS_KEY": s3.env["AWS_SECRET_ACCESS_KEY"]}
-        kube_cluster.kubectl("create", "namespace", ns, check=False)
-        kube_cluster.kubectl("create", "secret", "generic", "s3-keys", "-n", ns,
-                             *[f"--from-literal={k}={v}" for k, v in secret.items()])
+        cache = tmp_path_factory.mktemp("model-cache")
+        volume = {"hostPath": {"path": str(cache), "type": "DirectoryOrCreate"}}
+        doc = s3_deployment(kube_cluster, s3, ns, "s3m", "rev-a", volume)
         with agent_nodes_only(kube_cluster):
             watch = apply(kube_cluster, doc)
             state = {"cluster": kube_cluster, "ns": ns, "watch": watch, "s3": s3,
@@ -85,25 +62,40 @@ def _traffic(fleet) -> Traffic:
     return Traffic(fleet["client"], fleet["ns"], "s3m", "tiny-llama")
 
 
-def _failed_update(fleet, mark: int):
+def _staging_failed(fleet, mark: int):
     return fleet["watch"].wait(
-        lambda s: s.conditions.get("WeightsUpdated", ("", ""))[:2] == ("False", "UpdateFailed"),
-        READY_TIMEOUT,
-        "the update failed", mark)
+        lambda s: s.conditions.get("Staging", ("", ""))[0] == "False"
+        and s.conditions["Staging"][1] not in ("Staged", "Staging"),
+        READY_TIMEOUT, "staging failed", mark)
 
 
-def test_new_s3_revision_rolls_in_under_traffic_without_a_failed_request(fleet):
+def _status(fleet) -> dict:
+    path = f"/apis/shardline.dev/v1alpha1/namespaces/{fleet['ns']}/inferencedeployments/s3m"
+    return fleet["client"].get(path)["status"]
+
+
+def test_new_s3_revision_is_staged_then_rolls_in_under_traffic_without_a_failed_request(fleet):
     with _traffic(fleet) as client:
         mark = _patch_uri(fleet, "rev-b")
         rollout_fleet.wait_ready(fleet["watch"], "rev-b", mark, READY_TIMEOUT)
+    phases = fleet["watch"].phases_since(mark)
     assert client.failures == [], rollout_fleet.diagnostics(fleet["cluster"], fleet["watch"])
+    assert phases.index("Staging") < phases.index("UpdatingWeights"), phases
 
 
-def test_missing_s3_prefix_keeps_the_old_revision_serving(fleet):
+def test_staged_revision_is_recorded_in_each_groups_digest(fleet):
+    status = _status(fleet)
+    digests = [g.get("weightsDigest", "") for g in status["groups"]]
+    assert digests == [f"{digests[0].split(';')[0]};source={status['staging']['resolvedRevision']}"] * 2
+
+
+def test_missing_s3_prefix_fails_staging_and_keeps_the_old_revision_serving(fleet):
     with _traffic(fleet) as client:
-        snap = _failed_update(fleet, _patch_uri(fleet, "rev-missing"))
-    assert "NotFound" in snap.conditions["WeightsUpdated"][2]
+        mark = _patch_uri(fleet, "rev-missing")
+        snap = _staging_failed(fleet, mark)
+    assert snap.conditions["Staging"][1] == "NotFound"
     assert snap.served_revision == "rev-b"
+    assert "UpdatingWeights" not in fleet["watch"].phases_since(mark)
     assert client.failures == []
 
 
@@ -113,8 +105,9 @@ def test_corrupt_object_fails_the_checksum_before_any_group_pauses(fleet):
     data[-1] ^= 0xFF
     stored.write_bytes(bytes(data))
     mark = _patch_uri(fleet, "rev-c")
-    snap = _failed_update(fleet, mark)
-    assert "ChecksumMismatch" in snap.conditions["WeightsUpdated"][2]
+    snap = _staging_failed(fleet, mark)
+    assert snap.conditions["Staging"][1] == "ChecksumMismatch"
+    assert "UpdatingWeights" not in fleet["watch"].phases_since(mark)
     leaders = rollout_fleet.leader_server_infos(fleet["client"], fleet["ns"], "s3m").values()
     loaded = [(info.get("last_weight_update") or {}).get("model_path", "") for info in leaders]
     assert not [path for path in loaded if "rev-c" in path], loaded  # no group started loading

@@ -74,7 +74,8 @@ def test_unsupported_load_format_is_refused_naming_the_choices(capsys):
 @pytest.fixture(scope="module")
 def hub_server(tiny_checkpoint, tmp_path_factory):
     """A runtime serving ``hf://shardline/tiny-llama@v1`` from a Hub double that also holds a
-    second checkpoint on branch ``v2``. Yields ``(server, hub)``."""
+    second checkpoint on branch ``v2``, its cache bounded to 1 byte (every revision not kept is
+    evicted). Yields ``(server, hub, cache directory)``."""
     root = tmp_path_factory.mktemp("hub-server")
     with HubDouble() as hub:
         repo = HubRepo()
@@ -83,36 +84,45 @@ def hub_server(tiny_checkpoint, tmp_path_factory):
         hub.repos["shardline/tiny-llama"] = repo
         server = start_server(
             "hf://shardline/tiny-llama@v1", root, "--download-dir", str(root / "models"),
-            "--max-total-tokens", "512", env={"HF_ENDPOINT": hub.endpoint},
+            "--max-total-tokens", "512", "--download-max-bytes", "1", env={"HF_ENDPOINT": hub.endpoint},
         )
         try:
-            yield server, hub
+            yield server, hub, root / "models"
         finally:
             server.stop()
 
 
 @pytest.mark.slow
 def test_runtime_serves_a_hub_model_under_its_repository_name(hub_server):
-    server, _ = hub_server
+    server, _, _ = hub_server
     assert [m["id"] for m in server.get("/v1/models").json()["data"]] == ["shardline/tiny-llama"]
 
 
 @pytest.mark.slow
 def test_update_to_a_missing_revision_is_refused_naming_it(hub_server):
-    server, _ = hub_server
+    server, _, _ = hub_server
     reply = server.post("/update_weights_from_disk", {"model_path": "hf://shardline/tiny-llama@v9"})
     assert reply.json()["message"].startswith("NotFound:")
 
 
 @pytest.mark.slow
 def test_update_to_a_hub_revision_succeeds(hub_server):
-    server, _ = hub_server
+    server, _, _ = hub_server
     reply = server.post("/update_weights_from_disk", {"model_path": "hf://shardline/tiny-llama@v2"})
     assert reply.json()["success"] is True
 
 
 @pytest.mark.slow
 def test_served_model_path_is_the_reference_not_the_cache_directory(hub_server):
-    server, _ = hub_server
+    server, _, _ = hub_server
     info = server.get("/get_server_info").json()
     assert info["weights"]["model_path"].startswith("hf://shardline/tiny-llama@")
+
+
+@pytest.mark.slow
+def test_an_update_keeps_the_revision_it_replaces_in_a_bounded_cache(hub_server):
+    server, hub, cache = hub_server
+    server.post("/update_weights_from_disk", {"model_path": "hf://shardline/tiny-llama@v2"})
+    server.post("/update_weights_from_disk", {"model_path": "hf://shardline/tiny-llama@v1"})
+    v2 = hub.repos["shardline/tiny-llama"].refs["v2"]
+    assert (cache / f"hf--shardline--tiny-llama--{v2}").is_dir()

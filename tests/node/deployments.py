@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import yaml
 
 from hack.localcluster import LocalCluster
 from hack.scenario.examples import inference_deployments
+from hack.scenario.node_client import chat_in_node  # noqa: F401 (the tests import it from here)
 from hack.scenario.operator_install import operator_logs
 from hack.scenario.status_watch import StatusWatcher
 
-ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT = 420
 # The examples request 1 CPU and 2 GiB per pod, sized for a GPU node. This node has 2 CPUs for
 # the operator and every runtime pod of a test, so requests shrink; limits are not set.
@@ -43,30 +39,6 @@ def adapted(doc: dict, namespace: str, name: str | None = None,
     resources = out["spec"].setdefault("runtime", {}).setdefault("resources", {})
     resources["requests"] = dict(requests or NODE_REQUESTS)
     return out
-
-
-def python_in_node(cluster: LocalCluster, code: str, *args: str, timeout: float = 180) -> str:
-    """Run ``python3 -c code args...`` (this checkout's Python and packages, the real
-    ``openai`` client among them) in the node's network namespace, where pod IPs and Service
-    ClusterIPs route; return its stdout. Raises AssertionError with stderr if it fails."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), str(ROOT / "operator"), str(ROOT / "runtime")])}
-    proc = subprocess.run(cluster.node.exec_argv([sys.executable, "-c", code, *args]),
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    assert proc.returncode == 0, f"in the node's namespace: {proc.stderr[-3000:]}"
-    return proc.stdout
-
-
-CHAT = """import sys
-from hack.scenario.serving import chat
-print(chat(sys.argv[1], sys.argv[2], sys.argv[3], api_key=(sys.argv[4:] or [None])[0]))"""
-
-
-def chat_in_node(cluster: LocalCluster, ip: str, model: str, prompt: str,
-                 api_key: str | None = None) -> str:
-    """Greedy chat completion from ``http://ip:8000/v1`` with the OpenAI client, sent from the
-    node's network namespace (``ip``: a pod IP or a Service's ClusterIP)."""
-    return python_in_node(cluster, CHAT, ip, model, prompt, *([api_key] if api_key else []))
 
 
 class PodEnds:

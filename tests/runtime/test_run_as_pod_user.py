@@ -88,3 +88,34 @@ def test_tiny_checkpoint_files_are_readable_by_the_pod_user(shared_dir):
     out = make_tiny_checkpoint(shared_dir / "m", "llama", seed=1, tokenizer=False)
     unreadable = [p.name for p in out.iterdir() if not p.stat().st_mode & 0o004]
     assert unreadable == []
+
+
+def test_demo_text_revisions_are_readable_by_the_pod_user(shared_dir, monkeypatch):
+    # Found by `make demo` on the real node: the demo's trained model is saved with
+    # save_pretrained (model.safetensors 0600) and copied to the hostPath as it was, so both
+    # ranks failed with CheckpointError as uid 10001 until the restart budget ran out.
+    import hack.scenario.text_model as text_model
+    from hack.scenario.models import write_text_revisions
+
+    source = shared_dir / "trained" / "rev-a"
+    source.mkdir(parents=True)
+    shard = source / "model.safetensors"
+    shard.write_bytes(b"weights")
+    shard.chmod(0o600)
+    monkeypatch.setattr(text_model, "ensure_text_model", lambda log: {"rev-a": source})
+    target = write_text_revisions(shared_dir / "models", log=lambda line: None)["rev-a"]
+    assert as_pod_user(lambda: (target / "model.safetensors").read_text()) == {"result": "weights"}
+
+
+def test_demo_text_revisions_left_unreadable_by_older_runs_are_fixed(shared_dir, monkeypatch):
+    import hack.scenario.text_model as text_model
+    from hack.scenario.models import write_text_revisions
+
+    source = shared_dir / "trained" / "rev-a"
+    source.mkdir(parents=True)
+    (source / "model.safetensors").write_bytes(b"weights")
+    monkeypatch.setattr(text_model, "ensure_text_model", lambda log: {"rev-a": source})
+    target = write_text_revisions(shared_dir / "models", log=lambda line: None)["rev-a"]
+    (target / "model.safetensors").chmod(0o600)  # what the previous demo version left
+    write_text_revisions(shared_dir / "models", log=lambda line: None)
+    assert as_pod_user(lambda: (target / "model.safetensors").read_text()) == {"result": "weights"}

@@ -75,6 +75,28 @@ def _probe(path: str, failure_threshold: int, period: int = PROBE_PERIOD_SECONDS
     }
 
 
+def container_security_context() -> dict[str, Any]:
+    """A container of the ``restricted`` Pod Security Standard with a read-only root: the
+    runtime image's non-root user, no privilege escalation, every capability dropped."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "runAsUser": labels.RUNTIME_UID,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def pod_security_context() -> dict[str, Any]:
+    """The pod-level half: the runtime image's user and group, ``RuntimeDefault`` seccomp."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": labels.RUNTIME_UID,
+        "runAsGroup": labels.RUNTIME_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
 def build_pod_template(spec: DeploymentSpec, group: int, served: ServedModel) -> dict[str, Any]:
     """Pod template of group ``group`` serving ``served``.
 
@@ -116,21 +138,10 @@ def build_pod_template(spec: DeploymentSpec, group: int, served: ServedModel) ->
         "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "runAsUser": labels.RUNTIME_UID,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": container_security_context(),
     }
     pod_spec: dict[str, Any] = {
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": labels.RUNTIME_UID,
-            "runAsGroup": labels.RUNTIME_UID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security_context(),
         "containers": [container],
         "volumes": volumes,
         "restartPolicy": "Always",

@@ -23,10 +23,11 @@ from shardline_runtime.managers.tokenizer_manager import TokenizerManager
 from shardline_runtime.model_loader.errors import ModelSourceError
 
 
-async def local_model_path(text: str, server_args: Any, tm: TokenizerManager) -> str:
+async def local_model_path(text: str, server_args: Any, served_dir: str) -> str:
     """The local directory of an update's ``model_path``: itself, or for an hf:// / s3://
     reference the revision fetched into ``--download-dir`` (in a worker thread, so serving goes
-    on), keeping the revision being served when the cache is cut to ``--download-max-bytes``.
+    on), keeping ``served_dir`` (the local directory of the revision being served) when the
+    cache is cut to ``--download-max-bytes``.
 
     Raises:
         ModelSourceError: malformed, missing, refused or corrupt (the reason names which).
@@ -35,7 +36,8 @@ async def local_model_path(text: str, server_args: Any, tm: TokenizerManager) ->
 
     if not parse_model_source(text, "model_path").is_remote:
         return text
-    served = Path(tm.state.weights.model_path or "").name
+    # The cache key is the local directory's name (the reported model_path is the uri).
+    served = Path(served_dir).name if served_dir else ""
     fetched = await asyncio.to_thread(
         fetch_to_local,
         text,
@@ -63,13 +65,16 @@ def add_weight_update_routes(
     update asked while one runs; ``server_args`` gives the download directory and its bound for
     an ``hf://`` / ``s3://`` ``model_path``)."""
 
+    # The local directory serving now (``serve`` replaced a remote --model-path by it).
+    served_dir = [str(getattr(server_args, "model_path", "") or "")]
+
     @app.post("/update_weights_from_disk")
     async def update_weights(body: UpdateWeightsRequest):
         busy = update_running(tm, error_response)
         if busy is not None:
             return busy
         try:  # fetched and verified while the group still serves the old weights
-            model_path = await local_model_path(body.model_path, server_args, tm)
+            model_path = await local_model_path(body.model_path, server_args, served_dir[0])
         except ModelSourceError as exc:
             message = f"{exc.reason}: {exc}"
             return JSONResponse({"success": False, "message": message}, status_code=400)
@@ -86,6 +91,8 @@ def add_weight_update_routes(
             model_source=body.model_path if model_path != body.model_path else None,
         )
         out = await tm.update_weights_from_disk(req)
+        if out.success:
+            served_dir[0] = model_path
         status = 200 if out.success else 409 if out.aborted else 400
         return JSONResponse(
             {
