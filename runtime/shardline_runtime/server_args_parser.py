@@ -11,8 +11,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from shardline_runtime.entrypoints.reasoning_parser import REASONING_PARSERS
-from shardline_runtime.entrypoints.tool_parsers import TOOL_CALL_PARSERS
+from shardline_runtime.entrypoints.chat_output import add_chat_parser_flags
 from shardline_runtime.layers.quantization.online_fp8 import ONLINE_CHOICES
 from shardline_runtime.server_args_sections import (
     ATTENTION_BACKENDS,
@@ -170,18 +169,7 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
         default=None,
         help=f"Key of the control endpoints (weight updates, cache flush, aborts, every endpoint not listed as serving or open); default: ${ADMIN_API_KEY_ENV}, else the API key.",
     )
-    h.add_argument(
-        "--tool-call-parser",
-        default=default("tool_call_parser"),
-        choices=TOOL_CALL_PARSERS,
-        help="How chat replies write tool calls: llama3 (JSON), hermes / qwen (<tool_call>), mistral ([TOOL_CALLS]); auto: from config.json's architecture.",
-    )
-    h.add_argument(
-        "--reasoning-parser",
-        default=None,
-        choices=REASONING_PARSERS,
-        help="Split <think>...</think> out of chat replies into reasoning_content: qwen3 (a reply that opens <think>) or deepseek-r1 (the reply starts inside thinking). Default: none.",
-    )
+    add_chat_parser_flags(h, default("tool_call_parser"))
 
     d_ = p.add_argument_group("parallelism")
     d_.add_argument(

@@ -83,7 +83,7 @@ def test_streamed_deltas_join_into_the_final_message(family):
     assert content == (message["content"] or "")
 
 
-def _force(backend: GrammarBackend, spec: GrammarSpec, seed: int, steps: int = 400) -> str:
+def _force(backend: GrammarBackend, spec: GrammarSpec, seed: int, steps: int = 2000) -> str:
     """Sample random logits under the grammar until it terminates (a random tiny model)."""
     grammar = backend.matcher(spec)
     generator = torch.Generator().manual_seed(seed)

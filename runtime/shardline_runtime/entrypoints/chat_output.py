@@ -11,6 +11,7 @@ its ``index``, ``id``, ``type`` and ``function.name`` with empty ``arguments``, 
 
 from __future__ import annotations
 
+import argparse
 import json
 import uuid
 from dataclasses import dataclass
@@ -66,6 +67,25 @@ class ChatParsers:
                 f"got {reasoning_parser!r}"
             )
         return cls(fmt, reasoning_parser)
+
+
+def add_chat_parser_flags(group: argparse._ArgumentGroup, tool_call_default: str) -> None:
+    """``--tool-call-parser`` and ``--reasoning-parser`` on the server's argument ``group``."""
+    group.add_argument(
+        "--tool-call-parser",
+        default=tool_call_default,
+        choices=TOOL_CALL_PARSERS,
+        help="How chat replies write tool calls: llama3 (JSON), hermes / qwen (<tool_call>), "
+        "mistral ([TOOL_CALLS]); auto: from config.json's architecture.",
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSERS,
+        help="Split <think>...</think> out of chat replies into reasoning_content: qwen3 (a "
+        "reply that opens <think>) or deepseek-r1 (the reply starts inside thinking). Default: "
+        "none.",
+    )
 
 
 def new_call_id() -> str:
