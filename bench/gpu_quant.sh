@@ -5,6 +5,9 @@
 #   2. the decode table of bench/engine.py on the llama-1b preset, bf16 weights then online FP8
 #      weights (--quantization fp8), batch 1, 8, 32 and contexts 512, 4096 with CUDA graphs.
 #      Target: batch-1 decode with FP8 weights >= 1.6x the bf16 tokens/s.
+#   3. the same decode table on a Qwen3-MoE (16 experts, top-2; hidden 1024, expert size 512,
+#      8 layers), bf16 experts then online FP8 experts: the quantized-MoE CUDA path (experts
+#      dequantized per forward into the Triton fused-MoE kernel), under CUDA graphs.
 # Usage: bash bench/gpu_quant.sh
 # CPU dry run (tiny sizes, Triton's interpreter): GPU_CHECK_DRY_RUN=1 bash bench/gpu_quant.sh
 set -uo pipefail
@@ -22,10 +25,16 @@ if [[ "${GPU_CHECK_DRY_RUN:-0}" == "1" ]]; then
   export TRITON_INTERPRET=1
   bench_args=(--device cpu --decode-table --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128
               --vocab 512 --dtype float32 --graph-batch-sizes 1 2 --contexts 16 32 --decode-steps 2 --no-transformers)
+  moe_args=(--device cpu --decode-table --arch qwen3_moe --layers 2 --hidden 64 --heads 4 --kv-heads 2
+            --experts 4 --top-k 2 --moe-intermediate 64 --vocab 512 --dtype float32 --graph-batch-sizes 1
+            --contexts 16 --decode-steps 2 --no-transformers)
 else
   python3 -c "import torch, sys; torch.cuda.is_available() or sys.exit('bench/gpu_quant.sh: no CUDA device')" || exit 1
   bench_args=(--device cuda --preset llama-1b --dtype bfloat16 --graph-batch-sizes 1 8 32
               --contexts 512 4096 --decode-steps 16 --table-context-len 8192 --backends triton --no-transformers)
+  moe_args=(--device cuda --decode-table --arch qwen3_moe --layers 8 --hidden 1024 --heads 16 --kv-heads 4
+            --experts 16 --top-k 2 --moe-intermediate 512 --vocab 32000 --dtype bfloat16 --graph-batch-sizes 1 8 32
+            --contexts 512 4096 --decode-steps 16 --table-context-len 8192 --backends triton --no-transformers)
 fi
 
 echo "== quantized kernels ($((SECONDS - start)) s)"
@@ -34,6 +43,10 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider -p no:tests.kube_fixtures t
 for quantization in auto fp8; do
   echo "== decode table, --quantization $quantization ($((SECONDS - start)) s)"
   timeout 150 python3 bench/engine.py "${bench_args[@]}" --quantization "$quantization" || status=1
+done
+for quantization in auto fp8; do
+  echo "== MoE decode table, --quantization $quantization ($((SECONDS - start)) s)"
+  timeout 150 python3 bench/engine.py "${moe_args[@]}" --quantization "$quantization" || status=1
 done
 echo "== done in $((SECONDS - start)) s, status $status"
 exit "$status"

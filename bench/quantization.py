@@ -1,9 +1,11 @@
 """FP8 and W4A16 against bf16 on one model: weight bytes, KV tokens on one memory budget, and
 the CPU decode-step time (issue 28).
 
-The model: a Llama of ``--hidden`` x ``--layers`` (random weights, written by transformers in
-bfloat16), quantized by the compressed-tensors library (``tests/runtime/quant_checkpoint.py``,
-FP8_DYNAMIC and W4A16 group 128). Each checkpoint is loaded by a CPU ModelRunner in bfloat16.
+The model: a Llama (``--arch llama``) or a Qwen3-MoE (``--arch qwen3_moe``: 16 experts, top-4,
+expert intermediate ``--hidden / 2``) of ``--hidden`` x ``--layers`` (random weights, written by
+transformers in bfloat16), quantized by the compressed-tensors library
+(``tests/runtime/quant_checkpoint.py``, FP8_DYNAMIC and W4A16 group 128; MoE experts included).
+Each checkpoint is loaded by a CPU ModelRunner in bfloat16.
 
 - weight bytes: the runner's ``weight_bytes`` (every parameter, LM head and embedding included);
 - ``max_total_num_tokens`` on a GPU budget of ``--budget-gib`` at ``mem_fraction_static`` 0.85:
@@ -16,6 +18,7 @@ FP8_DYNAMIC and W4A16 group 128). Each checkpoint is loaded by a CPU ModelRunner
 Usage::
 
     python bench/quantization.py --threads 2
+    python bench/quantization.py --arch qwen3_moe --layers 4 --threads 2
 """
 
 from __future__ import annotations
@@ -38,16 +41,27 @@ from quant_checkpoint import quantize_checkpoint  # noqa: E402
 from shardline_runtime.mem_cache.memory_pool import TokenToKVPool  # noqa: E402
 
 
-def write_base(out: Path, hidden: int, layers: int) -> Path:
+def write_base(out: Path, hidden: int, layers: int, arch: str = "llama") -> Path:
     import transformers
 
     from shardline_runtime.tiny_checkpoint import tiny_config, train_tokenizer
 
+    experts = (
+        {
+            "num_experts": 16,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": hidden // 2,
+            "head_dim": 64,
+        }
+        if arch == "qwen3_moe"
+        else {}
+    )
     config = tiny_config(
-        "llama",
+        arch,
         vocab_size=32000,
         hidden_size=hidden,
         intermediate_size=hidden * 11 // 4 // 128 * 128,
+        **experts,
         num_hidden_layers=layers,
         num_attention_heads=hidden // 64,
         num_key_value_heads=max(1, hidden // 256),
@@ -76,6 +90,7 @@ def decode_times(runner, batch: int, steps: int) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--arch", default="llama", choices=["llama", "qwen3_moe"])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--budget-gib", type=float, default=2.0)
@@ -86,16 +101,20 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        base = write_base(Path(tmp) / "bf16", args.hidden, args.layers)
+        base = write_base(Path(tmp) / "bf16", args.hidden, args.layers, args.arch)
         paths = {
             "bf16": base,
             "fp8-w8a8-dynamic-channel": quantize_checkpoint(base, Path(tmp) / "fp8", "FP8_DYNAMIC"),
             "w4a16-g128": quantize_checkpoint(base, Path(tmp) / "w4", "W4A16", group_size=128),
         }
-        print(f"llama hidden {args.hidden}, {args.layers} layers, vocab 32000; "
-              f"budget {args.budget_gib} GiB x 0.85; decode {args.decode_dtype}, batch {args.batch}, "
-              f"{args.threads} threads")
-        print(f"{'scheme':<26} {'weight MiB':>10} {'KV tokens':>10} {'best ms':>8} {'median ms':>9}")
+        print(
+            f"{args.arch} hidden {args.hidden}, {args.layers} layers, vocab 32000; "
+            f"budget {args.budget_gib} GiB x 0.85; decode {args.decode_dtype}, batch {args.batch}, "
+            f"{args.threads} threads"
+        )
+        print(
+            f"{'scheme':<26} {'weight MiB':>10} {'KV tokens':>10} {'best ms':>8} {'median ms':>9}"
+        )
         for name, path in paths.items():
             runner = harness.make_runner(path, dtype="bfloat16", max_total_tokens=4096)
             cfg = runner.model_config
@@ -107,8 +126,10 @@ def main() -> None:
             if args.decode_dtype != "bfloat16":
                 runner = harness.make_runner(path, dtype=args.decode_dtype, max_total_tokens=4096)
             times = decode_times(runner, args.batch, args.steps)[3:]
-            print(f"{name:<26} {weight_bytes / 2**20:>10.1f} {tokens:>10} "
-                  f"{min(times) * 1e3:>8.1f} {statistics.median(times) * 1e3:>9.1f}")
+            print(
+                f"{name:<26} {weight_bytes / 2**20:>10.1f} {tokens:>10} "
+                f"{min(times) * 1e3:>8.1f} {statistics.median(times) * 1e3:>9.1f}"
+            )
 
 
 if __name__ == "__main__":

@@ -1,25 +1,34 @@
-"""Rollout duration and failed requests: InPlace vs Restart on the same deployment, in the local cluster.
+"""In-place rollout in the local cluster: where its time goes, latency after each group, and
+(``--restart``) the same deployment rolled with strategy Restart.
 
-Two groups (TP=1, one pod each) serve a tiny model, or with ``--params-200m`` a ~200M-parameter
-float32 llama (``hack/scenario/large_model.py``: written once into ~/.cache/shardline and reused). Client traffic
-(``hack/scenario/traffic.py``: a fixed rate, round-robin over the Ready, non-terminating leaders, a
-fresh connection per request) runs through each rollout. Measured from the patch to the status
-being Ready on the new revision with every group on it:
+``--groups`` groups (TP=1, one pod each; default 3) serve a tiny model, or with ``--params-200m``
+a ~200M-parameter float32 llama (``hack/scenario/large_model.py``: written once into
+~/.cache/shardline and reused). Client traffic (``hack/scenario/traffic.py``: a fixed rate,
+round-robin over the Ready, non-terminating leaders, a fresh connection per request) runs
+``--warmup`` seconds before the patch (the pre-rollout latency), through the rollout and
+``--settle`` seconds after it. The rollout is timed from the patch to the status being Ready
+with every group on the new revision.
 
-    rev-a -> rev-b with strategy InPlace, then rev-b -> rev-a with strategy Restart.
+Prints:
 
-Prints each rollout's duration and failed requests, and the InPlace / Restart duration ratio.
+- the rollout time against the sum of the groups' own update times (``load_seconds +
+  recapture_seconds`` from each leader's ``/get_server_info``), and per group where the rest
+  went (``hack/scenario/rollout_timeline.py``): the runtime's work around the update, the wait
+  for the pod to be Ready again, and the gap before the next group's update began;
+- per group the pre-rollout p95 latency and the time from "available again" until its p95 is
+  back within 1.5x of it (a 5-s sliding window), and the worst latency after it was available.
 
 With ``--staging`` it measures instead an S3 rollout with and without the staging step (issue 25:
 ``bench/rollout_staging.py``), in one run.
 
     python bench/rollout.py                      # starts a local cluster (binaries cached)
     python bench/rollout.py --staging            # S3 rollout with vs without staging
-    SHARDLINE_CLUSTER_DIR=/tmp/kube python bench/rollout.py --params-200m
+    SHARDLINE_CLUSTER_DIR=/tmp/kube python bench/rollout.py --params-200m --restart
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
@@ -35,23 +44,68 @@ from hack.scenario.large_model import large_revisions  # noqa: E402
 from hack.scenario.models import write_revisions  # noqa: E402
 from hack.scenario.operator_install import install_operator  # noqa: E402
 from hack.scenario.rollout_fleet import apply, patch, two_group_doc, wait_ready  # noqa: E402
+from hack.scenario.rollout_timeline import RECOVERED_FACTOR, Timeline, breakdown, recovery  # noqa: E402
 from hack.scenario.traffic import Traffic  # noqa: E402
 
 
-def rollout(cluster, watch, ns: str, spec: dict, revision: str, model: str, rate: float) -> tuple[float, int, int]:
+def in_place(cluster, watch, ns: str, revs: dict, model: str, args) -> None:
     mark = watch.mark()
+    timeline = Timeline(cluster.client(), ns, "bench", args.groups, "rev-b").start()
+    with Traffic(cluster.client(), ns, "bench", model, args.rate) as traffic:
+        time.sleep(args.warmup)
+        patched = time.monotonic()
+        patch(cluster, ns, "bench", {"model": {"path": str(revs["rev-b"]), "revision": "rev-b"}})
+        wait_ready(watch, "rev-b", mark, 900)
+        done = time.monotonic()
+        time.sleep(args.settle)
+        end = time.monotonic()
+    timeline.stop()
+    groups = list(timeline.by_group.values())
+    rows = breakdown(groups, patched, done)
+    total, updates = done - patched, sum(g.update_seconds for g in groups)
+    print(f"InPlace: rollout {total:.1f} s; sum of updates {updates:.1f} s; overhead "
+          f"{total - updates:.1f} s ({(total - updates) / args.groups:.1f} s per group; target <= 1.0); "
+          f"ratio {total / updates:.2f}x; {traffic.sent} requests, {len(traffic.failures)} failed")
+    print(f"{'group':>5}{'gap before':>12}{'update':>8}{'runtime extra':>15}{'ready lag':>11}")
+    for row in rows:
+        print(f"{row['group']:>5}{row['gap_before']:>12.2f}{row['update']:>8.2f}"
+              f"{row['runtime_extra']:>15.2f}{row['ready_lag']:>11.2f}")
+    if rows:
+        print(f"last group available -> status Ready: {rows[-1]['tail']:.2f} s")
+    print(f"{'group':>5}{'p95 before':>12}{'recovered after (s)':>21}{'worst after':>13}"
+          f"   (within {RECOVERED_FACTOR}x of p95 before; target <= 10 s)")
+    for g in sorted(groups, key=lambda g: g.index):
+        base, recovered, worst = recovery(traffic.records, g, patched, end)
+        shown = f"{recovered:.2f}" if math.isfinite(recovered) else "never"
+        print(f"{g.index:>5}{base:>12.2f}{shown:>21}{worst:>13.2f}")
+    for failure in traffic.failures[:5]:
+        print(f"  failed: {failure}")
+    if args.verbose:
+        for snap in watch.history[mark:]:
+            progressing = snap.conditions.get("Progressing", ("", "", ""))[2]
+            print(f"  {snap.at - patched:7.2f} {snap.line()} {progressing}")
+
+
+def restart(cluster, watch, ns: str, revs: dict, model: str, rate: float) -> None:
+    mark = watch.mark()
+    spec = {"model": {"path": str(revs["rev-a"]), "revision": "rev-a"}, "weightUpdate": {"strategy": "Restart"}}
     with Traffic(cluster.client(), ns, "bench", model, rate) as traffic:
         started = time.monotonic()
         patch(cluster, ns, "bench", spec)
-        wait_ready(watch, revision, mark, 900)
+        wait_ready(watch, "rev-a", mark, 900)
         seconds = time.monotonic() - started
-    return seconds, traffic.sent, len(traffic.failures)
+    print(f"Restart: rollout {seconds:.1f} s; {traffic.sent} requests, {len(traffic.failures)} failed")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params-200m", action="store_true", help="a ~200M-parameter float32 model")
+    parser.add_argument("--groups", type=int, default=3, help="groups (replicas), TP=1 each")
     parser.add_argument("--rate", type=float, default=4.0, help="client requests per second")
+    parser.add_argument("--warmup", type=float, default=15.0, help="seconds of traffic before the patch")
+    parser.add_argument("--settle", type=float, default=20.0, help="seconds of traffic after the rollout")
+    parser.add_argument("--verbose", action="store_true", help="print the statuses seen, timed from the patch")
+    parser.add_argument("--restart", action="store_true", help="then roll back with strategy Restart")
     parser.add_argument("--staging", action="store_true",
                         help="an S3 rollout with and without staging (bench/rollout_staging.py)")
     parser.add_argument("--staging-last", action="store_true",
@@ -70,20 +124,15 @@ def main() -> None:
             compare(cluster, revs, args.rate, staging_first=not args.staging_last)
             return
         ns = f"bench-{uuid.uuid4().hex[:6]}"
-        doc = two_group_doc(ns, "bench", str(revs["rev-a"]), "rev-a", startup_timeout=900)
+        doc = two_group_doc(ns, "bench", str(revs["rev-a"]), "rev-a", startup_timeout=900, replicas=args.groups)
         watch = apply(cluster, doc)
         wait_ready(watch, "rev-a", 0, 900)
         model = doc["spec"]["model"]["name"]
-        in_place = rollout(cluster, watch, ns, {"model": {"path": str(revs["rev-b"]), "revision": "rev-b"}},
-                           "rev-b", model, args.rate)
-        restart = rollout(cluster, watch, ns, {"model": {"path": str(revs["rev-a"]), "revision": "rev-a"},
-                                                       "weightUpdate": {"strategy": "Restart"}}, "rev-a", model, args.rate)
         size = "~200M params float32" if args.params_200m else "tiny"
-        print(f"model: {size}; 2 groups (TP=1); client {args.rate:g} req/s")
-        print(f"{'strategy':<10}{'seconds':>9}{'requests':>10}{'failed':>8}")
-        for name, (seconds, sent, failed) in (("InPlace", in_place), ("Restart", restart)):
-            print(f"{name:<10}{seconds:>9.1f}{sent:>10}{failed:>8}")
-        print(f"InPlace / Restart duration: {in_place[0] / restart[0]:.2f}x")
+        print(f"model: {size}; {args.groups} groups (TP=1); client {args.rate:g} req/s")
+        in_place(cluster, watch, ns, revs, model, args)
+        if args.restart:
+            restart(cluster, watch, ns, revs, model, args.rate)
         watch.stop()
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
     finally:

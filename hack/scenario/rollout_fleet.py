@@ -16,13 +16,13 @@ from hack.scenario.status_watch import StatusWatcher
 
 
 def two_group_doc(namespace: str, name: str, model_path: str, revision: str,
-                  startup_timeout: int | None = None) -> dict:
-    """The TP=2 example as 2 replicas of TP=1 serving ``model_path`` at ``revision``;
-    ``startup_timeout`` (seconds) sets ``spec.runtime.startupTimeoutSeconds``."""
+                  startup_timeout: int | None = None, replicas: int = 2) -> dict:
+    """The TP=2 example as ``replicas`` (default 2) groups of TP=1 serving ``model_path`` at
+    ``revision``; ``startup_timeout`` (seconds) sets ``spec.runtime.startupTimeoutSeconds``."""
     _, doc = tp2_example()
     doc = json.loads(json.dumps(doc))
     doc["metadata"] = {"name": name, "namespace": namespace}
-    doc["spec"].update(replicas=2, parallelism={"tensor": 1, "gpusPerPod": 1})
+    doc["spec"].update(replicas=replicas, parallelism={"tensor": 1, "gpusPerPod": 1})
     doc["spec"]["model"].update(path=model_path, revision=revision)
     if startup_timeout is not None:
         doc["spec"]["runtime"]["startupTimeoutSeconds"] = startup_timeout
@@ -39,9 +39,10 @@ def apply(cluster, doc: dict) -> StatusWatcher:
 
 
 def wait_ready(watch: StatusWatcher, revision: str, since: int, timeout: float):
-    """The first status since mark ``since`` that is Ready, observed, with both groups ready
+    """The first status since mark ``since`` that is Ready, observed, with every group ready
     and serving ``revision``. Raises TimeoutError (with the history) past ``timeout`` seconds."""
-    return watch.wait(lambda s: s.phase == "Ready" and s.served_revision == revision and s.ready_replicas == 2
+    return watch.wait(lambda s: s.phase == "Ready" and s.served_revision == revision
+                      and s.ready_replicas == s.replicas
                       and s.observed_generation == s.generation, timeout, f"Ready on {revision}", since)
 
 

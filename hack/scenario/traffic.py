@@ -22,6 +22,7 @@ class Traffic:
         self.leaders: list[str] = []
         self.sent = 0
         self.failures: list[str] = []
+        self.records: list[tuple[float, str, float, bool]] = []  # (sent at, leader IP, seconds, ok)
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._watch, daemon=True),
                          threading.Thread(target=self._send, daemon=True)]
@@ -41,13 +42,16 @@ class Traffic:
             time.sleep(0.1)
 
     def _one(self, ip: str) -> None:
+        sent, ok = time.monotonic(), False
         try:
             r = httpx.post(f"http://{ip}:8000/v1/completions", timeout=self.timeout,
                            json={"model": self.model, "prompt": "Hello", "max_tokens": 4})
-            if r.status_code != 200:
+            ok = r.status_code == 200
+            if not ok:
                 self.failures.append(f"{ip}: HTTP {r.status_code} {r.text[:200]}")
         except httpx.HTTPError as exc:
             self.failures.append(f"{ip}: {exc.__class__.__name__}: {exc}")
+        self.records.append((sent, ip, time.monotonic() - sent, ok))
 
     def _send(self) -> None:
         turn, next_at = 0, time.monotonic()

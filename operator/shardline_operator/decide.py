@@ -295,17 +295,24 @@ def decide(
     }
 
     def reports(trail: tuple[int, str] | None = None) -> list[GroupReport]:
+        # A trail step replays a moment before this pass: a group whose update this pass starts
+        # (the next wave, planned in the pass that ended the last one) was not updating then.
+        later = set(plan.start) if trail else set()
         return [
             GroupReport(
                 g,
                 records[g.index],
-                trail[1] if trail and g.index == trail[0] else overrides.get(g.index),
+                trail[1]
+                if trail and g.index == trail[0]
+                else None
+                if g.index in later
+                else overrides.get(g.index),
                 versions.get(g.index),
                 view=v,
                 digest=shown_digests[g.index],
                 mixed=shown_mixed.get(g.index),
                 planned=g.index in planned,
-                loading=loading.get(g.index),
+                loading=None if g.index in later else loading.get(g.index),
                 note=plan.notes.get(g.index),
             )
             for g, v in zip(groups, views)

@@ -177,6 +177,8 @@ def group_status(report: GroupReport, phase: str, parallelism: ParallelismSpec) 
     leader = report.view.leader if report.view is not None else None
     if leader is not None and leader.quantization is not None:
         item["quantization"] = leader.quantization  # the scheme the leader serves
+    if leader is not None and leader.model_kind is not None:
+        item["modelKind"] = leader.model_kind  # generate or embed
     return item
 
 

@@ -7,6 +7,8 @@ again. It is woken by
 - a change of the object's spec (``on.update`` on ``spec``);
 - any event on the object's own pods and StatefulSets, found through the
   ``shardline.dev/deployment`` label (and, for StatefulSets, their owner reference);
+- a group's update request ending (the leader client's callback), so the pass that counts it
+  and starts the next wave follows the runtime's reply at once;
 - the pass's own ``ReconcileResult.requeue_after_seconds`` (a group updating, a restart
   backoff running out), or :data:`ROLLOUT_POLL_SECONDS` while ``status.rollout`` is under way
   (not ``Failed``) and the pass named no time;
@@ -34,6 +36,7 @@ import kopf
 
 from . import labels, metrics
 from .kube import KubeClient, KubeError
+from .observe import deployment_of
 from .reconcile import Context, ReconcileResult, reconcile
 from .runtime_client import HttpLeaderClient
 
@@ -73,21 +76,28 @@ class Workers:
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Kopf progress and diff-base in annotations (status holds only our declared fields); the
-    operator memo's context and worker registry."""
+    operator memo's context and worker registry. A group's update ending wakes its deployment's
+    worker at once (the leader client calls back from its thread)."""
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=labels.API_GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=labels.API_GROUP, key="last-handled-configuration"
     )
     settings.persistence.finalizer = f"{labels.API_GROUP}/finalizer"
     settings.posting.level = 20  # logging.INFO: Events for Normal transitions too
+    loop = asyncio.get_running_loop()
+    workers = Workers()
+
+    def update_ended(key: str) -> None:
+        loop.call_soon_threadsafe(workers.wake, *deployment_of(key))
+
     memo.context = Context(
         kube=KubeClient(),
-        leaders=HttpLeaderClient(),
+        leaders=HttpLeaderClient(on_update_end=update_ended),
         operator_namespace=os.environ.get(OPERATOR_NAMESPACE_ENV) or None,
     )
-    memo.workers = Workers()
+    memo.workers = workers
 
 
 def next_delay(result: ReconcileResult) -> float:

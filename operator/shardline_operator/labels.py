@@ -21,6 +21,7 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_DEPLOYMENT = "shardline.dev/deployment"
 LABEL_GROUP = "shardline.dev/group"
 LABEL_REVISION = "shardline.dev/revision"
+LABEL_MODEL_KIND = "shardline.dev/model-kind"  # on the client Service when spec.model.kind is set
 # Set by the StatefulSet controller on every pod (Kubernetes >= 1.28): the pod's ordinal = TP node rank.
 LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"
 

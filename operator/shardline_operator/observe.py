@@ -62,6 +62,12 @@ def update_key(spec: DeploymentSpec, group: int) -> str:
     return f"{spec.namespace}/{spec.name}/g{group}"
 
 
+def deployment_of(key: str) -> tuple[str, str]:
+    """``(namespace, name)`` of the deployment an :func:`update_key` belongs to."""
+    namespace, name, _ = key.split("/")
+    return namespace, name
+
+
 def _leader(pods: tuple[PodObservation, ...]) -> PodObservation | None:
     return next((p for p in pods if p.rank == 0 and not p.deleting), None)
 

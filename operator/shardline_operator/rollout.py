@@ -81,9 +81,15 @@ def plan_rollout(
     if state is not None and state.wave:
         out = follow_wave(state, views, policy, now, out, desired)
         ended = out.state
-        if ended is None or ended.wave or ended.target == desired or ended.phase not in RESUMABLE:
+        if ended is None or ended.wave or ended.phase not in RESUMABLE:
             return out
-        state = ended  # the wave ended and the spec moved on: plan towards it now
+        if ended.target == desired and ended.phase != UPDATING:
+            return out  # the canary gate or a pause comes first
+        # The wave ended (the spec may have moved on): plan the next step in this same pass,
+        # with the groups just updated seen as what they now are (no pass between waves).
+        groups = [_updated(g, out.apply[g.index]) if g.index in out.apply else g for g in groups]
+        views = {g.index: g for g in groups}
+        state = ended
     if state is not None and state.phase == VERIFYING and state.target == desired:
         canary = views.get(state.canary) if state.canary is not None else None
         if canary is None or canary.gate is None:
@@ -189,6 +195,12 @@ def plan_rollout(
     out.events.append(("Normal", GroupPhase.UPDATING_WEIGHTS.value, progress))
     out.requeue_after_seconds = POLL_SECONDS
     return out
+
+
+def _updated(view: GroupView, served: ServedModel) -> GroupView:
+    """``view`` once its update to ``served`` was counted: declared and labelled ``served``
+    (the StatefulSet and pods are re-rendered in this pass), its digest to be recorded afresh."""
+    return replace(view, declared=served, pod_revision=served.revision, recorded_digest=None)
 
 
 def _repair_while_failed(

@@ -71,6 +71,8 @@ def runtime_args(spec: DeploymentSpec, group: int, served: ServedModel) -> list[
         "--mem-fraction-static",
         repr(spec.runtime.mem_fraction_static),
     ]
+    if spec.model.kind != "auto":  # only when declared: existing pod templates stay as they are
+        args += ["--model-kind", spec.model.kind]
     if spec.model.is_remote:
         args += ["--download-dir", f"$({MODEL_CACHE_ENV})"]  # env: remapped by hosts that must
         if spec.model.cache_max_bytes:

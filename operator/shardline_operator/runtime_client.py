@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -28,9 +28,17 @@ PHASE_POLL_SECONDS = 0.1
 
 
 class HttpLeaderClient:
-    """Implements ``observe.LeaderClient`` over HTTP with a small thread pool."""
+    """Implements ``observe.LeaderClient`` over HTTP with a small thread pool.
 
-    def __init__(self, max_workers: int = 4) -> None:
+    ``on_update_end(key)``, when given, is called (from a background thread) as soon as an
+    update started under ``key`` has ended and :meth:`poll` hands out its result, so the
+    reconciler can run its next pass at once instead of on its polling timer.
+    """
+
+    def __init__(
+        self, max_workers: int = 4, on_update_end: Callable[[str], None] | None = None
+    ) -> None:
+        self._on_update_end = on_update_end
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="leader-update")
         self._futures: dict[str, Future] = {}
         self._phases: dict[str, list[str]] = {}
@@ -83,7 +91,14 @@ class HttpLeaderClient:
                         return
                     self._phases.setdefault(key, []).append(phase)
                 last = phase
-            time.sleep(PHASE_POLL_SECONDS)
+            future_or_sleep(future, PHASE_POLL_SECONDS)
+        if self._on_update_end is not None:
+            # poll() answers once this thread has ended: hand over right after it does
+            threading.Thread(
+                target=_after,
+                args=(threading.current_thread(), self._on_update_end, key),
+                daemon=True,
+            ).start()
 
     def abort_update(self, key: str, url: str, token: str | None = None) -> None:
         """Send ``POST {url}/abort_weight_update`` in the background, unless one under ``key``
@@ -270,6 +285,19 @@ class TokenLeaderClient:
 
     def unload_lora_adapter(self, url: str, name: str) -> tuple[bool, str]:
         return self._client.unload_lora_adapter(url, name, self._token)
+
+
+def future_or_sleep(future: Future, seconds: float) -> None:
+    """Wait ``seconds``, or less if ``future`` finishes first."""
+    try:
+        future.exception(timeout=seconds)
+    except TimeoutError:
+        pass
+
+
+def _after(thread: threading.Thread, callback: Callable[[str], None], key: str) -> None:
+    thread.join()
+    callback(key)
 
 
 def _auth(token: str | None) -> dict[str, str]:

@@ -22,8 +22,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .spec_fields import field_value, int_in
-from .spec_types import ModelSpec, SpecError
+from .spec_fields import field_value, int_in, one_of
+from .spec_types import MODEL_KINDS, ModelSpec, SpecError
 
 LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
 SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
@@ -105,6 +105,7 @@ def parse_model(raw: Mapping[str, Any]) -> ModelSpec:
         mount_path=mount_path,
         volume=volume,
         uri=uri,
+        kind=one_of(raw, "kind", path, "auto", MODEL_KINDS),
         **extra,
     )
 

@@ -23,6 +23,9 @@ KV_CACHE_DTYPES = (
 # the runtime's --quantization: auto reads the checkpoint's quantization_config; fp8 quantizes a
 # bf16 checkpoint to FP8 per channel at load and at every weight update
 QUANTIZATION_MODES = ("auto", "fp8")
+# the runtime's --model-kind: generate (a causal LM), embed (an embedding model), auto: whichever
+# the checkpoint is (the runtime refuses to start on a checkpoint of the other declared kind)
+MODEL_KINDS = ("auto", "generate", "embed")
 STRATEGIES = ("InPlace", "Restart")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -55,6 +58,7 @@ RESERVED_FLAGS = (
     "--admin-api-key",
     "--kv-cache-dtype",
     "--quantization",
+    "--model-kind",
     "--lora-paths",
     "--pp-size",
     "--pp-layer-partition",
@@ -80,7 +84,8 @@ class ModelSpec:
     """``spec.model``: ``name`` is the OpenAI model name; ``path`` an absolute directory in the
     pod, or for an ``hf://`` / ``s3://`` ``uri`` the uri itself (the runtime fetches it into the
     model cache volume; see ``spec_model.py``). A ``pvc://`` uri becomes ``volume`` + ``path``.
-    ``cache_max_bytes`` 0: no eviction bound."""
+    ``cache_max_bytes`` 0: no eviction bound. ``kind``: what the deployment serves
+    (``MODEL_KINDS``; ``auto``: whatever the checkpoint is)."""
 
     name: str
     path: str
@@ -93,6 +98,7 @@ class ModelSpec:
     credentials_secret: str | None = None
     cache_volume: Mapping[str, Any] | None = None
     cache_max_bytes: int = 0
+    kind: str = "auto"
 
     @property
     def is_remote(self) -> bool:

@@ -55,6 +55,12 @@ def served_revision(revisions: Sequence[str]) -> str:
     return ",".join(seen)
 
 
+def _model_kind(report: GroupReport) -> str | None:
+    """What a group's leader says it serves (``generate`` / ``embed``), or None unheard."""
+    leader = report.view.leader if report.view is not None else None
+    return leader.model_kind if leader is not None else None
+
+
 def deployment_phase(
     phases: Sequence[str],
     ready: int,
@@ -275,6 +281,7 @@ def build_status(
         "readyReplicas": ready,
         "selector": labels.label_selector_string(labels.selector_labels(spec.name)),
         "servedRevision": served_revision([r.revision for r in reports]),
+        "modelKind": served_revision([kind for r in reports if (kind := _model_kind(r))]),
         "targetRevision": desired.revision,
         "groups": groups,
         "conditions": conditions,

@@ -136,6 +136,7 @@ class LeaderReport:
     when the runtime could not read it); ``message``: the runtime's last error line;
     ``graphs``: the graphs it captured (None: a runtime that does not report them).
     ``quantization``: the served scheme (None from a runtime that does not report it).
+    ``model_kind``: ``generate`` or ``embed``, what the leader serves (likewise).
     """
 
     weights_phase: WeightsPhase
@@ -147,6 +148,7 @@ class LeaderReport:
     last_update: LastUpdate | None = None
     graphs: ReportedGraphs | None = None
     quantization: str | None = None  # the served scheme (``unquantized``, ``fp8-...``)
+    model_kind: str | None = None  # ``generate`` or ``embed`` (None: a runtime without it)
 
     def __post_init__(self) -> None:  # a plain string phase (a test's literal) reads as the enum
         object.__setattr__(self, "weights_phase", WeightsPhase.parse(self.weights_phase))
@@ -172,4 +174,5 @@ class LeaderReport:
                 source.get("graphs") if isinstance(block, Mapping) else info.get("cuda_graphs")
             ),
             _text(source.get("quantization")),
+            _text(info.get("model_kind")),
         )

@@ -49,6 +49,7 @@ class ModelArgs:
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     quantization: str = "auto"
+    model_kind: str = "auto"  # auto, generate or embed (configs/pooling_config.py)
     attention_backend: str = "auto"
     context_length: int | None = None
 

@@ -35,6 +35,8 @@ SPECS = {
                           "runtime": {"image": "r:1"}},
     "pp4-two-stages-per-pod": {"model": {"name": "pp", "path": "/models/pp/v1"},
                                "parallelism": {"tensor": 1, "pipeline": 4, "gpusPerPod": 2}, "runtime": {"image": "r:1"}},
+    "embedding-model": {"model": {"name": "emb", "path": "/models/emb/v1", "kind": "embed"},
+                        "parallelism": {"tensor": 2, "gpusPerPod": 2}, "runtime": {"image": "r:1"}},
     "tp2-speculative-ngram": {"model": {"name": "tiny", "path": "/models/tiny/rev-a"}, "parallelism": {"tensor": 2, "gpusPerPod": 2},
                               "runtime": {"image": "r:1", "speculative": {"algorithm": "NGRAM", "numDraftTokens": 6}}},
 }
@@ -81,6 +83,7 @@ def test_rendered_args_parse_with_the_runtime_parser(spec_name):
         assert args.dtype == spec.runtime.dtype
         assert args.kv_cache_dtype == spec.runtime.kv_cache_dtype
         assert args.quantization == spec.runtime.quantization
+        assert args.model_kind == spec.model.kind
         assert args.mem_fraction_static == spec.runtime.mem_fraction_static
         assert args.max_total_tokens == spec.runtime.max_total_tokens
         assert args.disable_cuda_graph == (not spec.runtime.cuda_graph.enabled)
@@ -92,6 +95,13 @@ def test_rendered_args_parse_with_the_runtime_parser(spec_name):
 def test_user_args_reach_the_runtime():
     *_, argv = next(pods("tp2-two-pods"))
     assert server_args.ServerArgs.from_cli(argv).log_level == "debug"
+
+
+def test_model_kind_choices_match():
+    from shardline_operator.spec import MODEL_KINDS
+    from shardline_runtime.configs.pooling_config import MODEL_KINDS as RUNTIME_MODEL_KINDS
+
+    assert RUNTIME_MODEL_KINDS == MODEL_KINDS
 
 
 def test_quantization_choices_match():

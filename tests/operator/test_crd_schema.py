@@ -38,9 +38,9 @@ def test_names_columns_and_subresources():
     assert crd["spec"]["names"]["shortNames"] == ["infd"]
     version = crd["spec"]["versions"][0]
     assert [c["name"].upper() for c in version["additionalPrinterColumns"]] == [
-        "MODEL", "TP", "PP", "REPLICAS", "READY", "PHASE", "REVISION", "AGE"]
+        "MODEL", "TP", "PP", "REPLICAS", "READY", "PHASE", "REVISION", "KIND", "AGE"]
     wide_only = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority", 0) > 0]
-    assert wide_only == ["PP"], "kubectl get shows PP only with -o wide"
+    assert wide_only == ["PP", "Kind"], "kubectl get shows PP and Kind only with -o wide"
     assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
                                                 "statusReplicasPath": ".status.replicas",
                                                 "labelSelectorPath": ".status.selector"}
@@ -105,6 +105,7 @@ def test_enums_and_reserved_flags_match_the_parser():
     assert tuple(runtime["dtype"]["enum"]) == spec_module.DTYPES
     assert tuple(runtime["kvCacheDtype"]["enum"]) == spec_module.KV_CACHE_DTYPES
     assert tuple(runtime["quantization"]["enum"]) == spec_module.QUANTIZATION_MODES
+    assert tuple(spec_schema["model"]["properties"]["kind"]["enum"]) == spec_module.MODEL_KINDS
     assert tuple(runtime["imagePullPolicy"]["enum"]) == spec_module.PULL_POLICIES
     assert tuple(spec_schema["weightUpdate"]["properties"]["strategy"]["enum"]) == spec_module.STRATEGIES
     assert tuple(spec_schema["service"]["properties"]["type"]["enum"]) == spec_module.SERVICE_TYPES
@@ -142,7 +143,7 @@ def test_crd_defaults_equal_parser_defaults():
                                                      "runtime": {"image": "i"},
                                                      "weightUpdate": {"canary": {"verify": {"prompt": "hi"}}}})
     expected = {
-        "replicas": parsed.replicas, "model.mountPath": parsed.model.mount_path,
+        "replicas": parsed.replicas, "model.mountPath": parsed.model.mount_path, "model.kind": parsed.model.kind,
         "parallelism.tensor": parsed.parallelism.tensor, "parallelism.gpusPerPod": parsed.parallelism.gpus_per_pod,
         "parallelism.expert": parsed.parallelism.expert, "parallelism.pipeline": parsed.parallelism.pipeline,
         "runtime.imagePullPolicy": parsed.runtime.image_pull_policy, "runtime.dtype": parsed.runtime.dtype,

@@ -154,14 +154,26 @@ def test_a_new_revision_starts_one_in_place_update(make_spec, make_pod):
     assert changes(plan) == [("StartUpdate", 0, "rev-b")]
 
 
-def test_a_finished_update_re_renders_and_relabels_its_group(make_spec, make_pod):
+def _group_0_updated(make_spec, make_pod):
+    """The pass that sees group 0's update to rev-b succeed (group 1 still on rev-a)."""
     spec = make_spec({"model": {**_model(), "path": REV_B, "revision": "rev-b"}})
     rollout = {"phase": "Updating", "targetModelPath": REV_B, "targetRevision": "rev-b", "wave": [0],
                "startedAt": "2027-01-15T08:00:00Z", "previousModelPath": REV_A, "previousRevision": "rev-a",
                "canaryPassed": True, "groupPhases": {"0": "UpdatingWeights"}}
     done = {0: (pods(spec, make_pod, 0), leader("rev-b", update=("success", "")))}
-    plan = decide(spec, observation(spec, make_pod, done), previous_status(spec, rollout=rollout), NOW)
-    assert changes(plan) == [("Apply", "StatefulSet/llama-g0"), ("Relabel", "rev-b")]
+    return decide(spec, observation(spec, make_pod, done), previous_status(spec, rollout=rollout), NOW)
+
+
+def test_a_finished_update_re_renders_and_relabels_its_group(make_spec, make_pod):
+    plan = _group_0_updated(make_spec, make_pod)
+    assert [c for c in changes(plan) if c[0] != "StartUpdate"] == [("Apply", "StatefulSet/llama-g0"),
+                                                                   ("Relabel", "rev-b")]
+
+
+def test_the_next_group_starts_in_the_pass_that_counts_the_last_one_updated(make_spec, make_pod):
+    # No pass in between: the gap between one group serving and the next loading is one pass.
+    plan = _group_0_updated(make_spec, make_pod)
+    assert [c for c in changes(plan) if c[0] == "StartUpdate"] == [("StartUpdate", 1, "rev-b")]
 
 
 def test_a_leader_on_another_digest_is_repaired_in_place(make_spec, make_pod):

@@ -133,3 +133,17 @@ def test_abort_update_posts_to_abort_weight_update(leader_url):
     while not Leader.bodies and time.monotonic() < deadline:
         time.sleep(0.02)
     assert Leader.bodies == [("/abort_weight_update", {})]
+
+
+def test_an_ended_update_calls_back_once_poll_hands_out_its_result(leader_url):
+    polled_at_callback: list[tuple[str, str]] = []
+    called = threading.Event()
+
+    def ended(key):
+        polled_at_callback.append(client.poll(key))
+        called.set()
+
+    client = HttpLeaderClient(on_update_end=ended)
+    client.start_update("ns/x/g0", leader_url, {"model_path": "/m/rev-b", "revision": "rev-b"}, 60)
+    assert called.wait(30), "no callback after the update ended"
+    assert polled_at_callback == [("success", "ok")]

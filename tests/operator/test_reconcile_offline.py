@@ -170,12 +170,13 @@ def test_in_place_rollout_through_reconcile(world):
     leaders.results["default/llama/g1"] = ("success", "")
     leaders.seconds["default/llama/g1"] = {"load_seconds": 0.2, "recapture_seconds": 0.0}  # a CPU pod
     writes = len(kube.statuses)
-    body["status"] = reconcile(ctx, copy.deepcopy(body)).status
+    completed = reconcile(ctx, copy.deepcopy(body))  # the pass that counts the last group updated
+    body["status"] = completed.status
     assert "RecapturingGraphs" not in [s.get("phase") for s in kube.statuses[writes:]]  # it captured nothing
+    assert any(e[1] == "RolloutComplete" for e in completed.events)
     result = reconcile(ctx, copy.deepcopy(body))
     assert result.status["phase"] == "Ready" and result.status["servedRevision"] == "rev-b"
     assert {n: p["metadata"]["uid"] for n, p in kube.pods().items()} == uids  # no pod restarted
-    assert any(e[1] == "RolloutComplete" for e in result.events)
 
 
 def test_group_added_after_a_failed_rollout_joins_the_served_model(world):
@@ -301,15 +302,30 @@ def test_group_status_shows_the_leaders_weight_version(world, spec_dict):
     assert reconcile(ctx, copy.deepcopy(body)).status["groups"][0]["weightVersion"] == "step-7"
 
 
-def test_group_status_shows_the_scheme_the_leader_serves(world, spec_dict):
+def _status_with_leader_info(world, info: dict) -> dict:
+    """The status of a pass whose group-0 leader answers ``/get_server_info`` with ``info``."""
     kube, body, run = world
     run()
     kube.run_statefulsets()
     leaders = FakeLeaders()
     ctx = Context(kube=kube, leaders=leaders, clock=lambda: NOW[0])
     ip = kube.pods()["llama-g0-0"]["status"]["podIP"]
-    leaders.info[f"http://{ip}:{labels.HTTP_PORT}"] = {
-        "weights": {"phase": "serving", "model_path": "/m", "quantization": "fp8-block-128x128"}
-    }
-    status = reconcile(ctx, copy.deepcopy(body)).status
+    leaders.info[f"http://{ip}:{labels.HTTP_PORT}"] = info
+    return reconcile(ctx, copy.deepcopy(body)).status
+
+
+def test_group_status_shows_the_scheme_the_leader_serves(world, spec_dict):
+    status = _status_with_leader_info(
+        world, {"weights": {"phase": "serving", "model_path": "/m", "quantization": "fp8-block-128x128"}}
+    )
     assert status["groups"][0]["quantization"] == "fp8-block-128x128"
+
+
+def test_status_says_what_the_leaders_serve(world):
+    status = _status_with_leader_info(world, {"weights_phase": "serving", "model_kind": "embed"})
+    assert status["modelKind"] == "embed"
+
+
+def test_group_status_says_what_its_leader_serves(world):
+    status = _status_with_leader_info(world, {"weights_phase": "serving", "model_kind": "embed"})
+    assert status["groups"][0]["modelKind"] == "embed"

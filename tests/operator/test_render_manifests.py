@@ -66,6 +66,8 @@ def test_statefulset_wiring(make_spec):
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
     assert container["resources"]["limits"]["cpu"] == "2"
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    # back in the Service (and counted updated) within a second of an in-place update's end
+    assert container["readinessProbe"]["periodSeconds"] == 1
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     # Drain on deletion (issue 9): a pre-stop delay inside the grace period, then the runtime drains.
     pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]

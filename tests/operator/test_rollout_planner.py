@@ -92,13 +92,11 @@ def test_waves_of_max_unavailable_groups_step_as_soon_as_a_wave_ends():
     assert plan.apply == {0: REV_B} and fleet.state.wave == (1,) and not plan.start
     fleet.finish(1)
     plan = fleet.step(REV_B, 2.0, policy)
-    assert plan.apply == {1: REV_B} and plan.requeue_after_seconds == 0.0
+    assert plan.apply == {1: REV_B}
     assert plan.group_update_seconds == [(1, 2.0)]
-    plan = fleet.step(REV_B, 2.0, policy)
-    assert sorted(plan.start) == [2, 3]
+    assert sorted(plan.start) == [2, 3]  # the next wave, in the pass that ended the last one
     fleet.finish(2), fleet.finish(3)
-    fleet.step(REV_B, 3.0, policy)
-    plan = fleet.step(REV_B, 3.0, policy)
+    plan = fleet.step(REV_B, 3.0, policy)  # the pass that counts the last wave completes
     assert fleet.state is None and plan.rollout_seconds == 3.0 and fleet.events[-1] == "RolloutComplete"
     assert fleet.sent == [(0, "rev-b"), (1, "rev-b"), (2, "rev-b"), (3, "rev-b")]
 
@@ -184,8 +182,9 @@ def test_operator_restart_resumes_from_status_and_the_leaders():
     plan = fleet.step(REV_B, 1.0)
     assert not plan.start and plan.group_phases == {0: "UpdatingWeights"}  # the leader says loading
     fleet.finish(0)
-    assert fleet.step(REV_B, 2.0).apply == {0: REV_B}  # the leader serves rev-b: success
-    assert list(fleet.step(REV_B, 2.0).start) == [1]
+    plan = fleet.step(REV_B, 2.0)
+    assert plan.apply == {0: REV_B}  # the leader serves rev-b: success
+    assert list(plan.start) == [1]
     fleet.inflight.clear()  # the request was lost with the old process
     fleet.state = RolloutState.from_status(fleet.state.to_status())
     assert list(fleet.step(REV_B, 3.0).start) == [1]  # nobody updates it: sent again

@@ -18,7 +18,13 @@ import pytest
 import torch
 
 import harness
-from quant_checkpoint import quantize_checkpoint
+from quant_checkpoint import (  # noqa: F401 (fixture)
+    SCHEMES,
+    assert_scenario_matches,
+    quantized,
+    ref_logits,
+    reference,
+)
 from shardline_runtime.configs.model_config import ModelConfig, ModelConfigError
 
 pytest.importorskip("compressed_tensors")
@@ -26,46 +32,12 @@ pytest.importorskip("compressed_tensors")
 PROMPT = [5, 17, 200, 33, 9, 41, 77, 300, 12, 8, 101]
 TOL = 1e-4
 DYNAMIC_TP2_TOL = 0.3  # logits of this model span about +-3
-SCHEMES = {
-    "fp8_dynamic_channel": ("FP8_DYNAMIC", {}),
-    "fp8_static_tensor": ("FP8", {}),
-    "fp8_block": ("FP8_BLOCK", {"block_structure": [16, 32]}),
-    "w4a16": ("W4A16", {"group_size": 32}),
-}
 EXPECTED_SCHEME = {
     "fp8_dynamic_channel": "fp8-w8a8-dynamic-channel",
     "fp8_static_tensor": "fp8-w8a8-static-tensor",
     "fp8_block": "fp8-block-16x32",
     "w4a16": "w4a16-g32",
 }
-
-
-@pytest.fixture(scope="module")
-def quantized(tiny_checkpoint, tmp_path_factory):
-    """scheme name -> a compressed-tensors checkpoint (built once per module)."""
-    cache: dict = {}
-
-    def make(name: str, seed: int = 0):
-        key = (name, seed)
-        if key not in cache:
-            preset, args = SCHEMES[name]
-            src = tiny_checkpoint("llama", seed=seed)
-            out = tmp_path_factory.mktemp(f"{name}-{seed}")
-            cache[key] = quantize_checkpoint(src, out, preset, **args)
-        return cache[key]
-
-    return make
-
-
-def reference(path):
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-
-
-def ref_logits(model, tokens):
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0]  # (T, vocab)
 
 
 @pytest.mark.parametrize("name", list(SCHEMES))
@@ -149,15 +121,6 @@ def test_two_bit_weights_are_refused_naming_the_field(quantized, tmp_path):
         ModelConfig.from_pretrained(path, dtype="float32")
 
 
-def test_quantized_mixture_of_experts_is_refused(quantized, tiny_checkpoint, tmp_path):
-    cfg = json.loads((quantized("fp8_dynamic_channel") / "config.json").read_text())
-    path = _with_quantization_config(
-        tiny_checkpoint("qwen3_moe"), tmp_path / "moe", cfg["quantization_config"]
-    )
-    with pytest.raises(ModelConfigError, match="mixture-of-experts"):
-        ModelConfig.from_pretrained(path, dtype="float32")
-
-
 def test_block_cut_by_tensor_parallel_split_is_refused(quantized):
     from shardline_runtime.layers.linear import QKVParallelLinear
     from shardline_runtime.layers.quantization.base import QuantizationError
@@ -180,13 +143,7 @@ def test_tp2_quantized_logits_match_transformers(quantized, tmp_path):
     for name in SCHEMES:
         ref = reference(quantized(name))
         tol = DYNAMIC_TP2_TOL if name == "fp8_dynamic_channel" else TOL
-        got = ranks[0][name]
-        for i, prompt in enumerate(prompts):
-            tokens = list(prompt)
-            for step, logits in enumerate(got["logits"]):
-                expect = ref_logits(ref, tokens)[-1]
-                assert (logits[i] - expect).abs().max() <= tol, (name, i, step)
-                tokens.append(got["tokens"][step][i])
+        assert_scenario_matches(ref, ranks[0][name], prompts, tol, name)
 
 
 def test_lora_on_a_quantized_base_is_refused(quantized):
@@ -194,3 +151,12 @@ def test_lora_on_a_quantized_base_is_refused(quantized):
 
     with pytest.raises(LoRAAdapterError, match="quantized base model"):
         harness.make_runner(quantized("fp8_dynamic_channel"), enable_lora=True)
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_awq_and_gptq_refusals_say_why_and_how_to_convert(tiny_checkpoint, tmp_path, method):
+    path = _with_quantization_config(
+        tiny_checkpoint("llama"), tmp_path / "q", {"quant_method": method, "bits": 4}
+    )
+    with pytest.raises(ModelConfigError, match="llm-compressor"):
+        ModelConfig.from_pretrained(path, dtype="float32")

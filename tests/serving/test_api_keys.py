@@ -27,7 +27,7 @@ ADMIN_KEY = "adm-2b9f44a1"
 # it, never against auth.access_class (the code under test). Every other path is a control
 # endpoint. test_documented_table_is_the_one_in_the_docs keeps it equal to the docs.
 OPEN = ("/health", "/ready", "/metrics")
-SERVING = ("/v1/completions", "/v1/chat/completions", "/generate", "/health_generate")
+SERVING = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/generate", "/health_generate")
 INFO = ("/v1/models", "/v1/models/{model}", "/get_model_info", "/get_server_info", "/server_info")
 REPO = Path(__file__).resolve().parents[2]
 # Bodies that make each request succeed once it is let in.

@@ -204,6 +204,33 @@ def test_each_slot_admits_at_most_its_share_of_max_running_requests():
     assert [r.rid for r in batch.reqs] == ["a"]
 
 
+def test_running_requests_decode_while_a_new_request_arrives_before_every_step():
+    # Issue 23's stall after a weight update: a forward slower than the gap between arrivals
+    # found a new request waiting at every step, so EXTEND always came first and the running
+    # requests never produced another token until the client stopped sending.
+    cache = make_cache(kv_slots=4000, rows=64)  # room enough that admission never stops
+    prefill, decode = managers(cache, limits(max_running_requests=64))
+    planner = BatchPlanner(prefill, [decode], NewTokenRatio(), capturing_sender(), 64)
+    finish_extend(extend_of(cache, prefill, req("first", 4)), decode)
+    kinds = []
+    for step in range(8):
+        prefill.add(req(f"new-{step}", 4, first_token=100 + step))
+        batch = planner.next_batch(decode)
+        kinds.append(batch.forward_mode.name)
+        if batch.forward_mode.is_extend():
+            finish_extend(batch, decode)
+        else:
+            for r in batch.reqs:
+                r.append_output(6)
+    assert kinds.count("DECODE") >= 4, kinds
+
+
+def test_an_extend_still_comes_first_when_nothing_sat_one_out():
+    cache, prefill, slots, _, planner = two_slot_planner(max_running=8)
+    prefill.add(req("a", 4))
+    assert planner.next_batch(slots[0]).forward_mode.name == "EXTEND"
+
+
 def test_retracting_idle_slots_leaves_a_batch_in_flight_alone():
     in_flight: list = []
     cache, prefill, slots, _, planner = two_slot_planner(in_flight=in_flight)

@@ -11,6 +11,10 @@ from ..spec import ADMIN_API_KEY_ENV, API_KEY_ENV, GPU_RESOURCE, DeploymentSpec
 from .volumes import model_store_env, pod_volumes, writable_env
 
 PROBE_PERIOD_SECONDS = 10
+# Readiness is probed every second: a group is counted updated (and the next one starts) only
+# once its pods are Ready again after an in-place update, so this period is the longest wait
+# between the runtime serving and the rollout moving on (issue 23). ``/ready`` is a cheap GET.
+READINESS_PERIOD_SECONDS = 1
 # Pre-stop delay: a deleted pod leaves the Service's ready endpoints at once, but clients and
 # proxies take a moment to notice; the runtime keeps serving meanwhile, then drains on SIGTERM.
 PRE_STOP_SECONDS = 5
@@ -134,7 +138,7 @@ def build_pod_template(spec: DeploymentSpec, group: int, served: ServedModel) ->
             "/health", math.ceil(spec.runtime.startup_timeout_seconds / PROBE_PERIOD_SECONDS)
         ),
         "livenessProbe": _probe("/health", 6),
-        "readinessProbe": _probe("/ready", 3, period=5),
+        "readinessProbe": _probe("/ready", 3, period=READINESS_PERIOD_SECONDS),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "FallbackToLogsOnError",

@@ -41,11 +41,15 @@ def build_rank_service(spec: DeploymentSpec, group: int) -> dict[str, Any]:
 
 
 def build_client_service(spec: DeploymentSpec) -> dict[str, Any]:
-    """Client Service ``<name>`` over the rank-0 pod (the HTTP server) of every group."""
+    """Client Service ``<name>`` over the rank-0 pod (the HTTP server) of every group; labelled
+    ``shardline.dev/model-kind`` (generate / embed) when ``spec.model.kind`` declares it."""
+    meta_labels = labels.common_labels(spec.name)
+    if spec.model.kind != "auto":
+        meta_labels = {**meta_labels, labels.LABEL_MODEL_KIND: spec.model.kind}
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": child_metadata(spec, spec.name, labels.common_labels(spec.name)),
+        "metadata": child_metadata(spec, spec.name, meta_labels),
         "spec": {
             "type": spec.service.type,
             "selector": {**labels.selector_labels(spec.name), labels.LABEL_POD_INDEX: "0"},

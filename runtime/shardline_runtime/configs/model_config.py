@@ -17,6 +17,11 @@ from typing import Any
 import torch
 
 from shardline_runtime.configs.moe_config import checked_moe_fields, moe_parallel_problem
+from shardline_runtime.configs.pooling_config import (
+    PoolingConfig,
+    PoolingConfigError,
+    read_pooling_config,
+)
 from shardline_runtime.layers.quantization.base import QuantizationConfig, QuantizationError
 from shardline_runtime.layers.quantization.online_fp8 import requested_quantization
 from shardline_runtime.layers.quantization.registry import quantization_config_from
@@ -56,6 +61,7 @@ MUST_MATCH_FIELDS = (
     "norm_topk_prob",
     "moe_layers",
     "quantization",
+    "pooling",
 )
 
 
@@ -172,7 +178,14 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] = ()
     # the checkpoint's quantization_config (layers/quantization/); None: unquantized
     quantization: QuantizationConfig | None = None
+    # an embedding model's pooling (sentence-transformers files); None: a generation model
+    pooling: PoolingConfig | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def is_generation(self) -> bool:
+        """SGLang's flag: False for an embedding model (sentence-transformers files)."""
+        return self.pooling is None
 
     @property
     def sliding_window_size(self) -> int | None:
@@ -206,6 +219,10 @@ class ModelConfig:
             cfg = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as e:
             raise ModelConfigError(f"{cfg_file}: not valid JSON: {e}") from None
+        try:
+            pooling = read_pooling_config(path, cfg, int(_require(cfg, "hidden_size", path)))
+        except PoolingConfigError as e:
+            raise ModelConfigError(str(e)) from None
         return cls.from_dict(
             cfg,
             str(path),
@@ -213,6 +230,7 @@ class ModelConfig:
             context_length=context_length,
             device_type=device_type,
             quantization=quantization,
+            pooling=pooling,
         )
 
     @classmethod
@@ -224,19 +242,22 @@ class ModelConfig:
         context_length: int | None = None,
         device_type: str = "cpu",
         quantization: str = "auto",
+        pooling: PoolingConfig | None = None,
     ) -> ModelConfig:
-        """Same as :meth:`from_pretrained` from an already parsed ``config.json`` dict."""
+        """Same as :meth:`from_pretrained` from an already parsed ``config.json`` dict
+        (``pooling``: the embedding model's, read from the directory by ``from_pretrained``)."""
         # the model classes declare their architecture's rules (models/registry.py lists them)
-        from shardline_runtime.models.registry import MODEL_REGISTRY
+        from shardline_runtime.models.registry import MODEL_REGISTRY, causal_class_for
 
         path = Path(model_path)
         archs = cfg.get("architectures") or []
-        if not archs or archs[0] not in MODEL_REGISTRY:
+        model_cls = causal_class_for(archs[0], embedding=pooling is not None) if archs else None
+        if model_cls is None:
             raise ModelConfigError(
                 f"{path}: architectures[0] is {archs[0] if archs else None!r}; supported: {', '.join(MODEL_REGISTRY)}"
+                + (" (embedding models: also their *Model base architectures)" if pooling else "")
             )
         arch = archs[0]
-        model_cls = MODEL_REGISTRY[arch]
         hidden = int(_require(cfg, "hidden_size", path))
         heads = int(_require(cfg, "num_attention_heads", path))
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -260,10 +281,10 @@ class ModelConfig:
             )
         except QuantizationError as e:
             raise ModelConfigError(str(e)) from None
-        if served is not None and moe.get("num_experts"):
+        if pooling is not None and moe.get("num_experts"):
             raise ModelConfigError(
-                f"{path / 'config.json'}: quantization_config ({served.scheme}) with a "
-                f"mixture-of-experts model ({arch}) is not supported; supported: dense models"
+                f"{path / 'modules.json'}: an embedding model of a mixture-of-experts architecture "
+                f"({arch}) is not supported; supported: dense architectures"
             )
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
@@ -289,6 +310,7 @@ class ModelConfig:
             hidden_act=act,
             sliding_windows=model_cls.sliding_windows(cfg, layers),
             quantization=served,
+            pooling=pooling,
             hf_config=cfg,
             **moe,
         )

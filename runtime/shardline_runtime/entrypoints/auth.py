@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 ACCESS_CLASSES = ("open", "serving", "info", "admin")
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 SERVING_PATHS = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/generate", "/health_generate"}
+    {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/generate", "/health_generate"}
 )
 INFO_PATHS = frozenset({"/v1/models", "/get_model_info", "/get_server_info", "/server_info"})
 INFO_PREFIXES = ("/v1/models/",)  # GET /v1/models/{model}: OpenAI's model retrieve

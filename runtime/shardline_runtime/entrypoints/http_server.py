@@ -20,6 +20,10 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardline_runtime.entrypoints.chat_output import ChatParsers
+from shardline_runtime.entrypoints.embeddings import (
+    add_embedding_routes,
+    refuse_for_embedding_model,
+)
 from shardline_runtime.entrypoints.errors import error_response
 from shardline_runtime.entrypoints.expert_routes import add_expert_routes
 from shardline_runtime.entrypoints.generate import serve_generate
@@ -192,7 +196,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
             "model_path": tm.state.weights.model_path,
             "tokenizer_path": server_args.tokenizer_path or server_args.model_path,
             "served_model_name": model_name,
-            "is_generation": True,
+            "is_generation": tm.info.is_generation,
             "vocab_size": tm.info.vocab_size,
             "context_length": tm.info.context_len,
         }
@@ -217,6 +221,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
             "max_running_requests": tm.info.max_running_requests,
             "chunked_prefill_size": server_args.chunked_prefill_size,
             "overlap_schedule": tm.info.overlap_schedule,
+            "model_kind": "generate" if tm.info.is_generation else "embed",
             "num_running_reqs": s.num_running_reqs,
             "num_queued_reqs": s.num_queued_reqs,
             "kv_used_tokens": s.kv_used_tokens,
@@ -230,6 +235,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
         check_model(body.model)
+        refuse_for_embedding_model(tm, "/v1/completions")
         return await serve_completion(
             body, tm, tm.state.lora_for_model(body.model) or model_name, raw
         )
@@ -237,11 +243,13 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
         check_model(body.model)
+        refuse_for_embedding_model(tm, "/v1/chat/completions")
         model = tm.state.lora_for_model(body.model) or model_name
         return await serve_chat(body, tm, model, raw, parsers)
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, raw: Request):
+        refuse_for_embedding_model(tm, "/generate")
         return await serve_generate(body, tm, raw)
 
     @app.post("/flush_cache")
@@ -250,6 +258,7 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
         status = 200 if out.success else 400
         return JSONResponse({"success": out.success, "message": out.message}, status_code=status)
 
+    add_embedding_routes(app, tm, model_name, check_model)
     add_weight_update_routes(app, tm, error_response, server_args)
 
     add_weight_sync_routes(

@@ -58,6 +58,7 @@ class BatchPlanner:
         self.in_flight = in_flight
         self.settle = settle
         self.tp_rank = tp_rank
+        self._decode_owed: set[int] = set()  # slots (by id) whose requests sat out an EXTEND
 
     # ------------------------------------------------------------------ views
 
@@ -106,11 +107,23 @@ class BatchPlanner:
         """EXTEND of admitted requests (the running ones of ``decode``'s slot joining it with
         ``--enable-mixed-chunk``), else a DECODE step of that slot, else None.
 
+        No EXTEND follows an EXTEND that the slot's running requests sat out: a DECODE step of
+        them comes between. Prefill first alone starves decoding whenever a request arrives
+        during every step (a forward slower than the gap between arrivals, as under a burst of
+        requests held by a weight update on a busy machine): the running requests then never
+        advance and nothing finishes until arrivals stop (issue 23). Sarathi-Serve's
+        "stall-free" batching (Agrawal et al., OSDI 2024) makes the same point for decodes.
+
         ``started_only``: a pending weight update pauses admission, but a started chunked
         prefill must finish, and so must requests retracted after they began generating on the
         old weights (else they would end on the new ones: one response, two revisions).
         """
         decode = decode or self.slots[0]
+        if id(decode) in self._decode_owed:
+            self._decode_owed.discard(id(decode))
+            owed = self._decode_step(decode)
+            if owed is not None:
+                return owed
         # The KV reserve covers every running request (all micro-batch slots and the batches in
         # flight). --max-running-requests caps them all together, and each slot takes at most
         # max(cap // slots, 1), as SGLang's pp_max_micro_batch_size, so one slot cannot take
@@ -130,7 +143,14 @@ class BatchPlanner:
             mixed = decode.take_for_mix() if self.enable_mixed_chunk else None
             if mixed is not None:
                 batch.mix_with_running(mixed)  # the mixed batch becomes the running batch after it
+            elif decode.is_running():
+                self._decode_owed.add(id(decode))
             return batch
+        return self._decode_step(decode)
+
+    def _decode_step(self, decode: DecodeManager) -> ScheduleBatch | None:
+        """A DECODE step of ``decode``'s slot (requeueing what it retracts, streaming what it
+        finished), or None when nothing decodes."""
         step = decode.schedule(settle=self.make_room_for_decode)
         for req in step.retracted:
             self.prefill.requeue(req)

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from shardline_runtime.configs.pooling_config import PoolingConfig
 from shardline_runtime.constrained.grammar_spec import GrammarSpec
 from shardline_runtime.sampling.sampling_params import SamplingParams
 from shardline_runtime.weights_state import WeightsState
@@ -250,6 +251,12 @@ class SchedulerInfo:
     eos_token_ids: list[int] = field(default_factory=list)
     hidden_size: int = 0  # width of one input_embeds vector
     overlap_schedule: bool = False  # the overlap scheduler runs (off with LoRA, PP or the flag)
+    # an embedding model's pooling (None: a generation model; ModelConfig.is_generation)
+    pooling: PoolingConfig | None = None
+
+    @property
+    def is_generation(self) -> bool:
+        return self.pooling is None
 
 
 FinishType = Literal["stop", "length", "abort"]
@@ -305,7 +312,8 @@ class TokenOut:
     ``ids``: token ids generated since the last message; ``logprobs``: one per id when the
     request asked for logprobs, else empty; ``prompt_logprobs``: set once (with the first message)
     when prompt logprobs were asked; ``finish``: None while running; ``usage`` counts the whole
-    request so far.
+    request so far; ``embedding`` (embedding models, with the finish): the pooled vector,
+    hidden_size floats (normalised when the model's pooling says so).
     """
 
     rid: str
@@ -314,6 +322,7 @@ class TokenOut:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] | None = None
     finish: FinishReason | None = None
+    embedding: list[float] | None = None
 
 
 @dataclass(frozen=True, slots=True)

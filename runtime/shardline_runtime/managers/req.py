@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from shardline_runtime.constrained.xgrammar_backend import RequestGrammar
+from shardline_runtime.layers.pooler import PoolingAccumulator
 from shardline_runtime.managers.io_struct import FinishReason
 from shardline_runtime.mem_cache.radix_cache import TreeNode
 from shardline_runtime.sampling.sampling_params import SamplingParams
@@ -46,6 +47,8 @@ class Req:
         sent_len: output tokens already streamed to the HTTP process.
         prompt_logprobs: (position, logprob, top) of scored prompt tokens, collected per chunk.
         input_logprobs_sent: the prompt logprobs went out (once, with the first output).
+        pooling: (embedding models) the pooled partials of the chunks run so far.
+        embedding: (embedding models) the finished embedding, set after the last chunk.
     """
 
     def __init__(
@@ -94,6 +97,8 @@ class Req:
         self.sent_len = 0
         self.prompt_logprobs: list[tuple[int, float, list[tuple[float, int]]]] = []
         self.input_logprobs_sent = False
+        self.pooling: PoolingAccumulator | None = None
+        self.embedding: list[float] | None = None
         self._generator: torch.Generator | None = None
 
     @property

@@ -51,6 +51,8 @@ class RequestIntake:
         grammars: makes a request's grammar matcher from its :class:`GrammarSpec`
             (``GrammarBackend.matcher``, built at the first constrained request); None: a
             constrained request is answered with an abort naming why.
+        is_generation: False for an embedding model, whose requests run one EXTEND (possibly
+            chunked) and sample nothing (``max_new_tokens`` 0 whatever they asked).
     """
 
     def __init__(
@@ -62,7 +64,9 @@ class RequestIntake:
         sender: OutputSender,
         admit: Callable[[Req], None],
         grammars: Callable[[GrammarSpec], RequestGrammar] | None = None,
+        is_generation: bool = True,
     ):
+        self.is_generation = is_generation
         self.max_req_input_len = max_req_input_len
         self.max_req_len = max_req_len
         self.eos_token_ids = eos_token_ids
@@ -89,7 +93,7 @@ class RequestIntake:
             self.sender.reject(msg.rid, n, f"LoRA adapter {msg.lora_name!r} is not loaded")
             return
         # The KV pool (not the context) may clip max_new_tokens: the request ends with "length".
-        room = self.max_req_len - n
+        room = self.max_req_len - n if self.is_generation else 0
         if params.max_new_tokens is None or params.max_new_tokens > room:
             params = replace(params, max_new_tokens=room)
         grammar = None

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shardline_runtime.configs.pooling_config import PoolingConfig
+from shardline_runtime.layers.pooler import PoolingAccumulator
 from shardline_runtime.managers.cache_manager import CacheManager
 from shardline_runtime.managers.decode_manager import DecodeManager
 from shardline_runtime.managers.req import Req
@@ -35,6 +37,8 @@ class ResultProcessor:
         sender: rank 0's :class:`OutputSender`.
         speculative: with speculation, frees the KV of rejected drafts after a TARGET_VERIFY
             step (whose requests gain one or more tokens each).
+        pooling: an embedding model's pooling: each EXTEND step's pooled partials are folded
+            into their requests, whose ``embedding`` is set after the last chunk.
     """
 
     def __init__(
@@ -44,8 +48,10 @@ class ResultProcessor:
         max_req_len: int,
         sender: OutputSender,
         speculative: SpeculativeDecoding | None = None,
+        pooling: PoolingConfig | None = None,
     ):
         self.speculative = speculative
+        self.pooling = pooling
         self.cache = cache
         self.decode_manager = decode_manager
         self.max_req_len = max_req_len
@@ -84,6 +90,8 @@ class ResultProcessor:
         verify = batch.forward_mode.is_target_verify()
         if batch.forward_mode.is_extend() and not verify:
             collect_prompt_logprobs(batch, result)
+        if result.pooled is not None and self.pooling is not None:
+            collect_pooled(batch, result.pooled, self.pooling, done_before)
         for i, req in enumerate(batch.reqs):
             if req is batch.chunked_req or id(req) in done_before:
                 continue  # an intermediate chunk samples nothing
@@ -188,3 +196,19 @@ def collect_prompt_logprobs(batch: ScheduleBatch, result: GenerationBatchResult)
                 v, idx = logprobs.topk(req.top_logprobs_num)
                 top = list(zip(v.tolist(), idx.tolist()))
             req.prompt_logprobs.append((end, float(logprobs[full[end]]), top))
+
+
+def collect_pooled(
+    batch: ScheduleBatch, pooled: torch.Tensor, pooling: PoolingConfig, done_before: set[int]
+) -> None:
+    """Fold an EXTEND step's pooled partials ((bs, hidden) float32, host) into each request's
+    accumulator (intermediate chunks included); a request whose last chunk ran gets its
+    ``embedding``."""
+    for i, req in enumerate(batch.reqs):
+        if id(req) in done_before:
+            continue
+        if req.pooling is None:
+            req.pooling = PoolingAccumulator(pooling.pooling_type, pooling.normalize)
+        req.pooling.add(pooled[i], batch.extend_lens[i])
+        if req is not batch.chunked_req:
+            req.embedding = req.pooling.embedding()

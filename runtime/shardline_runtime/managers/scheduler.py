@@ -109,8 +109,11 @@ class Scheduler:
         self.sender = OutputSender(push)
         self.watchdog = Watchdog(args.watchdog_timeout, tp_rank)
         # KV computed under one LoRA adapter must not serve another: no shared prefixes with LoRA.
+        # An embedding model pools over every token of an input: no cached prefixes either.
+        embedding = not worker.model_runner.is_generation
         self.tree_cache = RadixCache(
-            worker.token_to_kv_pool_allocator.free, disable=args.disable_radix_cache or lora
+            worker.token_to_kv_pool_allocator.free,
+            disable=args.disable_radix_cache or lora or embedding,
         )
         self.cache = CacheManager(
             worker.token_to_kv_pool_allocator,
@@ -136,7 +139,12 @@ class Scheduler:
         ]
         self.decode_manager = self.decode_managers[0]
         self.results = ResultProcessor(
-            self.cache, self.decode_manager, worker.max_req_len, self.sender, self.speculative
+            self.cache,
+            self.decode_manager,
+            worker.max_req_len,
+            self.sender,
+            self.speculative,
+            pooling=worker.model_config.pooling,
         )
         self.overlap = OverlapSteps(worker, overlap, self.results, self.decode_manager)
         self.pipeline = (
@@ -174,6 +182,7 @@ class Scheduler:
             self.sender,
             self.prefill_manager.add,
             LazyGrammars(tokenizer_path, worker.model_config.vocab_size, eos),
+            is_generation=worker.model_runner.is_generation,
         )
         path, version = worker.model_config.model_path, str(args.weight_version)
         weights = initial_weights_state(
@@ -227,6 +236,7 @@ class Scheduler:
             eos_token_ids=self.intake.eos_token_ids,
             hidden_size=getattr(worker.model_config, "hidden_size", 0),
             overlap_schedule=self.overlap.enabled,
+            pooling=worker.model_config.pooling,
         )
 
     # ------------------------------------------------------------------ loop

@@ -34,6 +34,7 @@ class GenerateChunk:
     ``usage.completion_tokens`` counts the tokens consumed so far (up to a stop match).
     ``token_texts``: the text of every token id in ``logprobs`` and ``prompt_logprobs`` (their
     alternatives included), decoded alone with special tokens kept (for OpenAI logprobs).
+    ``embedding``: an embedding model's vector, on the last chunk.
     """
 
     text: str
@@ -45,6 +46,7 @@ class GenerateChunk:
     weight_version: str | None = None
     text_offsets: list[int] = field(default_factory=list)
     token_texts: dict[int, str] = field(default_factory=dict)
+    embedding: list[float] | None = None
 
 
 def detokenize_out(detok: IncrementalDetokenizer, out: TokenOut) -> tuple[GenerateChunk, bool]:
@@ -69,6 +71,7 @@ def detokenize_out(detok: IncrementalDetokenizer, out: TokenOut) -> tuple[Genera
         logprobs=out.logprobs[:consumed],
         prompt_logprobs=out.prompt_logprobs,
         text_offsets=detok.token_offsets[before : before + consumed],
+        embedding=out.embedding,
     )
     return chunk, stopped_here
 

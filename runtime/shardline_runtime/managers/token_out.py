@@ -66,6 +66,7 @@ def build_token_outs(reqs: Iterable[Req]) -> list[TokenOut]:
                 logprobs=_output_logprobs(req, new),
                 prompt_logprobs=_prompt_logprobs(req, bool(new) or req.finished()),
                 finish=req.finished_reason,
+                embedding=req.embedding if req.finished() else None,
             )
         )
         req.sent_len = len(req.output_ids)

@@ -105,6 +105,8 @@ class DeviceGraphs:
     def blocked_by(self) -> str | None:
         """:func:`graphs_blocked_by` for this runner."""
         r = self.runner
+        if not r.model_config.is_generation:
+            return "embedding model: EXTEND steps only, pooled eagerly"
         return graphs_blocked_by(r.model_config.rope_parameters["rope_type"] == "dynamic")
 
     def _recording(self) -> bool:

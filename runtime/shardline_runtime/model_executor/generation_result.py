@@ -45,6 +45,8 @@ class GenerationBatchResult:
         pp_hidden_states_proxy_tensors: on a pipeline stage that is not the last, what it sent
             on; nothing is sampled there (``TpModelWorker.resolve_stage_outputs`` fills the ids
             from the last stage).
+        pooled: (embedding models) (bs, hidden_size) float32, each request's pooled partial of
+            this step (``layers/pooler.py``); None for generation models.
     """
 
     logits_output: Any
@@ -65,13 +67,15 @@ class GenerationBatchResult:
     accepted_ids: list[list[int]] | None = None
     accepted_logprobs: list[list[float]] | None = None
     accepted_top_logprobs: list[list[tuple[list[float], list[int]]]] | None = None
+    pooled: torch.Tensor | None = None
 
     def copy_to_cpu(self) -> GenerationBatchResult:
-        """Start copying the sampled ids and logprobs to the host (non-blocking on CUDA), and,
+        """Start copying the sampled ids and logprobs (an embedding model's ``pooled``) to the
+        host (non-blocking on CUDA), and,
         for an EXTEND step that returns prompt logprobs, the logits output the result processor
         reads (so processing this step never reads the device while the next one runs)."""
         cuda = self.next_token_ids is not None and self.next_token_ids.device.type == "cuda"
-        for name in ("next_token_ids", "sampled_logprobs"):
+        for name in ("next_token_ids", "sampled_logprobs", "pooled"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.to("cpu", non_blocking=cuda))

@@ -23,9 +23,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardline_runtime import distributed
-from shardline_runtime.configs.model_config import ModelConfig
+from shardline_runtime.configs.model_config import ModelConfig, ModelConfigError
 from shardline_runtime.configs.pipeline_stage import PipelineStage
+from shardline_runtime.configs.pooling_config import model_kind_problem
 from shardline_runtime.layers.logits_processor import LogitsProcessorOutput
+from shardline_runtime.layers.pooler import EmbeddingPoolerOutput
 from shardline_runtime.layers.sampler import Sampler
 from shardline_runtime.model_executor.device_graphs import DeviceGraphs
 from shardline_runtime.model_executor.forward_batch_info import (
@@ -78,7 +80,8 @@ class ModelRunner:
     ``eplb_manager``, ``memory_saver`` (release/resume of weights, KV cache and graphs).
 
     Raises (from the constructor): ValueError (a rank outside the layout), ModelConfigError
-    (bad config.json or a head count that does not fit ``tp_size``) and PipelineLayoutError,
+    (bad config.json, a checkpoint of another kind than ``--model-kind``, or a head count that
+    does not fit ``tp_size``) and PipelineLayoutError,
     both before any weight is read; CheckpointError (a missing or short shard or parameter);
     KVCacheMemoryError (no memory left for the KV cache).
     """
@@ -109,6 +112,9 @@ class ModelRunner:
                 quantization=args.model.quantization,
             )
         self.model_config = model_config
+        kind_problem = model_kind_problem(args.model.model_kind, model_config.pooling)
+        if kind_problem is not None:
+            raise ModelConfigError(f"{model_config.model_path}: {kind_problem}")
         self.model_config.check_tp_size(self.tp_size)
         self.model_config.check_ep_size(
             self.tp_size, par.ep_size, args.experts.ep_num_redundant_experts
@@ -118,7 +124,8 @@ class ModelRunner:
             self.model_config.num_hidden_layers, pp_rank, self.pp_size, par.pp_layer_partition
         )
         self.dtype = self.model_config.dtype
-        self.is_generation = True  # every registered architecture is a causal LM (SGLang's flag)
+        # SGLang's flag: False for an embedding model (sentence-transformers files in the checkpoint)
+        self.is_generation = self.model_config.is_generation
         self.forward_pass_id = 0
         pre_model_load_memory = self.init_torch_distributed()
         self.forward_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -235,7 +242,8 @@ class ModelRunner:
             a :class:`GenerationBatchResult` whose sampled ids and logprobs are still on the
             device (call ``copy_to_cpu()`` and ``wait()`` before reading them); on a stage that is
             not the last, one with ``pp_hidden_states_proxy_tensors`` and nothing sampled; for a
-            TARGET_VERIFY step, the kept tokens (``verify_step.verify_batch``).
+            TARGET_VERIFY step, the kept tokens (``verify_step.verify_batch``); for an embedding
+            model, ``pooled`` (bs, hidden) float32 and -1 for every id (nothing is sampled).
 
         Raises:
             ValueError: the step stops before the stage's last layer (a partial SPLIT_PREFILL).
@@ -247,6 +255,9 @@ class ModelRunner:
             )
         if isinstance(output, PPProxyTensors):
             return GenerationBatchResult(None, forward_batch, pp_hidden_states_proxy_tensors=output)
+        if isinstance(output, EmbeddingPoolerOutput):  # an embedding model: pooled, no sampler
+            ids = torch.full((forward_batch.batch_size,), -1, dtype=torch.int64, device=self.device)
+            return GenerationBatchResult(None, forward_batch, ids, pooled=output.pooled)
         if forward_batch.forward_mode.is_target_verify():
             return verify_batch(output, forward_batch, self.device, self.tp_size)
         return self.sample(output, forward_batch)

@@ -18,7 +18,7 @@ from shardline_runtime.model_loader.checkpoint_files import (
     iterate_weights,
 )
 from shardline_runtime.models.llama import LlamaForCausalLM
-from shardline_runtime.models.registry import get_model_class
+from shardline_runtime.models.registry import model_class_for
 
 logger = logging.getLogger(__name__)
 _NO_TENSOR: Any = (
@@ -49,8 +49,9 @@ def build_model(
     model_config: ModelConfig, device: torch.device, stage: PipelineStage | None = None
 ) -> LlamaForCausalLM:
     """Instantiate the architecture's model (uninitialised weights) on ``device`` in its dtype;
-    with a pipeline ``stage``, only the parts that stage owns."""
-    cls = get_model_class(model_config.architecture)
+    with a pipeline ``stage``, only the parts that stage owns (an embedding model: the
+    architecture's decoder and a pooler, ``models/embedding_model.py``)."""
+    cls = model_class_for(model_config)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:

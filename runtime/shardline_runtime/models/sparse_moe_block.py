@@ -13,6 +13,7 @@ from torch import nn
 
 from shardline_runtime.configs.model_config import ModelConfig
 from shardline_runtime.distributed import expert_parallel_combine
+from shardline_runtime.layers.moe.expert_params import DEFAULT_EXPERT_NAMES
 from shardline_runtime.layers.moe.fused_moe import FusedMoE
 from shardline_runtime.layers.moe.router import ReplicatedLinear, TopKRouter
 from shardline_runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
@@ -22,7 +23,13 @@ from shardline_runtime.models.weight_loading import load_named_weights
 class SparseMoeBlock(nn.Module):
     """(T, hidden) -> (T, hidden), combined over the group."""
 
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        prefix: str = "",
+        expert_names: dict[str, str] = DEFAULT_EXPERT_NAMES,
+    ):
         super().__init__()
         self.gate = TopKRouter(
             config.hidden_size,
@@ -36,6 +43,9 @@ class SparseMoeBlock(nn.Module):
             config.moe_intermediate_size,
             layer_id,
             reduce_results=False,
+            quant_config=config.quantization,
+            prefix=f"{prefix}.experts",
+            expert_names=expert_names,
         )
         self.shared_expert: LlamaMLP | None = None
         self.shared_expert_gate: ReplicatedLinear | None = None
@@ -62,11 +72,17 @@ class SparseMoeBlock(nn.Module):
 
 
 class MoeDecoderLayer(LlamaDecoderLayer):
-    """A decoder layer whose MLP is a :class:`SparseMoeBlock` where ``config.moe_layers`` says."""
+    """A decoder layer whose MLP is a :class:`SparseMoeBlock` where ``config.moe_layers`` says;
+    the checkpoint names the block ``moe_block_name`` and one expert's projections
+    ``expert_names`` (w1 gate, w2 down, w3 up), which choose the experts' quantization."""
+
+    moe_block_name = "mlp"
+    expert_names = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
     def build_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
+        prefix = f"model.layers.{layer_id}.{self.moe_block_name}"
         return (
-            SparseMoeBlock(config, layer_id)
+            SparseMoeBlock(config, layer_id, prefix, self.expert_names)
             if config.moe_layers[layer_id]
             else LlamaMLP(config, prefix=f"model.layers.{layer_id}.mlp")
         )
@@ -78,8 +94,8 @@ class MoeForCausalLM(LlamaForCausalLM):
     checkpoint's block name (``moe_block_name``)."""
 
     layer_cls = MoeDecoderLayer
-    moe_block_name = "mlp"
-    expert_names = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+    moe_block_name = MoeDecoderLayer.moe_block_name
+    expert_names = MoeDecoderLayer.expert_names
 
     def expert_params_mapping(self) -> list[tuple[str, str, int, str]]:
         """``(checkpoint fragment, parameter fragment, expert_id, shard_id)`` for every expert."""

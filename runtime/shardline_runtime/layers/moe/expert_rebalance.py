@@ -12,7 +12,8 @@ the placement and the old maps are the same everywhere):
   4. Commit: copy staged weights into the live parameters (same storage, so captured CUDA
      graphs stay valid) and write the new maps into their buffers.
 
-Peak extra memory: one copy of this rank's expert weights (the staging buffers).
+Peak extra memory: one copy of this rank's expert weights (the staging buffers). Quantized
+experts move with their scales (every stacked ``w13_*`` / ``w2_*`` parameter).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from shardline_runtime.distributed import (
     get_expert_parallel_layout,
 )
 from shardline_runtime.layers.moe.expert_location import logical_maps, moe_layers
+from shardline_runtime.layers.moe.expert_params import expert_param_names
 
 logger = logging.getLogger(__name__)
 
@@ -51,39 +53,43 @@ def _check(layers: list, placement: torch.Tensor) -> None:
             raise RebalanceError(f"MoE layer {i}: {e}") from None
 
 
-def _stage_layer(layer, new: list[int], layout) -> tuple[torch.Tensor, torch.Tensor]:
+def _stage_layer(layer, new: list[int], layout) -> list[torch.Tensor]:
+    """Staged copies of ``layer``'s stacked expert parameters (``expert_param_names`` order:
+    weights and, for quantized experts, their scales) under placement ``new``."""
     n, tp = layer.num_local_experts, layout.moe_tp_size
     old = layer.physical_to_logical_map.tolist()
     held = [
         set(old[r * n : (r + 1) * n]) for r in range(layout.ep_size)
     ]  # logical experts per EP slot
     mine = old[layer.local_start : layer.local_start + n]
-    w13, w2 = torch.empty_like(layer.w13_weight), torch.empty_like(layer.w2_weight)
+    live = [getattr(layer, name) for name in expert_param_names(layer)]
+    staged = [torch.empty_like(p) for p in live]
     wanted = new[layer.local_start : layer.local_start + n]
     for slot, e in enumerate(wanted):
         if e in mine:
-            w13[slot].copy_(layer.w13_weight[mine.index(e)])
-            w2[slot].copy_(layer.w2_weight[mine.index(e)])
+            for dest, src in zip(staged, live):
+                dest[slot].copy_(src[mine.index(e)])
     missing = sorted(
         {e for r in range(layout.ep_size) for e in new[r * n : (r + 1) * n] if e not in held[r]}
     )
-    size13, size2 = layer.w13_weight[0].numel(), layer.w2_weight[0].numel()
+    # one expert's tensors travel as one byte buffer (FP8 and packed ints included)
+    sizes = [p[0].numel() * p.element_size() for p in live]
     for e in missing:
         src_ep = min(r for r in range(layout.ep_size) if e in held[r])
         for t in range(tp):  # one broadcast per tensor-parallel slice of the expert
-            buf = torch.empty(size13 + size2, dtype=w13.dtype, device=w13.device)
+            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=live[0].device)
             if layout.ep_rank == src_ep and layout.moe_tp_rank == t:
                 k = mine.index(e)
-                buf[:size13].copy_(layer.w13_weight[k].reshape(-1))
-                buf[size13:].copy_(layer.w2_weight[k].reshape(-1))
+                buf.copy_(torch.cat([p[k].reshape(-1).view(torch.uint8) for p in live]))
             broadcast_tensor(buf, src=src_ep * tp + t)
             if layout.moe_tp_rank != t:
                 continue
+            pieces = buf.split(sizes)
             for slot, want in enumerate(wanted):
                 if want == e and e not in mine:
-                    w13[slot].copy_(buf[:size13].view_as(w13[slot]))
-                    w2[slot].copy_(buf[size13:].view_as(w2[slot]))
-    return w13, w2
+                    for dest, piece in zip(staged, pieces):
+                        dest[slot].copy_(piece.clone().view(dest.dtype).view_as(dest[slot]))
+    return staged
 
 
 @torch.no_grad()
@@ -122,10 +128,10 @@ def rebalance_in_place(model: torch.nn.Module, placement: torch.Tensor) -> int:
             f"staging failed; old placement kept. {reason or 'failed on another rank (see its log)'}"
         )
     moved = 0
-    for layer, new, (w13, w2) in zip(layers, placement, staged):
+    for layer, new, tensors in zip(layers, placement, staged):
         before = layer.local_logical_experts()
-        layer.w13_weight.data.copy_(w13)
-        layer.w2_weight.data.copy_(w2)
+        for name, tensor in zip(expert_param_names(layer), tensors):
+            getattr(layer, name).data.copy_(tensor)
         layer.set_placement(new)
         moved += sum(a != b for a, b in zip(before, layer.local_logical_experts()))
     return moved

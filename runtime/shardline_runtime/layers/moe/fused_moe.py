@@ -1,7 +1,8 @@
 """``FusedMoE``: the experts of one MoE layer, stacked, split by tensor and expert parallelism.
 
 Parameters (this rank): ``w13_weight`` (E_local, 2 * I_rank, H) holds ``[gate | up]`` of each
-local physical expert and ``w2_weight`` (E_local, H, I_rank) its down projection, with
+local physical expert and ``w2_weight`` (E_local, H, I_rank) its down projection (quantized
+experts: the scheme's parameters, ``expert_params.py``), with
 ``E_local = (num_experts + ep_num_redundant_experts) / ep_size`` and
 ``I_rank = moe_intermediate_size / moe_tp_size`` (layout in ``distributed/expert_parallel.py``).
 Checkpoints store one tensor per expert and projection; ``weight_loader(param, loaded,
@@ -25,8 +26,20 @@ from shardline_runtime.layers.moe.expert_location import (
     logical_maps,
     route_to_physical,
 )
+from shardline_runtime.layers.moe.expert_params import (
+    DEFAULT_EXPERT_NAMES,
+    active_slots,
+    create_expert_params,
+    dequantized_experts,
+    expert_methods,
+    load_expert_shard,
+)
 from shardline_runtime.layers.moe.moe_compute import experts_forward
-from shardline_runtime.layers.parameter import set_weight_attrs
+from shardline_runtime.layers.parameter import checkpoint_shapes_of
+from shardline_runtime.layers.quantization.base import (
+    QuantizationConfig,
+    UnquantizedLinearMethod,
+)
 
 SHARD_IDS = ("w1", "w2", "w3")
 
@@ -41,11 +54,18 @@ class FusedMoE(nn.Module):
         num_redundant_experts: extra physical slots for EPLB replicas (default: the layout's).
         reduce_results: combine over the group in ``forward`` (False: the caller does it,
             e.g. after adding a shared expert's partial sum).
+        quant_config, prefix: the checkpoint's quantization and the experts' checkpoint module
+            (``model.layers.3.mlp.experts``); quantized experts store the method's parameters
+            (``w13_weight_scale``...) beside the weights (``expert_params.py``).
+        expert_names: the checkpoint's names of one expert's gate (w1), up (w3) and down (w2)
+            projections under ``<prefix>.<expert_id>``.
 
     Raises:
         ValueError: experts or intermediate size cannot be split over the layout.
+        QuantizationError: the split would cut a quantization block or pack.
     """
 
+    w13_weight: nn.Parameter  # unquantized and FP8 schemes (W4A16 stores w13_weight_packed)
     physical_to_logical_map: torch.Tensor
     logical_to_physical_map: torch.Tensor
     logical_replica_count: torch.Tensor
@@ -58,6 +78,9 @@ class FusedMoE(nn.Module):
         layer_id: int,
         num_redundant_experts: int | None = None,
         reduce_results: bool = True,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+        expert_names: dict[str, str] = DEFAULT_EXPERT_NAMES,
     ):
         super().__init__()
         layout = get_expert_parallel_layout()
@@ -77,28 +100,18 @@ class FusedMoE(nn.Module):
         self.moe_tp_rank = layout.moe_tp_rank
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.intermediate_per_rank = intermediate_size // layout.moe_tp_size
-        i = self.intermediate_per_rank
-        self.w13_weight = nn.Parameter(
-            torch.empty(self.num_local_experts, 2 * i, hidden_size), requires_grad=False
-        )
-        self.w2_weight = nn.Parameter(
-            torch.empty(self.num_local_experts, hidden_size, i), requires_grad=False
-        )
-        # checkpoints hold one (I, H) gate (w1) / up (w3) and one (H, I) down (w2) per logical expert
-        set_weight_attrs(
-            self.w13_weight,
+        self.quant_methods = expert_methods(quant_config, prefix, num_experts, expert_names)
+        create_expert_params(
+            self,
+            self.quant_methods,
+            num_experts,
+            self.num_local_experts,
+            hidden_size,
+            intermediate_size,
+            layout.moe_tp_size,
             self.weight_loader,
-            {
-                (e, s): (intermediate_size, hidden_size)
-                for e in range(num_experts)
-                for s in ("w1", "w3")
-            },
         )
-        set_weight_attrs(
-            self.w2_weight,
-            self.weight_loader,
-            {(e, "w2"): (hidden_size, intermediate_size) for e in range(num_experts)},
-        )
+        self.quantized = not all(isinstance(m, UnquantizedLinearMethod) for m in self.quant_methods)
         self.register_buffer(
             "physical_to_logical_map",
             torch.zeros(self.num_physical_experts, dtype=torch.int64),
@@ -146,7 +159,8 @@ class FusedMoE(nn.Module):
         self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, shard_id: str
     ) -> None:
         """Copy logical expert ``expert_id``'s full checkpoint tensor ``loaded`` (``w1``/``w3``:
-        (I, H), ``w2``: (H, I)) into each local slot that holds it, taking this rank's slice of I.
+        (I, H), ``w2``: (H, I), or the scheme's scale / packed weight of that projection) into
+        each local slot that holds it, taking this rank's slice of I.
 
         Raises:
             ValueError: ``shard_id`` not in ``SHARD_IDS`` or ``expert_id`` out of range.
@@ -156,23 +170,15 @@ class FusedMoE(nn.Module):
             raise ValueError(f"shard_id must be one of {SHARD_IDS}, got {shard_id!r}")
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert_id must be in [0, {self.num_experts}), got {expert_id}")
-        full_i, h, n = self.intermediate_size, self.hidden_size, self.intermediate_per_rank
-        expected = (h, full_i) if shard_id == "w2" else (full_i, h)
-        if tuple(loaded.shape) != expected:
+        expected = checkpoint_shapes_of(param).get((expert_id, shard_id))
+        if expected is None or tuple(loaded.shape) != tuple(expected):
             raise ShardShapeError(
                 f"FusedMoE expert {expert_id} {shard_id}: checkpoint shape {tuple(loaded.shape)}, expected {expected}"
             )
-        if shard_id == "w2":
-            piece = loaded.narrow(1, self.moe_tp_rank * n, n)
-        else:
-            piece = loaded.narrow(0, self.moe_tp_rank * n, n)
-        for slot, logical in enumerate(self.local_logical_experts()):
-            if logical != expert_id:
-                continue
-            if shard_id == "w2":
-                param.data[slot].copy_(piece)
-            else:
-                param.data[slot].narrow(0, 0 if shard_id == "w1" else n, n).copy_(piece)
+        slots = [s for s, e in enumerate(self.local_logical_experts()) if e == expert_id]
+        load_expert_shard(
+            self, param, loaded, shard_id, slots, self.moe_tp_rank, self.intermediate_per_rank
+        )
 
     def forward(
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -194,5 +200,18 @@ class FusedMoE(nn.Module):
             local = torch.where(
                 (local >= 0) & (local < self.num_local_experts), local, -1
             )  # dispatch: keep ours
-        out = experts_forward(hidden_states, self.w13_weight, self.w2_weight, topk_weights, local)
+        slots = None
+        if self.quantized and not hidden_states.is_cuda:
+            # CPU: dequantize only the slots this batch routes to (a decode step uses few);
+            # on CUDA every slot is, to keep the step free of host syncs (CUDA graphs)
+            slots, local = active_slots(local, self.num_local_experts)
+        w13, w2 = dequantized_experts(
+            self,
+            self.quant_methods,
+            self.intermediate_per_rank,
+            self.hidden_size,
+            hidden_states.dtype,
+            slots,
+        )
+        out = experts_forward(hidden_states, w13, w2, topk_weights, local)
         return expert_parallel_combine(out) if self.reduce_results else out

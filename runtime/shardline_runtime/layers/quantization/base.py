@@ -13,6 +13,7 @@ features one stored element covers).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +111,14 @@ class LinearMethod(ABC):
         (schemes without blocks or packs never do)."""
         return None
 
+    @abstractmethod
+    def dequantize(
+        self, tensor: Callable[[str], torch.Tensor], shard_rows: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The weight ``(..., N, K)`` in ``dtype`` from this method's parameters, read as
+        ``tensor(name)`` (leading dims: stacked experts); ``shard_rows`` is the rows of each
+        fused checkpoint tensor (one per-tensor scale covers that many rows)."""
+
 
 @dataclass(frozen=True)
 class UnquantizedLinearMethod(LinearMethod):
@@ -124,6 +133,11 @@ class UnquantizedLinearMethod(LinearMethod):
         from shardline_runtime.layers.linear import linear
 
         return linear(x, layer_tensor(layer, "weight"), bias)
+
+    def dequantize(
+        self, tensor: Callable[[str], torch.Tensor], shard_rows: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        return tensor("weight").to(dtype)
 
 
 class QuantizationConfig(ABC):

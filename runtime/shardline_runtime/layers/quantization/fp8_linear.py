@@ -11,6 +11,7 @@ CPU numerics equal the reference (compressed-tensors' fake quantization in trans
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +96,14 @@ class Fp8LinearMethod(LinearMethod):
         w = (layer_tensor(layer, "weight").float() * w_scale).to(x.dtype)
         return torch.nn.functional.linear(fake_quantize_fp8(x, x_scale), w, bias)
 
+    def dequantize(
+        self, tensor: Callable[[str], torch.Tensor], shard_rows: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        scale = tensor("weight_scale")  # (..., N, 1) per channel, (..., num_shards, 1) per tensor
+        if not self.per_channel:
+            scale = scale.repeat_interleave(shard_rows, dim=-2)
+        return (tensor("weight").float() * scale.float()).to(dtype)
+
 
 def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.is_cuda and x.dim() == 2 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
@@ -176,3 +185,8 @@ class Fp8BlockLinearMethod(LinearMethod):
         x_dq = fake_quantize_fp8(x, x_scale.repeat_interleave(self.block[1], dim=1))
         w = dequantize_blocks(layer_tensor(layer, "weight"), w_scale, self.block, x.dtype)
         return torch.nn.functional.linear(x_dq, w, bias)
+
+    def dequantize(
+        self, tensor: Callable[[str], torch.Tensor], shard_rows: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        return dequantize_blocks(tensor("weight"), tensor(self.scale_name), self.block, dtype)

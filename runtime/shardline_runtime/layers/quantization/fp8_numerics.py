@@ -57,10 +57,10 @@ def quantize_into(weight: torch.Tensor, dest: torch.Tensor, dest_scale: torch.Te
 def dequantize_blocks(
     weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
 ) -> torch.Tensor:
-    """``weight (N, K)`` fp8 with one scale per ``block`` (``scale`` (ceil(N/bn), ceil(K/bk)))
-    -> (N, K) in ``dtype``."""
+    """``weight (..., N, K)`` fp8 with one scale per ``block`` (``scale`` (..., ceil(N/bn),
+    ceil(K/bk))) -> (..., N, K) in ``dtype`` (leading dims: stacked experts)."""
     bn, bk = block
-    n, k = weight.shape
-    rows = scale.repeat_interleave(bn, dim=0)[:n]
-    full = rows.repeat_interleave(bk, dim=1)[:, :k]
+    n, k = weight.shape[-2:]
+    rows = scale.repeat_interleave(bn, dim=-2)[..., :n, :]
+    full = rows.repeat_interleave(bk, dim=-1)[..., :k]
     return (weight.float() * full.float()).to(dtype)

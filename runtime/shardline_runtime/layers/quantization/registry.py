@@ -22,6 +22,16 @@ SUPPORTED_QUANT_METHODS = {
     "fp8": "block-wise FP8 with weight_block_size and weight_scale_inv (DeepSeek-V3, Qwen3-FP8)",
 }
 
+# quant_method -> why it is refused although a W4A16 path exists (the message says so)
+REFUSED_QUANT_METHODS = {
+    "awq": "AWQ checkpoints carry asymmetric zero points (qzeros) and pack eight values per int32 "
+    "along the output features in an interleaved order; the W4A16 path serves symmetric "
+    "weights only. Convert the checkpoint to compressed-tensors W4A16 with llm-compressor",
+    "gptq": "GPTQ checkpoints are not repacked into the W4A16 layout (qweight packed along the "
+    "input features, qzeros, g_idx act-order permutations). Convert the checkpoint to "
+    "compressed-tensors W4A16 with llm-compressor",
+}
+
 
 @dataclass(frozen=True)
 class BlockFp8Config(QuantizationConfig):
@@ -97,7 +107,8 @@ def quantization_config_from(
     except QuantizationError as e:
         raise QuantizationError(f"{source}: {e}") from None
     supported = "; ".join(f"{name} ({what})" for name, what in SUPPORTED_QUANT_METHODS.items())
+    why = f" ({REFUSED_QUANT_METHODS[method]})" if method in REFUSED_QUANT_METHODS else ""
     raise QuantizationError(
-        f"{source}: quantization_config.quant_method {method!r} is not supported; "
+        f"{source}: quantization_config.quant_method {method!r} is not supported{why}; "
         f"supported: {supported}"
     )

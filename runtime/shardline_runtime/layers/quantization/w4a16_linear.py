@@ -10,6 +10,7 @@ on CUDA (``w4a16_kernel.py``), dequantize-then-matmul elsewhere.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,19 +29,20 @@ PACK_FACTOR = 8  # 4-bit values per int32
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """``packed (N, K / 8)`` int32 -> (N, K) int32 values in [-8, 7]."""
+    """``packed (..., N, K / 8)`` int32 -> (..., N, K) int32 values in [-8, 7]."""
     shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
-    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # (N, K / 8, 8)
-    return nibbles.flatten(start_dim=1) - 8
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # (..., N, K / 8, 8)
+    return nibbles.flatten(start_dim=-2) - 8
 
 
 def dequantize_w4(
     packed: torch.Tensor, scale: torch.Tensor, group_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``packed (N, K / 8)`` int32, ``scale (N, K / group_size)`` -> weight (N, K) ``dtype``
-    (the product taken in ``scale``'s dtype, as compressed-tensors does)."""
+    """``packed (..., N, K / 8)`` int32, ``scale (..., N, K / group_size)`` -> weight
+    (..., N, K) ``dtype`` (the product taken in ``scale``'s dtype, as compressed-tensors does;
+    leading dims: stacked experts)."""
     q = unpack_int4(packed).to(scale.dtype)
-    return (q * scale.repeat_interleave(group_size, dim=1)).to(dtype)
+    return (q * scale.repeat_interleave(group_size, dim=-1)).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -99,3 +101,10 @@ class W4A16LinearMethod(LinearMethod):
             x.dtype,
         )
         return torch.nn.functional.linear(x, w, bias)
+
+    def dequantize(
+        self, tensor: Callable[[str], torch.Tensor], shard_rows: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        return dequantize_w4(
+            tensor("weight_packed"), tensor("weight_scale"), self.group_size, dtype
+        )
