@@ -21,6 +21,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     || { echo "bench/gpu_quant.sh: installing .whl/*.whl failed"; exit 1; }
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
+# step caps (seconds: 20 + 2 x 20 + 2 x 20) sum to 100, gpu_check.sh's cap for this script; the CPU dry run gets 600 s
+cap() { if [[ "${GPU_CHECK_DRY_RUN:-0}" == "1" ]]; then echo 600; else echo "$1"; fi; }
 if [[ "${GPU_CHECK_DRY_RUN:-0}" == "1" ]]; then
   export TRITON_INTERPRET=1
   bench_args=(--device cpu --decode-table --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128
@@ -30,23 +32,23 @@ if [[ "${GPU_CHECK_DRY_RUN:-0}" == "1" ]]; then
             --contexts 16 --decode-steps 2 --no-transformers)
 else
   python3 -c "import torch, sys; torch.cuda.is_available() or sys.exit('bench/gpu_quant.sh: no CUDA device')" || exit 1
-  bench_args=(--device cuda --preset llama-1b --dtype bfloat16 --graph-batch-sizes 1 8 32
-              --contexts 512 4096 --decode-steps 16 --table-context-len 8192 --backends triton --no-transformers)
+  bench_args=(--device cuda --preset llama-1b --dtype bfloat16 --graph-batch-sizes 1 8
+              --contexts 512 --decode-steps 8 --table-context-len 8192 --backends triton --no-transformers)
   moe_args=(--device cuda --decode-table --arch qwen3_moe --layers 8 --hidden 1024 --heads 16 --kv-heads 4
-            --experts 16 --top-k 2 --moe-intermediate 512 --vocab 32000 --dtype bfloat16 --graph-batch-sizes 1 8 32
-            --contexts 512 4096 --decode-steps 16 --table-context-len 8192 --backends triton --no-transformers)
+            --experts 16 --top-k 2 --moe-intermediate 512 --vocab 32000 --dtype bfloat16 --graph-batch-sizes 1 8
+            --contexts 512 --decode-steps 8 --table-context-len 8192 --backends triton --no-transformers)
 fi
 
 echo "== quantized kernels ($((SECONDS - start)) s)"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -p no:tests.kube_fixtures tests/runtime/test_quant_kernels.py || status=1
+timeout "$(cap 20)" python3 -m pytest -q -p no:cacheprovider -p no:tests.kube_fixtures tests/runtime/test_quant_kernels.py || status=1
 
 for quantization in auto fp8; do
   echo "== decode table, --quantization $quantization ($((SECONDS - start)) s)"
-  timeout 150 python3 bench/engine.py "${bench_args[@]}" --quantization "$quantization" || status=1
+  timeout "$(cap 20)" python3 bench/engine.py "${bench_args[@]}" --quantization "$quantization" || status=1
 done
 for quantization in auto fp8; do
   echo "== MoE decode table, --quantization $quantization ($((SECONDS - start)) s)"
-  timeout 150 python3 bench/engine.py "${moe_args[@]}" --quantization "$quantization" || status=1
+  timeout "$(cap 20)" python3 bench/engine.py "${moe_args[@]}" --quantization "$quantization" || status=1
 done
 echo "== done in $((SECONDS - start)) s, status $status"
 exit "$status"

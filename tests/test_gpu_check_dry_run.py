@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -35,6 +36,16 @@ def _rows(output: str, key: str) -> list[dict]:
 def test_the_gpu_check_runs_every_step_by_default():
     script = (ROOT / "bench" / "gpu_check.sh").read_text()
     assert 'GPU_CHECK_STEPS:-tests triton table modes serving idle quant' in script
+
+
+def test_the_gpu_check_step_caps_fit_in_nine_minutes():
+    script = (ROOT / "bench" / "gpu_check.sh").read_text()
+    caps = [int(n) for n in re.findall(r'timeout "\$\(cap (\d+)\)"', script)]
+    assert sum(caps) <= 540, caps
+
+
+def test_the_gpu_check_runs_the_fused_rotary_kernel():
+    assert "tests/runtime/test_triton_rope_kv.py" in (ROOT / "bench" / "gpu_check.sh").read_text()
 
 
 def test_the_dry_run_passes(dry_run):

@@ -5,7 +5,8 @@ Order, as the actions run: remove groups beyond ``replicas`` -> NetworkPolicies,
 staging Jobs (``staging_step``: a new hf:// / s3:// revision is staged on every node first, and
 holds the in-place rollout until it is) -> either the next group of a restart rollout
 (``restart_plan``) or the next step of the in-place rollout (``rollout.plan_rollout``) -> LoRA
-adapters -> status (with the trail of phases a group
+adapters -> routing (``routing.py``: each leader's served-revision labels, out of routing before
+its update, back after it, per-revision Services) -> status (with the trail of phases a group
 passed through since the last pass), events, metrics and the next pass's time.
 
 The digest, mixed-version and phase-override rules are computed here once and handed to both
@@ -39,6 +40,7 @@ from .restart_plan import needs_restart, next_restart
 from .rollout import GroupView, RolloutPlan, plan_rollout
 from .rollout_state import RolloutState
 from .rollout_wave import wave_target
+from .routing import plan_routing, with_leave_before_start
 from .runtime_args import ServedModel
 from .spec import DeploymentSpec
 from .staging_status import checkpoint_digest, with_staging
@@ -318,6 +320,12 @@ def decide(
             for g, v in zip(groups, views)
         ]
 
+    starting = frozenset(plan.start)
+    wave_after = frozenset(plan.state.wave) if plan.state is not None else frozenset()
+    routing = plan_routing(
+        spec, groups, wave_after | starting, starting, observed.revision_services
+    )
+    routed = {"revisionServices": routing.status}
     trail = []
     for index, phase in plan.trail:  # phases passed through since the last pass
         step = build_status(
@@ -330,7 +338,7 @@ def decide(
             len(stale),
             draining,
         )
-        step = with_staging(step, staging.state, generation, previous, now)
+        step = {**with_staging(step, staging.state, generation, previous, now), **routed}
         event: Event = ("Normal", phase, f"group {index}: {phase}")
         trail.append((step, event))
         out.events.append(event)
@@ -341,7 +349,7 @@ def decide(
     status = build_status(
         spec, generation, reports(), plan.state, previous, now, len(stale), draining
     )
-    status = with_staging(status, staging.state, generation, previous, now)
+    status = {**with_staging(status, staging.state, generation, previous, now), **routed}
     if status["phase"] != previous.get("phase"):
         troubled = (DeploymentPhase.DEGRADED, DeploymentPhase.FAILED)
         kind = "Warning" if status["phase"] in troubled else "Normal"
@@ -357,9 +365,10 @@ def decide(
         requeue = RESTART_POLL_SECONDS
     if out.requeue is not None:  # a health backoff ends sooner
         requeue = min(requeue if requeue is not None else out.requeue, out.requeue)
+    actions = with_leave_before_start(out.actions, routing.leave)
     return PassPlan(
         status,
-        tuple(out.actions),
+        (*actions, *routing.labels, *routing.services),
         tuple(trail),
         tuple(out.events),
         _metrics(plan, views, shown_mixed),

@@ -26,6 +26,9 @@ from .pass_plan import (
     ApplyObject,
     DeleteObject,
     DeletePods,
+    EnterRouting,
+    LabelLeader,
+    LeaveRouting,
     LoadAdapter,
     MetricDeltas,
     PassPlan,
@@ -33,6 +36,7 @@ from .pass_plan import (
     StartUpdate,
     UnloadAdapter,
 )
+from .routing_execute import perform_routing
 from .spec import DeploymentSpec
 from .status import status_patch
 
@@ -123,6 +127,8 @@ def execute(
             patch = {"metadata": {"labels": {labels.LABEL_REVISION: action.revision}}}
             for pod in action.pods:
                 kube.merge_patch("v1", "Pod", namespace, pod, patch)
+        elif isinstance(action, (LabelLeader, LeaveRouting, EnterRouting)):
+            perform_routing(kube, client, namespace, action)
         elif isinstance(action, StartUpdate):
             key = update_key(spec, action.group)
             client.start_update(key, action.url, action.body, action.timeout_seconds)

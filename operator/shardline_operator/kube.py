@@ -26,6 +26,7 @@ RESOURCES = {
     ("apps/v1", "StatefulSet"): ("/apis/apps/v1", "statefulsets"),
     ("batch/v1", "Job"): ("/apis/batch/v1", "jobs"),
     ("policy/v1", "PodDisruptionBudget"): ("/apis/policy/v1", "poddisruptionbudgets"),
+    ("discovery.k8s.io/v1", "EndpointSlice"): ("/apis/discovery.k8s.io/v1", "endpointslices"),
     (f"{labels.API_GROUP}/{labels.API_VERSION}", labels.KIND): (
         f"/apis/{labels.API_GROUP}/{labels.API_VERSION}",
         labels.PLURAL,

@@ -3,9 +3,17 @@
 Every child object of an ``InferenceDeployment`` carries the recommended
 ``app.kubernetes.io/*`` labels plus ``shardline.dev/{deployment,group,revision}``; selectors use
 only the immutable subset (deployment and group), so a revision change never orphans pods.
+
+Routing labels (``routing.py`` sets them on group leaders): ``shardline.dev/routable`` (every
+routing path selects ``"true"``: the client Service, the per-revision Services, a gateway's
+discovery), ``shardline.dev/served-revision`` and ``shardline.dev/weight-version`` (what the
+leader reports it serves, never the spec).
 """
 
 from __future__ import annotations
+
+import hashlib
+import re
 
 API_GROUP = "shardline.dev"
 API_VERSION = "v1alpha1"
@@ -21,6 +29,10 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_DEPLOYMENT = "shardline.dev/deployment"
 LABEL_GROUP = "shardline.dev/group"
 LABEL_REVISION = "shardline.dev/revision"
+LABEL_ROUTABLE = "shardline.dev/routable"
+LABEL_SERVED_REVISION = "shardline.dev/served-revision"
+LABEL_WEIGHT_VERSION = "shardline.dev/weight-version"
+LABEL_REVISION_SERVICE = "shardline.dev/revision-service"  # marks a per-revision Service
 LABEL_MODEL_KIND = "shardline.dev/model-kind"  # on the client Service when spec.model.kind is set
 # Set by the StatefulSet controller on every pod (Kubernetes >= 1.28): the pod's ordinal = TP node rank.
 LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"
@@ -105,3 +117,29 @@ def group_labels(name: str, group: int, revision: str) -> dict[str, str]:
 def label_selector_string(labels: dict[str, str]) -> str:
     """``k1=v1,k2=v2`` (sorted) as the API's ``labelSelector`` query and ``status.selector`` take."""
     return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+
+
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+def label_value(text: str) -> str:
+    """``text`` as a label value: itself when it is one (at most 63 characters of
+    ``[A-Za-z0-9-_.]``, alphanumeric at both ends), else its allowed characters cut to 54 plus
+    ``-`` and 8 hex digits of its sha256 (distinct texts stay distinct)."""
+    if len(text) <= 63 and _LABEL_VALUE.match(text):
+        return text
+    kept = re.sub(r"[^A-Za-z0-9_.-]", "-", text)[:54].strip("-_.")
+    digest = hashlib.sha256(text.encode()).hexdigest()[:8]
+    return f"{kept}-{digest}" if kept else digest
+
+
+def revision_service_name(name: str, revision: str) -> str:
+    """``<name>-rev-<revision>``: the Service over the leaders serving ``revision``, a DNS
+    label (lower case, at most 63 characters; a revision that does not fit is cut and given 8
+    hex digits of its sha256)."""
+    slug = re.sub(r"[^a-z0-9-]", "-", revision.lower()).strip("-")
+    full = f"{name}-rev-{slug}"
+    if slug and len(full) <= 63 and slug == revision:
+        return full
+    digest = hashlib.sha256(revision.encode()).hexdigest()[:8]
+    return f"{name}-rev-{slug}"[: 63 - 9].rstrip("-") + f"-{digest}"

@@ -1,7 +1,8 @@
 """The read-only first step of a pass: list the children and ask the leaders.
 
-:func:`observe` lists the deployment's StatefulSets, pods and NetworkPolicies and asks each
-group's leader (a Running rank-0 pod with an IP) for ``/get_server_info``, for the state of an
+:func:`observe` lists the deployment's StatefulSets, pods, NetworkPolicies and per-revision
+Services and asks each group's leader (a Running rank-0 pod with an IP) for
+``/get_server_info``, for the state of an
 update request this process sent (groups of the wave in flight), for the canary gate (the group
 under verification) and for its LoRA adapters (Ready groups). It changes nothing: every change
 is an action that ``decide`` plans and ``execute`` performs. The leader is reached through a
@@ -163,6 +164,11 @@ def observe(
         p["metadata"]["name"]
         for p in kube.list("networking.k8s.io/v1", "NetworkPolicy", spec.namespace, selector)
     )
+    revision_services = tuple(
+        service["metadata"]["name"]
+        for service in kube.list("v1", "Service", spec.namespace, selector)
+        if labels.LABEL_REVISION_SERVICE in (service["metadata"].get("labels") or {})
+    )
     rollout = RolloutState.from_status(previous_status.get("rollout"))
     size = spec.parallelism.pods_per_group
     groups = {}
@@ -177,5 +183,6 @@ def observe(
         groups,
         policies,
         lora_client=isinstance(client, LoRALeaderClient),
+        revision_services=revision_services,
         staging_jobs=observe_staging_jobs(kube, spec),
     )

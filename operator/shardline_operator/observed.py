@@ -29,6 +29,9 @@ class PodObservation:
     restart_hash: str | None
     node: str | None = None
     revision: str | None = None
+    routable: str | None = None  # the ``shardline.dev/routable`` label
+    served_revision: str | None = None  # ``shardline.dev/served-revision``
+    weight_version: str | None = None  # ``shardline.dev/weight-version``
 
     @classmethod
     def from_api(cls, pod: Mapping[str, Any]) -> PodObservation:
@@ -54,6 +57,9 @@ class PodObservation:
             restart_hash=annotations.get(labels.ANNOTATION_RESTART_HASH),
             node=(pod.get("spec") or {}).get("nodeName"),
             revision=pod_labels.get(labels.LABEL_REVISION),
+            routable=pod_labels.get(labels.LABEL_ROUTABLE),
+            served_revision=pod_labels.get(labels.LABEL_SERVED_REVISION),
+            weight_version=pod_labels.get(labels.LABEL_WEIGHT_VERSION),
         )
 
     @property

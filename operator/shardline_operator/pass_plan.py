@@ -23,12 +23,14 @@ class Observation:
     """Everything one pass read: the object's generation, each group found (every index with a
     StatefulSet or pods, and every index below ``replicas``; leaders asked only below
     ``replicas``), the names of its NetworkPolicies, whether the leader client can list
-    and load LoRA adapters, and its staging Jobs (listed only for an hf:// or s3:// model)."""
+    and load LoRA adapters, its staging Jobs (listed only for an hf:// or s3:// model) and the
+    names of its per-revision Services."""
 
     generation: int
     groups: Mapping[int, GroupObservation] = field(default_factory=dict)
     network_policies: tuple[str, ...] = ()
     lora_client: bool = False
+    revision_services: tuple[str, ...] = ()  # names of the per-revision Services found
     staging_jobs: tuple[StagingJob, ...] = ()
 
 
@@ -82,6 +84,38 @@ class AbortUpdate:
 
 
 @dataclass(frozen=True)
+class LabelLeader:
+    """Merge ``labels`` into ``group``'s leader pod ``pod`` (a None value removes the label)."""
+
+    group: int
+    pod: str
+    labels: Mapping[str, str | None]
+
+
+@dataclass(frozen=True)
+class LeaveRouting:
+    """Take ``group``'s leader ``pod`` out of every routing path before its update: set
+    ``shardline.dev/routable: "false"``, then wait (at most ``timeout_seconds``) until no
+    EndpointSlice of ``services`` lists its address ``ip``."""
+
+    group: int
+    pod: str
+    ip: str
+    services: tuple[str, ...]
+    timeout_seconds: float
+
+
+@dataclass(frozen=True)
+class EnterRouting:
+    """Put ``group``'s leader ``pod`` back into routing once ``/health_generate`` at ``url``
+    answers 200 (else it stays out, and the next pass asks again)."""
+
+    group: int
+    pod: str
+    url: str
+
+
+@dataclass(frozen=True)
 class LoadAdapter:
     group: int
     url: str
@@ -101,6 +135,9 @@ Action = (
     | DeleteObject
     | DeletePods
     | RelabelPods
+    | LabelLeader
+    | LeaveRouting
+    | EnterRouting
     | StartUpdate
     | AbortUpdate
     | LoadAdapter

@@ -16,7 +16,15 @@ import pytest
 from shardline_operator import labels
 from shardline_operator.decide import decide
 from shardline_operator.observed import GroupObservation, LeaderObservation, PodObservation
-from shardline_operator.pass_plan import ApplyObject, DeleteObject, DeletePods, Observation, RelabelPods, StartUpdate
+from shardline_operator.pass_plan import (
+    ApplyObject,
+    DeleteObject,
+    DeletePods,
+    LeaveRouting,
+    Observation,
+    RelabelPods,
+    StartUpdate,
+)
 from shardline_operator.render import build_statefulset
 from shardline_operator.runtime_args import ServedModel
 from shardline_operator.weights import LeaderReport
@@ -234,3 +242,16 @@ def test_the_decision_reaches_no_module_that_does_io():
                                 env=env).stdout.split())
     io_modules = {f"shardline_operator.{m}" for m in ("kube", "runtime_client", "execute", "observe", "handlers")}
     assert sorted(loaded & (io_modules | {"kubernetes", "httpx", "kopf"})) == []
+
+
+def test_a_group_leaves_routing_just_before_its_update_is_sent(make_spec, make_pod):
+    spec = make_spec({"model": {**_model(), "path": REV_B, "revision": "rev-b"}})
+    plan = decide(spec, observation(spec, make_pod), previous_status(spec), NOW)
+    order = [type(a).__name__ for a in plan.actions if isinstance(a, (LeaveRouting, StartUpdate))]
+    assert order == ["LeaveRouting", "StartUpdate"]
+
+
+def test_status_lists_the_revision_service_of_what_leaders_report(make_spec, make_pod):
+    spec = make_spec()
+    plan = decide(spec, observation(spec, make_pod), previous_status(spec), NOW)
+    assert plan.status["revisionServices"] == [{"revision": "rev-a", "service": "llama-rev-rev-a", "groups": [0, 1]}]

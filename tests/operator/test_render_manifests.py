@@ -100,7 +100,8 @@ def test_rank_service_publishes_not_ready_addresses(make_spec):
 
 def test_client_service_selects_group_leaders(make_spec):
     svc = by_kind_name(render_children(make_spec({"service": {"port": 80}})))[("Service", "llama")]
-    assert svc["spec"]["selector"] == {labels.LABEL_DEPLOYMENT: "llama", labels.LABEL_POD_INDEX: "0"}
+    assert svc["spec"]["selector"] == {labels.LABEL_DEPLOYMENT: "llama", labels.LABEL_POD_INDEX: "0",
+                                       labels.LABEL_ROUTABLE: "true"}
     assert svc["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]
 
 

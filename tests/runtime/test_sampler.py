@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from shardline_runtime.layers.sampler import Sampler
+from shardline_runtime.layers.sampler import Sampler, greedy_argmax
 from shardline_runtime.managers.req import Req
 from shardline_runtime.sampling import SamplingBatchInfo, SamplingParams, SamplingParamsError
 
@@ -221,3 +221,18 @@ def test_tiny_positive_temperature_is_greedy_and_extreme_penalty_stays_finite():
     assert int(out[0]) == int(logits[0].argmax())
     # the penalised seen tokens go to +inf; they must win, not turn into NaN and a pick of id 0
     assert int(out[1]) in (5, 6)
+
+
+@pytest.mark.parametrize("bs", [1, 64])
+def test_greedy_argmax_on_the_cpu_equals_torch_max_first_index_on_ties(bs):
+    g = torch.Generator().manual_seed(bs)
+    logits = torch.randint(-3, 4, (bs, 32000), generator=g).float()  # many ties per row
+    logits[0, 7] = float("nan")  # NaN counts as the largest, as in torch
+    assert torch.equal(greedy_argmax(logits), logits.max(dim=-1).indices)
+
+
+def test_greedy_argmax_of_a_padded_vocab_slice_is_an_int64_tensor():
+    logits = torch.randn(3, 40)[:, :32]  # a strided view, as after dropping padded columns
+    ids = greedy_argmax(logits)
+    assert ids.dtype == torch.int64
+    assert torch.equal(ids, logits.max(dim=-1).indices)

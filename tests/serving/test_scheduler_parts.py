@@ -19,7 +19,7 @@ from shardline_runtime.managers.pipeline_loop import PipelineLoop
 from shardline_runtime.managers.request_intake import RequestIntake
 from shardline_runtime.managers.result_processor import ResultProcessor
 from shardline_runtime.managers.schedule_policy import NewTokenRatio
-from shardline_runtime.managers.scheduler_output import OutputSender
+from shardline_runtime.managers.scheduler_output import KV_STATS_INTERVAL_S, OutputSender
 from shardline_runtime.managers.token_out import build_token_outs
 from shardline_runtime.managers.watchdog import Watchdog
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
@@ -94,6 +94,51 @@ def test_stats_are_sent_only_when_they_change():
     for running in (1, 1, 2):
         sender.send_stats(SchedulerStats(running, 0, 0, 0, 100))
     assert [m.num_running_reqs for m in sender.socket.messages] == [1, 2]
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def kv_stats(running: int, used: int) -> SchedulerStats:
+    return SchedulerStats(running, 0, used, 0, 100)
+
+
+def test_a_kv_only_change_within_the_interval_is_held_back():
+    clock = Clock()
+    sender = OutputSender(Capture(), clock=clock)
+    sender.send_stats(kv_stats(1, 10))
+    clock.now += KV_STATS_INTERVAL_S / 2
+    sender.send_stats(kv_stats(1, 11))
+    assert [m.kv_used_tokens for m in sender.socket.messages] == [10]
+
+
+def test_a_held_kv_change_goes_out_once_the_interval_passed():
+    clock = Clock()
+    sender = OutputSender(Capture(), clock=clock)
+    sender.send_stats(kv_stats(1, 10))
+    sender.send_stats(kv_stats(1, 11))
+    clock.now += 2 * KV_STATS_INTERVAL_S
+    sender.send_stats(kv_stats(1, 12))
+    assert [m.kv_used_tokens for m in sender.socket.messages] == [10, 12]
+
+
+def test_a_request_count_change_is_sent_at_once():
+    sender = OutputSender(Capture(), clock=Clock())
+    sender.send_stats(kv_stats(2, 10))
+    sender.send_stats(kv_stats(1, 11))
+    assert [m.num_running_reqs for m in sender.socket.messages] == [2, 1]
+
+
+def test_a_kv_change_with_nothing_running_is_sent_at_once():
+    sender = OutputSender(Capture(), clock=Clock())
+    sender.send_stats(SchedulerStats(0, 0, 10, 5, 100))
+    sender.send_stats(SchedulerStats(0, 0, 0, 5, 100))
+    assert [m.kv_used_tokens for m in sender.socket.messages] == [10, 0]
 
 
 def test_token_output_is_none_when_no_request_has_news():

@@ -13,7 +13,7 @@ from ..spec import DeploymentSpec
 from .network_policy import build_network_policy
 from .pdb import build_pod_disruption_budget
 from .secret import build_admin_secret
-from .services import build_client_service, build_rank_service
+from .services import build_client_service, build_rank_service, build_revision_service
 from .statefulset import build_statefulset
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "build_network_policy",
     "build_pod_disruption_budget",
     "build_rank_service",
+    "build_revision_service",
     "build_statefulset",
     "render_children",
 ]

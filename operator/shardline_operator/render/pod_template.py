@@ -162,7 +162,12 @@ def build_pod_template(spec: DeploymentSpec, group: int, served: ServedModel) ->
         pod_spec["priorityClassName"] = sched.priority_class_name
     return {
         "metadata": {
-            "labels": labels.group_labels(spec.name, group, served.revision),
+            # routable from the start (readiness gates the Services); ``routing.py`` takes a
+            # group's leader out around an in-place update
+            "labels": {
+                **labels.group_labels(spec.name, group, served.revision),
+                labels.LABEL_ROUTABLE: "true",
+            },
             "annotations": {labels.ANNOTATION_RESTART_HASH: spec.restart_hash()},
         },
         "spec": pod_spec,

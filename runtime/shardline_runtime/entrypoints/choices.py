@@ -27,6 +27,7 @@ from shardline_runtime.managers.io_struct import FinishReason, TokenizedGenerate
 from shardline_runtime.managers.request_validation import RequestValidationError
 from shardline_runtime.managers.step_detokenizer import GenerateChunk
 from shardline_runtime.managers.tokenizer_manager import TokenizerManager
+from shardline_runtime.managers.version_pin import VersionPin
 from shardline_runtime.sampling.sampling_params import SamplingParams, SamplingParamsError
 
 _SEED_MAX = 2**63 - 1
@@ -193,10 +194,12 @@ async def run_choices(
     top_logprobs: int,
     include_stop: bool,
     lora_name: str | None = None,
+    pin: VersionPin | None = None,
 ) -> AsyncIterator[tuple[int, GenerateChunk]]:
-    """Run every choice (with LoRA adapter ``lora_name``, None: the base model); yield
-    ``(index, chunk)`` in arrival order. Leaving early aborts them all. The caller has already
-    admitted the request (``AdmissionGate.admit``), so no choice is held again."""
+    """Run every choice (with LoRA adapter ``lora_name``, None: the base model; fenced to
+    ``pin``'s weights); yield ``(index, chunk)`` in arrival order. Leaving early aborts them
+    all. The caller has already admitted the request (``TokenizerManager.admit``), so no choice
+    is held again."""
     tm.gate.check_ready()
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -213,7 +216,7 @@ async def run_choices(
             grammar=spec.grammar,
         )
         try:
-            async for chunk in tm.generate(req, admitted=True):
+            async for chunk in tm.generate(req, admitted=True, pin=pin):
                 queue.put_nowait((spec.index, chunk))
         except Exception as exc:  # surfaced to the consumer below
             queue.put_nowait((spec.index, exc))

@@ -1,7 +1,9 @@
 """``POST /generate``: SGLang's native API (text or input ids, ``sampling_params``, stream).
 
 Response: ``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
-"completion_tokens", "cached_tokens", "weight_version", "output_token_logprobs", "input_token_logprobs"}}``;
+"completion_tokens", "cached_tokens", "weight_version", "revision", "output_token_logprobs",
+"input_token_logprobs"}}`` (``weight_version`` / ``revision``: the weights that produced the
+tokens, also in the ``X-Shardline-*`` headers, ``version_headers.py``);
 logprob entries are ``[logprob, token_id, top]`` with ``top`` a list of ``[logprob, token_id]``.
 A stream sends the same object after every step with the text so far (cumulative, as SGLang),
 then ``data: [DONE]``. ``max_new_tokens: 0`` runs the prompt only (for prompt logprobs).
@@ -22,6 +24,7 @@ from shardline_runtime.entrypoints.errors import guard_stream
 from shardline_runtime.entrypoints.openai_serving import until_disconnect
 from shardline_runtime.entrypoints.protocol import GenerateRequest
 from shardline_runtime.entrypoints.structured_output import sampling_params_grammar
+from shardline_runtime.entrypoints.version_headers import pin_from_headers, version_headers
 from shardline_runtime.managers.io_struct import TokenizedGenerateReqInput, TokenLogprob
 from shardline_runtime.managers.request_validation import RequestValidationError
 from shardline_runtime.managers.tokenizer_manager import TokenizerManager
@@ -149,8 +152,10 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
             "logprob_start_len",
         )
     tm.check_new_request(req.rid, req.lora_path)
+    pin = pin_from_headers(raw.headers)
     # held during a weight update or a pause, 503 now: before a stream's headers go out
-    await tm.gate.admit()
+    await tm.admit(pin)
+    admitted_on = tm.state.weights
     rid = req.rid or tm.new_rid()
     out: dict[str, Any] = {
         "text": "",
@@ -158,7 +163,8 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
         "meta_info": {
             "id": rid,
             "finish_reason": None,
-            "weight_version": tm.state.weights.weight_version,
+            "weight_version": admitted_on.weight_version,
+            "revision": admitted_on.revision,
         },
     }
     meta = out["meta_info"]
@@ -179,7 +185,7 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
             input_embeds_values=embeds[1],
             grammar=grammar,
         )
-        async for chunk in tm.generate(request, admitted=True):
+        async for chunk in tm.generate(request, admitted=True, pin=pin):
             out["text"] += chunk.text
             out["output_ids"] += chunk.token_ids
             meta.update(
@@ -188,6 +194,7 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
                 completion_tokens=chunk.usage.completion_tokens,
                 cached_tokens=chunk.usage.cached_tokens,
                 weight_version=chunk.weight_version or meta["weight_version"],
+                revision=chunk.revision if chunk.weight_version else meta["revision"],
             )
             if req.return_logprob:
                 meta["output_token_logprobs"] += _entries(chunk.logprobs)
@@ -202,11 +209,15 @@ async def serve_generate(req: GenerateRequest, tm: TokenizerManager, raw: Reques
                 yield sse(item)
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(guard_stream(stream()), media_type="text/event-stream")
+        return StreamingResponse(
+            guard_stream(stream()),
+            media_type="text/event-stream",
+            headers=version_headers(admitted_on.revision, admitted_on.weight_version),
+        )
 
     async def collect() -> None:
         async for _ in events():
             pass
 
     await until_disconnect(raw, collect)
-    return SafeJSONResponse(out)
+    return SafeJSONResponse(out, headers=version_headers(meta["revision"], meta["weight_version"]))

@@ -3,7 +3,9 @@
 Every error a client can cause is an OpenAI-style error object
 ``{"error": {"message", "type", "param", "code"}}``: 400 naming the field and the allowed range,
 404 for an unknown model, 503 while the server is not ready (loading, updating weights,
-draining). Pydantic's 422 is turned into 400.
+draining) or does not serve the version a request is pinned to. Pydantic's 422 is turned into
+400. Every response names the weights in ``X-Shardline-Revision`` / ``X-Shardline-Weight-Version``
+(``version_headers.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from shardline_runtime.entrypoints.protocol import (
     CompletionRequest,
     GenerateRequest,
 )
+from shardline_runtime.entrypoints.version_headers import VersionHeadersMiddleware
 from shardline_runtime.entrypoints.weight_sync_routes import add_weight_sync_routes
 from shardline_runtime.entrypoints.weight_update_routes import add_weight_update_routes
 from shardline_runtime.managers.admission_gate import ServerNotReadyError
@@ -85,6 +88,7 @@ def _pydantic_message(
 def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any]) -> FastAPI:
     """The app. ``state`` is shared with the launcher: ``healthy`` (bool), ``ready`` (bool)."""
     app = FastAPI(title="Shardline runtime", version="0.1.0")
+    app.add_middleware(VersionHeadersMiddleware, weights=lambda: tm.state.weights)
     model_name = server_args.model_name
     parsers = ChatParsers.resolve(
         server_args.tool_call_parser, server_args.reasoning_parser, server_args.model_path

@@ -42,8 +42,10 @@ from shardline_runtime.entrypoints.logprobs import (
     prompt_text_offsets,
 )
 from shardline_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from shardline_runtime.entrypoints.version_headers import pin_from_headers, version_headers
 from shardline_runtime.managers.step_detokenizer import GenerateChunk
 from shardline_runtime.managers.tokenizer_manager import TokenizerManager
+from shardline_runtime.managers.version_pin import VersionPin
 
 _DISCONNECT_POLL_S = 0.1
 
@@ -69,9 +71,11 @@ async def until_disconnect(raw: Request, work: Callable[[], Any]) -> Any:
             task.cancel()
 
 
-def _streaming(gen: AsyncIterator[str]) -> StreamingResponse:
+def _streaming(gen: AsyncIterator[str], headers: dict[str, str]) -> StreamingResponse:
     return StreamingResponse(
-        guard_stream(gen), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        guard_stream(gen),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", **headers},
     )
 
 
@@ -85,12 +89,20 @@ class OpenAIServing:
     object_name = ""
     chunk_object = ""
 
-    def __init__(self, tm: TokenizerManager, model: str, specs: list[ChoiceSpec], prefix: str):
-        self.tm, self.model, self.specs = tm, model, specs
+    def __init__(
+        self,
+        tm: TokenizerManager,
+        model: str,
+        specs: list[ChoiceSpec],
+        prefix: str,
+        pin: VersionPin | None = None,
+    ):
+        self.tm, self.model, self.specs, self.pin = tm, model, specs, pin
         self.rid, self.created = f"{prefix}-{uuid.uuid4().hex}", now_seconds()
         self.results = [ChoiceResult(prompt_index=s.prompt_index) for s in specs]
-        # SGLang's response metadata: the weights that ran
-        self.metadata = {"weight_version": tm.state.weights.weight_version}
+        # SGLang's response metadata: the weights that ran (plus their revision)
+        weights = tm.state.weights
+        self.metadata = {"weight_version": weights.weight_version, "revision": weights.revision}
         self._started: set[int] = set()
 
     # ---------------------------------------------------------------- hooks
@@ -127,7 +139,8 @@ class OpenAIServing:
 
     def absorb(self, index: int, chunk: GenerateChunk) -> tuple[str, dict | None]:
         """Fold ``chunk`` into choice ``index``; returns its text and logprobs piece."""
-        self.metadata["weight_version"] = chunk.weight_version or self.metadata["weight_version"]
+        if chunk.weight_version is not None:
+            self.metadata.update(weight_version=chunk.weight_version, revision=chunk.revision)
         text, lp = self.piece(index, chunk, index not in self._started)
         self._started.add(index)
         r = self.results[index]
@@ -173,12 +186,16 @@ class OpenAIServing:
             top_logprobs,
             req.include_stop_str_in_output,
             self.tm.state.lora_for_model(req.model),
+            self.pin,
         )
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _streaming(self.stream(events, include_usage))
+            return _streaming(self.stream(events, include_usage), self._headers())
         body: dict = await until_disconnect(raw, lambda: self.collect(events))
-        return SafeJSONResponse(body)
+        return SafeJSONResponse(body, headers=self._headers())
+
+    def _headers(self) -> dict[str, str]:
+        return version_headers(self.metadata["revision"], self.metadata["weight_version"])
 
 
 class _CompletionServing(OpenAIServing):
@@ -273,9 +290,10 @@ class _ChatServing(OpenAIServing):
 async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: str, raw: Request):
     """Handle ``POST /v1/completions`` (validated body); raises RequestValidationError for 400s."""
     specs = completion_choices(req, tm)
+    pin = pin_from_headers(raw.headers)
     # held during a weight update or a pause, 503 now: before a stream's headers go out
-    await tm.gate.admit()
-    serving = _CompletionServing(tm, model, specs, "cmpl")
+    await tm.admit(pin)
+    serving = _CompletionServing(tm, model, specs, "cmpl", pin)
     serving.want_lp = req.logprobs is not None
     return await serving.respond(req, raw, serving.want_lp, req.logprobs or 0)
 
@@ -293,8 +311,9 @@ async def serve_chat(
     from its first token."""
     parsers = parsers or ChatParsers()
     specs, plan = chat_choices(req, tm, parsers.tool_format)
-    await tm.gate.admit()  # as serve_completion
-    serving = _ChatServing(tm, model, specs, "chatcmpl")
+    pin = pin_from_headers(raw.headers)
+    await tm.admit(pin)  # as serve_completion
+    serving = _ChatServing(tm, model, specs, "chatcmpl", pin)
     serving.want_lp = bool(req.logprobs)
     serving.outputs = [
         ChatOutput(

@@ -80,17 +80,30 @@ class BatchPlanner:
 
     def load(self) -> tuple[int, int]:
         """``(running, queued)`` request counts (the chunked request counts as queued)."""
-        running = sum(sum(not r.finished() for r in b.reqs) for b in self.running_batches())
-        return running, len(self.prefill.waiting_queue) + (self.prefill.chunked_req is not None)
+        running, queued, _, _ = self.load_report()
+        return running, queued
 
     def lora_load(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """``(running, waiting)`` adapter names, each sorted without repeats: the adapters of
         running requests, and of queued ones (the chunked request counts as queued)."""
-        running = {r.lora_name for b in self.running_batches() for r in b.reqs if not r.finished()}
-        waiting = {r.lora_name for r in self.prefill.waiting_queue}
+        _, _, running, waiting = self.load_report()
+        return running, waiting
+
+    def load_report(self) -> tuple[int, int, tuple[str, ...], tuple[str, ...]]:
+        """:meth:`load` and :meth:`lora_load` in one pass over the requests (the loop reports
+        them after every step)."""
+        running_reqs = [r for b in self.running_batches() for r in b.reqs if not r.finished()]
+        waiting = list(self.prefill.waiting_queue)
         if self.prefill.chunked_req is not None:
-            waiting.add(self.prefill.chunked_req.lora_name)
-        return tuple(sorted(n for n in running if n)), tuple(sorted(n for n in waiting if n))
+            waiting.append(self.prefill.chunked_req)
+        running_lora = {r.lora_name for r in running_reqs if r.lora_name}
+        waiting_lora = {r.lora_name for r in waiting if r.lora_name}
+        return (
+            len(running_reqs),
+            len(waiting),
+            tuple(sorted(running_lora)) if running_lora else (),
+            tuple(sorted(waiting_lora)) if waiting_lora else (),
+        )
 
     def all_requests(self) -> list[Req]:
         """Queued, chunked and running requests."""

@@ -132,7 +132,7 @@ def launch_step(
             batch.input_ids = future_map.resolve(batch.input_ids)
         result = worker.forward_batch_generation(batch)
         if future_map is not None:
-            rows = to_device(batch.req_pool_indices, future_map.device, torch.int64)
+            rows = result.forward_batch.req_pool_indices  # on the device already
             future_map.store(rows, result.next_token_ids, every_row=all(batch.wants_token))
         result.copy_to_cpu()
     return result

@@ -29,6 +29,7 @@ from shardline_runtime.managers.io_struct import (
     Usage,
 )
 from shardline_runtime.managers.step_detokenizer import GenerateChunk, StepDetokenizer
+from shardline_runtime.weights_state import WeightsState
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,9 @@ class RequestStreams:
         scheduler_input_addr: ZMQ address the rank-0 scheduler PULLs requests from.
         output_addr: ZMQ address this process PULLs scheduler outputs on (bound here).
         on_message: called on the event loop with every message that is not a step's tokens.
-        weight_version: returns the weight version serving now (stamped on each chunk).
+        weights: returns the ``WeightsState`` serving now; its ``weight_version`` and ``revision``
+            are stamped on each chunk (the schedulers send a new state before any output of
+            new weights, on the same socket, so the stamp names the weights that ran).
         metrics: a ``ServingMetrics`` (or None).
     """
 
@@ -64,7 +67,7 @@ class RequestStreams:
         scheduler_input_addr: str,
         output_addr: str,
         on_message: Callable[[Any], None],
-        weight_version: Callable[[], str],
+        weights: Callable[[], WeightsState],
         metrics: Any = None,
     ):
         self.context = zmq.asyncio.Context()
@@ -75,7 +78,7 @@ class RequestStreams:
         self.detokenizer = StepDetokenizer(tokenizer)
         self.states: dict[str, ReqStream] = {}
         self._on_message = on_message
-        self._weight_version = weight_version
+        self._weights = weights
         self.metrics = metrics
         self._recv_task: asyncio.Task | None = None
 
@@ -138,7 +141,8 @@ class RequestStreams:
                         token_ids=[],
                         usage=stream.usage,
                         finish=FinishReason("abort", message=message),
-                        weight_version=self._weight_version(),
+                        weight_version=self._weights().weight_version,
+                        revision=self._weights().revision,
                     )
                 )
 
@@ -168,7 +172,8 @@ class RequestStreams:
             if stopped_here:
                 reason = {"type": "stop", "matched": chunk.finish and chunk.finish.matched}
                 asyncio.get_running_loop().create_task(self.send_abort(out.rid, reason))
-            chunk.weight_version = self._weight_version()
+            served = self._weights()
+            chunk.weight_version, chunk.revision = served.weight_version, served.revision
             stream.usage = chunk.usage
             stream.finished = chunk.finish is not None
             if self.metrics and chunk.token_ids:

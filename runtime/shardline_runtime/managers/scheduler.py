@@ -329,9 +329,10 @@ class Scheduler:
     def send_stats(self) -> None:
         """Rank 0: push ``SchedulerStats`` to the HTTP process when they changed."""
         if self.sender.enabled:
+            running, queued, running_lora, waiting_lora = self.planner.load_report()
             kv = (self.cache.used_tokens(), self.tree_cache.evictable_size())
             total = self.cache.max_total_num_tokens
             spec = self.speculative.stats.snapshot() if self.speculative is not None else None
-            stats = SchedulerStats(*self.planner.load(), *kv, total, *self.planner.lora_load())
+            stats = SchedulerStats(running, queued, *kv, total, running_lora, waiting_lora)
             stats.speculative = spec
             self.sender.send_stats(stats)

@@ -8,7 +8,8 @@ request that advanced, built by ``token_out.build_token_outs``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from shardline_runtime.managers.io_struct import BatchTokenOut, SchedulerStats
@@ -17,6 +18,9 @@ from shardline_runtime.managers.token_out import build_token_outs, rejected_toke
 
 logger = logging.getLogger(__name__)
 
+# A change of the KV counts alone (every decode step) is reported at most this often, seconds.
+KV_STATS_INTERVAL_S = 0.02
+
 
 class OutputSender:
     """Rank 0's side of the output socket to the HTTP process.
@@ -24,14 +28,17 @@ class OutputSender:
     Args:
         socket: a ZMQ PUSH socket (anything with ``send_pyobj``), or None on ranks that send
             nothing.
+        clock: seconds, monotonic (for :meth:`send_stats`' interval).
 
     Attributes:
         last_stats: the last ``SchedulerStats`` sent (stats are sent only when they change).
     """
 
-    def __init__(self, socket: Any = None):
+    def __init__(self, socket: Any = None, clock: Callable[[], float] = time.monotonic):
         self.socket = socket
+        self.clock = clock
         self.last_stats: SchedulerStats | None = None
+        self.last_stats_at = float("-inf")
 
     @property
     def enabled(self) -> bool:
@@ -55,7 +62,31 @@ class OutputSender:
         self.send(BatchTokenOut([rejected_token_out(rid, prompt_tokens, message)]))
 
     def send_stats(self, stats: SchedulerStats) -> None:
-        """Send ``stats`` when they differ from the last sent."""
-        if self.socket is not None and stats != self.last_stats:
-            self.last_stats = stats
-            self.send(stats)
+        """Send ``stats`` when they differ from the last sent: at once when a request count,
+        the adapters or the speculative counters changed, or nothing runs or waits; when only
+        the KV counts changed (every decode step does), at most every ``KV_STATS_INTERVAL_S``
+        (the loop calls this after every step, so a held change goes out with a later call)."""
+        last = self.last_stats
+        if self.socket is None or stats == last:
+            return
+        now = self.clock()
+        if (
+            last is not None
+            and (stats.num_running_reqs or stats.num_queued_reqs)
+            and now - self.last_stats_at < KV_STATS_INTERVAL_S
+            and _without_kv(stats) == _without_kv(last)
+        ):
+            return
+        self.last_stats, self.last_stats_at = stats, now
+        self.send(stats)
+
+
+def _without_kv(stats: SchedulerStats) -> tuple[Any, ...]:
+    return (
+        stats.num_running_reqs,
+        stats.num_queued_reqs,
+        stats.max_total_num_tokens,
+        stats.running_lora_adapters,
+        stats.waiting_lora_adapters,
+        stats.speculative,
+    )

@@ -34,6 +34,7 @@ class GenerateChunk:
     ``usage.completion_tokens`` counts the tokens consumed so far (up to a stop match).
     ``token_texts``: the text of every token id in ``logprobs`` and ``prompt_logprobs`` (their
     alternatives included), decoded alone with special tokens kept (for OpenAI logprobs).
+    ``weight_version`` / ``revision``: the weights that produced the chunk (stamped on receipt).
     ``embedding``: an embedding model's vector, on the last chunk.
     """
 
@@ -44,6 +45,7 @@ class GenerateChunk:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] | None = None
     weight_version: str | None = None
+    revision: str | None = None
     text_offsets: list[int] = field(default_factory=list)
     token_texts: dict[int, str] = field(default_factory=dict)
     embedding: list[float] | None = None

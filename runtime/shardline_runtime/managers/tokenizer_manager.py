@@ -38,6 +38,7 @@ from shardline_runtime.managers.request_validation import (
 )
 from shardline_runtime.managers.server_state import ServerState
 from shardline_runtime.managers.step_detokenizer import GenerateChunk
+from shardline_runtime.managers.version_pin import VersionNotServedError, VersionPin
 from shardline_runtime.weights_state import WeightsPhase, WeightsState
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class TokenizerManager:
             scheduler_input_addr,
             output_addr,
             self._on_message,
-            lambda: self.state.weights.weight_version,
+            lambda: self.state.weights,
             metrics,
         )
         self.control = ControlClient(self.streams.send)
@@ -132,8 +133,22 @@ class TokenizerManager:
         if rid is not None and rid in self.streams.states:
             raise RequestValidationError(f"request id {rid!r} is already in use", "rid")
 
+    async def admit(self, pin: VersionPin | None = None) -> None:
+        """Admit a new request (:meth:`AdmissionGate.admit`); a pinned one is checked against
+        the served weights before (so it is never held for an update) and after admission.
+
+        Raises:
+            VersionNotServedError: ``pin`` names weights this server does not serve now.
+            ServerNotReadyError: refused by the admission gate.
+        """
+        if pin is not None:
+            pin.check(self.state.weights)
+        await self.gate.admit()
+        if pin is not None:
+            pin.check(self.state.weights)
+
     async def generate(
-        self, req: TokenizedGenerateReqInput, admitted: bool = False
+        self, req: TokenizedGenerateReqInput, admitted: bool = False, pin: VersionPin | None = None
     ) -> AsyncIterator[GenerateChunk]:
         """Run one request; yields chunks until the one with ``finish`` set.
 
@@ -145,12 +160,16 @@ class TokenizerManager:
         against what the hold timeout left; past it, it is aborted there and this raises
         ``WeightUpdateHoldTimeout`` (a 503 before a response's headers, an error event after).
 
+        With a ``pin``, a chunk from other weights (the request waited in the scheduler's queue
+        across an update) aborts the request and raises ``VersionNotServedError``.
+
         Raises:
             RequestValidationError: see :meth:`check_new_request`.
             ServerNotReadyError: refused by the admission gate.
+            VersionNotServedError: see ``pin``.
         """
         if not admitted:
-            await self.gate.admit()
+            await self.admit(pin)
         self.check_new_request(req.rid, req.lora_name)
         stream = await self.streams.open(req)
         try:
@@ -160,6 +179,12 @@ class TokenizerManager:
                 await self.streams.release(req.rid, "held past --weight-update-hold-timeout")
                 raise
             while True:
+                refused = (
+                    None if pin is None else pin.mismatch(chunk.revision, chunk.weight_version)
+                )
+                if refused is not None:
+                    await self.streams.release(req.rid, refused)
+                    raise VersionNotServedError(refused)
                 yield chunk
                 if chunk.finish is not None:
                     return

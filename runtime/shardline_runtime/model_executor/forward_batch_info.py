@@ -201,6 +201,22 @@ class ForwardBatch:
                 else [int(n) for n in extend_prefix_lens]
             )
         input_ids = _as_int64("input_ids", input_ids, device)
+        if (
+            forward_mode.is_decode()
+            and positions is None
+            and not isinstance(req_pool_indices, torch.Tensor)
+        ):
+            # a decode step's per-request indices go to the device as one (3, bs) tensor: one
+            # host tensor and one copy per step in place of three (the host cost of batch 1)
+            rows = list(req_pool_indices)
+            if len(rows) != len(seq_lens_cpu):
+                raise ValueError(
+                    f"seq_lens has {len(seq_lens_cpu)} entries but req_pool_indices has {len(rows)}"
+                )
+            packed = to_device(
+                [rows, seq_lens_cpu, [n - 1 for n in seq_lens_cpu]], device, torch.int64
+            )
+            req_pool_indices, seq_lens, positions = packed[0], packed[1], packed[2]
         req_pool_indices = _as_int64("req_pool_indices", req_pool_indices, device)
         seq_lens = _as_int64("seq_lens", seq_lens, device)
         out_cache_loc = _as_int64("out_cache_loc", out_cache_loc, device)

@@ -96,6 +96,8 @@ class GenerationBatchResult:
         bs = 0 if self.next_token_ids is None else int(self.next_token_ids.shape[0])
         self.next_token_logprobs = [None] * bs
         self.next_token_top_logprobs = [None] * bs
+        if self.sampled_logprobs is None and self.top_values is None:
+            return self  # no row asked for logprobs (the common case)
         logprobs = self.sampled_logprobs.tolist() if self.sampled_logprobs is not None else None
         for j, row in enumerate(self.sampled_rows):
             if logprobs is not None and self.logprob_rows[j]:

@@ -1,0 +1,76 @@
+"""Performing the routing actions of a pass (``routing.py`` plans them): pod label patches, the
+wait for a leader to leave the Services' EndpointSlices, and the health check before it
+returns."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import labels
+from .kube import KubeClient, KubeError
+from .pass_plan import EnterRouting, LabelLeader, LeaveRouting
+
+logger = logging.getLogger(__name__)
+
+SLICE_POLL_SECONDS = 0.1
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # set by the EndpointSlice controller
+
+
+def listed_addresses(kube: KubeClient, namespace: str, service: str) -> set[str]:
+    """Every endpoint address in the EndpointSlices of ``service`` (ready or not)."""
+    slices = kube.list(
+        "discovery.k8s.io/v1", "EndpointSlice", namespace, {SERVICE_NAME_LABEL: service}
+    )
+    return {
+        address
+        for piece in slices
+        for endpoint in piece.get("endpoints") or []
+        for address in endpoint.get("addresses") or []
+    }
+
+
+def _patch_labels(kube: KubeClient, namespace: str, pod: str, values: dict[str, Any]) -> None:
+    """Merge ``values`` into the pod's labels; a pod already gone (a group restart deleted it
+    this pass) has nothing left to route."""
+    try:
+        kube.merge_patch("v1", "Pod", namespace, pod, {"metadata": {"labels": values}})
+    except KubeError as exc:
+        if exc.status != 404:
+            raise
+
+
+def perform_routing(
+    kube: KubeClient,
+    client: Any,
+    namespace: str,
+    action: LabelLeader | LeaveRouting | EnterRouting,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Perform one routing action (raises ``KubeError`` on an API failure). ``client`` is the
+    pass's leader client (its ``verify(url, None)`` is the ``/health_generate`` check)."""
+    if isinstance(action, LabelLeader):
+        _patch_labels(kube, namespace, action.pod, dict(action.labels))
+    elif isinstance(action, LeaveRouting):
+        _patch_labels(kube, namespace, action.pod, {labels.LABEL_ROUTABLE: "false"})
+        deadline = time.monotonic() + action.timeout_seconds
+        while any(action.ip in listed_addresses(kube, namespace, s) for s in action.services):
+            if time.monotonic() >= deadline:
+                logger.warning(
+                    "group %d: %s still listed by %s after %.0fs; updating anyway (requests "
+                    "that still arrive are held by the runtime)",
+                    action.group,
+                    action.ip,
+                    action.services,
+                    action.timeout_seconds,
+                )
+                return
+            sleep(SLICE_POLL_SECONDS)
+    else:
+        passed, message = client.verify(action.url, None)
+        if passed:
+            _patch_labels(kube, namespace, action.pod, {labels.LABEL_ROUTABLE: "true"})
+        else:
+            logger.info("group %d stays out of routing: %s", action.group, message)

@@ -1,0 +1,147 @@
+"""Issue 29, item 5 (runtime side): responses name their weights in headers and body metadata,
+and a request pinned to a revision is answered by it or refused with a 503 naming it, never
+silently by other weights, also when it waited in the scheduler's queue across an update.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from serving_server import start_server, wait_for_baseline
+
+REVISION = "X-Shardline-Revision"
+WEIGHT_VERSION = "X-Shardline-Weight-Version"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def fence_server(serving_checkpoint, checkpoint_dir):
+    """One running request at a time, so a second one waits in the scheduler's queue."""
+    srv = start_server(serving_checkpoint, checkpoint_dir, "--max-total-tokens", "4096",
+                       "--revision", "rev-a", "--max-running-requests", "1",
+                       "--weight-update-hold-timeout", "600")  # a loaded machine is slow
+    yield srv
+    srv.stop()
+
+
+def _generate(server, headers=None, stream=False) -> httpx.Response:
+    body = {"text": "pinned", "stream": stream,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    return httpx.post(server.url + "/generate", json=body, headers=headers or {}, timeout=120)
+
+
+def _chat(server, headers=None, stream=False) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": stream}
+    return httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers or {},
+                      timeout=120)
+
+
+def test_generate_response_names_its_revision_in_a_header(fence_server):
+    assert _generate(fence_server).headers[REVISION] == "rev-a"
+
+
+def test_generate_response_names_its_weight_version_in_a_header(fence_server):
+    assert _generate(fence_server).headers[WEIGHT_VERSION] == "default"
+
+
+def test_generate_body_metadata_names_its_revision(fence_server):
+    assert _generate(fence_server).json()["meta_info"]["revision"] == "rev-a"
+
+
+def test_chat_body_metadata_names_its_revision(fence_server):
+    assert _chat(fence_server).json()["metadata"]["revision"] == "rev-a"
+
+
+def test_chat_stream_names_its_revision_in_a_header(fence_server):
+    assert _chat(fence_server, stream=True).headers[REVISION] == "rev-a"
+
+
+def test_error_responses_name_the_served_revision(fence_server):
+    response = httpx.post(fence_server.url + "/generate", json={}, timeout=60)
+    assert response.headers[REVISION] == "rev-a"
+
+
+def test_request_pinned_to_the_served_revision_is_answered(fence_server):
+    assert _generate(fence_server, {REVISION: "rev-a"}).status_code == 200
+
+
+def test_request_pinned_to_another_revision_gets_503(fence_server):
+    assert _chat(fence_server, {REVISION: "rev-x"}).status_code == 503
+
+
+def test_refusal_names_the_pinned_revision(fence_server):
+    message = _chat(fence_server, {REVISION: "rev-x"}).json()["error"]["message"]
+    assert "revision 'rev-x'" in message
+
+
+def test_refusal_names_the_served_revision(fence_server):
+    message = _generate(fence_server, {REVISION: "rev-x"}).json()["error"]["message"]
+    assert "serves revision 'rev-a'" in message
+
+
+def test_request_pinned_to_another_weight_version_gets_503(fence_server):
+    assert _generate(fence_server, {WEIGHT_VERSION: "step-7"}).status_code == 503
+
+
+def test_pinned_stream_to_another_revision_gets_503_before_its_headers(fence_server):
+    assert _generate(fence_server, {REVISION: "rev-x"}, stream=True).status_code == 503
+
+
+def test_empty_pin_header_is_a_400_naming_it(fence_server):
+    response = _generate(fence_server, {REVISION: ""})
+    assert response.json()["error"]["param"] == REVISION
+
+
+def _long_stream(server, done: dict) -> None:
+    body = {"prompt": "keep going", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=600) as r:
+        for _ in r.iter_lines():
+            pass
+    done["status"] = r.status_code
+
+
+def _wait_info(server, key: str, count: int) -> None:
+    deadline = time.monotonic() + 60
+    while server.get("/get_server_info").json()[key] < count:
+        assert time.monotonic() < deadline, f"{key} never reached {count}"
+        time.sleep(0.02)
+
+
+def test_pinned_request_queued_across_an_update_is_refused_not_answered_by_new_weights(
+    fence_server, serving_checkpoint, serving_checkpoint_b
+):
+    server = fence_server
+    done: dict = {}
+    stream = threading.Thread(target=_long_stream, args=(server, done))
+    stream.start()
+    _wait_info(server, "num_running_reqs", 1)
+    with cf.ThreadPoolExecutor(4) as pool:
+        # Admitted while rev-a serves; waits in the scheduler's queue behind the running stream.
+        pinned = pool.submit(_generate, server, {REVISION: "rev-a"})
+        unpinned = pool.submit(_generate, server)
+        _wait_info(server, "num_queued_reqs", 2)
+        # The update waits for the running stream, then runs before the queued requests start.
+        update = pool.submit(server.post, "/update_weights_from_disk",
+                             {"model_path": str(serving_checkpoint_b), "revision": "rev-b"})
+        refused, answered = pinned.result(), unpinned.result()
+        assert update.result().json()["success"] is True
+    stream.join(120)
+    try:
+        assert done["status"] == 200
+        assert refused.status_code == 503, refused.text
+        assert "pinned revision 'rev-a' is not served here" in refused.json()["error"]["message"]
+        assert answered.headers[REVISION] == "rev-b"
+        assert json.loads(answered.text)["meta_info"]["revision"] == "rev-b"
+        during = _generate(server, {REVISION: "rev-a"})
+        assert during.status_code == 503
+    finally:
+        restored = server.post("/update_weights_from_disk",
+                               {"model_path": str(serving_checkpoint), "revision": "rev-a"})
+        assert restored.json()["success"] is True
+        wait_for_baseline(server)
