@@ -13,10 +13,14 @@ on two models: ``random`` (the random Llama as is) and ``copying`` (the same che
 continue a 16-token cycle, ``tiny_checkpoint.make_cycle_checkpoint``; its repetitive prompts are
 that cycle, so it shows what prompt lookup gives a model that copies its context).
 
+Proposers: ``none``, ``NGRAM`` (prompt lookup) and ``STANDALONE`` with a layer-skip draft: the
+target's first ``--draft-layers`` decoder layers with its embeddings and LM head
+(``tiny_checkpoint.make_draft_checkpoint``), run by its own runner and KV pool.
+
 Columns: ``accept len`` = tokens a request gains per verify step (kept drafts + 1; SGLang's
 accept length), ``accept rate`` = kept / proposed draft tokens, ``target steps / token`` =
 target forwards (prefill included) per output token, ``ms / step`` = time per target
-forward, ``ms / token`` = time per output token (process CPU time, ``--threads`` 1 by default,
+forward (the draft's forwards included in the time), ``ms / token`` = time per output token (process CPU time, ``--threads`` 1 by default,
 so other load on a shared machine does not count), at batch 1 (requests one after another)
 and batch 8 (all at once). Greedy outputs with and without speculation are checked to be equal.
 A random model continues a repeated span only when its own argmax happens to (it often falls
@@ -44,9 +48,13 @@ from shardline_runtime.managers.scheduler import Scheduler
 from shardline_runtime.managers.tp_worker import TpModelWorker
 from shardline_runtime.sampling.sampling_params import SamplingParams
 from shardline_runtime.server_args import ServerArgs
-from shardline_runtime.tiny_checkpoint import make_cycle_checkpoint, make_tiny_checkpoint
+from shardline_runtime.tiny_checkpoint import (
+    make_cycle_checkpoint,
+    make_draft_checkpoint,
+    make_tiny_checkpoint,
+)
 
-PROPOSERS = (None, "NGRAM")
+PROPOSERS = (None, "NGRAM", "STANDALONE")
 CYCLE = list(range(11, 11 + 16))
 
 
@@ -73,6 +81,8 @@ def prompt_sets(n: int, span: int, repeats: int, copying: bool, seed: int = 0) -
 
 def run(model: Path, algorithm: str | None, prompts, batch: int, max_new: int, device: str, steps: int):
     extra = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": steps + 1} if algorithm else {}
+    if algorithm == "STANDALONE":
+        extra["speculative_draft_model_path"] = str(model.parent / f"{model.name}-draft")
     args = ServerArgs(model_path=str(model), device=device, max_total_tokens=8192,
                       disable_cuda_graph=True, disable_overlap_schedule=True, disable_radix_cache=True, **extra)
     scheduler = Scheduler(args, 0, TpModelWorker(args, 0))
@@ -118,6 +128,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--num-steps", type=int, default=4, help="--speculative-num-steps (drafts per verify)")
+    p.add_argument("--draft-layers", type=int, default=1, help="STANDALONE: the draft's decoder layers")
     p.add_argument("--device", default="cpu")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -126,6 +137,8 @@ def main() -> None:
                                      intermediate_size=4 * a.hidden, num_hidden_layers=a.layers,
                                      max_position_embeddings=4096)
         copying = make_cycle_checkpoint(model, Path(tmp) / "copying", CYCLE, 8.0)
+        for target in (model, copying):
+            make_draft_checkpoint(target, target.parent / f"{target.name}-draft", num_layers=a.draft_layers)
         print("| model | prompts | batch | proposer | accept len | accept rate | target steps / token | ms / step | ms / token |")
         print("|---|---|---|---|---|---|---|---|---|")
         for label, path in (("random", model), ("copying", copying)):

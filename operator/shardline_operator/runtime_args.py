@@ -99,6 +99,8 @@ def runtime_args(spec: DeploymentSpec, group: int, served: ServedModel) -> list[
             "--speculative-num-draft-tokens",
             str(spec.runtime.speculative.num_draft_tokens),
         ]
+        if spec.runtime.speculative.draft_model_path is not None:
+            args += ["--speculative-draft-model-path", spec.runtime.speculative.draft_model_path]
     if (
         spec.lora_adapters
     ):  # loaded at start; later changes are loaded/unloaded in place (lora_sync.py)

@@ -23,6 +23,7 @@ from .spec_types import (
     ADMIN_API_KEY_ENV,
     API_KEY_ENV,
     DEFAULT_MAX_LORAS_PER_BATCH,
+    DRAFT_MODEL_ALGORITHMS,
     DRAIN_TIMEOUT_FLAG,
     DTYPES,
     GPU_RESOURCE,
@@ -95,6 +96,25 @@ _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 
 
+def _draft_model_path(raw: dict[str, Any], path: str, algorithm: str) -> str | None:
+    """``draftModel.path``: required by a draft-model algorithm, refused otherwise; an absolute
+    directory (on ``spec.model``'s volume). Raises :class:`SpecError` naming the field."""
+    draft = field_value(raw, "draftModel", path, dict)
+    if algorithm not in DRAFT_MODEL_ALGORITHMS:
+        if draft is not None:
+            raise SpecError(
+                f"{path}.draftModel is not used by algorithm {algorithm}; "
+                f"it needs one of {', '.join(DRAFT_MODEL_ALGORITHMS)}"
+            )
+        return None
+    if draft is None:
+        raise SpecError(f"{path}.draftModel is required with algorithm {algorithm}")
+    draft_path = field_value(draft, "path", f"{path}.draftModel", str, required=True)
+    if not draft_path.startswith("/"):
+        raise SpecError(f"{path}.draftModel.path must be an absolute path, got {draft_path!r}")
+    return draft_path
+
+
 def parse_runtime(raw: Mapping[str, Any]) -> RuntimeSpec:
     """Parse ``spec.runtime``. Raises :class:`SpecError`."""
     path = "spec.runtime"
@@ -145,9 +165,11 @@ def parse_runtime(raw: Mapping[str, Any]) -> RuntimeSpec:
     speculative = None
     if spec_raw is not None:
         spath = f"{path}.speculative"
+        algorithm = one_of(spec_raw, "algorithm", spath, "", SPECULATIVE_ALGORITHMS)
         speculative = SpeculativeSpec(
-            algorithm=one_of(spec_raw, "algorithm", spath, "", SPECULATIVE_ALGORITHMS),
+            algorithm=algorithm,
             num_draft_tokens=int_in(spec_raw, "numDraftTokens", spath, 5, 2, 16),
+            draft_model_path=_draft_model_path(spec_raw, spath, algorithm),
         )
     return RuntimeSpec(
         image=image,

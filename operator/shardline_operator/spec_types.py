@@ -64,9 +64,11 @@ RESERVED_FLAGS = (
     "--pp-layer-partition",
     "--speculative-algorithm",
     "--speculative-num-draft-tokens",
+    "--speculative-draft-model-path",
 )
 # speculative decoding algorithms the runtime implements (its --speculative-algorithm)
-SPECULATIVE_ALGORITHMS = ("NGRAM",)
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+DRAFT_MODEL_ALGORITHMS = ("STANDALONE",)  # those that need spec.runtime.speculative.draftModel
 DEFAULT_MAX_LORAS_PER_BATCH = 8  # the runtime's --max-loras-per-batch default
 # The keys reach the runtime only through these env vars, filled from Secrets (spec.auth).
 API_KEY_ENV = "SHARDLINE_API_KEY"
@@ -121,10 +123,13 @@ class CudaGraphSpec:
 @dataclass(frozen=True)
 class SpeculativeSpec:
     """``spec.runtime.speculative``: the runtime's ``--speculative-algorithm`` and
-    ``--speculative-num-draft-tokens`` (tokens one verify forward scores per request)."""
+    ``--speculative-num-draft-tokens`` (tokens one verify forward scores per request), and for
+    a draft-model algorithm ``--speculative-draft-model-path`` (``draftModel.path``, a directory
+    on ``spec.model``'s volume)."""
 
     algorithm: str
     num_draft_tokens: int = 5
+    draft_model_path: str | None = None
 
 
 @dataclass(frozen=True)

@@ -281,6 +281,49 @@ def make_cycle_checkpoint(src: str | Path, dst: str | Path, cycle: list[int], lo
     return Path(dst)
 
 
+def make_draft_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    num_layers: int | None = None,
+    noise: float = 0.0,
+    seed: int = 0,
+) -> Path:
+    """Copy the single-file llama checkpoint ``src`` to ``dst`` as a draft model of it: only its
+    first ``num_layers`` decoder layers (all when None; a layer-skip draft), and Gaussian noise of
+    ``noise`` times its standard deviation added to ``lm_head.weight``, so the draft's argmax
+    agrees with the target's often but not always. Used by the speculative-decoding tests and
+    ``bench/speculative.py`` as a STANDALONE draft.
+
+    Raises:
+        ValueError: ``num_layers`` outside [1, the source's layers].
+    """
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    config_path = Path(dst) / "config.json"
+    config = json.loads(config_path.read_text())
+    layers = config["num_hidden_layers"]
+    keep = layers if num_layers is None else num_layers
+    if not 1 <= keep <= layers:
+        raise ValueError(f"num_layers must be in [1, {layers}], got {num_layers}")
+    (path,) = sorted(Path(dst).glob("*.safetensors"))
+    weights = {
+        name: t
+        for name, t in load_file(str(path)).items()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < keep
+    }
+    head = weights["lm_head.weight"]
+    gen = torch.Generator().manual_seed(seed)
+    head += noise * head.std() * torch.randn(head.shape, generator=gen, dtype=head.dtype)
+    save_file(weights, str(path), metadata={"format": "pt"})
+    config["num_hidden_layers"] = keep
+    config_path.write_text(json.dumps(config, indent=2))
+    return Path(dst)
+
+
 def _parse_value(text: str) -> Any:
     try:
         return json.loads(text)

@@ -39,6 +39,9 @@ SPECS = {
                         "parallelism": {"tensor": 2, "gpusPerPod": 2}, "runtime": {"image": "r:1"}},
     "tp2-speculative-ngram": {"model": {"name": "tiny", "path": "/models/tiny/rev-a"}, "parallelism": {"tensor": 2, "gpusPerPod": 2},
                               "runtime": {"image": "r:1", "speculative": {"algorithm": "NGRAM", "numDraftTokens": 6}}},
+    "speculative-standalone": {"model": {"name": "tiny", "path": "/models/tiny/rev-a"},
+                               "runtime": {"image": "r:1", "speculative": {"algorithm": "STANDALONE",
+                                                                           "draftModel": {"path": "/models/draft"}}}},
 }
 
 
@@ -136,6 +139,12 @@ def test_speculative_spec_reaches_the_runtime_section():
     parsed = server_args.ServerArgs.from_cli(args)
     assert parsed.speculative.speculative_algorithm == "NGRAM"
     assert parsed.speculative.speculative_num_draft_tokens == 6
+
+
+def test_draft_model_path_reaches_the_runtime_section():
+    _, _, _, _, args = next(pods("speculative-standalone"))
+    parsed = server_args.ServerArgs.from_cli(args)
+    assert parsed.speculative.speculative_draft_model_path == "/models/draft"
 
 
 def test_every_crd_speculative_algorithm_is_implemented_by_the_runtime():

@@ -26,8 +26,8 @@ def test_absent_speculative_is_off():
 @pytest.mark.parametrize(
     ("speculative", "extra", "message"),
     [
-        ({"algorithm": "EAGLE"}, {}, "spec.runtime.speculative.algorithm must be one of NGRAM"),
-        ({}, {}, "spec.runtime.speculative.algorithm must be one of NGRAM"),
+        ({"algorithm": "EAGLE"}, {}, "spec.runtime.speculative.algorithm must be one of NGRAM, STANDALONE"),
+        ({}, {}, "spec.runtime.speculative.algorithm must be one of NGRAM, STANDALONE"),
         ({"algorithm": "NGRAM", "numDraftTokens": 1}, {}, "numDraftTokens"),
         ({"algorithm": "NGRAM"}, {"parallelism": {"tensor": 2, "pipeline": 2, "gpusPerPod": 4}},
          "not served with spec.parallelism.pipeline > 1"),
@@ -42,3 +42,25 @@ def test_speculative_combinations_the_runtime_refuses_are_refused(speculative, e
 def test_speculative_flags_are_reserved():
     with pytest.raises(SpecError, match="--speculative-algorithm"):
         parse_spec("m", "ns", "u", {**BASE, "runtime": {"image": "r:1", "args": ["--speculative-algorithm=NGRAM"]}})
+
+
+def test_standalone_renders_the_draft_model_path():
+    from shardline_operator.runtime_args import ServedModel, runtime_args
+
+    parsed = parse_spec("m", "ns", "u", _spec({"algorithm": "STANDALONE", "draftModel": {"path": "/models/draft"}}))
+    args = runtime_args(parsed, 0, ServedModel.desired(parsed))
+    assert args[args.index("--speculative-draft-model-path") + 1] == "/models/draft"
+
+
+@pytest.mark.parametrize(
+    ("speculative", "message"),
+    [
+        ({"algorithm": "STANDALONE"}, "spec.runtime.speculative.draftModel is required with algorithm STANDALONE"),
+        ({"algorithm": "NGRAM", "draftModel": {"path": "/d"}}, "draftModel is not used by algorithm NGRAM"),
+        ({"algorithm": "STANDALONE", "draftModel": {"path": "d"}}, "draftModel.path must be an absolute path"),
+        ({"algorithm": "STANDALONE", "draftModel": {}}, "spec.runtime.speculative.draftModel.path"),
+    ],
+)
+def test_draft_model_fields_are_checked(speculative, message):
+    with pytest.raises(SpecError, match=message):
+        parse_spec("m", "ns", "u", _spec(speculative))

@@ -84,3 +84,26 @@ def test_tp2_sampled_requests_finish_on_every_rank(spec_tp2_server):
     body = _complete(spec_tp2_server, max_tokens=24, n=2, temperature=1.0, seed=3)
     assert [c["finish_reason"] for c in body["choices"]] == ["length", "length"]
     assert _metric(spec_tp2_server, "shardline:spec_verify_steps") > 0
+
+
+@pytest.fixture(scope="module")
+def standalone_tp2_server(serving_checkpoint, checkpoint_dir):
+    # the target is its own draft: the draft runner is TP-sharded beside it, every draft kept
+    srv = start_server(serving_checkpoint, checkpoint_dir, "--max-total-tokens", str(POOL),
+                       "--served-model-name", MODEL, "--speculative-algorithm", "STANDALONE",
+                       "--speculative-draft-model-path", str(serving_checkpoint), "--tp-size", "2")
+    yield srv
+    srv.stop()
+
+
+def test_standalone_tp2_greedy_text_equals_the_server_without_speculation(standalone_tp2_server, server):
+    spec = _complete(standalone_tp2_server, max_tokens=40)["choices"][0]["text"]
+    plain = _complete(server, max_tokens=40)["choices"][0]["text"]
+    assert spec == plain
+    assert _metric(standalone_tp2_server, "shardline:spec_accept_length") > 1.0
+
+
+def test_a_draft_update_on_a_server_without_a_draft_model_is_a_400(server):
+    r = server.post("/update_weights_from_disk", {"model_path": "/nowhere", "draft_model_path": "/nowhere-draft"})
+    assert r.status_code == 400
+    assert "--speculative-algorithm STANDALONE" in r.json()["message"]

@@ -165,6 +165,9 @@ class UpdateWeightsRequest(ControlRequest):
     disable_cuda_graph: bool | None = None
     weight_version: str | None = Field(None, min_length=1, max_length=256)
     flush_cache: bool = True
+    # the draft model's new checkpoint (--speculative-algorithm STANDALONE): loaded with the
+    # target's, all or nothing
+    draft_model_path: str | None = Field(None, min_length=1)
 
 
 class AbortRequest(ControlRequest):

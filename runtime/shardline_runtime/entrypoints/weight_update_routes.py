@@ -73,6 +73,15 @@ def add_weight_update_routes(
         busy = update_running(tm, error_response)
         if busy is not None:
             return busy
+        spec = getattr(server_args, "speculative", None)
+        if body.draft_model_path is not None and (
+            spec is None or spec.speculative_algorithm != "STANDALONE"
+        ):
+            message = (
+                "draft_model_path is only accepted by a server with --speculative-algorithm "
+                "STANDALONE (it updates the draft model); nothing was loaded"
+            )
+            return JSONResponse({"success": False, "message": message}, status_code=400)
         try:  # fetched and verified while the group still serves the old weights
             model_path = await local_model_path(body.model_path, server_args, served_dir[0])
         except ModelSourceError as exc:
@@ -89,6 +98,8 @@ def add_weight_update_routes(
             body.weight_version,
             body.flush_cache,
             model_source=body.model_path if model_path != body.model_path else None,
+            # a local directory, as --speculative-draft-model-path (drafts are not fetched)
+            draft_model_path=body.draft_model_path,
         )
         out = await tm.update_weights_from_disk(req)
         if out.success:

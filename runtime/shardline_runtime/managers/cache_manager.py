@@ -8,6 +8,7 @@ instead of reaching into the scheduler: ``TokenToKVPoolAllocator`` (free KV slot
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +28,10 @@ class CacheManager:
         req_to_token_pool: the rank's request rows.
         tree_cache: the prefix cache (a disabled one matches nothing and holds nothing).
         max_total_num_tokens: KV slots in the pool (for :meth:`used_tokens`).
+
+    Attributes:
+        on_release: called with a request's id each time :meth:`release` gives its KV back
+            (finish, abort, retraction): a speculative proposer's per-request state goes with it.
     """
 
     def __init__(
@@ -40,6 +45,7 @@ class CacheManager:
         self.req_to_token_pool = req_to_token_pool
         self.tree_cache = tree_cache
         self.max_total_num_tokens = max_total_num_tokens
+        self.on_release: Callable[[str], None] | None = None
 
     def available_size(self) -> int:
         """KV slots a new step can get: free slots plus unlocked prefix-cache slots."""
@@ -103,3 +109,5 @@ class CacheManager:
             req.last_node = None
         req.tree_prefix_len = 0
         req.prefix_indices = torch.zeros(0, dtype=torch.int64)
+        if self.on_release is not None:
+            self.on_release(req.rid)

@@ -100,6 +100,8 @@ class UpdateWeightsFromDiskReqInput:
     flush_cache: bool = True
     # The hf:// or s3:// reference model_path (a fetched directory) came from: reported instead.
     model_source: str | None = None
+    # The draft model's new checkpoint (STANDALONE), committed with the target's or not at all.
+    draft_model_path: str | None = None
 
 
 @dataclass

@@ -123,7 +123,10 @@ class Scheduler:
         )
         self.speculative = (
             SpeculativeDecoding(
-                build_proposer(spec), spec.max_draft_tokens, worker.max_req_len, self.cache
+                build_proposer(spec, getattr(worker, "draft_worker", None)),
+                spec.max_draft_tokens,
+                worker.max_req_len,
+                self.cache,
             )
             if spec.enabled
             else None

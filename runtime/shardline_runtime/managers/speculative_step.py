@@ -121,6 +121,7 @@ class SpeculativeDecoding:
         self.max_draft_tokens = max_draft_tokens
         self.max_req_len = max_req_len
         self.cache = cache
+        cache.on_release = proposer.release
         self.stats = SpeculativeStats()
 
     def draft_budget(self, req: Req) -> int:
@@ -135,11 +136,14 @@ class SpeculativeDecoding:
 
     def prepare(self, batch: ScheduleBatch) -> bool:
         """Make ``batch`` a TARGET_VERIFY step when it is worth it; False leaves it to DECODE."""
+        reqs = batch.reqs
+        rids = [r.rid for r in reqs]
         if batch.sampling_info is None or batch.sampling_info.penalties is not None:
             return False
-        reqs = batch.reqs
         budgets = [self.draft_budget(r) for r in reqs]
-        proposal = self.proposer.propose([r.origin_input_ids + r.output_ids for r in reqs], budgets)
+        proposal = self.proposer.propose(
+            [r.origin_input_ids + r.output_ids for r in reqs], budgets, rids
+        )
         drafts = [list(d[:b]) for d, b in zip(proposal.draft_ids, budgets)]
         if not any(drafts) or not self.cache.ensure_free(sum(1 + len(d) for d in drafts)):
             return False
@@ -157,6 +161,7 @@ class SpeculativeDecoding:
             stats.accepted_tokens += len(ids) - 1
             if req.req_pool_idx is None:
                 continue
+            self.proposer.keep(req.rid, req.origin_input_ids + req.output_ids)
             keep = min(req.kv_len, len(req.origin_input_ids) + len(req.output_ids) - 1)
             if keep < req.kv_len:
                 slots = self.cache.req_to_token_pool.req_to_token[req.row, keep : req.kv_len]

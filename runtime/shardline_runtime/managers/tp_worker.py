@@ -53,6 +53,7 @@ from shardline_runtime.model_executor.generation_result import (
     logits_output_to_cpu,
 )
 from shardline_runtime.model_executor.model_runner import ModelRunner
+from shardline_runtime.speculative.draft_worker import build_draft_worker, draft_update
 from shardline_runtime.weights_state import CapturedGraphs, WeightsPhase
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,10 @@ class TpModelWorker(BaseTpWorker):
         self._init_model_config(model_runner)
         self._init_model_runner(model_runner)
         self._init_limits()
+        # STANDALONE: the draft model's own runner and KV pools (raises DraftModelError)
+        self.draft_worker = build_draft_worker(
+            server_args, tp_rank, self.pp_rank, self.model_config, self.max_total_num_tokens
+        )
         # World rank 0's seed on every rank of every stage, so unseeded sampling draws the same numbers.
         self.random_seed = broadcast_pyobj_world(int(getattr(server_args, "random_seed", 0)))
         torch.manual_seed(self.random_seed)
@@ -252,8 +257,13 @@ class TpModelWorker(BaseTpWorker):
         recapture_cuda_graph: bool = True,
         on_phase: Callable[[WeightsPhase], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
+        draft_model_path: str | None = None,
     ) -> tuple[bool, str]:
         """Route an update from disk to ``ModelRunner.update_weights_from_disk`` (every rank).
+
+        With ``draft_model_path`` the draft model's new checkpoint is staged and checked beside
+        the target's and both commit together or neither does; the draft's KV is then dropped
+        (it was computed by the old draft weights).
 
         ``on_phase`` is called with each phase as it begins (``loading``, ``recapturing``, then
         ``serving`` or ``failed``), so the scheduler can report progress while this call runs.
@@ -266,13 +276,19 @@ class TpModelWorker(BaseTpWorker):
         Returns:
             ``(success, message)``.
         """
+        draft, refused = draft_update(self.draft_worker, draft_model_path)
+        if refused:
+            return False, refused
         ok, message = self.model_runner.update_weights_from_disk(
             model_path,
             load_format,
             recapture_cuda_graph=recapture_cuda_graph,
             on_phase=on_phase,
             cancelled=cancelled,
+            draft=draft,
         )
+        if ok and draft is not None and self.draft_worker is not None:
+            self.draft_worker.release_all()
         logger.info(
             "[tp %d] update_weights_from_disk(%s): %s %s", self.tp_rank, model_path, ok, message
         )

@@ -150,6 +150,7 @@ def _from_disk(
         recapture_cuda_graph=msg.recapture_cuda_graph,
         on_phase=clock,
         cancelled=abort,
+        draft_model_path=msg.draft_model_path,
     )
     seconds = clock.seconds()
     settled = reported[-1]

@@ -301,13 +301,15 @@ class ModelRunner:
         recapture_cuda_graph: bool = True,
         on_phase: Callable[[WeightsPhase], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
+        draft: tuple[ModelRunner, str] | None = None,
     ) -> tuple[bool, str]:
         """Load new weights (and fp8 KV scales) in place on every rank, all or nothing
         (``weight_update.py``); ``recapture_cuda_graph`` captures the graphs again after the copy
         (the HTTP API's default, DESIGN 2.4); ``on_phase`` is called as each
         :class:`WeightsPhase` begins; ``cancelled`` (polled while the new weights are staged)
-        aborts it before it commits. Returns ``(success, message)``; on failure or abort the
-        old weights keep serving."""
+        aborts it before it commits; ``draft`` (the draft model's runner and new checkpoint)
+        is staged and committed with this one, or neither is. Returns ``(success, message)``;
+        on failure or abort the old weights keep serving."""
         return update_weights_from_disk(
             self,
             model_path,
@@ -315,4 +317,5 @@ class ModelRunner:
             recapture_cuda_graph=recapture_cuda_graph,
             on_phase=on_phase,
             cancelled=cancelled,
+            draft=draft,
         )

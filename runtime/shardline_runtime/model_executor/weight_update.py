@@ -20,7 +20,12 @@ Steps, each rank:
   4. ``recapturing`` (when asked and graphs exist): capture the decode and piecewise graphs again.
   5. ``serving``; a failed update leaves ``failed`` (the old weights keep serving).
 
-Peak extra memory is one CPU copy of this rank's weights; device memory does not grow.
+With speculative decoding's draft model (``draft``: its runner and new checkpoint), step 1
+stages and checks the draft's checkpoint the same way after the target's, the one vote covers
+both, and step 3 copies both: a draft that fails to load aborts the target's staged update too.
+
+Peak extra memory is one CPU copy of this rank's weights (and the draft's); device memory does
+not grow.
 """
 
 from __future__ import annotations
@@ -205,6 +210,7 @@ def update_weights_from_disk(
     recapture_cuda_graph: bool,
     on_phase: Callable[[WeightsPhase], None] | None = None,
     cancelled: Callable[[], bool] | None = None,
+    draft: tuple[Any, str] | None = None,
 ) -> tuple[bool, str]:
     """Replace ``model_runner``'s weights by those in ``model_path``, in place, on every rank.
 
@@ -221,6 +227,8 @@ def update_weights_from_disk(
         on_phase: called with each :class:`WeightsPhase` as the update progresses.
         cancelled: polled before each tensor is staged and once more before the vote; True
             makes this rank vote no (an abort), so every rank keeps its old weights.
+        draft: ``(draft_runner, draft_model_path)``: the draft model's update, committed with
+            this one or not at all.
 
     Returns:
         ``(True, message)`` after the new weights are live, or ``(False, reason)`` with the
@@ -229,8 +237,8 @@ def update_weights_from_disk(
     phase = on_phase or (lambda _phase: None)
     phase(WeightsPhase.LOADING)
     reason = ""
-    new_config = new_model = None
-    kv_scales: dict[int, dict[str, float]] = {}
+    staged: list[tuple[Any, Any, Any, dict[int, dict[str, float]]]] = []
+    updates = [(model_runner, model_path)] + ([draft] if draft is not None else [])
     is_cancelled = cancelled or (lambda: False)
     aborted = False
 
@@ -239,19 +247,21 @@ def update_weights_from_disk(
             raise WeightUpdateAborted("aborted before it committed")
 
     try:
-        new_config, new_model = load_candidate(
-            model_runner, model_path, load_format, check_cancelled
-        )
-        compare_models(model_runner.model_config, model_runner.model, new_config, new_model)
-        # the fp8 KV scales belong to the checkpoint: read (and check) them with its weights
-        kv_scales = checkpoint_kv_scales(model_path, model_runner.kv_cache_dtype)
+        for runner, path in updates:
+            new_config, new_model = load_candidate(runner, path, load_format, check_cancelled)
+            compare_models(runner.model_config, runner.model, new_config, new_model)
+            # the fp8 KV scales belong to the checkpoint: read (and check) them with its weights
+            kv_scales = checkpoint_kv_scales(path, runner.kv_cache_dtype)
+            staged.append((runner, new_config, new_model, kv_scales))
         check_cancelled()  # the last moment an abort can stop the update: the vote commits it
     except WeightUpdateAborted:
         aborted = True
         reason = f"update_weights_from_disk({model_path}) aborted before it committed"
         logger.info("[tp %d] %s", model_runner.tp_rank, reason)
     except Exception as exc:  # any failure here must leave the live weights alone
-        reason = f"{type(exc).__name__}: {exc}"
+        # the target staged, the draft did not: name the draft's checkpoint
+        which = f"draft model {draft[1]}: " if draft is not None and len(staged) == 1 else ""
+        reason = f"{which}{type(exc).__name__}: {exc}"
         logger.warning(
             "[tp %d] new checkpoint %s rejected: %s", model_runner.tp_rank, model_path, reason
         )
@@ -264,11 +274,13 @@ def update_weights_from_disk(
         if not reason:
             reason = "the new checkpoint was rejected on another tensor-parallel rank or pipeline stage (see its log)"
         return False, f"update_weights_from_disk({model_path}) failed; old weights kept. {reason}"
-    assert new_model is not None  # every rank loaded it (all_ok)
-    copied = copy_weights_in_place(model_runner.model, new_model)
-    set_kv_scales(model_runner.model, kv_scales, model_runner.kv_cache_dtype)
-    del new_model
-    model_runner.model_config = new_config  # same shapes and behaviour; reports the new path
+    assert len(staged) == len(updates)  # every rank staged every update (all_ok)
+    copied = 0
+    for runner, new_config, new_model, kv_scales in staged:
+        copied += copy_weights_in_place(runner.model, new_model)
+        set_kv_scales(runner.model, kv_scales, runner.kv_cache_dtype)
+        runner.model_config = new_config  # same shapes and behaviour; reports the new path
+    staged.clear()
     graphs = model_runner.graphs
     if recapture_cuda_graph and graphs.present:
         phase(WeightsPhase.RECAPTURING)

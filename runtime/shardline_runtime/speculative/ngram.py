@@ -64,7 +64,12 @@ class NgramProposer:
         self.min_window = min_window
         self.max_window = max_window
 
-    def propose(self, histories: Sequence[Sequence[int]], max_drafts: Sequence[int]) -> Proposal:
+    def propose(
+        self,
+        histories: Sequence[Sequence[int]],
+        max_drafts: Sequence[int],
+        rids: Sequence[str] = (),
+    ) -> Proposal:
         """Drafts per request (:func:`ngram_lookup`); no draft probabilities (point masses)."""
         return Proposal(
             [
@@ -72,3 +77,9 @@ class NgramProposer:
                 for tokens, k in zip(histories, max_drafts)
             ]
         )
+
+    def keep(self, rid: str, tokens: Sequence[int]) -> None:
+        """Nothing to drop: the lookup keeps no state between steps."""
+
+    def release(self, rid: str) -> None:
+        """Nothing to drop: the lookup keeps no state between steps."""

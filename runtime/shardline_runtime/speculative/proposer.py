@@ -1,18 +1,23 @@
 """The proposer interface: what every speculative algorithm gives the verify step.
 
-A proposer sees each request's tokens so far (prompt + output) and the most draft tokens it may
-propose for it, and returns draft token ids per request (possibly none). Draft probabilities
-are optional: a deterministic proposer (n-gram lookup, a greedy draft model) returns None, which
-the acceptance rule reads as a point mass on each draft token.
+A proposer sees each request's tokens so far (prompt + output), its id, and the most draft
+tokens it may propose for it, and returns draft token ids per request (possibly none). Draft
+probabilities are optional: a deterministic proposer (n-gram lookup, a greedy draft model)
+returns None, which the acceptance rule reads as a point mass on each draft token. A proposer
+that keeps per-request state (a draft model's KV) drops it in ``release``, called whenever the
+scheduler gives a request's KV back (finish, abort, retraction).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from shardline_runtime.speculative.spec_args import SpeculativeArgs
+
+if TYPE_CHECKING:
+    from shardline_runtime.speculative.draft_worker import DraftWorker
 
 
 @dataclass
@@ -32,29 +37,73 @@ class Proposal:
 class Proposer(Protocol):
     """Guesses the next tokens of each request."""
 
-    def propose(self, histories: Sequence[Sequence[int]], max_drafts: Sequence[int]) -> Proposal:
+    def propose(
+        self,
+        histories: Sequence[Sequence[int]],
+        max_drafts: Sequence[int],
+        rids: Sequence[str] = (),
+    ) -> Proposal:
         """Drafts for each request.
 
         Args:
             histories: per request, its prompt + output token ids.
             max_drafts: per request, the most draft tokens to return (>= 0).
+            rids: per request, its id (what stateful proposers key their state by).
         """
         ...
 
+    def keep(self, rid: str, tokens: Sequence[int]) -> None:
+        """After a verify step: ``tokens`` (prompt + output) is what request ``rid`` kept; state
+        past their common prefix (rejected drafts) is dropped now."""
+        ...
 
-def build_proposer(spec: SpeculativeArgs) -> Proposer:
+    def release(self, rid: str) -> None:
+        """Drop request ``rid``'s state (no-op for an unknown id)."""
+        ...
+
+
+class DraftModelProposer:
+    """A draft model's proposer (STANDALONE): the rank's :class:`DraftWorker`."""
+
+    def __init__(self, draft: DraftWorker):
+        self.draft = draft
+
+    def propose(
+        self,
+        histories: Sequence[Sequence[int]],
+        max_drafts: Sequence[int],
+        rids: Sequence[str] = (),
+    ) -> Proposal:
+        return self.draft.propose(rids, histories, max_drafts)
+
+    def keep(self, rid: str, tokens: Sequence[int]) -> None:
+        self.draft.keep(rid, tokens)
+
+    def release(self, rid: str) -> None:
+        self.draft.release(rid)
+
+
+def build_proposer(spec: SpeculativeArgs, draft: DraftWorker | None = None) -> Proposer:
     """The proposer of ``spec.speculative_algorithm``.
 
+    Args:
+        draft: the worker's draft model (STANDALONE).
+
     Raises:
-        ValueError: an algorithm without an implementation (``ServerArgs`` refuses it first).
+        ValueError: an algorithm without an implementation (``ServerArgs`` refuses it first),
+            or STANDALONE without a draft worker.
     """
     from shardline_runtime.speculative.ngram import NgramProposer
 
-    if spec.speculative_algorithm == "NGRAM":
+    algo = spec.speculative_algorithm
+    if algo == "NGRAM":
         return NgramProposer(
             spec.speculative_ngram_min_match_window_size,
             spec.speculative_ngram_max_match_window_size,
         )
+    if algo == "STANDALONE" and draft is not None:
+        return DraftModelProposer(draft)
     raise ValueError(
-        f"--speculative-algorithm {spec.speculative_algorithm} has no proposer; implemented: NGRAM"
+        f"--speculative-algorithm {algo} has no proposer here; implemented: NGRAM, STANDALONE "
+        "(with the worker's draft model)"
     )

@@ -1,8 +1,11 @@
 """The speculative-decoding section of the server arguments and its flags (SGLang's names).
 
-``--speculative-algorithm``: ``NGRAM`` is implemented (prompt lookup: drafts are copied from the
-request's own tokens); ``STANDALONE`` and ``EAGLE`` are recognised and refused with a clear
-error until their draft workers exist. ``--speculative-num-draft-tokens`` counts the tokens one
+``--speculative-algorithm``: ``NGRAM`` (prompt lookup: drafts are copied from the request's own
+tokens) and ``STANDALONE`` (a small draft model of the target's tokenizer,
+``--speculative-draft-model-path``, run by its own runner and KV pool) are implemented;
+``EAGLE`` / ``EAGLE3`` are recognised and refused with a clear error until their draft heads
+exist. ``--speculative-num-steps`` is implied by the draft-token count (one draft forward per
+draft token in a chain). ``--speculative-num-draft-tokens`` counts the tokens one
 verify forward scores per request, the last accepted token included (SGLang's convention), so
 a request gets at most ``num_draft_tokens - 1`` draft tokens a step. ``--speculative-eagle-topk``
 1 is a chain; tree verification (top-k > 1) is refused.
@@ -16,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
-IMPLEMENTED_ALGORITHMS = ("NGRAM",)
+IMPLEMENTED_ALGORITHMS = ("NGRAM", "STANDALONE")
+DRAFT_MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
 DEFAULT_NUM_STEPS = 4
 
 
@@ -82,6 +86,19 @@ def speculative_errors(spec: SpeculativeArgs, pp_size: int, lora: bool) -> list[
             f"--speculative-algorithm {algo} is not implemented yet; implemented: "
             f"{', '.join(IMPLEMENTED_ALGORITHMS)}"
         )
+    needs_draft = algo in DRAFT_MODEL_ALGORITHMS
+    if needs_draft and not spec.speculative_draft_model_path:
+        errors.append(f"--speculative-algorithm {algo} needs --speculative-draft-model-path")
+    if needs_draft and "://" in (spec.speculative_draft_model_path or ""):
+        errors.append(
+            f"--speculative-draft-model-path {spec.speculative_draft_model_path}: must be a local "
+            "checkpoint directory (hf:// and s3:// drafts are not fetched)"
+        )
+    if not needs_draft and spec.speculative_draft_model_path:
+        errors.append(
+            f"--speculative-draft-model-path is not used by --speculative-algorithm {algo}; "
+            f"drop it or use one of {', '.join(DRAFT_MODEL_ALGORITHMS)}"
+        )
     if spec.speculative_eagle_topk != 1:
         errors.append(
             f"--speculative-eagle-topk {spec.speculative_eagle_topk}: only 1 (chain verification) "
@@ -92,6 +109,14 @@ def speculative_errors(spec: SpeculativeArgs, pp_size: int, lora: bool) -> list[
             f"--speculative-num-draft-tokens must be >= 2 (the last token plus at least one draft), "
             f"got {spec.speculative_num_draft_tokens}"
         )
+    steps, tokens = spec.speculative_num_steps, spec.speculative_num_draft_tokens
+    if spec.speculative_eagle_topk == 1 and steps is not None and tokens is not None:
+        if steps != tokens - 1:
+            errors.append(
+                f"--speculative-num-steps {steps} and --speculative-num-draft-tokens {tokens}: a "
+                "chain (--speculative-eagle-topk 1) drafts one token per step, so "
+                "num-draft-tokens must be num-steps + 1"
+            )
     lo, hi = (
         spec.speculative_ngram_min_match_window_size,
         spec.speculative_ngram_max_match_window_size,
@@ -121,14 +146,16 @@ def add_speculative_flags(
         "--speculative-algorithm",
         choices=SPECULATIVE_ALGORITHMS,
         default=None,
-        help="Speculative decoding: NGRAM (prompt lookup, no draft model) is implemented; "
-        "STANDALONE and EAGLE are refused until their draft workers exist. Turns the overlap "
+        help="Speculative decoding: NGRAM (prompt lookup, no draft model) and STANDALONE (a "
+        "draft model of the same tokenizer, --speculative-draft-model-path) are implemented; "
+        "EAGLE / EAGLE3 are refused until their draft heads exist. Turns the overlap "
         "scheduler off (a verify step's accepted length decides the next step's inputs).",
     )
     s.add_argument(
         "--speculative-draft-model-path",
         default=None,
-        help="Draft model checkpoint (STANDALONE, EAGLE).",
+        help="Draft model checkpoint directory (STANDALONE): a causal LM with the target's "
+        "vocabulary.",
     )
     s.add_argument(
         "--speculative-num-steps",
