@@ -1,9 +1,8 @@
 """The one command-line parser of ``shardline-runtime serve`` (:func:`make_parser`).
 
 Flag names follow ``sglang.launch_server`` where the concept is the same. Per-flag ranges are
-checked by the argparse ``type`` functions (so ``--port 0`` fails with ``argument --port: must be
-in [1, 65535], got 0``); defaults come from the sections (``server_args_sections.py``), choices
-from the modules that own them.
+checked by the argparse ``type`` functions (``--port 0``: ``argument --port: must be in [1,
+65535], got 0``); defaults come from the sections (``server_args_sections.py``), choices too.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ import argparse
 from collections.abc import Callable
 
 from shardline_runtime.configs.pooling_config import add_model_kind_argument
+from shardline_runtime.entrypoints.chat_output import add_chat_parser_flags
 from shardline_runtime.layers.quantization.online_fp8 import ONLINE_CHOICES
 from shardline_runtime.server_args_sections import (
     ATTENTION_BACKENDS,
@@ -170,7 +170,7 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
         default=None,
         help=f"Key of the control endpoints (weight updates, cache flush, aborts, every endpoint not listed as serving or open); default: ${ADMIN_API_KEY_ENV}, else the API key.",
     )
-
+    add_chat_parser_flags(h, default("tool_call_parser"))
     d_ = p.add_argument_group("parallelism")
     d_.add_argument(
         "--tp-size",

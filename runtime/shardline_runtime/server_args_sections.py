@@ -56,12 +56,16 @@ class ModelArgs:
 
 @dataclass(frozen=True)
 class HTTPArgs:
-    """The HTTP server; keys are kept out of ``repr()`` so a logged argument set never shows them."""
+    """The HTTP server and how it reads chat replies (``tool_call_parser``: a family of
+    ``entrypoints/tool_parsers.py`` or ``auto``; ``reasoning_parser``: None for none); keys are
+    kept out of ``repr()`` so a logged argument set never shows them."""
 
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = field(default=None, repr=False)
     admin_api_key: str | None = field(default=None, repr=False)
+    tool_call_parser: str = "auto"
+    reasoning_parser: str | None = None
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,32 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# A Hermes / Qwen2.5-style template (tools in the system turn, calls as <tool_call> blocks, tool
+# results as <tool_response> in a user turn): for the tool-calling tests and --tool-call-parser
+# hermes.
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\nYou may call functions. Signatures within <tools></tools>:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}\n</tools>\n"
+    'Answer a call as <tool_call>\n{"name": <name>, "arguments": <arguments>}\n</tool_call>'
+    "<|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}"
+    "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'system' and loop.first %}"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content or '' }}"
+    "{% for call in message.tool_calls or [] %}"
+    '<tool_call>\n{"name": {{ call.function.name | tojson }}, "arguments": '
+    "{{ call.function.arguments | tojson }}}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 _WORDS = (
     "the model serves tokens over a tensor parallel group of pods each rank holds a shard of "
     "every weight matrix and the scheduler batches requests continuously while the cache keeps "

@@ -63,3 +63,29 @@ def tokenizer(serving_checkpoint):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(serving_checkpoint))
+
+
+@pytest.fixture(scope="session")
+def tools_checkpoint(serving_checkpoint, checkpoint_dir):
+    """Revision A's weights with a tokenizer whose chat template renders tools (Hermes style)."""
+    from transformers import AutoTokenizer
+
+    from shardline_runtime.tiny_checkpoint import TOOLS_CHAT_TEMPLATE
+
+    path = checkpoint_dir / "tools"
+    if not (path / "config.json").exists():
+        shutil.copytree(serving_checkpoint, path)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer.chat_template = TOOLS_CHAT_TEMPLATE
+        tokenizer.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tools_server(tools_checkpoint, checkpoint_dir):
+    """A server on the tools checkpoint reading Hermes ``<tool_call>`` replies (the agent
+    clients' tests share it)."""
+    srv = start_server(tools_checkpoint, checkpoint_dir, "--max-total-tokens", str(POOL),
+                       "--served-model-name", "tiny-tools", "--tool-call-parser", "hermes")
+    yield srv
+    srv.stop()

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from shardline_runtime.entrypoints.choices import chat_prompt_ids
+from shardline_runtime.entrypoints.chat_messages import chat_prompt_ids
 from shardline_runtime.entrypoints.protocol import ChatCompletionRequest
 from shardline_runtime.managers.io_struct import SchedulerInfo
 from shardline_runtime.managers.request_validation import RequestValidationError, RequestValidator

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf"]
-GRAMMAR_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "ebnf")
+GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf", "structural_tag"]
+GRAMMAR_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
 
 
 class GrammarError(ValueError):
@@ -31,7 +31,9 @@ class GrammarSpec:
     Attributes:
         kind: ``json_schema`` (``source`` is the schema as JSON text), ``json_object`` (any JSON
             object; ``source`` empty), ``regex`` (a regular expression the whole output matches)
-            or ``ebnf`` (a GBNF/EBNF grammar whose ``root`` rule is the output).
+            ``ebnf`` (a GBNF/EBNF grammar whose ``root`` rule is the output) or ``structural_tag``
+            (xgrammar's structural-tag JSON: fixed text around JSON-schema contents, e.g. tool
+            calls in a model family's format; built by ``entrypoints/tool_calls.py``).
         source: the schema / regex / grammar text.
         strict: for ``json_schema``: OpenAI's ``strict`` (true: no property or item beyond the
             schema's, as OpenAI's structured outputs; false: JSON Schema's own default, where an

@@ -170,6 +170,8 @@ class GrammarBackend:
                 )
             if spec.kind == "regex":
                 return self._compiler.compile_regex(spec.source)
+            if spec.kind == "structural_tag":
+                return self._compiler.compile_structural_tag(spec.source)
             return self._compiler.compile_grammar(spec.source)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise GrammarError(

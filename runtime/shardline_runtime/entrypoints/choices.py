@@ -17,12 +17,12 @@ from typing import Any, cast
 from fastapi.responses import JSONResponse
 
 from shardline_runtime.constrained.grammar_spec import GrammarSpec
+from shardline_runtime.entrypoints.chat_messages import chat_prompt_ids
 from shardline_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
-from shardline_runtime.entrypoints.refused_fields import (
-    check_refused_chat_fields,
-    template_kwargs,
-)
+from shardline_runtime.entrypoints.refused_fields import check_refused_chat_fields
 from shardline_runtime.entrypoints.structured_output import request_grammar
+from shardline_runtime.entrypoints.tool_calls import ToolPlan, tool_plan
+from shardline_runtime.entrypoints.tool_parsers import ToolCallFormat
 from shardline_runtime.managers.io_struct import FinishReason, TokenizedGenerateReqInput
 from shardline_runtime.managers.request_validation import RequestValidationError
 from shardline_runtime.managers.step_detokenizer import GenerateChunk
@@ -150,96 +150,41 @@ def completion_choices(req: CompletionRequest, tm: TokenizerManager) -> list[Cho
     return specs
 
 
-def chat_prompt_ids(req: ChatCompletionRequest, tm: TokenizerManager) -> list[int]:
-    """Apply the tokenizer's chat template to ``messages`` and tokenize the text.
-
-    The template usually writes BOS itself, so special tokens are not added unless the request
-    says ``add_special_tokens: true`` (vLLM's default and override). A template that raises (many
-    do on purpose, e.g. when roles do not alternate) is the client's error: a 400 on ``messages``
-    carrying the template's message.
+def chat_choices(
+    req: ChatCompletionRequest, tm: TokenizerManager, tool_format: ToolCallFormat | None = None
+) -> tuple[list[ChoiceSpec], ToolPlan]:
+    """Validate and tokenize a chat request into its ``n`` choices, and its tool plan
+    (``tool_format``: the server's tool-call format, None when its model has none).
 
     Raises:
-        RequestValidationError: non-text content parts, no chat template, the template raised,
-            or the prompt is empty or too long.
+        RequestValidationError: a refused or malformed field (names it).
     """
-    messages = []
-    for i, m in enumerate(req.messages):
-        content = m.content
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise RequestValidationError(
-                        f"messages[{i}].content: only text parts are supported",
-                        f"messages[{i}].content",
-                    )
-                parts.append(part["text"])
-            content = "".join(parts)
-        message: dict[str, Any] = {"role": m.role, "content": content or ""}
-        message.update(
-            {
-                k: v
-                for k, v in (
-                    ("name", m.name),
-                    ("tool_call_id", m.tool_call_id),
-                    ("tool_calls", m.tool_calls),
-                )
-                if v is not None
-            }
-        )
-        messages.append(message)
-    if getattr(tm.tokenizer, "chat_template", None) is None:
-        raise RequestValidationError(
-            "this model's tokenizer has no chat template; use /v1/completions", "messages"
-        )
-    add_generation_prompt = req.add_generation_prompt
-    if req.continue_final_message:  # as vLLM: both explicitly true is a 400; unset means off
-        if add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
-            raise RequestValidationError(
-                "continue_final_message: cannot be true together with add_generation_prompt "
-                "true (one continues the final message, the other opens a new one); send "
-                "add_generation_prompt false",
-                "continue_final_message",
-            )
-        add_generation_prompt = False
-    extra_kwargs = template_kwargs(req.chat_template_kwargs)
-    try:
-        text = tm.tokenizer.apply_chat_template(
-            messages,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            **extra_kwargs,
-        )
-    except Exception as exc:  # whatever a template raises on these messages is a bad request
-        raise RequestValidationError(
-            f"messages: the chat template rejected them: {exc}", "messages"
-        ) from None
-    if not isinstance(text, str):
-        raise RequestValidationError("messages: the chat template did not produce text", "messages")
-    tm.validator.check_text_length(text, "messages")
-    ids, _ = tm.validator.encode_text(text, req.add_special_tokens)
-    if not ids:
-        raise RequestValidationError("messages produce an empty prompt", "messages")
-    return ids
-
-
-def chat_choices(req: ChatCompletionRequest, tm: TokenizerManager) -> list[ChoiceSpec]:
     check_refused_chat_fields(req.model_extra or {})
     grammar = _check_common(req, tm)
-    if req.tools:
-        raise RequestValidationError("tools: tool calling is not supported", "tools")
-    if req.tool_choice not in (None, "none"):
-        raise RequestValidationError("tool_choice: tool calling is not supported", "tool_choice")
+    plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, tool_format)
+    if plan.grammar is not None:
+        # OpenAI's response_format shapes a text reply; a forced reply is calls only, so the
+        # call's grammar is the whole constraint. regex / ebnf constrain the whole reply: a clash.
+        if grammar is not None and grammar.param != "response_format":
+            raise RequestValidationError(
+                f"tool_choice: a forced tool call is an output constraint, and {grammar.param} "
+                "is set too (one per request); use tool_choice auto with it",
+                "tool_choice",
+            )
+        grammar = plan.grammar
+        tm.validator.check_grammar(grammar)
     if req.top_logprobs and not req.logprobs:
         raise RequestValidationError("top_logprobs needs logprobs: true", "top_logprobs")
     max_tokens = _max_tokens(
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
         "max_tokens",
     )
-    ids = chat_prompt_ids(req, tm)
+    ids = chat_prompt_ids(req, tm, plan.tools)
     budget = tm.validator.check_lengths(ids, max_tokens)
-    return [ChoiceSpec(j, ids, build_params(req, budget, j), grammar=grammar) for j in range(req.n)]
+    specs = [
+        ChoiceSpec(j, ids, build_params(req, budget, j), grammar=grammar) for j in range(req.n)
+    ]
+    return specs, plan
 
 
 async def run_choices(

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from shardline_runtime.entrypoints.chat_output import ChatParsers
 from shardline_runtime.entrypoints.embeddings import (
     add_embedding_routes,
     refuse_for_embedding_model,
@@ -91,6 +92,9 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
     app.router.route_class = CheckedJSONRoute  # before any route is added
     app.add_middleware(VersionHeadersMiddleware, weights=lambda: tm.state.weights)
     model_name = server_args.model_name
+    parsers = ChatParsers.resolve(
+        server_args.tool_call_parser, server_args.reasoning_parser, server_args.model_path
+    )
 
     @app.exception_handler(FastAPIValidationError)
     async def _validation(request: Request, exc: FastAPIValidationError):
@@ -246,7 +250,8 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
     async def chat(body: ChatCompletionRequest, raw: Request):
         check_model(body.model)
         refuse_for_embedding_model(tm, "/v1/chat/completions")
-        return await serve_chat(body, tm, tm.state.lora_for_model(body.model) or model_name, raw)
+        model = tm.state.lora_for_model(body.model) or model_name
+        return await serve_chat(body, tm, model, raw, parsers)
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, raw: Request):

@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from shardline_runtime.entrypoints.chat_output import ChatOutput, ChatParsers
 from shardline_runtime.entrypoints.choices import (
     ChoiceResult,
     ChoiceSpec,
@@ -235,11 +236,14 @@ class _CompletionServing(OpenAIServing):
 
 class _ChatServing(OpenAIServing):
     """``/v1/chat/completions``: a stream opens with each choice's role, and ends each choice
-    with an empty delta carrying its ``finish_reason``."""
+    with an empty delta carrying its ``finish_reason``. Each choice's reply goes through its
+    :class:`ChatOutput` (reasoning and tool-call parsers); a reply with tool calls that
+    stopped by itself finishes with ``tool_calls``."""
 
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
     want_lp = False
+    outputs: list[ChatOutput]  # one per choice, set by serve_chat
 
     def piece(self, index: int, chunk: GenerateChunk, first: bool) -> tuple[str, dict | None]:
         return chunk.text, chat_logprobs(
@@ -260,18 +264,26 @@ class _ChatServing(OpenAIServing):
     def render(
         self, index: int, text: str, logprobs: dict | None, finish: str | None, final: bool
     ) -> list[dict]:
+        output = self.outputs[index]
         if final:
-            message = {"role": "assistant", "content": text}
+            message, has_calls = output.message(text)
+            finish = "tool_calls" if has_calls and finish == "stop" else finish
             return [
                 {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
             ]
         out = []
-        if text or logprobs:
-            delta = {"content": text}
+        delta = output.delta(text, final=finish is not None)
+        if delta or logprobs:
             out.append(
-                {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+                {
+                    "index": index,
+                    "delta": delta or {"content": ""},
+                    "logprobs": logprobs,
+                    "finish_reason": None,
+                }
             )
         if finish is not None:
+            finish = "tool_calls" if output.has_tool_calls and finish == "stop" else finish
             out.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish})
         return out
 
@@ -288,12 +300,29 @@ async def serve_completion(req: CompletionRequest, tm: TokenizerManager, model: 
     return await serving.respond(req, raw, serving.want_lp, req.logprobs or 0)
 
 
-async def serve_chat(req: ChatCompletionRequest, tm: TokenizerManager, model: str, raw: Request):
-    """Handle ``POST /v1/chat/completions`` (validated body); raises RequestValidationError for 400s."""
+async def serve_chat(
+    req: ChatCompletionRequest,
+    tm: TokenizerManager,
+    model: str,
+    raw: Request,
+    parsers: ChatParsers | None = None,
+):
+    """Handle ``POST /v1/chat/completions`` (validated body) with the server's ``parsers``
+    (None: none); raises RequestValidationError for 400s. A constrained reply (a grammar from
+    ``response_format`` or a forced tool call) is not split for reasoning: the grammar holds
+    from its first token."""
+    parsers = parsers or ChatParsers()
     await tm.validator.compile_grammar(request_grammar(req))  # as serve_completion
-    specs = chat_choices(req, tm)
+    specs, plan = chat_choices(req, tm, parsers.tool_format)
     pin = pin_from_headers(raw.headers)
     await tm.admit(pin)  # as serve_completion
     serving = _ChatServing(tm, model, specs, "chatcmpl", pin)
     serving.want_lp = bool(req.logprobs)
+    serving.outputs = [
+        ChatOutput(
+            parsers.reasoning if spec.grammar is None else None,
+            parsers.tool_format if plan.parse else None,
+        )
+        for spec in specs
+    ]
     return await serving.respond(req, raw, serving.want_lp, req.top_logprobs or 0)

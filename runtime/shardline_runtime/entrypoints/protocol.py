@@ -119,9 +119,10 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False
     # Passed to the chat template (e.g. {"enable_thinking": false}; vLLM's and SGLang's field).
     chat_template_kwargs: dict[str, Any] | None = None
-    # Not supported: a request that sets them gets a 400 instead of silently free text.
+    # Tool calling (entrypoints/tool_calls.py): OpenAI's fields, checked there (400s name them).
     tools: list[Any] | None = None
     tool_choice: Any | None = None
+    parallel_tool_calls: bool = True
 
 
 class GenerateRequest(BaseModel):

@@ -12,10 +12,10 @@ from shardline_runtime.managers.request_validation import RequestValidationError
 
 # field -> why it is refused (the 400's message)
 REFUSED_CHAT_FIELDS: dict[str, str] = {
-    "functions": "the legacy function-calling fields are not served; send tools instead "
-    "(tool calling is not served yet either)",
-    "function_call": "the legacy function-calling fields are not served; send tool_choice "
-    "instead (tool calling is not served yet either)",
+    "functions": "the legacy function-calling fields are not served (their reply, "
+    "message.function_call, is not written); send tools instead",
+    "function_call": "the legacy function-calling fields are not served (their reply, "
+    "message.function_call, is not written); send tool_choice instead",
     "reasoning_effort": "this server has no reasoning-effort control; for models whose chat "
     'template reads a flag, send chat_template_kwargs (e.g. {"enable_thinking": false})',
     "audio": "audio output is not served (text only)",
