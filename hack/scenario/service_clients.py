@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from hack.localcluster.rest import ApiError
+from hack.scenario.traffic import ready_pod_ips
 
 REVISION_HEADER = "X-Shardline-Revision"
 
@@ -33,13 +34,7 @@ def ready_addresses(client, namespace: str, service: str) -> list[str]:
         raise
     query = ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
     pods = client.get(f"/api/v1/namespaces/{namespace}/pods", params={"labelSelector": query})
-    ready = []
-    for pod in (pods or {}).get("items", []):
-        conditions = {c["type"]: c["status"] for c in pod.get("status", {}).get("conditions") or []}
-        if conditions.get("Ready") == "True" and not pod["metadata"].get("deletionTimestamp") \
-                and pod.get("status", {}).get("podIP"):
-            ready.append(pod["status"]["podIP"])
-    return sorted(ready)
+    return ready_pod_ips(pods)
 
 
 @dataclass

@@ -12,6 +12,18 @@ import httpx
 RATE = 4.0  # requests per second
 
 
+
+def ready_pod_ips(pods: dict | None) -> list[str]:
+    """Sorted pod IPs of the Ready pods in a pod list (the API's ``PodList``), leaving out
+    pods being deleted and pods without an IP yet."""
+    ready = []
+    for pod in (pods or {}).get("items", []):
+        conditions = {c["type"]: c["status"] for c in pod.get("status", {}).get("conditions") or []}
+        if conditions.get("Ready") == "True" and not pod["metadata"].get("deletionTimestamp") \
+                and pod.get("status", {}).get("podIP"):
+            ready.append(pod["status"]["podIP"])
+    return sorted(ready)
+
 class Traffic:
     """Open-loop client over the Ready, non-terminating leaders; counts what failed."""
 
@@ -32,13 +44,7 @@ class Traffic:
             pods = self.client.get(f"/api/v1/namespaces/{self.namespace}/pods",
                                    params={"labelSelector": f"shardline.dev/deployment={self.name},"
                                                             "apps.kubernetes.io/pod-index=0"})
-            ready = []
-            for pod in (pods or {}).get("items", []):
-                conditions = {c["type"]: c["status"] for c in pod.get("status", {}).get("conditions") or []}
-                if conditions.get("Ready") == "True" and not pod["metadata"].get("deletionTimestamp") \
-                        and pod.get("status", {}).get("podIP"):
-                    ready.append(pod["status"]["podIP"])
-            self.leaders = sorted(ready)
+            self.leaders = ready_pod_ips(pods)
             time.sleep(0.1)
 
     def _one(self, ip: str) -> None:
