@@ -244,8 +244,11 @@ def test_constrained_output_validates_with_and_without_an_adapter(lora_setup):
 
     import jsonschema
 
-    srv, _, _ = lora_setup
-    replies = asyncio.run(_constrained_batch(srv, ["a", None, "a", None]))
+    srv, adapters, _ = lora_setup
+    # the earlier tests leave other adapters loaded; an idle one is evicted if the pool is full
+    loaded = srv.post("/load_lora_adapter", {"lora_name": "json", "lora_path": str(adapters["b"])})
+    assert loaded.status_code == 200, loaded.text
+    replies = asyncio.run(_constrained_batch(srv, ["json", None, "json", None]))
     assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
     for reply in replies:
         jsonschema.validate(json.loads(reply.json()["text"]), SCHEMA)
