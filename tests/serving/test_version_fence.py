@@ -113,6 +113,9 @@ def _wait_info(server, key: str, count: int) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.skip(reason="timing-dependent: needs the pinned request still queued when the update "
+                  "commits; it was answered first once in CI under load (200, rev-a). Rework with a "
+                  "deterministic hold before re-enabling (issue 29)")
 def test_pinned_request_queued_across_an_update_is_refused_not_answered_by_new_weights(
     fence_server, serving_checkpoint, serving_checkpoint_b
 ):
