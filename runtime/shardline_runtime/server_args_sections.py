@@ -20,7 +20,7 @@ from shardline_runtime.attention.registry import ATTENTION_BACKENDS as _BACKENDS
 from shardline_runtime.configs.model_config import DTYPE_CHOICES
 from shardline_runtime.layers.moe.recorder import RECORDER_MODES
 from shardline_runtime.model_executor.kv_cache_dtype import KV_CACHE_TORCH_DTYPES
-from shardline_runtime.model_executor.weight_update import LOAD_FORMATS
+from shardline_runtime.model_executor.weight_staging import LOAD_FORMATS
 from shardline_runtime.speculative.spec_args import SpeculativeArgs
 
 DTYPES = DTYPE_CHOICES

@@ -103,7 +103,7 @@ def tp_rank_main(rank: int, tp_size: int, port: int, path_a: str, path_b: str, p
     import os
 
     from shardline_runtime.distributed import destroy_distributed_environment
-    from shardline_runtime.model_executor import weight_update
+    from shardline_runtime.model_executor import weight_staging
 
     torch.set_num_threads(1)
     worker = make_worker(path_a, tp_rank=rank, tp_size=tp_size, dist_init_addr=f"127.0.0.1:{port}", random_seed=7 + rank)
@@ -113,14 +113,14 @@ def tp_rank_main(rank: int, tp_size: int, port: int, path_a: str, path_b: str, p
     res["sampled"] = run_engine(worker, prompts[:2], sampled)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
     res["greedy_a"] = run_engine(worker, prompts, greedy)
-    real_load = weight_update.load_candidate
+    real_load = weight_staging.prepare_candidate
     if rank == 1:
         def failing(*args, **kwargs):
             raise OSError("disk error injected on rank 1")
-        weight_update.load_candidate = failing
+        weight_staging.prepare_candidate = failing
     phases: list = []
     res["failed_update"] = worker.update_weights_from_disk(path_b, on_phase=phases.append)
-    weight_update.load_candidate = real_load
+    weight_staging.prepare_candidate = real_load
     res["phase_after_failure"] = phases[-1].value
     res["greedy_after_failure"] = run_engine(worker, prompts, greedy)
     res["update"] = worker.update_weights_from_disk(path_b)

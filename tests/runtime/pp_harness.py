@@ -145,12 +145,12 @@ def rank_main(world_rank: int, tp_size: int, pp_size: int, port: int, scenarios:
     results = {}
     for sc in scenarios:
         if sc.get("fail_update_stage") == world_rank // tp_size:  # this stage alone rejects updates
-            from shardline_runtime.model_executor import weight_update
+            from shardline_runtime.model_executor import weight_staging
 
             def reject(*_args, **_kwargs):
-                raise weight_update.WeightUpdateError("rejected on this stage by the test")
+                raise weight_staging.WeightUpdateError("rejected on this stage by the test")
 
-            weight_update.load_candidate = reject
+            weight_staging.prepare_candidate = reject
         scheduler = make_scheduler(sc["path"], world_rank, tp_size, pp_size, port, sc.get("loop_size"),
                                    **sc.get("overrides", {}))
         worker = scheduler.worker

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from shardline_runtime.model_executor.weight_sync import get_weights_by_name, update_weights_from_safetensors
-from shardline_runtime.model_executor.weight_update import WeightUpdateError
+from shardline_runtime.model_executor.weight_staging import WeightUpdateError
 from shardline_runtime.sampling import SamplingParams
 
 from tests.runtime.engine_driver import make_worker, run_engine

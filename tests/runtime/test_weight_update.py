@@ -153,7 +153,7 @@ def test_bad_load_format_is_rejected(ckpt_a):
 def test_compare_models_names_first_rank_shard_mismatch(tiny_checkpoint):
     """The second check (after the header check): this rank's loaded shards vs the live ones."""
     from shardline_runtime.configs.model_config import ModelConfig
-    from shardline_runtime.model_executor.weight_update import WeightUpdateError, compare_models
+    from shardline_runtime.model_executor.weight_staging import WeightUpdateError, compare_models
     from shardline_runtime.model_loader.loader import build_model
 
     small = ModelConfig.from_pretrained(tiny_checkpoint("llama", seed=0))

@@ -16,6 +16,7 @@ from shardline_runtime.managers.io_struct import (
     UpdateWeightsFromDiskReqInput,
     UpdateWeightsFromDiskReqOutput,
 )
+from shardline_runtime.managers.req import Req
 from shardline_runtime.managers.scheduler_output import OutputSender
 from shardline_runtime.managers.tp_worker import TpModelWorker
 from shardline_runtime.managers.watchdog import Watchdog
@@ -23,6 +24,7 @@ from shardline_runtime.managers.weight_update_run import initial_weights_state
 from shardline_runtime.weights_state import WeightsPhase, WeightsState
 from shardline_runtime.mem_cache.radix_cache import RadixCache
 from shardline_runtime.model_loader.checkpoint_digest import checkpoint_digest
+from shardline_runtime.sampling.sampling_params import SamplingParams
 from shardline_runtime.server_args import ServerArgs
 
 
@@ -131,7 +133,47 @@ def test_an_update_waits_while_a_request_holds_kv(worker, ckpts):
     plane.holding_kv = True
     plane.update(model_path=str(ckpts[0]))
     assert plane.part.pending_update is not None
-    assert plane.sent(WeightsState) == []
+    assert plane.sent(UpdateWeightsFromDiskReqOutput) == []
+
+
+def test_a_waiting_disk_update_stages_meanwhile_and_reports_loading(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    plane.holding_kv = True
+    plane.update(model_path=str(ckpts[0]))
+    assert [s.phase for s in plane.sent(WeightsState)] == [WeightsPhase.LOADING]
+
+
+def test_a_waiting_disk_update_commits_once_the_requests_are_done(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    plane.holding_kv = True
+    plane.update(model_path=str(ckpts[1]), revision="rev-b")
+    plane.holding_kv = False
+    plane.part.maybe_run_weight_update()
+    assert plane.part.weights.revision == "rev-b"
+
+
+def test_a_pending_disk_update_admits_requests_admitted_before_it(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    plane.holding_kv = True
+    plane.part.start_weight_update(UpdateWeightsFromDiskReqInput(str(ckpts[0]), requested_at=10.0))
+    before = Req("before", [1, 2], SamplingParams(), admitted_at=9.0)
+    assert plane.part.admits()(before)
+
+
+def test_a_pending_disk_update_holds_requests_admitted_after_it(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    plane.holding_kv = True
+    plane.part.start_weight_update(UpdateWeightsFromDiskReqInput(str(ckpts[0]), requested_at=10.0))
+    after = Req("after", [1, 2], SamplingParams(), admitted_at=11.0)
+    assert not plane.part.admits()(after)
+
+
+def test_a_pending_update_waits_for_a_queued_request_admitted_before_it(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    plane.waiting.append(Req("before", [1, 2], SamplingParams(), admitted_at=9.0))
+    plane.part.start_weight_update(UpdateWeightsFromDiskReqInput(str(ckpts[0]), requested_at=10.0))
+    plane.part.maybe_run_weight_update()
+    assert plane.part.pending_update is not None
 
 
 def test_an_update_with_abort_all_requests_aborts_every_request(worker, ckpts):
@@ -203,7 +245,16 @@ def test_an_aborted_queued_update_never_runs(worker, ckpts):
     plane.part.abort_weight_update(AbortWeightUpdateReqInput())
     plane.holding_kv = False
     plane.part.maybe_run_weight_update()
-    assert plane.sent(WeightsState) == []
+    assert len(plane.sent(UpdateWeightsFromDiskReqOutput)) == 1
+
+
+def test_an_aborted_queued_update_keeps_the_live_weights(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    plane.holding_kv = True
+    before = _live_weight(worker)
+    plane.update(model_path=str(ckpts[1] if worker.model_config.model_path == str(ckpts[0]) else ckpts[0]))
+    plane.part.abort_weight_update(AbortWeightUpdateReqInput())
+    assert _live_weight(worker).equal(before)
 
 
 def test_an_abort_with_nothing_queued_sends_nothing(worker, ckpts):
@@ -213,26 +264,26 @@ def test_an_abort_with_nothing_queued_sends_nothing(worker, ckpts):
 
 
 def test_an_abort_while_the_weights_stage_replies_aborted(worker, ckpts):
-    plane = Plane(worker, ckpts[0], abort_after_checks=3)  # after two tensors were staged
+    plane = Plane(worker, ckpts[0], abort_after_checks=1)  # seen while the scheduler waits for the staging
     plane.update(model_path=str(ckpts[1]), revision="rev-b")
     assert plane.sent(UpdateWeightsFromDiskReqOutput)[0].aborted
 
 
-def test_an_abort_while_the_weights_stage_stops_staging_at_once(worker, ckpts):
-    plane = Plane(worker, ckpts[0], abort_after_checks=3)
+def test_an_abort_while_the_weights_stage_stops_polling_at_once(worker, ckpts):
+    plane = Plane(worker, ckpts[0], abort_after_checks=1)
     plane.update(model_path=str(ckpts[1]), revision="rev-b")
-    assert plane.abort_checks == 3
+    assert plane.abort_checks <= 2  # the poll that saw it, and the last one before the vote
 
 
 def test_an_abort_while_the_weights_stage_keeps_the_live_weights(worker, ckpts):
-    plane = Plane(worker, ckpts[0], abort_after_checks=3)
+    plane = Plane(worker, ckpts[0], abort_after_checks=1)
     before = _live_weight(worker)
     plane.update(model_path=str(ckpts[1] if worker.model_config.model_path == str(ckpts[0]) else ckpts[0]))
     assert _live_weight(worker).equal(before)
 
 
 def test_an_abort_while_the_weights_stage_ends_serving_what_served(worker, ckpts):
-    plane = Plane(worker, ckpts[0], abort_after_checks=3)
+    plane = Plane(worker, ckpts[0], abort_after_checks=1)
     plane.update(model_path=str(ckpts[1]), revision="rev-b")
     final = plane.part.weights
     assert (final.phase, final.revision, final.digest) == (
@@ -241,8 +292,10 @@ def test_an_abort_while_the_weights_stage_ends_serving_what_served(worker, ckpts
 
 def test_an_abort_at_the_last_check_before_the_commit_still_stops_the_update(worker, ckpts):
     plane = Plane(worker, ckpts[0])
-    plane.update(model_path=str(ckpts[0]))  # counts the checks of one whole update
-    checks = plane.abort_checks
-    plane = Plane(worker, ckpts[0], abort_after_checks=checks)
+    plane.holding_kv = True
     plane.update(model_path=str(ckpts[1]), revision="rev-b")
+    staging = plane.part.staging
+    plane.part.abort_requested = staging.done  # True only once the staging has ended
+    plane.holding_kv = False
+    plane.part.maybe_run_weight_update()
     assert plane.sent(UpdateWeightsFromDiskReqOutput)[0].aborted

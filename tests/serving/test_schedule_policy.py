@@ -185,14 +185,14 @@ def test_chunked_prefill_continues_first_and_admits_the_queue_after_the_last_chu
     assert prefill.chunked_req is None and not prefill.waiting_queue
 
 
-def test_started_only_admits_retracted_requests_and_stops_at_a_new_one():
+def test_a_pending_update_admits_what_it_allows_and_stops_at_the_first_it_refuses():
     cache = make_cache()
     prefill, _ = managers(cache, limits(), NewTokenRatio(value=0.0))
     retracted = req("old", 4)
     retracted.append_output(9)
     prefill.add(req("new", 4))
     prefill.requeue(retracted)
-    batch = prefill.schedule([], started_only=True)
+    batch = prefill.schedule([], admits=lambda r: bool(r.output_ids))
     assert [r.rid for r in batch.reqs] == ["old"]
     assert [r.rid for r in prefill.waiting_queue] == ["new"]
 

@@ -22,7 +22,7 @@ import asyncio
 import time
 from typing import Any
 
-from shardline_runtime.managers.update_hold import HELD_SECONDS, first_chunk
+from shardline_runtime.managers.update_hold import ADMITTED_AT, HELD_SECONDS, first_chunk
 from shardline_runtime.weights_state import WeightsPhase
 
 
@@ -106,7 +106,7 @@ class AdmissionGate:
         """Return once the request may be sent: at once when serving; after the running weight
         update when one runs (the request is held, counted in :attr:`held`, its wait observed);
         then, while generation is paused, after ``/continue_generation``. The time held is kept
-        in ``HELD_SECONDS`` for :meth:`first_output`.
+        in ``HELD_SECONDS`` for :meth:`first_output`, the moment it passed in ``ADMITTED_AT``.
 
         Raises:
             ServerNotReadyError: the server is shutting down, or generation is blocked.
@@ -136,6 +136,7 @@ class AdmissionGate:
             if self.paused is not None and self.draining:
                 raise ServerNotReadyError("the server is shutting down")
             self.check_ready()
+        ADMITTED_AT.set(time.monotonic())
 
     async def first_output(self, queue: asyncio.Queue) -> Any:
         """The first item of a sent request's ``queue``; the time it waits while an update runs

@@ -115,7 +115,7 @@ class BatchPlanner:
     # ------------------------------------------------------------------ the next batch
 
     def next_batch(
-        self, decode: DecodeManager | None = None, started_only: bool = False
+        self, decode: DecodeManager | None = None, admits: Callable[[Req], bool] | None = None
     ) -> ScheduleBatch | None:
         """EXTEND of admitted requests (the running ones of ``decode``'s slot joining it with
         ``--enable-mixed-chunk``), else a DECODE step of that slot, else None.
@@ -127,9 +127,10 @@ class BatchPlanner:
         advance and nothing finishes until arrivals stop (issue 23). Sarathi-Serve's
         "stall-free" batching (Agrawal et al., OSDI 2024) makes the same point for decodes.
 
-        ``started_only``: a pending weight update pauses admission, but a started chunked
-        prefill must finish, and so must requests retracted after they began generating on the
-        old weights (else they would end on the new ones: one response, two revisions).
+        ``admits``: while a weight update is pending, the waiting requests it may still start
+        (``ControlPlane.admits``: the ones that arrived before the update, and requests retracted
+        after they began generating on the old weights, else they would end on the new ones: one
+        response, two revisions); a started chunked prefill always finishes.
         """
         decode = decode or self.slots[0]
         if id(decode) in self._decode_owed:
@@ -150,7 +151,7 @@ class BatchPlanner:
         cap = self.max_running_requests
         per_slot = max(cap // len(self.slots), 1)
         batch = self.prefill.schedule(
-            running, started_only=started_only, num_running=max(total, in_slot + cap - per_slot)
+            running, admits=admits, num_running=max(total, in_slot + cap - per_slot)
         )
         if batch is not None:
             mixed = decode.take_for_mix() if self.enable_mixed_chunk else None

@@ -2,14 +2,18 @@
 weights' state (every rank in lockstep; rank 0 replies).
 
 - Weight updates of every kind (disk, tensor, distributed) take one path: :meth:`ControlPlane.
-  start_weight_update` queues the message, admission pauses, running requests finish (or are
-  aborted with ``abort_all_requests``), then :meth:`ControlPlane.maybe_run_weight_update` runs it
-  on every rank and the prefix cache is flushed (unless ``flush_cache`` is false: a trainer
-  sending buckets flushes on the last one).
+  start_weight_update` queues the message; the requests that arrived before it (a disk update's
+  ``requested_at``; for a trainer's, none) and the started ones finish (or are aborted with
+  ``abort_all_requests``), then :meth:`ControlPlane.maybe_run_weight_update` runs it on every
+  rank and the prefix cache is flushed (unless ``flush_cache`` is false: a trainer sending
+  buckets flushes on the last one). A disk update stages its new weights on a thread of its own
+  meanwhile (``weight_staging.BackgroundStaging``), so the pause covers only the commit (vote,
+  copy) and the recapture; requests arriving after it are held by the HTTP process.
 - A disk update can be aborted (``AbortWeightUpdateReqInput``, ``POST /abort_weight_update``)
-  while it is queued, or while it stages the new weights (rank 0 looks for the abort on its
-  input between tensors and votes no at the commit); its reply then says ``aborted`` and the old
-  weights keep serving (phase ``serving``). An abort that comes after the commit changes nothing.
+  while it stages the new weights (every rank stops its staging and votes no at once; while
+  the scheduler waits for the staging to end, rank 0 looks for the abort on its input and votes
+  no); its reply then says ``aborted`` and the old weights keep serving (phase ``serving``). An
+  abort that comes after the commit changes nothing.
 - The control plane owns the live :class:`WeightsState` (model path, revision, weight_version,
   phase, digest, last update's timings). Every change is a new record, sent whole to the HTTP
   process (after SGLang's one ``weight_version`` recorded in one place). The digest is computed
@@ -54,11 +58,15 @@ from shardline_runtime.managers.io_struct import (
 from shardline_runtime.managers.req import Req
 from shardline_runtime.managers.scheduler_output import OutputSender
 from shardline_runtime.managers.watchdog import Watchdog
-from shardline_runtime.managers.weight_update_run import run_weight_update
+from shardline_runtime.managers.weight_update_run import (
+    arrived_before,
+    run_weight_update,
+    start_staging,
+)
 from shardline_runtime.mem_cache.radix_cache import RadixCache
 from shardline_runtime.model_executor.memory_saver import MemorySaver, MemorySaverError
-from shardline_runtime.model_executor.weight_update import WeightUpdateError
-from shardline_runtime.weights_state import UpdateTimings, WeightsState
+from shardline_runtime.model_executor.weight_staging import BackgroundStaging, WeightUpdateError
+from shardline_runtime.weights_state import UpdateTimings, WeightsPhase, WeightsState
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +138,7 @@ class ControlPlane:
         self.abort_requested = abort_requested
         self.paused: PauseMode | None = None
         self.pending_update: Any = None
+        self.staging: BackgroundStaging | None = None  # the pending disk update's
         self.last_serving_state: tuple[str | None, str | None] = (None, None)
 
     def handlers(self) -> dict[type, Handler]:
@@ -209,18 +218,28 @@ class ControlPlane:
         self.pending_update = msg
         if msg.abort_all_requests:
             self.abort(None, {"type": "abort", "message": "aborted for a weight update"})
+        if isinstance(msg, UpdateWeightsFromDiskReqInput):
+            self.publish(phase=WeightsPhase.LOADING)
+            self.watchdog.end()  # building the candidate model may outlast one step's watchdog
+            self.staging = start_staging(self.worker, msg)
+
+    def admits(self) -> Callable[[Req], bool] | None:
+        """None while no update is pending; else which waiting requests may still start: the
+        ones retracted after they began on the old weights, and for a disk update the ones the
+        HTTP process admitted before it (``arrived_before``)."""
+        msg = self.pending_update
+        if msg is None:
+            return None
+        cutoff = getattr(msg, "requested_at", None)
+        return lambda req: bool(req.output_ids) or arrived_before(req, cutoff)
 
     def abort_weight_update(self, _msg: AbortWeightUpdateReqInput) -> None:
-        """Drop a queued disk update (its reply says ``aborted``); one that already ran has
-        answered, so there is nothing to do."""
-        msg = self.pending_update
-        if not isinstance(msg, UpdateWeightsFromDiskReqInput):
+        """Stop a pending disk update (every rank got this message in the same step, so every
+        rank votes no): its reply says ``aborted``. One that already ran has answered, so there
+        is nothing to do."""
+        if not isinstance(self.pending_update, UpdateWeightsFromDiskReqInput):
             return
-        self.pending_update = None
-        message = f"update_weights_from_disk({msg.model_path}) aborted before it started"
-        logger.info("[tp %d] %s", self.tp_rank, message)
-        self.sender.send(UpdateWeightsFromDiskReqOutput(False, message, aborted=True))
-        self.send_serving_state()
+        self.run_pending_update(aborted=True)
 
     def refuse_update(self) -> str | None:
         """Why an update cannot be queued now, or None."""
@@ -246,24 +265,36 @@ class ControlPlane:
         return self.worker.update_weights_from_distributed(msg, refused=refused)[1]
 
     def maybe_run_weight_update(self) -> None:
-        """Once no request runs (admission is paused meanwhile), load, flush the prefix cache,
-        publish the new :class:`WeightsState`, reply."""
+        """Once no request runs and none that :meth:`admits` waits (a disk update's staging
+        goes on meanwhile), run the pending update (:meth:`run_pending_update`)."""
         if self.pending_update is None:
             return
-        started = not self.generation_blocked() and any(r.output_ids for r in self.waiting())
+        admits = self.admits()
+        assert admits is not None
+        started = not self.generation_blocked() and any(admits(r) for r in self.waiting())
         if self.holds_kv() or started:
             # Retracted requests that began on the old weights finish on them too; paused with
             # ``retract`` (an RL loop's pause -> update -> continue) they resume on the new ones.
             return
+        self.run_pending_update()
+
+    def run_pending_update(self, aborted: bool = False) -> None:
+        """Commit (or, ``aborted``, drop) the pending update: wait for its staging, load, flush
+        the prefix cache, publish the new :class:`WeightsState`, reply."""
         msg, self.pending_update = self.pending_update, None
+        staging, self.staging = self.staging, None
         self.watchdog.end()  # loading a checkpoint may take longer than one step's watchdog
+        if staging is not None and aborted:
+            staging.cancel()
+        staged = None if staging is None else staging.result(self.abort_requested)
         outcome = run_weight_update(
             self.worker,
             msg,
             self.weights,
             on_phase=lambda phase: self.publish(phase=phase),
             with_digest=self.sender.enabled,
-            abort_requested=self.abort_requested,
+            abort_requested=(lambda: True) if aborted else self.abort_requested,
+            staged=staged,
         )
         if outcome.ok:
             self.memory_saver.note_loaded(outcome.names)

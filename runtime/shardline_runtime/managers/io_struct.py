@@ -57,6 +57,9 @@ class TokenizedGenerateReqInput:
     include_stop_str_in_output: bool = False
     # Constrained decoding (validated by compiling it in the HTTP process); None: free text.
     grammar: GrammarSpec | None = None
+    # When the HTTP process admitted it (its time.monotonic): before a disk update's
+    # requested_at, it is served before that update pauses (None: it waits for the update).
+    admitted_at: float | None = None
 
 
 @dataclass
@@ -102,6 +105,9 @@ class UpdateWeightsFromDiskReqInput:
     model_source: str | None = None
     # The draft model's new checkpoint (STANDALONE), committed with the target's or not at all.
     draft_model_path: str | None = None
+    # When the HTTP process began holding new requests for it (its time.monotonic; None: only
+    # requests that already started finish before the update).
+    requested_at: float | None = None
 
 
 @dataclass

@@ -62,12 +62,12 @@ class PrefillManager:
     def schedule(
         self,
         running_reqs: Sequence[Req],
-        started_only: bool = False,
+        admits: Callable[[Req], bool] | None = None,
         num_running: int | None = None,
     ) -> ScheduleBatch | None:
         """Form and prepare an EXTEND batch: the chunked request's next chunk first, then waiting
-        requests in order while the :class:`PrefillAdder` admits them. ``started_only`` admits
-        only requests that already have output tokens (retracted ones). None when nothing can run
+        requests in order while the :class:`PrefillAdder` admits them; with ``admits`` (a weight
+        update is pending) the queue stops at the first request it refuses. None when nothing can run
         (KV slots are allocated only when every admitted request's new tokens fit).
         ``num_running`` is passed to the :class:`PrefillAdder` (``max_running_requests`` count).
 
@@ -82,7 +82,7 @@ class PrefillManager:
             adder.add_chunked_req(req)
         while self.waiting_queue:
             req = self.waiting_queue[0]
-            if started_only and not req.output_ids:
+            if admits is not None and not admits(req):
                 break
             if adder.add_one_req(req) is not AddReqResult.CONTINUE:
                 break

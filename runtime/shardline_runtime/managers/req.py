@@ -65,6 +65,7 @@ class Req:
         input_embeds_positions: Sequence[int] | None = None,
         input_embeds_values: torch.Tensor | None = None,
         grammar: RequestGrammar | None = None,
+        admitted_at: float | None = None,
     ):
         if len(origin_input_ids) == 0:
             raise ValueError(f"request {rid}: origin_input_ids must not be empty")
@@ -81,6 +82,7 @@ class Req:
         )
         self.input_embeds_values = input_embeds_values
         self.grammar = grammar
+        self.admitted_at = admitted_at  # the HTTP process's clock (TokenizedGenerateReqInput)
         self.output_ids: list[int] = []
         self.fill_ids: list[int] = list(self.origin_input_ids)
         self.prefix_indices = torch.zeros(0, dtype=torch.int64)

@@ -121,5 +121,6 @@ class RequestIntake:
                 input_embeds_positions=msg.input_embeds_positions,
                 input_embeds_values=embeds,
                 grammar=grammar,
+                admitted_at=msg.admitted_at,
             )
         )

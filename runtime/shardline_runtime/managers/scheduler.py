@@ -301,7 +301,7 @@ class Scheduler:
         generation is blocked (paused, memory released) or nothing can run."""
         if self.control.generation_blocked():
             return None
-        return self.planner.next_batch(decode, started_only=self.control.pending_update is not None)
+        return self.planner.next_batch(decode, admits=self.control.admits())
 
     def _process_slot_result(
         self, batch: ScheduleBatch, result: GenerationBatchResult, decode: DecodeManager

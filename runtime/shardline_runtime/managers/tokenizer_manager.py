@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -38,6 +39,7 @@ from shardline_runtime.managers.request_validation import (
 )
 from shardline_runtime.managers.server_state import ServerState
 from shardline_runtime.managers.step_detokenizer import GenerateChunk
+from shardline_runtime.managers.update_hold import ADMITTED_AT
 from shardline_runtime.managers.version_pin import VersionNotServedError, VersionPin
 from shardline_runtime.weights_state import WeightsPhase, WeightsState
 
@@ -171,6 +173,7 @@ class TokenizerManager:
         if not admitted:
             await self.admit(pin)
         self.check_new_request(req.rid, req.lora_name)
+        req.admitted_at = ADMITTED_AT.get() or time.monotonic()
         stream = await self.streams.open(req)
         try:
             try:
@@ -212,6 +215,9 @@ class TokenizerManager:
         the reply."""
         self.state.mark_updating()
         self.gate.set_phase(WeightsPhase.LOADING)
+        # Requests admitted before this moment are served before the update pauses; the ones
+        # held from now on run on the new weights.
+        req.requested_at = time.monotonic()
         ended: asyncio.Future = asyncio.get_running_loop().create_future()
         self.disk_update = ended
         out = None

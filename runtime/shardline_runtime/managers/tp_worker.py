@@ -258,23 +258,20 @@ class TpModelWorker(BaseTpWorker):
         on_phase: Callable[[WeightsPhase], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
         draft_model_path: str | None = None,
+        staged: Any = None,
     ) -> tuple[bool, str]:
-        """Route an update from disk to ``ModelRunner.update_weights_from_disk`` (every rank).
+        """Route an update from disk to ``ModelRunner.update_weights_from_disk`` (every rank;
+        ``staged``: its weights staged while serving, ``weight_staging.BackgroundStaging``).
 
         With ``draft_model_path`` the draft model's new checkpoint is staged and checked beside
         the target's and both commit together or neither does; the draft's KV is then dropped
-        (it was computed by the old draft weights).
-
-        ``on_phase`` is called with each phase as it begins (``loading``, ``recapturing``, then
+        (it was computed by the old draft weights). ``on_phase`` is called with each phase as it begins (``loading``, ``recapturing``, then
         ``serving`` or ``failed``), so the scheduler can report progress while this call runs.
         ``cancelled`` is polled while the new weights are staged; True stops the update before
-        it commits (``POST /abort_weight_update``).
-        The caller (Scheduler) pauses admission, drains or aborts running requests first and
-        flushes the prefix cache afterwards; its control plane records which weights serve
-        (``ControlPlane.weights``). On failure the old weights keep serving.
-
-        Returns:
-            ``(success, message)``.
+        it commits (``POST /abort_weight_update``). The caller (Scheduler) drains or aborts
+        running requests first and flushes the prefix cache afterwards; its control plane records
+        which weights serve (``ControlPlane.weights``). On failure the old weights keep serving.
+        Returns ``(success, message)``.
         """
         draft, refused = draft_update(self.draft_worker, draft_model_path)
         if refused:
@@ -286,6 +283,7 @@ class TpModelWorker(BaseTpWorker):
             on_phase=on_phase,
             cancelled=cancelled,
             draft=draft,
+            staged=staged,
         )
         if ok and draft is not None and self.draft_worker is not None:
             self.draft_worker.release_all()

@@ -21,6 +21,11 @@ from typing import Any
 HELD_SECONDS: contextvars.ContextVar[float] = contextvars.ContextVar(
     "shardline_held_seconds", default=0.0
 )
+# When ``admit`` let the current request through (``time.monotonic``; None: not yet). A request
+# admitted before a disk update's ``requested_at`` is served before that update pauses.
+ADMITTED_AT: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "shardline_admitted_at", default=None
+)
 
 
 async def _race(*aws: Any, timeout: float | None = None) -> set[asyncio.Task]:

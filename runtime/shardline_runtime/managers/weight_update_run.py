@@ -19,6 +19,7 @@ from shardline_runtime.managers.io_struct import (
     UpdateWeightsFromDiskReqInput,
     UpdateWeightsFromTensorReqInput,
 )
+from shardline_runtime.model_executor.weight_staging import BackgroundStaging, StagedWeights
 from shardline_runtime.model_executor.weight_update import PhaseClock
 from shardline_runtime.model_loader.checkpoint_digest import checkpoint_digest
 from shardline_runtime.weights_state import (
@@ -97,6 +98,24 @@ class AbortLatch:
         return self.seen
 
 
+def arrived_before(req: Any, requested_at: float | None) -> bool:
+    """Whether the HTTP process admitted ``req`` (a ``Req``) before an update requested at
+    ``requested_at`` (both its ``time.monotonic``; None on either side: no)."""
+    admitted_at = req.admitted_at
+    return requested_at is not None and admitted_at is not None and admitted_at < requested_at
+
+
+def start_staging(worker: Any, msg: UpdateWeightsFromDiskReqInput) -> BackgroundStaging | None:
+    """Begin staging the disk update ``msg``'s weights on a thread while the scheduler serves;
+    None when the update will be refused anyway (a draft path without a draft model)."""
+    from shardline_runtime.speculative.draft_worker import draft_update
+
+    draft, refused = draft_update(getattr(worker, "draft_worker", None), msg.draft_model_path)
+    if refused:
+        return None
+    return BackgroundStaging(worker.model_runner, msg.model_path, msg.load_format or "auto", draft)
+
+
 def run_weight_update(
     worker: Any,
     msg: Any,
@@ -104,6 +123,7 @@ def run_weight_update(
     on_phase: Callable[[WeightsPhase], None],
     with_digest: bool,
     abort_requested: Callable[[], bool] = lambda: False,
+    staged: StagedWeights | None = None,
 ) -> UpdateOutcome:
     """Run the update ``msg`` (one of ``UPDATE_REQUESTS``) on ``worker``, every rank together.
 
@@ -112,11 +132,13 @@ def run_weight_update(
     a disk update's last (``serving`` or ``failed``; ``serving`` after an abort), ``serving``
     after a trainer's update that succeeded, else the phase before. ``abort_requested`` is
     polled while a disk update stages its weights (rank 0 reads its input for an
-    ``AbortWeightUpdateReqInput``).
+    ``AbortWeightUpdateReqInput``); ``staged``: a disk update's weights, already staged while
+    the scheduler served (their staging seconds count as loading).
     """
     on_phase(WeightsPhase.LOADING)
     if isinstance(msg, UpdateWeightsFromDiskReqInput):
-        outcome = _from_disk(worker, msg, on_phase, with_digest, AbortLatch(abort_requested))
+        latch = AbortLatch(abort_requested)
+        outcome = _from_disk(worker, msg, on_phase, with_digest, latch, staged)
     else:
         if isinstance(msg, UpdateWeightsFromTensorReqInput):
             ok, message, names = worker.update_weights_from_tensor(msg.serialized_named_tensors)
@@ -135,6 +157,7 @@ def _from_disk(
     on_phase: Callable[[WeightsPhase], None],
     with_digest: bool,
     abort: AbortLatch,
+    staged: StagedWeights | None,
 ) -> UpdateOutcome:
     reported: list[WeightsPhase] = [WeightsPhase.LOADING]
 
@@ -151,8 +174,11 @@ def _from_disk(
         on_phase=clock,
         cancelled=abort,
         draft_model_path=msg.draft_model_path,
+        staged=staged,
     )
     seconds = clock.seconds()
+    if staged is not None:  # staged while serving: that was loading too
+        seconds["load_seconds"] += staged.seconds
     settled = reported[-1]
     if ok and (msg.cuda_graph_max_bs is not None or msg.disable_cuda_graph is not None):
         started = time.monotonic()
@@ -172,4 +198,5 @@ def _from_disk(
         changes["model_path"] = reported_path
         changes["revision"] = msg.revision
         changes["digest"] = safe_checkpoint_digest(msg.model_path) if with_digest else None
-    return UpdateOutcome(ok, message, None, changes, timings, aborted=not ok and abort.seen)
+    aborted = not ok and (abort.seen or (staged is not None and staged.aborted))
+    return UpdateOutcome(ok, message, None, changes, timings, aborted=aborted)

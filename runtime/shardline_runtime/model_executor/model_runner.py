@@ -47,6 +47,7 @@ from shardline_runtime.model_executor.kv_pools import (
 from shardline_runtime.model_executor.memory_saver import MemorySaver
 from shardline_runtime.model_executor.model_forward import forward_eager
 from shardline_runtime.model_executor.verify_step import verify_batch
+from shardline_runtime.model_executor.weight_staging import StagedWeights
 from shardline_runtime.model_executor.weight_update import update_weights_from_disk
 from shardline_runtime.weights_state import WeightsPhase
 
@@ -302,13 +303,15 @@ class ModelRunner:
         on_phase: Callable[[WeightsPhase], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
         draft: tuple[ModelRunner, str] | None = None,
+        staged: StagedWeights | None = None,
     ) -> tuple[bool, str]:
         """Load new weights (and fp8 KV scales) in place on every rank, all or nothing
         (``weight_update.py``); ``recapture_cuda_graph`` captures the graphs again after the copy
         (the HTTP API's default, DESIGN 2.4); ``on_phase`` is called as each
         :class:`WeightsPhase` begins; ``cancelled`` (polled while the new weights are staged)
         aborts it before it commits; ``draft`` (the draft model's runner and new checkpoint)
-        is staged and committed with this one, or neither is. Returns ``(success, message)``;
+        is staged and committed with this one, or neither is; ``staged``: already staged while
+        the scheduler served (``weight_staging.BackgroundStaging``). Returns ``(success, message)``;
         on failure or abort the old weights keep serving."""
         return update_weights_from_disk(
             self,
@@ -318,4 +321,5 @@ class ModelRunner:
             on_phase=on_phase,
             cancelled=cancelled,
             draft=draft,
+            staged=staged,
         )

@@ -37,7 +37,7 @@ from shardline_runtime.model_executor.kv_cache_dtype import (
     scales_of_named,
     update_kv_scales,
 )
-from shardline_runtime.model_executor.weight_update import WeightUpdateError
+from shardline_runtime.model_executor.weight_staging import WeightUpdateError
 from shardline_runtime.models.llama import LlamaForCausalLM
 from shardline_runtime.models.weight_loading import full_checkpoint_shapes
 

@@ -80,6 +80,21 @@ def load_model(
     Raises:
         CheckpointError: file problems or a missing/unexpected/duplicate parameter.
     """
+    model, tensors = build_for_load(model_config, model_path, device, prepare, stage)
+    load_into(model, tensors, before_tensor)
+    return model
+
+
+def build_for_load(
+    model_config: ModelConfig,
+    model_path: str,
+    device: torch.device,
+    prepare: Callable[[nn.Module], None] | None = None,
+    stage: PipelineStage | None = None,
+) -> tuple[LlamaForCausalLM, dict[str, TensorInfo]]:
+    """The first half of :func:`load_model`: the built (unloaded) model and the checkpoint
+    tensors it will read. Building sets the process-wide default dtype for a moment, so a
+    caller that loads on another thread builds on the thread that runs the model."""
     tensors = discover_checkpoint(model_path)
     model = build_model(resolve_tying(model_config, tensors), device, stage)
     if prepare is not None:
@@ -90,12 +105,25 @@ def load_model(
             for n, info in tensors.items()
             if any(True for _ in model.stage_weights([(n, _NO_TENSOR)]))
         }
+    return model, tensors
+
+
+def load_into(
+    model: LlamaForCausalLM,
+    tensors: dict[str, TensorInfo],
+    before_tensor: Callable[[], None] | None = None,
+) -> None:
+    """The second half of :func:`load_model`: read ``tensors`` into ``model`` (grad off; safe on
+    a thread other than the one that built it). ``before_tensor()`` runs before each tensor.
+
+    Raises:
+        CheckpointError: a missing/unexpected/duplicate parameter; what ``before_tensor`` raises.
+    """
     weights = iterate_weights(tensors)
     if before_tensor is not None:
         weights = _each_after(before_tensor, weights)
     with torch.no_grad():
         model.load_weights(weights)
-    return model
 
 
 def _each_after(
