@@ -41,9 +41,13 @@ class Traffic:
 
     def _watch(self) -> None:
         while not self._stop.is_set():
-            pods = self.client.get(f"/api/v1/namespaces/{self.namespace}/pods",
-                                   params={"labelSelector": f"shardline.dev/deployment={self.name},"
-                                                            "apps.kubernetes.io/pod-index=0"})
+            try:
+                pods = self.client.get(f"/api/v1/namespaces/{self.namespace}/pods",
+                                       params={"labelSelector": f"shardline.dev/deployment={self.name},"
+                                                                "apps.kubernetes.io/pod-index=0"})
+            except httpx.HTTPError:  # an API server slow under load: keep the last list, ask again
+                time.sleep(0.1)
+                continue
             self.leaders = ready_pod_ips(pods)
             time.sleep(0.1)
 

@@ -98,8 +98,8 @@ def test_empty_pin_header_is_a_400_naming_it(fence_server):
     assert response.json()["error"]["param"] == REVISION
 
 
-def _long_stream(server, done: dict) -> None:
-    body = {"prompt": "keep going", "max_tokens": 40, "ignore_eos": True, "stream": True}
+def _long_stream(server, done: dict, max_tokens: int = 40) -> None:
+    body = {"prompt": "keep going", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=600) as r:
         for _ in r.iter_lines():
             pass
@@ -113,36 +113,69 @@ def _wait_info(server, key: str, count: int) -> None:
         time.sleep(0.02)
 
 
-@pytest.mark.skip(reason="timing-dependent: needs the pinned request still queued when the update "
-                  "commits; it was answered first once in CI under load (200, rev-a). Rework with a "
-                  "deterministic hold before re-enabling (issue 29)")
+def _pinned_long(server, done: dict) -> None:
+    body = {"text": "pinned long", "sampling_params": {"max_new_tokens": 1500, "temperature": 0,
+                                                        "ignore_eos": True}}
+    done["response"] = httpx.post(server.url + "/generate", json=body,
+                                  headers={REVISION: "rev-a"}, timeout=600)
+
+
 def test_pinned_request_queued_across_an_update_is_refused_not_answered_by_new_weights(
     fence_server, serving_checkpoint, serving_checkpoint_b
 ):
+    """The pinned request begins on rev-a, is retracted to the scheduler's queue by
+    ``/pause_generation`` (mode retract: an RL loop's pause -> update -> continue), rev-b is
+    loaded, and generation continues: its next tokens would come from rev-b, so it is refused."""
     server = fence_server
     done: dict = {}
-    stream = threading.Thread(target=_long_stream, args=(server, done))
+    pinned = threading.Thread(target=_pinned_long, args=(server, done))
+    pinned.start()
+    _wait_info(server, "num_running_reqs", 1)
+    try:
+        assert server.post("/pause_generation", {"mode": "retract"}).status_code == 200
+        _wait_info(server, "num_queued_reqs", 1)  # retracted: back in the queue, tokens kept
+        update = server.post("/update_weights_from_disk",
+                             {"model_path": str(serving_checkpoint_b), "revision": "rev-b"})
+        assert update.json()["success"] is True
+        assert server.post("/continue_generation", {}).status_code == 200
+        pinned.join(600)
+        refused = done["response"]
+        assert refused.status_code == 503, refused.text
+        assert "pinned revision 'rev-a' is not served here" in refused.json()["error"]["message"]
+        during = _generate(server, {REVISION: "rev-a"})
+        assert during.status_code == 503
+    finally:
+        server.post("/continue_generation", {})
+        pinned.join(600)
+        restored = server.post("/update_weights_from_disk",
+                               {"model_path": str(serving_checkpoint), "revision": "rev-a"})
+        assert restored.json()["success"] is True
+        wait_for_baseline(server)
+
+
+def test_pinned_request_queued_before_an_update_is_answered_by_the_old_weights(
+    fence_server, serving_checkpoint, serving_checkpoint_b
+):
+    """Issue 29 item 4: what arrived before the update request is served before the update
+    pauses (here queued behind a running stream, one running request at a time), so a request
+    pinned to rev-a is answered by rev-a instead of being held for the update and refused."""
+    server = fence_server
+    done: dict = {}
+    stream = threading.Thread(target=_long_stream, args=(server, done, 400))
     stream.start()
     _wait_info(server, "num_running_reqs", 1)
-    with cf.ThreadPoolExecutor(4) as pool:
-        # Admitted while rev-a serves; waits in the scheduler's queue behind the running stream.
+    with cf.ThreadPoolExecutor(2) as pool:
         pinned = pool.submit(_generate, server, {REVISION: "rev-a"})
-        unpinned = pool.submit(_generate, server)
-        _wait_info(server, "num_queued_reqs", 2)
-        # The update waits for the running stream, then runs before the queued requests start.
+        _wait_info(server, "num_queued_reqs", 1)
         update = pool.submit(server.post, "/update_weights_from_disk",
                              {"model_path": str(serving_checkpoint_b), "revision": "rev-b"})
-        refused, answered = pinned.result(), unpinned.result()
+        answered = pinned.result()
         assert update.result().json()["success"] is True
     stream.join(120)
     try:
+        assert answered.status_code == 200, answered.text
+        assert answered.headers[REVISION] == "rev-a"
         assert done["status"] == 200
-        assert refused.status_code == 503, refused.text
-        assert "pinned revision 'rev-a' is not served here" in refused.json()["error"]["message"]
-        assert answered.headers[REVISION] == "rev-b"
-        assert json.loads(answered.text)["meta_info"]["revision"] == "rev-b"
-        during = _generate(server, {REVISION: "rev-a"})
-        assert during.status_code == 503
     finally:
         restored = server.post("/update_weights_from_disk",
                                {"model_path": str(serving_checkpoint), "revision": "rev-a"})

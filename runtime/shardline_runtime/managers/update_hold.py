@@ -1,9 +1,9 @@
 """The bound on how long a request is held by weight updates (``--weight-update-hold-timeout``).
 
-A request is held twice over when updates come back to back: first in the HTTP process
-(``AdmissionGate.admit`` waits while an update runs), then, when it was sent to the schedulers
-just before the next update began, in the rank-0 scheduler's waiting queue (admission pauses
-while an update is pending, so it starts only once that update ends). The bound covers both:
+A request is held in the HTTP process (``AdmissionGate.admit`` waits while an update runs); one
+admitted before an update began is served before that update pauses (``ADMITTED_AT`` against
+the update's ``requested_at``), but while the update is pending its first output may still wait
+in the scheduler's queue behind the requests the update waits for. The bound covers both:
 :data:`HELD_SECONDS` carries what ``admit`` spent to the request's ``generate`` (a context
 variable, so the HTTP handlers need not pass it), and :func:`first_chunk` counts the time its
 first output waits while an update runs against what is left. Time queued behind other requests
