@@ -5,6 +5,7 @@ refuses what cannot run, and pauses in SGLang's three modes."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from shardline_runtime.managers.control_plane import ControlPlane, PauseMode
 from shardline_runtime.managers.io_struct import (
@@ -149,6 +150,16 @@ def test_a_waiting_disk_update_commits_once_the_requests_are_done(worker, ckpts)
     plane.update(model_path=str(ckpts[1]), revision="rev-b")
     plane.holding_kv = False
     plane.part.maybe_run_weight_update()
+    assert plane.part.weights.revision == "rev-b"
+
+
+def test_weights_staged_on_a_thread_commit_under_the_schedulers_inference_mode(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    plane.holding_kv = True
+    with torch.inference_mode():  # as scheduler_process runs the loop
+        plane.update(model_path=str(ckpts[1]), revision="rev-b")
+        plane.holding_kv = False
+        plane.part.maybe_run_weight_update()
     assert plane.part.weights.revision == "rev-b"
 
 

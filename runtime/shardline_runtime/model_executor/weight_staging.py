@@ -171,6 +171,8 @@ class WeightStager:
         self._candidates: list[tuple[Any, str, Any, Any, dict]] = []
         self._tp_rank = model_runner.tp_rank
         self._began = time.monotonic()
+        # the scheduler runs under inference mode; tensors built there are written there too
+        self._inference_mode = torch.is_inference_mode_enabled()
 
     def _check_cancelled(self) -> None:
         if self._cancelled():
@@ -188,16 +190,10 @@ class WeightStager:
 
     def load(self) -> StagedWeights:
         """Read, compare and finish staging (any thread); the result, its ``seconds`` set."""
-        from shardline_runtime.model_loader.loader import load_into
-
         try:
             if not self.staged.reason:
-                for runner, path, new_config, new_model, tensors in self._candidates:
-                    load_into(new_model, tensors, self._check_cancelled)
-                    compare_models(runner.model_config, runner.model, new_config, new_model)
-                    # the fp8 KV scales belong to the checkpoint: read (and check) them with it
-                    scales = checkpoint_kv_scales(path, runner.kv_cache_dtype)
-                    self.staged.entries.append((runner, new_config, new_model, scales))
+                with torch.inference_mode(self._inference_mode):
+                    self._load_each()
                 self._check_cancelled()  # the last moment an abort stops the update
         except WeightUpdateAborted:
             self.staged.aborted = True
@@ -212,6 +208,16 @@ class WeightStager:
             self.staged.entries.clear()
         self.staged.seconds = time.monotonic() - self._began
         return self.staged
+
+    def _load_each(self) -> None:
+        from shardline_runtime.model_loader.loader import load_into
+
+        for runner, path, new_config, new_model, tensors in self._candidates:
+            load_into(new_model, tensors, self._check_cancelled)
+            compare_models(runner.model_config, runner.model, new_config, new_model)
+            # the fp8 KV scales belong to the checkpoint: read (and check) them with it
+            scales = checkpoint_kv_scales(path, runner.kv_cache_dtype)
+            self.staged.entries.append((runner, new_config, new_model, scales))
 
     def _failed(self, exc: Exception, done: int) -> None:
         # the target staged, the draft did not: name the draft's checkpoint
