@@ -30,10 +30,10 @@ def fence_server(serving_checkpoint, checkpoint_dir):
     srv.stop()
 
 
-def _generate(server, headers=None, stream=False) -> httpx.Response:
+def _generate(server, headers=None, stream=False, timeout: float = 120) -> httpx.Response:
     body = {"text": "pinned", "stream": stream,
             "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
-    return httpx.post(server.url + "/generate", json=body, headers=headers or {}, timeout=120)
+    return httpx.post(server.url + "/generate", json=body, headers=headers or {}, timeout=timeout)
 
 
 def _chat(server, headers=None, stream=False) -> httpx.Response:
@@ -161,17 +161,17 @@ def test_pinned_request_queued_before_an_update_is_answered_by_the_old_weights(
     pinned to rev-a is answered by rev-a instead of being held for the update and refused."""
     server = fence_server
     done: dict = {}
-    stream = threading.Thread(target=_long_stream, args=(server, done, 400))
+    stream = threading.Thread(target=_long_stream, args=(server, done, 150))
     stream.start()
     _wait_info(server, "num_running_reqs", 1)
     with cf.ThreadPoolExecutor(2) as pool:
-        pinned = pool.submit(_generate, server, {REVISION: "rev-a"})
+        pinned = pool.submit(_generate, server, {REVISION: "rev-a"}, timeout=600)
         _wait_info(server, "num_queued_reqs", 1)
         update = pool.submit(server.post, "/update_weights_from_disk",
                              {"model_path": str(serving_checkpoint_b), "revision": "rev-b"})
         answered = pinned.result()
         assert update.result().json()["success"] is True
-    stream.join(120)
+    stream.join(600)
     try:
         assert answered.status_code == 200, answered.text
         assert answered.headers[REVISION] == "rev-a"
