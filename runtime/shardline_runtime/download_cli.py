@@ -115,7 +115,7 @@ class _Pace:
         if now - self.last_line >= PROGRESS_EVERY_SECONDS or done == total:
             self.last_line = now
             _emit({"bytesDone": done, "bytesTotal": total, "bytesPerSecond": rate})
-        if self.annotator is not None:
+        if self.annotator is not None and (rate > 0 or done == total):  # a rate from the 2nd call
             self.annotator.report(done, total, rate, force=done == total)
 
 
