@@ -103,7 +103,9 @@ def fetch_s3(
             if progress is not None:
                 progress(done, total)
 
-    return stage_revision(root, revision_key("s3", bucket, prefix, digest), fill), digest
+    verified = {"uri": f"s3://{bucket}/{prefix}", "resolvedRevision": digest}
+    key = revision_key("s3", bucket, prefix, digest)
+    return stage_revision(root, key, fill, verified), digest
 
 
 def _download(
