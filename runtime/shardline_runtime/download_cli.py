@@ -22,7 +22,8 @@ the Job runs); and one JSON line in the termination log (the container's
 
 ``--max-bytes-per-second`` (or ``SHARDLINE_DOWNLOAD_MAX_BYTES_PER_SECOND``, which a deployment
 sets through ``spec.runtime.env``) caps the average rate, so staging on a node that serves does
-not take its whole network link; S3 downloads are paced per 1 MiB read, Hub downloads per file.
+not take its whole network link. It paces S3 downloads (per 1 MiB read); Hub downloads are not
+paced (``huggingface_hub`` reads whole files itself and reports only at the start and the end).
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class _Pace:
         self.fetched = True
         if self.started is None:
             self.started, self.first_done = time.monotonic(), done
-        if self.cap is not None:
+        if self.cap is not None and done < total:  # nothing left to pace at the end
             ahead = (done - self.first_done) / self.cap - (time.monotonic() - self.started)
             if ahead > 0:
                 time.sleep(ahead)

@@ -10,6 +10,7 @@ leader reports loading (not one the operator composed).
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -68,6 +69,15 @@ def test_moved_branch_is_staged_and_the_digest_names_the_commit_the_leader_loade
     mark = fleet["watch"].mark()
     rollout_fleet.patch(fleet["cluster"], fleet["ns"], "hfm", {"model": {"revision": "c2"}})
     rollout_fleet.wait_ready(fleet["watch"], "c2", mark, READY_TIMEOUT)
+    assert _settled_digest(fleet).endswith(f";source={moved}")
+
+
+def _settled_digest(fleet, timeout: float = 60.0) -> str:
+    """The group's ``weightsDigest`` once recorded (the pass after Ready reads the leader)."""
     path = f"/apis/shardline.dev/v1alpha1/namespaces/{fleet['ns']}/inferencedeployments/hfm"
-    (group,) = fleet["client"].get(path)["status"]["groups"]
-    assert group["weightsDigest"].endswith(f";source={moved}")
+    deadline = time.monotonic() + timeout
+    while True:
+        (group,) = fleet["client"].get(path)["status"]["groups"]
+        if group.get("weightsDigest") or time.monotonic() > deadline:
+            return group.get("weightsDigest", "")
+        time.sleep(1.0)
