@@ -31,9 +31,9 @@ from tests.kube_fixtures import agent_nodes_only
 pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.slow]
 
 READY_TIMEOUT = 420
-# rev-d: rev-b plus 16 MiB of padding, staged at 2 MiB/s (about 8 s per node), so a running
+# rev-d: rev-b plus 24 MiB of padding, staged at 2 MiB/s (about 12 s), so a running
 # Job's progress annotation (every 5 s) shows in status at least once.
-PADDING_BYTES = 16 << 20
+PADDING_BYTES = 24 << 20
 MAX_BYTES_PER_SECOND = 2 << 20
 
 
