@@ -24,7 +24,10 @@ if TYPE_CHECKING:
     from .agent import Agent
 
 TICK_S = 0.25
-MAX_GRACE_S = 15.0
+# The kubelet honours a pod's grace period; so does the agent, up to this bound against a runaway
+# spec (Shardline renders preStop 5 s + --drain-timeout 30 s + 25 s = 60 s by default). A lower
+# cap SIGKILLed draining leaders with requests still running (issue 23).
+MAX_GRACE_S = 120.0
 SHUTDOWN_GRACE_S = 5.0  # agent stopping: the cluster is going away
 
 
