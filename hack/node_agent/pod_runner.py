@@ -12,6 +12,8 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import httpx
+
 from hack.localcluster.rest import ApiError
 
 from . import service_account
@@ -66,7 +68,11 @@ class PodRunner(threading.Thread):
             while not self.gone and not self.stopping:
                 if self.pod["metadata"].get("deletionTimestamp"):
                     break
-                self._tick()
+                try:
+                    self._tick()
+                except httpx.TransportError as exc:  # the API server did not answer in time
+                    # (overloaded): the kubelet keeps its pods and reports again; so does the agent
+                    self.log(f"API server unreachable, reporting again next tick: {exc!r}")
                 time.sleep(TICK_S)
             self._finish(delete=not self.stopping and not self.gone)
         except Exception:  # the agent must never die with one pod

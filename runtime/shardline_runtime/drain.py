@@ -1,5 +1,5 @@
-"""The HTTP process's SIGTERM drain: go unready, keep serving while clients still arrive, stop
-accepting, finish what reached the server, exit.
+"""The HTTP process's SIGTERM drain: go unready, keep serving while clients still arrive and
+requests run, then exit.
 
 Kubernetes removes a deleted pod from its Service's endpoints while the pod's ``preStop`` sleep
 runs, but kube-proxy, gateways and clients that read EndpointSlices or poll ``/ready`` learn it
@@ -9,18 +9,18 @@ for Envoy's drain time). So after SIGTERM:
 
 1. ``/ready`` answers 503 at once, and a disk weight update still staging is aborted (the pod
    goes away; requests it holds run on the weights that serve);
-2. **accepting**: the listener stays open and new requests are served as before, until no
-   serving request (``/v1/*``, ``/generate``; :func:`~shardline_runtime.entrypoints.auth.access_class`
-   ``serving``) has arrived for :data:`QUIET_SECONDS`, counted from SIGTERM at the earliest,
-   i.e. routing has moved away (a client that polls ``/ready`` gets that long to see the 503
-   even when nothing ran before the signal). Probes and info reads (``/health``, ``/ready``,
+2. **accepting**: the listener stays open and new requests are served as before while requests
+   are in flight or clients still arrive, i.e. until nothing is in flight and no serving request
+   (``/v1/*``, ``/generate``; :func:`~shardline_runtime.entrypoints.auth.access_class`
+   ``serving``) has arrived for :data:`QUIET_SECONDS`, counted from SIGTERM at the earliest:
+   routing has moved away (a client that polls ``/ready`` gets that long to see the 503 even when
+   nothing ran before the signal). Probes and info reads (``/health``, ``/ready``,
    ``/get_server_info``, ``/metrics``) never hold it open;
-3. **finishing**: the listener is closed (a late client gets *connection refused*, which it may
-   retry on another replica: the request never reached this one) and every request that did
-   reach the server runs to its end;
-4. the server exits. At ``--drain-timeout`` seconds after SIGTERM whatever still runs is ended
-   with ``finish_reason: "abort"`` and new requests are refused with 503, so the pod exits inside
-   its ``terminationGracePeriodSeconds`` (the operator renders preStop + drain timeout + margin).
+3. the server exits: the listener closes (a later client gets *connection refused*, which it may
+   retry on another replica: the request never reached this one). At ``--drain-timeout`` seconds
+   after SIGTERM whatever still runs is ended with ``finish_reason: "abort"`` and new requests
+   are refused with 503 first, so the pod exits inside its ``terminationGracePeriodSeconds``
+   (the operator renders preStop + drain timeout + margin).
 """
 
 from __future__ import annotations
@@ -42,16 +42,12 @@ ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
 class DrainStep(enum.Enum):
     """What the drain does next (:func:`drain_step`)."""
 
-    ACCEPT = "accept"  # keep the listener open: clients still arrive
-    CLOSE = "close"  # close the listener now
-    FINISH = "finish"  # listener closed; requests that reached the server still run
-    DONE = "done"  # nothing runs: exit
+    ACCEPT = "accept"  # keep serving and accepting: requests run or clients still arrive
+    DONE = "done"  # nothing runs and routing has moved away: exit
     TIMEOUT = "timeout"  # --drain-timeout reached: abort what runs, then exit
 
 
-def drain_step(
-    now: float, quiet_since: float, in_flight: int, deadline: float, listening: bool
-) -> DrainStep:
+def drain_step(now: float, quiet_since: float, in_flight: int, deadline: float) -> DrainStep:
     """The next drain step (times in seconds on one monotonic clock).
 
     Args:
@@ -59,13 +55,12 @@ def drain_step(
         quiet_since: the later of SIGTERM and the last serving request's arrival.
         in_flight: requests that reached the server and are not answered yet.
         deadline: SIGTERM + ``--drain-timeout``.
-        listening: whether the listener is still open.
     """
     if now >= deadline:
         return DrainStep.TIMEOUT
-    if listening:
-        return DrainStep.CLOSE if now - quiet_since >= QUIET_SECONDS else DrainStep.ACCEPT
-    return DrainStep.FINISH if in_flight else DrainStep.DONE
+    if in_flight == 0 and now - quiet_since >= QUIET_SECONDS:
+        return DrainStep.DONE
+    return DrainStep.ACCEPT
 
 
 class RequestTracker:

@@ -11,8 +11,8 @@ every local rank reported ready. Node rank > 0: spawns its schedulers and serves
 ``/health`` and ``/ready``. Either way a dead scheduler process makes the pod unhealthy and the
 launcher exits with status 1 (writing the first error line to the termination log); SIGTERM
 drains and exits 0 (``drain.py``): ``/ready`` turns 503 at once, the listener stays open and new
-requests are served while clients still arrive, then it closes and what reached the server
-finishes (at most ``--drain-timeout`` seconds, then what still runs is aborted).
+requests are served while requests run or clients still arrive, then it closes (at most
+``--drain-timeout`` seconds, then what still runs is aborted).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from shardline_runtime.configs.pipeline_stage import PipelineLayoutError, layer_partition
-from shardline_runtime.drain import QUIET_SECONDS, DrainStep, RequestTracker, drain_step
+from shardline_runtime.drain import DrainStep, RequestTracker, drain_step
 from shardline_runtime.entrypoints.auth import guard
 from shardline_runtime.lora.lora_config import parse_lora_paths
 from shardline_runtime.managers.scheduler_process import (
@@ -96,9 +96,8 @@ def _status_app(state: dict) -> FastAPI:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn server that drains on SIGTERM/SIGINT (``drain.py``: unready at once, accepting
-    while clients still arrive, then finishing what reached the server, aborted at
-    ``--drain-timeout``). The launcher then exits 0 (uvicorn itself would re-raise the signal
+    """uvicorn server that drains on SIGTERM/SIGINT (``drain.py``: unready at once, serving and
+    accepting while requests run or clients still arrive, aborted at ``--drain-timeout``). The launcher then exits 0 (uvicorn itself would re-raise the signal
     after shutdown, ending the process with -15). A second SIGINT exits at once."""
 
     def __init__(
@@ -137,30 +136,14 @@ class _Server(uvicorn.Server):
         if tm.disk_update is not None:  # the pod goes away: no point finishing new weights
             out = await tm.abort_weight_update()  # held requests then run on the weights serving
             logger.info("draining: %s", "update aborted" if out and out.aborted else "update ended")
-        listening = True
         while True:
-            step = drain_step(
-                time.monotonic(),
-                max(started, self._tracker.last_arrival),
-                self._in_flight(),
-                deadline,
-                listening,
-            )
-            if step in (DrainStep.DONE, DrainStep.TIMEOUT):
+            quiet_since = max(started, self._tracker.last_arrival)
+            step = drain_step(time.monotonic(), quiet_since, self._in_flight(), deadline)
+            if step != DrainStep.ACCEPT:
                 break
-            if step == DrainStep.CLOSE:
-                for listener in self.servers:  # connections already accepted carry on
-                    listener.close()
-                listening = False
-                logger.info(
-                    "draining: no request for %.0f s, listener closed after %.1f s "
-                    "(%d requests in flight)",
-                    QUIET_SECONDS,
-                    time.monotonic() - started,
-                    self._in_flight(),
-                )
             await asyncio.sleep(0.05)
-        tm.gate.closing = True
+        if step == DrainStep.TIMEOUT:  # refuse new ones (503); done: uvicorn closes the listener
+            tm.gate.closing = True  # and still serves a request it accepted in the meantime
         if step == DrainStep.TIMEOUT and self._in_flight():
             logger.warning("drain timeout: aborting %d running requests", len(tm.streams.states))
             tm.streams.abort_all_local("server shutting down (drain timeout)")
