@@ -97,8 +97,9 @@ def _status_app(state: dict) -> FastAPI:
 
 class _Server(uvicorn.Server):
     """uvicorn server that drains on SIGTERM/SIGINT (``drain.py``: unready at once, serving and
-    accepting while requests run or clients still arrive, aborted at ``--drain-timeout``). The launcher then exits 0 (uvicorn itself would re-raise the signal
-    after shutdown, ending the process with -15). A second SIGINT exits at once."""
+    accepting while requests run or clients still arrive, aborted at ``--drain-timeout``). The
+    launcher then exits 0 (uvicorn itself would re-raise the signal after shutdown, ending the
+    process with -15). A second SIGINT exits at once."""
 
     def __init__(
         self, config: uvicorn.Config, state: dict, drain_timeout: float, tracker: RequestTracker
