@@ -96,7 +96,8 @@ def _queue_sizes(pool: LeaderPool) -> dict[str, float]:
 
 def test_picks_the_other_leader_while_one_has_a_queue(pool):
     busy_name, busy = sorted(pool.endpoints.items())[0]
-    long = [chat_body([{"role": "user", "content": f"load {i}"}], max_tokens=400) for i in range(8)]
+    # 6 requests, 2 running at a time: a queue of 4 for the first 128 decode steps.
+    long = [chat_body([{"role": "user", "content": f"load {i}"}], max_tokens=128) for i in range(6)]
 
     async def load() -> None:
         async with httpx.AsyncClient(timeout=300) as http:
@@ -117,19 +118,38 @@ def test_picks_the_other_leader_while_one_has_a_queue(pool):
     assert busy not in chosen, (chosen, seen)
 
 
+def _prefix_living_on(pool: LeaderPool, endpoint: str) -> list[dict]:
+    """Two requests sharing a system prompt whose first one the EPP put on ``endpoint`` (fresh
+    prompts are tried until one lands there)."""
+    for seed in range(100, 130):
+        first, second = prefix_trace(1, 2, seed=seed, prefix_words=160)
+        body = chat_body(first.messages)
+        if picks(pool, [body]) == [endpoint]:
+            return [body, chat_body(second.messages)]
+    raise AssertionError(f"the EPP never put a fresh prompt on {endpoint}")
+
+
 def test_a_leader_labelled_not_routable_is_never_picked(pool):
     out_name, out = sorted(pool.endpoints.items())[1]
-    # A prefix that already lives on the leader taken out must move, too.
-    trace = prefix_trace(3, 1, seed=4, prefix_words=160)
+    first, follow_up = _prefix_living_on(pool, out)
     pool.set_routable(out_name, False)
     try:
         left = pool.wait_pool_size(1, timeout=10)
         print(f"the EPP dropped {out_name} {left:.2f}s after its routable label flipped")
-        chosen = picks(pool, fresh_bodies(6, seed=5) + [chat_body(r.messages) for r in trace])
+        # A prompt whose prefix is cached only there goes elsewhere too.
+        chosen = picks(pool, fresh_bodies(6, seed=5) + [follow_up])
         assert out not in chosen, chosen
     finally:
         pool.set_routable(out_name, True)
     pool.wait_pool_size(2, timeout=10)
+
+
+def test_prefix_affinity_to_a_leader_is_what_the_label_overrides(pool):
+    # The counterpart of the test above: while routable, a follow-up of a prefix living on the
+    # leader is picked there, so it was the label that moved it.
+    _, there = sorted(pool.endpoints.items())[1]
+    first, follow_up = _prefix_living_on(pool, there)
+    assert picks(pool, [follow_up]) == [there]
 
 
 def test_a_leader_labelled_back_is_picked_again(pool):
