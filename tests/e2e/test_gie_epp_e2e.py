@@ -8,7 +8,9 @@ that does what Envoy does (``hack/gie/ext_proc.py``).
 - it picks the less-loaded leader while the other one has a queue;
 - it keeps each shared prefix on one leader (prefix-cache affinity);
 - a leader labelled ``shardline.dev/routable: "false"`` (what the operator does before a group's
-  in-place update) leaves the pool and is never picked until it is labelled back.
+  in-place update) leaves the pool and is never picked until it is labelled back;
+- SMG (``smg`` from PyPI) discovering the leaders by the same labels in the same cluster
+  (``--service-discovery --selector ...``) drops such a leader and takes it back.
 """
 from __future__ import annotations
 
@@ -23,10 +25,11 @@ import pytest
 from hack.gie.ext_proc import EppClient
 from hack.gie.pool import MODEL, LeaderPool
 from hack.scenario.models import write_revisions
+from shardline_operator.render.services import routable_leader_labels
 from tests.kube_fixtures import agent_nodes_only
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
-from smg_gateway import prefix_trace  # noqa: E402
+from smg_gateway import prefix_trace, smg_binary, start_smg_discovery  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.slow]
 
@@ -159,3 +162,54 @@ def test_a_leader_labelled_back_is_picked_again(pool):
     pool.set_routable(out_name, True)
     pool.wait_pool_size(2, timeout=10)
     assert out in picks(pool, fresh_bodies(8, seed=6))
+
+
+@pytest.fixture(scope="module")
+def smg_discovery(pool, kube_cluster, tmp_path_factory):
+    """SMG discovering the leaders by the routable-leader labels in the pool's namespace."""
+    if smg_binary() is None:
+        pytest.skip("smg is not installed (the gateway extra)")
+    selector = [f"{k}={v}" for k, v in routable_leader_labels(pool.name).items()]
+    gateway = start_smg_discovery(selector, pool.namespace, 8000, kube_cluster.kubeconfig,
+                                  tmp_path_factory.mktemp("smg"))
+    yield gateway
+    gateway.stop()
+
+
+def _smg_workers(gateway) -> set[str]:
+    return {w["url"] for w in httpx.get(gateway.url + "/workers", timeout=10).json()["workers"]}
+
+
+def _until(predicate, timeout: float) -> float:
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def test_smg_discovers_the_routable_leaders_by_label(pool, smg_discovery):
+    want = {f"http://{e}" for e in pool.endpoints.values()}
+    _until(lambda: _smg_workers(smg_discovery) == want, 60)
+    assert _smg_workers(smg_discovery) == want
+
+
+def test_smg_drops_a_leader_labelled_not_routable(pool, smg_discovery):
+    out_name, out = sorted(pool.endpoints.items())[1]
+    pool.set_routable(out_name, False)
+    try:
+        took = _until(lambda: f"http://{out}" not in _smg_workers(smg_discovery), 30)
+        print(f"SMG dropped {out_name} {took:.2f}s after its routable label flipped")
+        workers = _smg_workers(smg_discovery)
+    finally:
+        pool.set_routable(out_name, True)
+    assert workers == {f"http://{e}" for e in pool.endpoints.values()} - {f"http://{out}"}
+
+
+def test_smg_takes_a_leader_labelled_back(pool, smg_discovery):
+    # smg 1.13 removes a pod on its watch event but adds one back only on its periodic
+    # reconcile (about once a minute here).
+    want = {f"http://{e}" for e in pool.endpoints.values()}
+    took = _until(lambda: _smg_workers(smg_discovery) == want, 120)
+    print(f"SMG had both leaders again {took:.2f}s later")
+    assert _smg_workers(smg_discovery) == want

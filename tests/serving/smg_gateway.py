@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
 import shutil
@@ -56,6 +57,34 @@ def start_smg(worker_urls: list[str], policy: str, log_dir: Path, timeout: float
         time.sleep(0.5)
     gateway.stop()
     raise RuntimeError(f"smg did not register {worker_urls} in {timeout}s:\n{gateway.log_tail()}")
+
+
+def start_smg_discovery(selector: list[str], namespace: str, port: int, kubeconfig: Path, log_dir: Path,
+                        policy: str = "cache_aware") -> ServerProcess:
+    """Start ``smg launch --service-discovery`` watching pods that match ``selector``
+    (``key=value`` strings) in ``namespace`` through ``kubeconfig``; workers are
+    ``http://<podIP>:<port>``. Returns once it answers ``GET /workers``."""
+    gw_port = free_port()
+    args = ["launch", "--host", "127.0.0.1", "--port", str(gw_port), "--service-discovery",
+            "--selector", *selector, "--service-discovery-port", str(port),
+            "--service-discovery-namespace", namespace, "--policy", policy, "--log-level", "info",
+            "--prometheus-port", str(free_port())]
+    log = log_dir / f"smg-discovery-{gw_port}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([smg_binary() or "smg", *args], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "KUBECONFIG": str(kubeconfig)})
+    gateway = ServerProcess(f"http://127.0.0.1:{gw_port}", proc, log, args)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"smg exited {proc.returncode}:\n{gateway.log_tail()}")
+        try:
+            httpx.get(gateway.url + "/workers", timeout=5).raise_for_status()
+            return gateway
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    gateway.stop()
+    raise RuntimeError(f"smg did not answer /workers in 60s:\n{gateway.log_tail()}")
 
 
 @dataclass
