@@ -12,9 +12,7 @@ module cache (``go mod download`` fetches them when missing). Usable from the sh
 
 from __future__ import annotations
 
-import fcntl
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -22,7 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from hack.localcluster.build import _go_env, _run, cache_root
+from hack.localcluster import processes
+from hack.localcluster.build import _go_env, cache_root, go_install_cached
+from hack.localcluster.processes import free_port
 
 GIE_VERSION = "v1.5.0"
 MODULE = "sigs.k8s.io/gateway-api-inference-extension"
@@ -39,21 +39,7 @@ def ensure_epp(version: str = GIE_VERSION) -> Path:
     Raises:
         RuntimeError: the build failed (the command and its output tail).
     """
-    target = binary(version)
-    if os.access(target, os.X_OK):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent.parent / ".gie-build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.access(target, os.X_OK):
-            return target
-        gobin = target.parent / ".gobin"
-        env = dict(_go_env(target.parent), GOBIN=str(gobin))
-        cmd = ["nice", "-n", "10", "go", "install", "-trimpath", "-ldflags", "-s -w"]
-        _run([*cmd, f"{MODULE}/cmd/epp@{version}"], target.parent, env, "build the GIE endpoint picker")
-        (gobin / "epp").replace(target)
-        shutil.rmtree(gobin, ignore_errors=True)
-    return target
+    return go_install_cached(f"{MODULE}/cmd/epp", version, binary(version), "build the GIE endpoint picker")
 
 
 def module_dir(version: str = GIE_VERSION) -> Path:
@@ -77,12 +63,6 @@ def crd_files(version: str = GIE_VERSION) -> list[Path]:
     return sorted((module_dir(version) / "config" / "crd" / "bases").glob("*.yaml"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Epp:
     """The EPP binary serving one InferencePool, on loopback ports, reading the cluster through
     ``kubeconfig``. ``args`` are the chart's EPP flags (``shardline.eppArgs``); the ports, plain
@@ -90,7 +70,7 @@ class Epp:
     (the chart's ConfigMap) are added. ``target`` is its ext-proc ``host:port``."""
 
     def __init__(self, kubeconfig: Path, args: list[str], config_text: str, log_dir: Path) -> None:
-        self.grpc_port, self.health_port, self.metrics_port = _free_port(), _free_port(), _free_port()
+        self.grpc_port, self.health_port, self.metrics_port = free_port(), free_port(), free_port()
         self.target = f"127.0.0.1:{self.grpc_port}"
         self.log_path = log_dir / f"epp-{self.grpc_port}.log"
         config = log_dir / f"epp-{self.grpc_port}.yaml"
@@ -105,19 +85,12 @@ class Epp:
         self._proc: subprocess.Popen | None = None
 
     def __enter__(self) -> Epp:
-        self._log = open(self.log_path, "w")
-        self._proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        self._proc = processes.start(self.log_path.stem, self.cmd, self.log_path.parent, env=self.env)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._proc is not None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-        self._log.close()
+            processes.stop(self._proc.pid)
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
