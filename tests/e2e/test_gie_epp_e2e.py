@@ -38,11 +38,16 @@ LEADER_ARGS = ["--max-running-requests", "2", "--max-total-tokens", "16384"]
 
 
 @pytest.fixture(scope="module")
-def pool(kube_cluster, tmp_path_factory):
+def gie_pool(kube_cluster, tmp_path_factory):
     model = write_revisions()["rev-a"]
     with agent_nodes_only(kube_cluster), LeaderPool(kube_cluster, model, tmp_path_factory.mktemp("epp"),
                                                     extra_args=LEADER_ARGS) as p:
         yield p
+
+
+@pytest.fixture
+def pool(gie_pool):
+    return gie_pool
 
 
 def picks(pool: LeaderPool, bodies: list[dict]) -> list[str]:
@@ -165,12 +170,12 @@ def test_a_leader_labelled_back_is_picked_again(pool):
 
 
 @pytest.fixture(scope="module")
-def smg_discovery(pool, kube_cluster, tmp_path_factory):
+def smg_discovery(gie_pool, kube_cluster, tmp_path_factory):
     """SMG discovering the leaders by the routable-leader labels in the pool's namespace."""
     if smg_binary() is None:
         pytest.skip("smg is not installed (the gateway extra)")
-    selector = [f"{k}={v}" for k, v in routable_leader_labels(pool.name).items()]
-    gateway = start_smg_discovery(selector, pool.namespace, 8000, kube_cluster.kubeconfig,
+    selector = [f"{k}={v}" for k, v in routable_leader_labels(gie_pool.name).items()]
+    gateway = start_smg_discovery(selector, gie_pool.namespace, 8000, kube_cluster.kubeconfig,
                                   tmp_path_factory.mktemp("smg"))
     yield gateway
     gateway.stop()
