@@ -11,7 +11,9 @@ class SiluAndMul(nn.Module):
     """(T, 2 * d) ``[gate | up]`` -> (T, d) ``silu(gate) * up``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # one Triton kernel, the same roundings (layers/triton_silu_and_mul.py)
+        # one Triton kernel, the same roundings (layers/triton_silu_and_mul.py); the PyTorch ops
+        # while torch.compile traces, so Inductor fuses them with their neighbours
+        if x.is_cuda and not torch.compiler.is_compiling():
             from shardline_runtime.layers.triton_silu_and_mul import silu_and_mul
 
             return silu_and_mul(x)

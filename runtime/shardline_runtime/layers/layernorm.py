@@ -35,9 +35,10 @@ class RMSNorm(nn.Module):
         """Without ``residual``: the normalised ``x``. With it: ``(norm(x + residual), x + residual)``.
 
         On CUDA one Triton kernel does it all (``layers/triton_rms_norm.py``, the same steps and
-        roundings); elsewhere the eager PyTorch ops below.
+        roundings); elsewhere, and while ``torch.compile`` traces (Inductor fuses them with their
+        neighbours), the PyTorch ops below.
         """
-        if x.is_cuda:
+        if x.is_cuda and not torch.compiler.is_compiling():
             from shardline_runtime.layers.triton_rms_norm import rms_norm
 
             normed, summed = rms_norm(x, self.weight, self.variance_epsilon, residual)
