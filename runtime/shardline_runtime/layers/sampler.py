@@ -137,7 +137,10 @@ class Sampler(nn.Module):
             raise ValueError(
                 f"logits have {logits.shape[-1]} columns < vocab_size {sampling_info.vocab_size}"
             )
-        logits = logits[:, : sampling_info.vocab_size].float()
+        if logits.shape[-1] != sampling_info.vocab_size:
+            logits = logits[:, : sampling_info.vocab_size]
+        if logits.dtype != torch.float32:
+            logits = logits.float()
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1) if return_logprob or top_logprobs_nums else None
         )

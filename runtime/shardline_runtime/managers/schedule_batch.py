@@ -41,6 +41,9 @@ class KVCacheFullError(RuntimeError):
 
 __all__ = ["FinishReason", "KVCacheFullError", "Req", "ScheduleBatch"]
 
+# the per-token state of a batch with no prepared step (shared, never written in place)
+_NO_SLOTS = torch.zeros(0, dtype=torch.int64)
+
 
 class ScheduleBatch:
     """Requests that run one step together, and the KV bookkeeping for that step.
@@ -72,7 +75,7 @@ class ScheduleBatch:
         self.device = torch.device(device)
         self.forward_mode = ForwardMode.IDLE
         self.input_ids: list[int] = []
-        self.out_cache_loc = torch.zeros(0, dtype=torch.int64)
+        self.out_cache_loc = _NO_SLOTS
         self.req_pool_indices: list[int] = []
         self.seq_lens: list[int] = []
         self.prefix_lens: list[int] = []
@@ -182,15 +185,7 @@ class ScheduleBatch:
         Returns the slots and each request's input id."""
         input_ids = [self._decode_input_id(r) for r in reqs]
         slots = self._alloc_slots(len(reqs))
-        if len(reqs) == 1:  # a plain element write, no index tensors
-            self.req_to_token_pool.write(
-                (reqs[0].row, slice(reqs[0].kv_len, reqs[0].kv_len + 1)), slots
-            )
-        else:
-            index = torch.tensor(
-                [[r.row for r in reqs], [r.kv_len for r in reqs]], dtype=torch.int64
-            )
-            self.req_to_token_pool.write((index[0], index[1]), slots)  # one write for the batch
+        self.req_to_token_pool.write_tokens([r.row for r in reqs], [r.kv_len for r in reqs], slots)
         for req in reqs:
             req.kv_len += 1
         return slots, input_ids
@@ -262,7 +257,7 @@ class ScheduleBatch:
         self.req_pool_indices = [r.row for r in self.reqs]
         self.seq_lens = [r.kv_len for r in self.reqs]
         self.input_ids, self.prefix_lens, self.extend_lens = [], [], []
-        self.out_cache_loc = torch.zeros(0, dtype=torch.int64)
+        self.out_cache_loc = _NO_SLOTS
         if self.sampling_info is not None:
             self.sampling_info.filter_batch(keep_indices)
 
@@ -329,6 +324,12 @@ class ScheduleBatch:
             self._attach_input_embeds(batch)
         if any(r.grammar is not None for r in reqs):
             batch.grammar_bitmask = self._grammar_bitmask()
+        if (
+            self.future_tokens
+            and self.forward_mode.is_decode()
+            and all(i < 0 for i in self.input_ids)
+        ):
+            batch.future_rows = batch.req_pool_indices  # every input is the step in flight's token
         return batch
 
     def _grammar_bitmask(self) -> torch.Tensor:

@@ -82,6 +82,8 @@ class PPProxyTensors:
 
 def _as_int64(name: str, value: Any, device: torch.device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
+        if value.dtype == torch.int64 and value.device == device:
+            return value  # already there (a decode step's packed indices): no call, no copy
         if value.dtype not in (torch.int32, torch.int64):
             raise TypeError(
                 f"ForwardBatch.{name} must be an integer tensor, got dtype {value.dtype}"
