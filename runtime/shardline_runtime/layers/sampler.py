@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -91,7 +92,8 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     other dtypes) ``max(dim).indices``, which gives the same indices.
     """
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
-        return torch.from_numpy(logits.numpy().argmax(axis=-1).astype("int64", copy=False))
+        ids = logits.numpy().argmax(axis=-1)
+        return torch.from_numpy(ids if ids.dtype == np.int64 else ids.astype(np.int64))
     return logits.max(dim=-1).indices
 
 

@@ -83,6 +83,7 @@ class ScheduleBatch:
         self.sampling_info: SamplingBatchInfo | None = None
         # overlap scheduling: a decode input may be the token the step in flight samples
         self.future_tokens = False
+        self._future_ids_cache: tuple[list[int], torch.Tensor] = ([], _NO_SLOTS)
         # The request of this EXTEND whose prefill continues in a later step (set when formed):
         # with pipeline micro-batches or overlap scheduling the scheduler's own ``chunked_req``
         # may have moved on by the time this batch's result is processed.
@@ -304,9 +305,16 @@ class ScheduleBatch:
                 else n
                 for r, p, n in zip(reqs, self.prefix_lens, self.extend_lens)
             ]
+        futures = (
+            self.future_tokens
+            and self.forward_mode.is_decode()
+            and all(i < 0 for i in self.input_ids)
+        )
         batch = ModelWorkerBatch(
             forward_mode=self.forward_mode,
-            input_ids=torch.as_tensor(self.input_ids, dtype=torch.int64),
+            input_ids=self._future_ids()
+            if futures
+            else torch.as_tensor(self.input_ids, dtype=torch.int64),
             req_pool_indices=list(self.req_pool_indices),
             seq_lens=list(self.seq_lens),
             out_cache_loc=self.out_cache_loc,
@@ -324,13 +332,19 @@ class ScheduleBatch:
             self._attach_input_embeds(batch)
         if any(r.grammar is not None for r in reqs):
             batch.grammar_bitmask = self._grammar_bitmask()
-        if (
-            self.future_tokens
-            and self.forward_mode.is_decode()
-            and all(i < 0 for i in self.input_ids)
-        ):
+        if futures:
             batch.future_rows = batch.req_pool_indices  # every input is the step in flight's token
         return batch
+
+    def _future_ids(self) -> torch.Tensor:
+        """(bs,) int64 host tensor of this decode step's input ids, every one a placeholder; the
+        same rows as the last call (decoding step after step) give the same tensor back."""
+        if self.input_ids != self._future_ids_cache[0]:
+            self._future_ids_cache = (
+                self.input_ids,
+                torch.tensor(self.input_ids, dtype=torch.int64),
+            )
+        return self._future_ids_cache[1]
 
     def _grammar_bitmask(self) -> torch.Tensor:
         """(bs, ceil(vocab / 32)) int32: each constrained row that samples this step gets its

@@ -134,7 +134,11 @@ class ReqToTokenPool:
             rows / positions: host ints, one per new token.
             slots: (len(rows),) int64 host KV slots.
         """
-        self._host_np[rows, positions] = slots.numpy()
+        values = slots.numpy()
+        if len(rows) == 1:  # batch 1: an element write, no index arrays
+            self._host_np[rows[0], positions[0]] = values[0]
+        else:
+            self._host_np[rows, positions] = values
         if self.req_to_token_host is self.req_to_token:
             return
         index = to_device([rows, positions], self.device, torch.int64)

@@ -218,7 +218,7 @@ class ForwardBatch:
             packed = to_device(
                 [rows, seq_lens_cpu, [n - 1 for n in seq_lens_cpu]], device, torch.int64
             )
-            req_pool_indices, seq_lens, positions = packed[0], packed[1], packed[2]
+            req_pool_indices, seq_lens, positions = packed.unbind(0)
         req_pool_indices = _as_int64("req_pool_indices", req_pool_indices, device)
         seq_lens = _as_int64("seq_lens", seq_lens, device)
         out_cache_loc = _as_int64("out_cache_loc", out_cache_loc, device)

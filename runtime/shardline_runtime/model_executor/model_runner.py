@@ -46,6 +46,7 @@ from shardline_runtime.model_executor.kv_pools import (
 )
 from shardline_runtime.model_executor.memory_saver import MemorySaver
 from shardline_runtime.model_executor.model_forward import forward_eager
+from shardline_runtime.model_executor.sample_step import sample_batch
 from shardline_runtime.model_executor.verify_step import verify_batch
 from shardline_runtime.model_executor.weight_update import update_weights_from_disk
 from shardline_runtime.weights_state import WeightsPhase
@@ -290,8 +291,6 @@ class ModelRunner:
     ) -> GenerationBatchResult:
         """Draw one token for each row that wants one; the only sampling path
         (:func:`~shardline_runtime.model_executor.sample_step.sample_batch`)."""
-        from shardline_runtime.model_executor.sample_step import sample_batch
-
         return sample_batch(self.sampler, logits_output, forward_batch, self.device, self.tp_size)
 
     def update_weights_from_disk(
