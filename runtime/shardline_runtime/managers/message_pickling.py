@@ -50,7 +50,7 @@ def _rebuild(cls: type, values: tuple[Any, ...]) -> Any:
     names = _FIELDS.get(cls)
     if names is None:  # an unpickling process that has not imported the class's module yet
         names = _FIELDS[cls] = tuple(f.name for f in fields(cls))
-    obj = object.__new__(cls)
+    obj: Any = object.__new__(cls)
     for name, value in zip(names, values):
         object.__setattr__(obj, name, value)
     return obj
