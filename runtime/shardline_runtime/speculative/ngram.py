@@ -69,6 +69,7 @@ class NgramProposer:
         histories: Sequence[Sequence[int]],
         max_drafts: Sequence[int],
         rids: Sequence[str] = (),
+        rows: Sequence[int] = (),
     ) -> Proposal:
         """Drafts per request (:func:`ngram_lookup`); no draft probabilities (point masses)."""
         return Proposal(

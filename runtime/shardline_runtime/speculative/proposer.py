@@ -42,6 +42,7 @@ class Proposer(Protocol):
         histories: Sequence[Sequence[int]],
         max_drafts: Sequence[int],
         rids: Sequence[str] = (),
+        rows: Sequence[int] = (),
     ) -> Proposal:
         """Drafts for each request.
 
@@ -49,6 +50,8 @@ class Proposer(Protocol):
             histories: per request, its prompt + output token ids.
             max_drafts: per request, the most draft tokens to return (>= 0).
             rids: per request, its id (what stateful proposers key their state by).
+            rows: per request, its target request-pool row (where EAGLE's features were
+                captured); empty when unknown.
         """
         ...
 
@@ -63,7 +66,8 @@ class Proposer(Protocol):
 
 
 class DraftModelProposer:
-    """A draft model's proposer (STANDALONE): the rank's :class:`DraftWorker`."""
+    """A draft model's proposer (STANDALONE, EAGLE): the rank's :class:`DraftWorker` (EAGLE:
+    its ``EagleWorker`` subclass)."""
 
     def __init__(self, draft: DraftWorker):
         self.draft = draft
@@ -73,8 +77,9 @@ class DraftModelProposer:
         histories: Sequence[Sequence[int]],
         max_drafts: Sequence[int],
         rids: Sequence[str] = (),
+        rows: Sequence[int] = (),
     ) -> Proposal:
-        return self.draft.propose(rids, histories, max_drafts)
+        return self.draft.propose(rids, histories, max_drafts, rows)
 
     def keep(self, rid: str, tokens: Sequence[int]) -> None:
         self.draft.keep(rid, tokens)
@@ -87,11 +92,11 @@ def build_proposer(spec: SpeculativeArgs, draft: DraftWorker | None = None) -> P
     """The proposer of ``spec.speculative_algorithm``.
 
     Args:
-        draft: the worker's draft model (STANDALONE).
+        draft: the worker's draft model (STANDALONE, EAGLE).
 
     Raises:
         ValueError: an algorithm without an implementation (``ServerArgs`` refuses it first),
-            or STANDALONE without a draft worker.
+            or STANDALONE / EAGLE without a draft worker.
     """
     from shardline_runtime.speculative.ngram import NgramProposer
 
@@ -101,9 +106,9 @@ def build_proposer(spec: SpeculativeArgs, draft: DraftWorker | None = None) -> P
             spec.speculative_ngram_min_match_window_size,
             spec.speculative_ngram_max_match_window_size,
         )
-    if algo == "STANDALONE" and draft is not None:
+    if algo in ("STANDALONE", "EAGLE") and draft is not None:
         return DraftModelProposer(draft)
     raise ValueError(
         f"--speculative-algorithm {algo} has no proposer here; implemented: NGRAM, STANDALONE "
-        "(with the worker's draft model)"
+        "and EAGLE (with the worker's draft model)"
     )
