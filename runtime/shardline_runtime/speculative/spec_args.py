@@ -89,11 +89,6 @@ def speculative_errors(spec: SpeculativeArgs, pp_size: int, lora: bool) -> list[
     needs_draft = algo in DRAFT_MODEL_ALGORITHMS
     if needs_draft and not spec.speculative_draft_model_path:
         errors.append(f"--speculative-algorithm {algo} needs --speculative-draft-model-path")
-    if needs_draft and "://" in (spec.speculative_draft_model_path or ""):
-        errors.append(
-            f"--speculative-draft-model-path {spec.speculative_draft_model_path}: must be a local "
-            "checkpoint directory (hf:// and s3:// drafts are not fetched)"
-        )
     if not needs_draft and spec.speculative_draft_model_path:
         errors.append(
             f"--speculative-draft-model-path is not used by --speculative-algorithm {algo}; "
@@ -155,8 +150,9 @@ def add_speculative_flags(
     s.add_argument(
         "--speculative-draft-model-path",
         default=None,
-        help="Draft checkpoint directory: a causal LM with the target's vocabulary "
-        "(STANDALONE), or an EAGLE head, architectures LlamaForCausalLMEagle (EAGLE).",
+        help="Draft checkpoint: a directory, hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX "
+        "(fetched into --download-dir like --model-path); a causal LM with the target's "
+        "vocabulary (STANDALONE), or an EAGLE head, architectures LlamaForCausalLMEagle (EAGLE).",
     )
     s.add_argument(
         "--speculative-num-steps",
