@@ -137,6 +137,8 @@ def main() -> None:
     p.add_argument("--num-steps", type=int, default=4, help="--speculative-num-steps (drafts per verify)")
     p.add_argument("--draft-layers", type=int, default=1, help="STANDALONE: the draft's decoder layers")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--proposers", default=",".join(str(x) for x in PROPOSERS),
+                   help="comma-separated subset of None,NGRAM,STANDALONE,EAGLE (None: the baseline, always run)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -159,7 +161,10 @@ def main() -> None:
 def table_rows(label: str, name: str, path: Path, prompts, batch: int, a) -> None:
     """One table row per proposer; raises SystemExit when speculation changed the output."""
     base = None
+    chosen = set(a.proposers.split(","))
     for algorithm in PROPOSERS:
+        if algorithm is not None and algorithm not in chosen:
+            continue
         r = run(path, algorithm, prompts, batch, a.max_new_tokens, a.device, a.num_steps)
         if base is None:
             base = r["outputs"]
