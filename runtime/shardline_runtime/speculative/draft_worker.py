@@ -180,8 +180,9 @@ class DraftWorker:
         alloc = self.runner.token_to_kv_pool_allocator
         return alloc.size - alloc.available_size()
 
-    def release(self, rid: str) -> None:
-        """Free ``rid``'s draft row and KV slots (no-op for an unknown id)."""
+    def release(self, rid: str, row: int | None = None) -> None:
+        """Free ``rid``'s draft row and KV slots (no-op for an unknown id; ``row``, its target
+        row, is not needed here)."""
         entry = self.entries.pop(rid, None)
         if entry is None:
             return

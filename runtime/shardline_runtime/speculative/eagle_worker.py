@@ -103,10 +103,13 @@ class EagleWorker(DraftWorker):
         self.target_rows: dict[str, int] = {}
         self.true_len: dict[str, int] = {}  # draft positions run with the target's features
 
-    def release(self, rid: str) -> None:
-        row = self.target_rows.pop(rid, None)
-        if row is not None:
-            self.features.drop(row)
+    def release(self, rid: str, row: int | None = None) -> None:
+        """Free ``rid``'s head KV and the target's features of its row ``row`` (also of a
+        request released before its first draft step)."""
+        known = self.target_rows.pop(rid, None)
+        for r in (row, known):
+            if r is not None:
+                self.features.drop(r)
         self.true_len.pop(rid, None)
         super().release(rid)
 

@@ -82,5 +82,5 @@ class NgramProposer:
     def keep(self, rid: str, tokens: Sequence[int]) -> None:
         """Nothing to drop: the lookup keeps no state between steps."""
 
-    def release(self, rid: str) -> None:
+    def release(self, rid: str, row: int | None = None) -> None:
         """Nothing to drop: the lookup keeps no state between steps."""

@@ -60,8 +60,9 @@ class Proposer(Protocol):
         past their common prefix (rejected drafts) is dropped now."""
         ...
 
-    def release(self, rid: str) -> None:
-        """Drop request ``rid``'s state (no-op for an unknown id)."""
+    def release(self, rid: str, row: int | None = None) -> None:
+        """Drop request ``rid``'s state (no-op for an unknown id); ``row``: the target row it
+        held (None: none)."""
         ...
 
 
@@ -84,8 +85,8 @@ class DraftModelProposer:
     def keep(self, rid: str, tokens: Sequence[int]) -> None:
         self.draft.keep(rid, tokens)
 
-    def release(self, rid: str) -> None:
-        self.draft.release(rid)
+    def release(self, rid: str, row: int | None = None) -> None:
+        self.draft.release(rid, row)
 
 
 def build_proposer(spec: SpeculativeArgs, draft: DraftWorker | None = None) -> Proposer:
