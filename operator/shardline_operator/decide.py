@@ -246,9 +246,12 @@ def decide(
     previous_status: Mapping[str, Any],
     now: float,
     operator_namespace: str | None = None,
+    staging_cluster_role: str | None = None,
 ) -> PassPlan:
     """The whole pass as data (pure; ``now`` in Unix seconds). ``operator_namespace``: where
-    the operator runs (its pod is admitted by the groups' NetworkPolicies)."""
+    the operator runs (its pod is admitted by the groups' NetworkPolicies);
+    ``staging_cluster_role``: the chart's ClusterRole the staging pods are bound to (they
+    annotate their own pods with live progress; None: they cannot)."""
     out = PassBuilder()
     previous = previous_status
     generation = observed.generation
@@ -262,7 +265,7 @@ def decide(
     stale = [g.index for g in groups if needs_restart(spec, g)]
     mixed = mixed_versions(views, wave | set(stale))
     staging, staging_actions = decide_staging(
-        spec, groups, observed.staging_jobs, previous, generation, now
+        spec, groups, observed.staging_jobs, previous, generation, now, staging_cluster_role
     )
     out.actions.extend(staging_actions)
     out.events.extend(staging.events)

@@ -46,13 +46,15 @@ REAPPLY_SECONDS = 60.0
 @dataclass
 class Context:
     """Process-wide collaborators: the API client, the leader client, a clock, the apply
-    cache, and the operator's own namespace (None when it runs outside the cluster)."""
+    cache, the operator's own namespace (None when it runs outside the cluster) and the
+    ClusterRole its chart grants the staging pods (None: none)."""
 
     kube: KubeClient
     leaders: LeaderClient
     clock: Callable[[], float] = time.time
     applied: dict[str, tuple[str, float]] = field(default_factory=dict)
     operator_namespace: str | None = None
+    staging_cluster_role: str | None = None
 
     def leaders_with_token(self, token: str, api_key: str | None = None) -> LeaderClient:
         """The leader client sending ``token`` as the admin key and ``api_key`` on the canary

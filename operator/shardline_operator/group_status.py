@@ -19,7 +19,7 @@ from .observed import GroupObservation, PodObservation
 from .parallelism import ParallelismSpec
 from .phases import GroupPhase
 from .rollout import GroupView
-from .weights import ReportedGraphs
+from .weights import ReportedGraphs, digest_with_source
 
 
 @dataclass(frozen=True)
@@ -166,15 +166,17 @@ def group_status(report: GroupReport, phase: str, parallelism: ParallelismSpec) 
         "message": message or "",
         "ranks": [rank_status(p, parallelism) for p in group.pods],
     }
+    leader = report.view.leader if report.view is not None else None
     if report.digest:
-        item["weightsDigest"] = report.digest
+        served = leader is not None and leader.digest == report.digest
+        source = leader.source_revision if served and leader is not None else None
+        item["weightsDigest"] = digest_with_source(report.digest, source)
     if record.last_restart_time is not None:
         item["lastRestartTime"] = to_rfc3339(record.last_restart_time)
     if report.weight_version is not None:
         item["weightVersion"] = report.weight_version
     if report.graphs is not None:
         item["graphs"] = report.graphs.summary()
-    leader = report.view.leader if report.view is not None else None
     if leader is not None and leader.quantization is not None:
         item["quantization"] = leader.quantization  # the scheme the leader serves
     if leader is not None and leader.model_kind is not None:

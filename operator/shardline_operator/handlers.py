@@ -47,6 +47,8 @@ ERROR_RETRY_SECONDS = 5.0
 _OWNED = {labels.LABEL_DEPLOYMENT: kopf.PRESENT}
 # Set by the chart; the runtime pods' NetworkPolicies admit the operator's pod from there.
 OPERATOR_NAMESPACE_ENV = "SHARDLINE_OPERATOR_NAMESPACE"
+# Set by the chart: the ClusterRole staging pods are bound to (render/staging_access.py).
+STAGING_CLUSTER_ROLE_ENV = "SHARDLINE_STAGING_CLUSTER_ROLE"
 log = logging.getLogger(__name__)
 
 
@@ -96,6 +98,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
         kube=KubeClient(),
         leaders=HttpLeaderClient(on_update_end=update_ended),
         operator_namespace=os.environ.get(OPERATOR_NAMESPACE_ENV) or None,
+        staging_cluster_role=os.environ.get(STAGING_CLUSTER_ROLE_ENV) or None,
     )
     memo.workers = workers
 

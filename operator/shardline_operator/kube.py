@@ -22,6 +22,11 @@ RESOURCES = {
     ("v1", "Service"): ("/api/v1", "services"),
     ("v1", "Pod"): ("/api/v1", "pods"),
     ("v1", "Secret"): ("/api/v1", "secrets"),
+    ("v1", "ServiceAccount"): ("/api/v1", "serviceaccounts"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): (
+        "/apis/rbac.authorization.k8s.io/v1",
+        "rolebindings",
+    ),
     ("networking.k8s.io/v1", "NetworkPolicy"): ("/apis/networking.k8s.io/v1", "networkpolicies"),
     ("apps/v1", "StatefulSet"): ("/apis/apps/v1", "statefulsets"),
     ("batch/v1", "Job"): ("/apis/batch/v1", "jobs"),

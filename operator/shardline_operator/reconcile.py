@@ -95,7 +95,7 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> ReconcileResult:
     # Control and info calls carry the admin token; the canary gate's serving calls the API key.
     leaders = ctx.leaders_with_token(admin_token, api_key)
     observed = observe(ctx.kube, leaders, spec, generation, previous)
-    plan = decide(spec, observed, previous, now, ctx.operator_namespace)
+    plan = decide(spec, observed, previous, now, ctx.operator_namespace, ctx.staging_cluster_role)
     failures = execute(ctx, leaders, spec, plan, now)
     events.extend(plan.events)
     for step, _ in plan.trail:

@@ -13,6 +13,8 @@ whether the rollout must wait (``holds_rollout``). Rules:
 
 - One Job per (target, attempt, node); one in all for a shared claim. Jobs of other targets
   or attempts are deleted; a node that appears during staging gets its Job too.
+- While Jobs run, each node's item carries the live bytes done / total and rate its pod
+  annotated, and the message sums them over the running nodes.
 - Staged once every node's Job succeeded and all report the same resolved revision (a source
   that changed between nodes fails with ``SourceChanged``). Staged is kept for the target
   (the rollout then proceeds even if its Jobs are gone).
@@ -45,6 +47,7 @@ from .staging_state import (
 )
 
 POLL_SECONDS = 2.0  # next pass while Jobs run (their pods' events are not watched)
+MIB = float(1 << 20)
 
 Event = tuple[str, str, str]
 
@@ -121,7 +124,7 @@ def plan_staging(
     done = [i for i in items if i.state == JOB_SUCCEEDED]
     if out.create or len(done) < len(wanted):
         message = f"staging {target.revision}: {len(done)}/{len(wanted)} nodes staged"
-        state = replace(state, phase=STAGING, message=message)
+        state = replace(state, phase=STAGING, message=message + _progress_line(items))
         return _plan(state, out, hold=True, poll=True)
     resolved = sorted({i.resolved_revision or "" for i in done})
     if len(resolved) > 1:
@@ -155,6 +158,17 @@ def _plan(
         hold,
         POLL_SECONDS if poll else None,
     )
+
+
+def _progress_line(items: Sequence[NodeStaging]) -> str:
+    """``, 12.0 of 40.0 MiB at 4.0 MiB/s`` over the running nodes ("" before any reports)."""
+    running = [i for i in items if i.state != JOB_SUCCEEDED and i.bytes_total]
+    if not running:
+        return ""
+    done = sum(i.bytes_done or 0 for i in running) / MIB
+    total = sum(i.bytes_total or 0 for i in running) / MIB
+    rate = sum(i.bytes_per_second or 0 for i in running) / MIB
+    return f", {done:.1f} of {total:.1f} MiB at {rate:.1f} MiB/s"
 
 
 def _new_attempt(target: StagingTarget, attempt: int, generation: int, now: float) -> StagingState:

@@ -5,7 +5,9 @@ named by :attr:`StagingTarget.key` (a hash of both). Each node that runs a group
 staging Job for the target (one Job in all when the cache is a shared PersistentVolumeClaim);
 the Job runs ``shardline-runtime download`` into the cache volume and leaves one JSON line in
 its container's termination message (``runtime/shardline_runtime/download_cli.py``), which
-:func:`staging_job_from_api` reads back. ``status.staging`` (:class:`StagingState`) is kept in
+:func:`staging_job_from_api` reads back. While it runs, the container keeps its live progress in
+the :data:`ANNOTATION_PROGRESS` annotation of its own pod (``runtime/.../pod_progress.py``,
+at most every 5 s), read from the same pod listing. ``status.staging`` (:class:`StagingState`) is kept in
 status, so an operator restart resumes it.
 """
 
@@ -27,6 +29,7 @@ LABEL_STAGING_OF = "shardline.dev/staging-of"
 LABEL_STAGING_KEY = "shardline.dev/staging-key"
 LABEL_STAGING_ATTEMPT = "shardline.dev/staging-attempt"
 ANNOTATION_NODE = "shardline.dev/staging-node"
+ANNOTATION_PROGRESS = "shardline.dev/staging-progress"  # pod_progress.ANNOTATION in the runtime
 SHARED = ""  # the node name of the one Job that stages into a shared (RWX) claim
 
 
@@ -51,7 +54,8 @@ class StagingJob:
     """One staging Job as observed: ``node`` (:data:`SHARED` for the shared-claim Job),
     ``state`` (one of the ``JOB_*`` names), ``result``: the JSON its container left in the
     termination message (empty while it runs), ``reason`` / ``message``: the Job's Failed
-    condition when the container left none (e.g. ``DeadlineExceeded``)."""
+    condition when the container left none (e.g. ``DeadlineExceeded``); ``progress``: the
+    live ``{"bytesDone", "bytesTotal", "bytesPerSecond"}`` its running pod last annotated."""
 
     name: str
     key: str
@@ -61,18 +65,21 @@ class StagingJob:
     result: Mapping[str, Any] = field(default_factory=dict)
     reason: str = ""
     message: str = ""
+    progress: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class NodeStaging:
-    """``status.staging.nodes[]``: one node's Job. Bytes and rate come from the Job's own
-    report when it ends (``bytesDone`` is None while it runs: the download reports progress to
-    its log only); ``cached``: the revision was already in the node's cache."""
+    """``status.staging.nodes[]``: one node's Job. While it runs, ``bytes_done`` /
+    ``bytes_total`` / ``bytes_per_second`` are the live progress its pod annotated (None until
+    the first report); when it ends, the Job's own report (bytes of the revision, average
+    rate). ``cached``: the revision was already in the node's cache."""
 
     node: str
     job: str
     state: str
     bytes_done: int | None = None
+    bytes_total: int | None = None
     bytes_per_second: int | None = None
     seconds: float | None = None
     cached: bool = False
@@ -83,6 +90,8 @@ class NodeStaging:
         out: dict[str, Any] = {"node": self.node or "shared", "job": self.job, "state": self.state}
         if self.bytes_done is not None:
             out["bytesDone"] = self.bytes_done
+        if self.bytes_total is not None:
+            out["bytesTotal"] = self.bytes_total
         if self.bytes_per_second is not None:
             out["bytesPerSecond"] = self.bytes_per_second
         if self.seconds is not None:
@@ -98,15 +107,18 @@ class NodeStaging:
     @classmethod
     def from_job(cls, job: StagingJob) -> NodeStaging:
         result = job.result
-        size = result.get("bytes")
-        rate = result.get("bytesPerSecond")
+        live = job.state in (JOB_PENDING, JOB_RUNNING) and not result
+        size = (job.progress if live else result).get("bytesDone" if live else "bytes")
+        total = job.progress.get("bytesTotal") if live else size
+        rate = (job.progress if live else result).get("bytesPerSecond")
         seconds = result.get("seconds")
         return cls(
             node=job.node,
             job=job.name,
             state=job.state,
-            bytes_done=int(size) if isinstance(size, int) else None,
-            bytes_per_second=int(rate) if isinstance(rate, int) else None,
+            bytes_done=_count(size),
+            bytes_total=_count(total),
+            bytes_per_second=_count(rate),
             seconds=float(seconds) if isinstance(seconds, (int, float)) else None,
             cached=bool(result.get("cached", False)),
             resolved_revision=_text(result.get("resolvedRevision")),
@@ -136,9 +148,16 @@ class StagingState:
     finished_at: float | None = None
 
     @property
-    def bytes_total(self) -> int:
-        """Bytes the finished nodes report (each node's copy counted)."""
+    def bytes_done(self) -> int:
+        """Bytes over all nodes (each node's copy counted): a finished node's revision size,
+        a running node's live progress."""
         return sum(n.bytes_done or 0 for n in self.nodes)
+
+    @property
+    def bytes_total(self) -> int | None:
+        """Bytes to stage over the nodes that reported a total (None: none has yet)."""
+        totals = [n.bytes_total for n in self.nodes if n.bytes_total is not None]
+        return sum(totals) if totals else None
 
     def to_status(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -151,8 +170,10 @@ class StagingState:
             "message": self.message,
             "nodes": [n.to_status() for n in self.nodes],
             "nodesStaged": sum(1 for n in self.nodes if n.state == JOB_SUCCEEDED),
-            "bytesDone": self.bytes_total,
+            "bytesDone": self.bytes_done,
         }
+        if self.bytes_total is not None:
+            out["bytesTotal"] = self.bytes_total
         if self.resolved_revision:
             out["resolvedRevision"] = self.resolved_revision
         if self.reason:
@@ -193,6 +214,28 @@ def failure_of(job: StagingJob) -> tuple[str, str]:
 
 def _text(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _live_progress(pods: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The progress annotation of the newest pod still running (empty when none has one)."""
+    newest: tuple[str, dict[str, Any]] | None = None
+    for pod in pods:
+        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        meta = pod.get("metadata") or {}
+        try:
+            parsed = json.loads((meta.get("annotations") or {}).get(ANNOTATION_PROGRESS) or "")
+        except ValueError:
+            continue
+        if isinstance(parsed, dict):
+            stamp = str(meta.get("creationTimestamp") or "")
+            if newest is None or stamp >= newest[0]:
+                newest = (stamp, parsed)
+    return newest[1] if newest is not None else {}
 
 
 def _termination_result(pods: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -246,4 +289,5 @@ def staging_job_from_api(
         result=_termination_result(pods),
         reason=str(failed.get("reason", "")),
         message=str(failed.get("message", "")),
+        progress=_live_progress(pods),
     )

@@ -1,5 +1,5 @@
 """The staging step's part of ``status`` (pure): ``status.staging``, the ``Staging``
-condition, the ``Staging`` phase, and the resolved source revision in ``weightsDigest``.
+condition and the ``Staging`` phase.
 
 - While Jobs run and no group is changing, the phase is ``Staging`` (not ``RollingOut``: no
   group has paused); ``Progressing`` says so.
@@ -7,10 +7,11 @@ condition, the ``Staging`` phase, and the resolved source revision in ``weightsD
   a failed rollout: groups serve, not the target), ``WeightsUpdated=False`` and
   ``Degraded=True`` with reason ``StagingFailed``, and the ``Staging`` condition's reason is the
   failure's (``NotFound``, ``Unauthorized``, ``ChecksumMismatch``, ...).
-- A group serving the staged revision records ``weightsDigest`` as
-  ``<checkpoint digest>;source=<resolved revision>`` (the Hub commit, or the S3 listing's
-  ``etags-...`` digest every node verified); :func:`checkpoint_digest` reads the first part
-  back for comparisons with what a leader reports.
+- A group's ``weightsDigest`` is ``<checkpoint digest>;source=<resolved revision>`` with the
+  resolved revision its *leader* reports loading (``weights.digest_with_source``), not the one
+  staging verified: a branch that moves between staging and a group's update shows the commit
+  the group really loaded. :func:`checkpoint_digest` reads the first part back for comparisons
+  with what a leader reports.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from .clock import to_rfc3339
 from .phases import DeploymentPhase
 from .staging_state import FAILED, STAGED, STAGING, StagingState
 from .status import condition
+from .weights import SOURCE_SEPARATOR
 
-SOURCE_SEPARATOR = ";source="
 QUIET_PHASES = (DeploymentPhase.READY.value, DeploymentPhase.ROLLING_OUT.value)
 
 
@@ -81,14 +82,4 @@ def with_staging(
             failed = condition(ctype, ok, "StagingFailed", staging.message, generation, old, stamp)
             conditions = _replace_condition(conditions, ctype, failed)
     out["conditions"] = conditions
-    if staging.phase == STAGED and staging.resolved_revision:
-        out["groups"] = [_with_source(item, staging) for item in out.get("groups") or []]
     return out
-
-
-def _with_source(item: Mapping[str, Any], staging: StagingState) -> dict[str, Any]:
-    """A group item serving the staged revision, its digest naming the resolved source."""
-    digest = checkpoint_digest(item.get("weightsDigest"))
-    if not digest or item.get("revision") != staging.revision:
-        return dict(item)
-    return {**item, "weightsDigest": f"{digest}{SOURCE_SEPARATOR}{staging.resolved_revision}"}

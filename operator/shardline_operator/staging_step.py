@@ -16,6 +16,7 @@ from typing import Any
 
 from .observed import GroupObservation
 from .pass_plan import Action, ApplyObject, DeleteObject
+from .render.staging_access import build_staging_access, staging_service_account_name
 from .render.staging_job import build_staging_job
 from .runtime_args import ServedModel
 from .spec import DeploymentSpec
@@ -58,8 +59,11 @@ def decide_staging(
     previous_status: Mapping[str, Any],
     generation: int,
     now: float,
+    cluster_role: str | None = None,
 ) -> tuple[StagingPlan, list[Action]]:
-    """The staging plan of this pass and its actions (Job deletions first, then creations)."""
+    """The staging plan of this pass and its actions (Job deletions first, then the staging
+    ServiceAccount and RoleBinding to ``cluster_role`` when Jobs are created and a role is
+    given, then the Jobs)."""
     target = staging_target(spec)
     plan = plan_staging(
         target,
@@ -71,10 +75,14 @@ def decide_staging(
         now,
     )
     actions: list[Action] = [DeleteObject("batch/v1", "Job", name) for name in plan.delete]
-    if target is not None and plan.state is not None:
+    if target is not None and plan.state is not None and plan.create:
         attempt = plan.state.attempt
+        account = None
+        if cluster_role:
+            account = staging_service_account_name(spec.name)
+            actions += [ApplyObject(o) for o in build_staging_access(spec, target, cluster_role)]
         actions += [
-            ApplyObject(build_staging_job(spec, target, node, attempt), cached=False)
+            ApplyObject(build_staging_job(spec, target, node, attempt, account), cached=False)
             for node in plan.create
         ]
     return plan, actions

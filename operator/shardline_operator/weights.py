@@ -116,8 +116,23 @@ class ReportedGraphs:
 
 # (phase, model path, revision, digest, weight version) in the ``weights`` block, and in the
 # flat keys a runtime without the block writes.
-_BLOCK_KEYS = ("phase", "model_path", "revision", "digest", "weight_version")
-_FLAT_KEYS = ("weights_phase", "model_path", "weights_revision", "weights_digest", "weight_version")
+_BLOCK_KEYS = ("phase", "model_path", "revision", "digest", "weight_version", "source_revision")
+_FLAT_KEYS = (
+    "weights_phase",
+    "model_path",
+    "weights_revision",
+    "weights_digest",
+    "weight_version",
+    "weights_source_revision",
+)
+SOURCE_SEPARATOR = ";source="
+
+
+def digest_with_source(digest: str, source_revision: str | None) -> str:
+    """The ``weightsDigest`` status records: the checkpoint ``digest``, and when the leader
+    reports the resolved source revision it loaded (a Hub commit, an S3 listing digest),
+    ``<digest>;source=<source_revision>``."""
+    return f"{digest}{SOURCE_SEPARATOR}{source_revision}" if source_revision else digest
 
 
 def _seconds(value: Any) -> float | None:
@@ -137,6 +152,8 @@ class LeaderReport:
     ``graphs``: the graphs it captured (None: a runtime that does not report them).
     ``quantization``: the served scheme (None from a runtime that does not report it).
     ``model_kind``: ``generate`` or ``embed``, what the leader serves (likewise).
+    ``source_revision``: the Hub commit or S3 listing digest the served directory was verified
+    as when fetched (None: a local directory, or a runtime that does not report it).
     """
 
     weights_phase: WeightsPhase
@@ -149,6 +166,7 @@ class LeaderReport:
     graphs: ReportedGraphs | None = None
     quantization: str | None = None  # the served scheme (``unquantized``, ``fp8-...``)
     model_kind: str | None = None  # ``generate`` or ``embed`` (None: a runtime without it)
+    source_revision: str | None = None
 
     def __post_init__(self) -> None:  # a plain string phase (a test's literal) reads as the enum
         object.__setattr__(self, "weights_phase", WeightsPhase.parse(self.weights_phase))
@@ -161,7 +179,7 @@ class LeaderReport:
         block = info.get("weights")
         source: Mapping[str, Any] = block if isinstance(block, Mapping) else info
         keys = _BLOCK_KEYS if isinstance(block, Mapping) else _FLAT_KEYS
-        phase, path, revision, digest, version = (source.get(key) for key in keys)
+        phase, path, revision, digest, version, resolved = (source.get(key) for key in keys)
         return cls(
             WeightsPhase.parse(phase),
             _text(path),
@@ -175,4 +193,5 @@ class LeaderReport:
             ),
             _text(source.get("quantization")),
             _text(info.get("model_kind")),
+            _text(resolved),
         )

@@ -72,7 +72,9 @@ class WeightsState(BaseModel):
     """What serves: ``model_path`` (directory), ``revision`` (label given at load or update),
     ``weight_version`` (SGLang's free-form version string, ``"default"`` at start), ``phase``,
     ``digest`` (:func:`~shardline_runtime.model_loader.checkpoint_digest.checkpoint_digest` of
-    the served checkpoint, computed where it was loaded; None when unreadable), ``quantization``
+    the served checkpoint, computed where it was loaded; None when unreadable),
+    ``source_revision`` (the Hub commit or S3 listing digest the served directory was verified
+    as when fetched, read from its cache record; None for a local directory), ``quantization``
     (the served scheme, ``layers/quantization/``: ``unquantized``, ``fp8-w8a8-dynamic-channel``,
     ...; an update never changes it, a change of scheme is refused), ``last_update`` (None
     until the first update ran) and ``graphs`` (the :class:`CapturedGraphs` report; None until
@@ -88,6 +90,7 @@ class WeightsState(BaseModel):
     weight_version: str = "default"
     phase: WeightsPhase = WeightsPhase.SERVING
     digest: str | None = None
+    source_revision: str | None = None
     quantization: str = "unquantized"
     last_update: UpdateTimings | None = None
     graphs: CapturedGraphs | None = None

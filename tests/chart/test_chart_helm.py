@@ -32,7 +32,8 @@ def test_lint_strict(helm):
 def test_every_template_validates_strictly(helm, name):
     docs = render(helm, VALUE_SETS[name])
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment", "ServiceAccount"]
+    assert kinds == ["ClusterRole", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment",
+                     "ServiceAccount"]
     for doc in docs:
         kubernetes_validate.validate(doc, "1.37.0", strict=True)
 
@@ -56,8 +57,24 @@ def test_watch_namespaces_become_args(helm):
     assert "--namespace=models" in args and "--namespace=staging" in args
 
 
+def _cluster_role(helm, name: str) -> dict:
+    (role,) = [d for d in render(helm, []) if d["kind"] == "ClusterRole" and d["metadata"]["name"] == name]
+    return role
+
+
+def test_staging_pods_may_only_read_and_patch_pods(helm):
+    role = _cluster_role(helm, "shardline-staging")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]}]
+
+
+def test_operator_is_told_the_staging_cluster_role(helm):
+    (deployment,) = [d for d in render(helm, []) if d["kind"] == "Deployment"]
+    env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["SHARDLINE_STAGING_CLUSTER_ROLE"] == "shardline-staging"
+
+
 def test_rbac_is_least_privilege(helm):
-    (role,) = [d for d in render(helm, []) if d["kind"] == "ClusterRole"]
+    role = _cluster_role(helm, "shardline")
     granted = {}
     for rule in role["rules"]:
         for group in rule["apiGroups"]:

@@ -8,11 +8,13 @@ traffic with no failed request: change the uri to a new revision (phase ``Stagin
 Job per node downloads and verifies it, then the in-place update reads it from the cache);
 point it at a prefix that does not exist (staging fails with NotFound, no group pauses, the old
 revision keeps serving); serve a prefix whose stored bytes were corrupted (staging fails the
-checksum before any group pauses).
+checksum before any group pauses); stage a larger revision under a download rate cap and read
+each node's live bytes, total and rate from status while its Job runs.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -22,25 +24,34 @@ from hack.scenario import rollout_fleet
 from hack.scenario.models import write_revisions
 from hack.scenario.operator_install import install_operator
 from hack.scenario.rollout_fleet import apply
-from hack.scenario.s3_models import BUCKET, s3_deployment, upload_revisions
+from hack.scenario.s3_models import BUCKET, s3_client, s3_deployment, upload_revisions
 from hack.scenario.traffic import Traffic
 from tests.kube_fixtures import agent_nodes_only
 
 pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.slow]
 
 READY_TIMEOUT = 420
+# rev-d: rev-b plus 24 MiB of padding, staged at 2 MiB/s (about 12 s), so a running
+# Job's progress annotation (every 5 s) shows in status at least once.
+PADDING_BYTES = 24 << 20
+MAX_BYTES_PER_SECOND = 2 << 20
 
 
 @pytest.fixture(scope="module")
 def fleet(kube_cluster, tmp_path_factory):
     revisions = write_revisions()
     with S3Server(tmp_path_factory.mktemp("s3")) as s3:
-        upload_revisions(s3, revisions, {"rev-a": "rev-a", "rev-b": "rev-b", "rev-c": "rev-a"})
+        upload_revisions(s3, revisions, {"rev-a": "rev-a", "rev-b": "rev-b", "rev-c": "rev-a",
+                                         "rev-d": "rev-b"})
+        s3_client(s3).put_object(Bucket=BUCKET, Key="tiny/rev-d/padding.dat",
+                                 Body=bytes(PADDING_BYTES))
         install_operator(kube_cluster)
         ns = f"e2e-s3-{uuid.uuid4().hex[:6]}"
         cache = tmp_path_factory.mktemp("model-cache")
         volume = {"hostPath": {"path": str(cache), "type": "DirectoryOrCreate"}}
         doc = s3_deployment(kube_cluster, s3, ns, "s3m", "rev-a", volume)
+        doc["spec"]["runtime"].setdefault("env", []).append(
+            {"name": "SHARDLINE_DOWNLOAD_MAX_BYTES_PER_SECOND", "value": str(MAX_BYTES_PER_SECOND)})
         with agent_nodes_only(kube_cluster):
             watch = apply(kube_cluster, doc)
             state = {"cluster": kube_cluster, "ns": ns, "watch": watch, "s3": s3,
@@ -111,3 +122,22 @@ def test_corrupt_object_fails_the_checksum_before_any_group_pauses(fleet):
     leaders = rollout_fleet.leader_server_infos(fleet["client"], fleet["ns"], "s3m").values()
     loaded = [(info.get("last_weight_update") or {}).get("model_path", "") for info in leaders]
     assert not [path for path in loaded if "rev-c" in path], loaded  # no group started loading
+
+
+def _live_progress(fleet, timeout: float = 90.0) -> dict:
+    """The first ``status.staging.nodes[]`` item of a running Job with partial progress (polled:
+    progress changes only a condition's message, which the watcher does not record)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for item in (_status(fleet).get("staging") or {}).get("nodes") or []:
+            if item["state"] == "Running" and 0 < item.get("bytesDone", 0) < item.get("bytesTotal", 0):
+                return item
+        time.sleep(0.5)
+    raise TimeoutError(f"no live staging progress in {timeout:.0f} s: {_status(fleet).get('staging')}")
+
+
+def test_running_staging_job_shows_live_bytes_total_and_rate(fleet):
+    _patch_uri(fleet, "rev-d")
+    item = _live_progress(fleet)
+    assert item["bytesTotal"] >= PADDING_BYTES
+    assert 0 < item["bytesPerSecond"] <= MAX_BYTES_PER_SECOND * 1.1

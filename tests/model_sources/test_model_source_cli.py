@@ -122,6 +122,13 @@ def test_runtime_serves_a_hub_model_under_its_repository_name(hub_server):
 
 
 @pytest.mark.slow
+def test_server_info_reports_the_commit_it_serves(hub_server):
+    server, hub, _ = hub_server
+    info = server.get("/get_server_info").json()
+    assert info["weights"]["source_revision"] == hub.repos["shardline/tiny-llama"].refs["v1"]
+
+
+@pytest.mark.slow
 def test_update_to_a_missing_revision_is_refused_naming_it(hub_server):
     server, _, _ = hub_server
     reply = server.post("/update_weights_from_disk", {"model_path": "hf://shardline/tiny-llama@v9"})
@@ -149,3 +156,13 @@ def test_an_update_keeps_the_revision_it_replaces_in_a_bounded_cache(hub_server)
     server.post("/update_weights_from_disk", {"model_path": "hf://shardline/tiny-llama@v1"})
     v2 = hub.repos["shardline/tiny-llama"].refs["v2"]
     assert (cache / f"hf--shardline--tiny-llama--{v2}").is_dir()
+
+
+@pytest.mark.slow
+def test_update_after_the_branch_moved_reports_the_commit_it_loaded(hub_server, tiny_checkpoint):
+    server, hub, _ = hub_server
+    repo = hub.repos["shardline/tiny-llama"]
+    # v2 was loaded (cached) above; the branch then moves before the next update.
+    moved = repo.commit(checkpoint_files(Path(tiny_checkpoint("llama", seed=2))), ref="v2")
+    server.post("/update_weights_from_disk", {"model_path": "hf://shardline/tiny-llama@v2"})
+    assert server.get("/get_server_info").json()["weights_source_revision"] == moved

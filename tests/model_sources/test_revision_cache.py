@@ -11,6 +11,7 @@ from shardline_runtime.model_loader.revision_cache import (
     cached_revisions,
     evict,
     revision_key,
+    source_revision,
     stage_revision,
 )
 
@@ -79,3 +80,13 @@ def test_eviction_stops_once_under_the_bound(tmp_path):
     _revision(tmp_path, "new", 100, 3000)
     evict(tmp_path, max_bytes=150, keep=())
     assert (tmp_path / "new").is_dir()
+
+
+def test_staged_revision_records_the_source_it_was_verified_as(tmp_path):
+    verified = {"uri": "s3://b/p", "resolvedRevision": "etags-1"}
+    path = stage_revision(tmp_path, "k", lambda d: (d / "f").write_text("x"), verified)
+    assert source_revision(path) == "etags-1"
+
+
+def test_a_directory_without_a_record_has_no_source_revision(tmp_path):
+    assert source_revision(tmp_path) is None

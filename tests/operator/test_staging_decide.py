@@ -38,8 +38,9 @@ def s3_spec(make_spec):
     return make
 
 
-def fleet(spec, make_pod, serving="rev-a"):
-    """Every group Ready on ``serving`` (from s3), group g on node-g."""
+def fleet(spec, make_pod, serving="rev-a", source=None):
+    """Every group Ready on ``serving`` (from s3), group g on node-g; the leaders report the
+    resolved ``source`` revision they loaded."""
     model = ServedModel(uri(serving), serving, ServedModel.desired(spec).cuda_graph)
     groups = {}
     for g in range(spec.replicas):
@@ -47,7 +48,7 @@ def fleet(spec, make_pod, serving="rev-a"):
         raw["metadata"]["annotations"] = {labels.ANNOTATION_RESTART_HASH: spec.restart_hash()}
         raw["metadata"]["labels"][labels.LABEL_REVISION] = serving
         raw["spec"] = {"nodeName": f"node-{g}"}
-        report = LeaderReport("serving", uri(serving), serving, f"sha256:{serving}")
+        report = LeaderReport("serving", uri(serving), serving, f"sha256:{serving}", source_revision=source)
         groups[g] = GroupObservation(g, 1, build_statefulset(spec, g, model), (PodObservation.from_api(raw),),
                                      LeaderObservation(report))
     return groups
@@ -71,8 +72,8 @@ def jobs_done(spec, resolved="etags-abc"):
                  for g in range(spec.replicas))
 
 
-def run(spec, make_pod, jobs=(), previous=None, generation=1):
-    observed = Observation(generation, fleet(spec, make_pod), staging_jobs=jobs)
+def run(spec, make_pod, jobs=(), previous=None, generation=1, source=None):
+    observed = Observation(generation, fleet(spec, make_pod, source=source), staging_jobs=jobs)
     return decide(spec, observed, previous or previous_status(spec), NOW)
 
 
@@ -142,12 +143,25 @@ def test_a_failed_staging_fails_weights_updated(s3_spec, make_pod):
     assert weights["reason"] == "StagingFailed"
 
 
-def test_a_group_on_the_staged_revision_records_its_source_in_the_digest(s3_spec, make_pod):
+def test_a_group_records_the_source_its_leader_loaded_in_the_digest(s3_spec, make_pod):
     spec = s3_spec("rev-a")
     staged = {"phase": "Staged", "key": target(spec).key, "uri": uri("rev-a"), "revision": "rev-a",
               "resolvedRevision": "etags-abc"}
-    plan = run(spec, make_pod, previous=previous_status(spec, staging=staged))
+    plan = run(spec, make_pod, previous=previous_status(spec, staging=staged), source="etags-abc")
     assert plan.status["groups"][0]["weightsDigest"] == "sha256:rev-a;source=etags-abc"
+
+
+def test_a_source_moved_after_staging_shows_what_the_leader_loaded(s3_spec, make_pod):
+    spec = s3_spec("rev-a")
+    staged = {"phase": "Staged", "key": target(spec).key, "uri": uri("rev-a"), "revision": "rev-a",
+              "resolvedRevision": "etags-staged"}
+    plan = run(spec, make_pod, previous=previous_status(spec, staging=staged), source="etags-moved")
+    assert plan.status["groups"][0]["weightsDigest"] == "sha256:rev-a;source=etags-moved"
+
+
+def test_a_leader_that_reports_no_source_records_the_checkpoint_digest_alone(s3_spec, make_pod):
+    spec = s3_spec("rev-a")
+    assert run(spec, make_pod).status["groups"][0]["weightsDigest"] == "sha256:rev-a"
 
 
 def test_a_digest_with_its_source_is_no_mixed_version(s3_spec, make_pod):
@@ -156,7 +170,7 @@ def test_a_digest_with_its_source_is_no_mixed_version(s3_spec, make_pod):
               "resolvedRevision": "etags-abc"}
     previous = previous_status(spec, staging=staged)
     previous["groups"][0]["weightsDigest"] = "sha256:rev-a;source=etags-abc"
-    assert run(spec, make_pod, previous=previous).status["phase"] == "Ready"
+    assert run(spec, make_pod, previous=previous, source="etags-abc").status["phase"] == "Ready"
 
 
 def test_a_per_pod_emptydir_cache_is_not_staged(s3_spec, make_pod):

@@ -68,9 +68,15 @@ def staging_selector(name: str) -> dict[str, str]:
 
 
 def build_staging_job(
-    spec: DeploymentSpec, target: StagingTarget, node: str, attempt: int
+    spec: DeploymentSpec,
+    target: StagingTarget,
+    node: str,
+    attempt: int,
+    service_account: str | None = None,
 ) -> dict[str, Any]:
-    """The staging Job of ``target`` on ``node`` ("" for the shared claim's one Job)."""
+    """The staging Job of ``target`` on ``node`` ("" for the shared claim's one Job).
+    ``service_account``: the pod runs as it with its token mounted, and annotates itself with
+    its live progress (``render/staging_access.py``); None: no token at all."""
     object_labels = staging_labels(spec.name, target, attempt)
     cache = dict(spec.model.cache_volume or {"emptyDir": {}})
     volumes: list[dict[str, Any]] = [{"name": MODEL_CACHE_VOLUME, **cache}]
@@ -85,6 +91,11 @@ def build_staging_job(
         "command": list(DOWNLOAD_COMMAND),
         "args": ["--model-path", target.uri, "--download-dir", f"$({MODEL_CACHE_ENV})"],
         "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {
+                "name": "POD_NAMESPACE",
+                "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+            },
             *writable_env(),
             *model_store_env(spec),
             *[dict(item) for item in spec.runtime.env],
@@ -99,7 +110,10 @@ def build_staging_job(
         "containers": [container],
         "volumes": volumes,
         "restartPolicy": "Never",
+        "automountServiceAccountToken": service_account is not None,
     }
+    if service_account is not None:
+        pod_spec["serviceAccountName"] = service_account
     if node:
         term = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
         pod_spec["affinity"] = {

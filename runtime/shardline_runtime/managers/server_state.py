@@ -44,7 +44,8 @@ class ServerState:
 
     def weights_info(self) -> dict[str, Any]:
         """The ``weights`` block of ``/get_server_info`` plus the flat keys existing clients
-        read (``weights_phase``, ``weights_revision``, ``weights_digest``, ``weight_version``,
+        read (``weights_phase``, ``weights_revision``, ``weights_digest``,
+        ``weights_source_revision``, ``weight_version``,
         ``last_weight_update``, ``model_path``, ``quantization``) and ``cuda_graphs`` (what the
         runner really captured: ``{decode_batch_sizes, piecewise_token_buckets, reason}``), all
         from the one record."""
@@ -55,6 +56,7 @@ class ServerState:
             "weights_revision": w.revision,
             "model_path": w.model_path,
             "weights_digest": w.digest,
+            "weights_source_revision": w.source_revision,
             "last_weight_update": (
                 None if w.last_update is None else w.last_update.model_dump(mode="json")
             ),

@@ -21,6 +21,7 @@ from shardline_runtime.managers.io_struct import (
 )
 from shardline_runtime.model_executor.weight_update import PhaseClock
 from shardline_runtime.model_loader.checkpoint_digest import checkpoint_digest
+from shardline_runtime.model_loader.revision_cache import source_revision
 from shardline_runtime.weights_state import (
     CapturedGraphs,
     UpdateTimings,
@@ -58,6 +59,7 @@ def initial_weights_state(
         revision=revision,
         weight_version=weight_version,
         digest=safe_checkpoint_digest(model_path) if with_digest else None,
+        source_revision=source_revision(model_path),
         quantization=quantization,
         graphs=graphs,
     )
@@ -172,4 +174,5 @@ def _from_disk(
         changes["model_path"] = reported_path
         changes["revision"] = msg.revision
         changes["digest"] = safe_checkpoint_digest(msg.model_path) if with_digest else None
+        changes["source_revision"] = source_revision(msg.model_path)
     return UpdateOutcome(ok, message, None, changes, timings, aborted=not ok and abort.seen)

@@ -84,7 +84,8 @@ def fetch_hf(
         if progress is not None:
             progress(sum(files.values()), sum(files.values()))
 
-    return stage_revision(root, revision_key("hf", repo_id, commit), fill), commit
+    verified = {"uri": f"hf://{repo_id}", "resolvedRevision": commit}
+    return stage_revision(root, revision_key("hf", repo_id, commit), fill, verified), commit
 
 
 class _hub_errors(SourceErrors):

@@ -5,6 +5,7 @@ Layout under the cache root (``--download-dir``, or the staging volume)::
     <root>/<key>/             a complete, verified revision (a reader never sees less)
     <root>/.partial/<key>/    a revision being fetched; kept on failure, so the next try resumes
     <root>/.locks/<key>.lock  held (flock) by the one process fetching <key>
+    <root>/<key>/.shardline-source.json   {"uri", "resolvedRevision"}: what was verified
 
 ``key`` names the source and its resolved revision (``hf--org--name--<commit>``,
 ``s3--bucket--prefix--etags-<digest>``), so two deployments of one revision share one copy. A
@@ -16,15 +17,17 @@ directory appears only when whole.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 PARTIAL = ".partial"
 LOCKS = ".locks"
+SOURCE_FILE = ".shardline-source.json"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -34,11 +37,14 @@ def revision_key(*parts: str) -> str:
     return "--".join(_UNSAFE.sub("-", p.replace("/", "--")).strip("-") for p in parts if p)
 
 
-def stage_revision(root: Path, key: str, fill: Callable[[Path], None]) -> Path:
+def stage_revision(
+    root: Path, key: str, fill: Callable[[Path], None], source: Mapping[str, str] | None = None
+) -> Path:
     """Return ``root/key``, filling it first when absent.
 
     ``fill(partial_dir)`` writes (or resumes writing) the revision into ``root/.partial/key`` and
-    raises on any failure; on success the directory is renamed to ``root/key`` in one step. One
+    raises on any failure; on success ``source`` (``{"uri", "resolvedRevision"}``) is written to
+    :data:`SOURCE_FILE` in it and the directory is renamed to ``root/key`` in one step. One
     process fills a key at a time (an exclusive ``flock``); a second waits, then finds it done.
 
     Raises:
@@ -58,8 +64,22 @@ def stage_revision(root: Path, key: str, fill: Callable[[Path], None]) -> Path:
         partial = root / PARTIAL / key
         partial.mkdir(exist_ok=True)
         fill(partial)
+        if source is not None:
+            (partial / SOURCE_FILE).write_text(json.dumps(dict(source), sort_keys=True))
         os.rename(partial, final)
     return final
+
+
+def source_revision(model_dir: str | Path) -> str | None:
+    """The resolved source revision (Hub commit, S3 listing digest ``etags-...``) recorded in
+    a cache revision directory when it was verified; None for any other directory (a local
+    model, a revision cached before the record existed, an unreadable record)."""
+    try:
+        record = json.loads((Path(model_dir) / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    value = record.get("resolvedRevision") if isinstance(record, dict) else None
+    return value if isinstance(value, str) and value else None
 
 
 def touch(path: Path) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from shardline_runtime.model_loader.errors import ModelSourceError, SourceErrors
 from shardline_runtime.model_loader.model_source import Progress
 from shardline_runtime.model_loader.revision_cache import revision_key, stage_revision
 
-CHUNK = 8 << 20
+CHUNK = 1 << 20  # also the progress (and rate cap) granularity
 
 
 def s3_client() -> Any:
@@ -90,17 +91,33 @@ def fetch_s3(
         for name, (etag, size) in sorted(listing.items()):
             target = partial / name
             if not target.is_file():
-                _download(client, bucket, f"{prefix}/{name}", target, size)
+                base = done
+
+                def written(have: int, base: int = base) -> None:
+                    if progress is not None:
+                        progress(base + have, total)
+
+                _download(client, bucket, f"{prefix}/{name}", target, size, written)
                 _verify(client, bucket, f"{prefix}/{name}", target, etag, size)
             done += size
             if progress is not None:
                 progress(done, total)
 
-    return stage_revision(root, revision_key("s3", bucket, prefix, digest), fill), digest
+    verified = {"uri": f"s3://{bucket}/{prefix}", "resolvedRevision": digest}
+    key = revision_key("s3", bucket, prefix, digest)
+    return stage_revision(root, key, fill, verified), digest
 
 
-def _download(client: Any, bucket: str, key: str, target: Path, size: int) -> None:
-    """Write ``key`` to ``target`` through ``target.incomplete``, resuming what is there."""
+def _download(
+    client: Any,
+    bucket: str,
+    key: str,
+    target: Path,
+    size: int,
+    written: Callable[[int], None] | None = None,
+) -> None:
+    """Write ``key`` to ``target`` through ``target.incomplete``, resuming what is there;
+    ``written(bytes of the file on disk)`` after each :data:`CHUNK`."""
     target.parent.mkdir(parents=True, exist_ok=True)
     incomplete = target.with_name(target.name + ".incomplete")
     have = incomplete.stat().st_size if incomplete.exists() else 0
@@ -113,6 +130,9 @@ def _download(client: Any, bucket: str, key: str, target: Path, size: int) -> No
             body = client.get_object(Bucket=bucket, Key=key, **extra)["Body"]
             for chunk in iter(lambda: body.read(CHUNK), b""):
                 out.write(chunk)
+                have += len(chunk)
+                if written is not None:
+                    written(have)
     else:
         incomplete.touch()
     os.rename(incomplete, target)
