@@ -31,12 +31,17 @@ from smg_gateway import counter, prefix_trace, replay, smg_binary, start_smg  # 
 MODEL = "tiny-llama"
 
 
-def run_route(name: str, urls: list[str], servers: list[ServerProcess], args) -> dict:
+def run_route(name: str, send, servers: list[ServerProcess], args) -> dict:
+    """Replay the trace through ``send`` (a list of base URLs: round robin over them; else a
+    callable ``send(trace) -> outcomes``) after flushing the servers' prefix caches."""
     for s in servers:
         s.post("/flush_cache").raise_for_status()
     before = [counter(s, "cached_tokens") for s in servers]
     trace = prefix_trace(args.prefixes, args.per_prefix, args.seed, args.prefix_words)
-    outcomes = asyncio.run(replay(urls, MODEL, trace, args.concurrency, args.max_tokens))
+    if isinstance(send, list):
+        outcomes = asyncio.run(replay(send, MODEL, trace, args.concurrency, args.max_tokens))
+    else:
+        outcomes = send(trace)
     grew = [counter(s, "cached_tokens") - b for s, b in zip(servers, before)]
     ttfts = [o.ttft * 1000 for o in outcomes]
     return {"route": name, "requests": len(outcomes), "ttft_p50_ms": percentile(ttfts, 50),
@@ -45,14 +50,29 @@ def run_route(name: str, urls: list[str], servers: list[ServerProcess], args) ->
             "metrics_cached": [int(g) for g in grew]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_trace_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prefixes", type=int, default=16)
     ap.add_argument("--per-prefix", type=int, default=6)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prefix-words", type=int, default=160, help="words in each shared system prompt")
+
+
+def print_table(rows: list[dict], args, workers: int = 2) -> None:
+    print(f"trace: {args.prefixes} prefixes x {args.per_prefix} requests, seed {args.seed}, "
+          f"{args.prefix_words}-word prefixes, concurrency {args.concurrency}, max_tokens {args.max_tokens}, "
+          f"{workers} workers")
+    print("| route | requests | TTFT p50 (ms) | TTFT p99 (ms) | prefix-cache hit rate | cached tokens per worker (/metrics) |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['route']} | {r['requests']} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | "
+              f"{r['hit_rate']:.1%} | {' / '.join(map(str, r['metrics_cached']))} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_trace_args(ap)
     args = ap.parse_args(argv)
     if smg_binary() is None:
         print("smg is not installed: pip install 'shardline[gateway]'", file=sys.stderr)
@@ -76,13 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in servers:
             s.stop()
-    print(f"trace: {args.prefixes} prefixes x {args.per_prefix} requests, seed {args.seed}, "
-          f"{args.prefix_words}-word prefixes, concurrency {args.concurrency}, max_tokens {args.max_tokens}, 2 workers")
-    print("| route | requests | TTFT p50 (ms) | TTFT p99 (ms) | prefix-cache hit rate | cached tokens per worker (/metrics) |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['route']} | {r['requests']} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | "
-              f"{r['hit_rate']:.1%} | {' / '.join(map(str, r['metrics_cached']))} |")
+    print_table(rows, args)
     return 0
 
 

@@ -22,6 +22,8 @@ from hack.localcluster import LocalCluster, build
 def pytest_collection_finish(session):
     """Build the cluster binaries before the first test when a selected test needs the
     cluster: a cold build (10-20 min) must not count against one test's timeout."""
+    if any("gie_pool" in getattr(item, "fixturenames", ()) for item in session.items):
+        _build_epp()  # the GIE endpoint picker (hack/gie): tens of minutes cold
     if os.environ.get("SHARDLINE_CLUSTER_DIR"):
         return
     if any("kube_cluster" in getattr(item, "fixturenames", ()) for item in session.items):
@@ -31,6 +33,16 @@ def pytest_collection_finish(session):
                     build.ensure_binaries()
             except RuntimeError as e:
                 raise pytest.UsageError(f"cannot build the local cluster binaries: {e}") from e
+
+
+def _build_epp() -> None:
+    from hack.gie import ensure_epp
+
+    try:
+        with contextlib.redirect_stdout(sys.__stdout__):
+            ensure_epp()
+    except RuntimeError as e:
+        raise pytest.UsageError(f"cannot build the GIE endpoint picker: {e}") from e
 
 
 @pytest.fixture(scope="session")

@@ -112,6 +112,29 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], what: str,
     return "".join(out_lines)
 
 
+def go_install_cached(package: str, version: str, target: Path, what: str) -> Path:
+    """``go install PACKAGE@VERSION`` into ``target`` (a binary path in the cache) unless it is
+    already there; concurrent builders take turns on a lock file beside ``target``'s directory.
+
+    Raises:
+        RuntimeError: the build failed (the command and its output tail).
+    """
+    if os.access(target, os.X_OK):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent.parent / f".{target.parent.name}.build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.access(target, os.X_OK):
+            return target
+        gobin = target.parent / ".gobin"
+        env = dict(_go_env(target.parent), GOBIN=str(gobin))
+        cmd = ["nice", "-n", "10", "go", "install", "-trimpath", "-ldflags", "-s -w"]
+        _run([*cmd, f"{package}@{version}"], target.parent, env, what)
+        (gobin / package.rsplit("/", 1)[-1]).replace(target)
+        shutil.rmtree(gobin, ignore_errors=True)
+    return target
+
+
 def _go_env(work: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("GOFLAGS", "-buildvcs=false")

@@ -10,9 +10,6 @@ temporary directory, metadata in sidecar files) and one root access key. Usable 
 
 from __future__ import annotations
 
-import fcntl
-import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -20,7 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hack.localcluster.build import _go_env, _run, cache_root
+from hack.localcluster.build import cache_root, go_install_cached
+from hack.localcluster.processes import free_port
 
 VERSITYGW_VERSION = "v1.8.0"
 MODULE = "github.com/versity/versitygw/cmd/versitygw"
@@ -40,27 +38,7 @@ def ensure_versitygw(version: str = VERSITYGW_VERSION) -> Path:
     Raises:
         RuntimeError: the build failed (the command and its output tail).
     """
-    target = binary(version)
-    if os.access(target, os.X_OK):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent.parent / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.access(target, os.X_OK):
-            return target
-        gobin = target.parent / ".gobin"
-        env = dict(_go_env(target.parent), GOBIN=str(gobin))
-        cmd = ["nice", "-n", "10", "go", "install", "-trimpath", "-ldflags", "-s -w"]
-        _run([*cmd, f"{MODULE}@{version}"], target.parent, env, "build versitygw")
-        (gobin / "versitygw").replace(target)
-        shutil.rmtree(gobin, ignore_errors=True)
-    return target
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return go_install_cached(MODULE, version, binary(version), "build versitygw")
 
 
 class S3Server:
@@ -73,7 +51,7 @@ class S3Server:
 
     def __init__(self, root: Path | None = None) -> None:
         self.root = root or Path(tempfile.mkdtemp(prefix="shardline-s3-"))
-        self.port = _free_port()
+        self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.env = {
             "AWS_ENDPOINT_URL_S3": self.endpoint,

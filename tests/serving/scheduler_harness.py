@@ -32,7 +32,8 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 20000) -> dict[str,
     """Step the scheduler until idle (one step at a time, no overlap); return per rid: tokens,
     finish reason, messages (:func:`collect_results`)."""
     for _ in range(max_steps):
-        scheduler.process_input_requests([])  # as the event loop: runs a pending weight update
+        # as the event loop: admits compiled grammars, runs a pending weight update
+        scheduler.process_input_requests(scheduler.recv_requests())
         batch = scheduler.get_next_batch_to_run()
         if batch is None and scheduler.is_idle():
             break
@@ -45,10 +46,13 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 20000) -> dict[str,
 
 def run_loop(scheduler: Scheduler, arrivals: dict[int, list], max_steps: int = 20000) -> dict[str, dict]:
     """Drive the scheduler's own loop (``run_step``, overlap or not) with ``arrivals[i]``
-    delivered at iteration ``i``, until every message is delivered and it is idle."""
+    delivered at iteration ``i`` (through the receiver, as from the socket, so rank 0's own
+    messages such as ``GrammarsReady`` join them), until every message is delivered and it is
+    idle."""
     last = max(arrivals, default=0)
     for step in range(max_steps):
-        scheduler.run_step(arrivals.get(step, []))
+        scheduler.receiver.backlog.extend(arrivals.get(step, []))
+        scheduler.run_step(scheduler.recv_requests())
         if step >= last and scheduler.is_idle():
             break
     else:

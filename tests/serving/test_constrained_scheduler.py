@@ -11,10 +11,10 @@ import re
 
 import jsonschema
 import pytest
-from scheduler_harness import make_scheduler, run_loop
+from scheduler_harness import collect_results, greedy, make_scheduler, run_loop
 
 from shardline_runtime.constrained.grammar_spec import GrammarSpec
-from shardline_runtime.managers.io_struct import TokenizedGenerateReqInput, UpdateWeightsFromDiskReqInput
+from shardline_runtime.managers.io_struct import AbortReq, TokenizedGenerateReqInput, UpdateWeightsFromDiskReqInput
 from shardline_runtime.sampling.sampling_params import SamplingParams
 
 SCHEMA = {
@@ -147,3 +147,51 @@ def test_constrained_requests_keep_their_grammar_under_speculative_decoding(ckpt
     for i in range(3):
         jsonschema.validate(json.loads(_text(tokenizer, results[f"j{i}"]["ids"])), SCHEMA)
         assert re.fullmatch(r"(yes|no)[0-9]{2}", _text(tokenizer, results[f"r{i}"]["ids"])), results[f"r{i}"]
+
+
+def _slow_spec() -> GrammarSpec:
+    """390 nested arrays: seconds to compile (the HTTP tier's slow-schema test uses the same)."""
+    schema: dict = {"type": "integer"}
+    for _ in range(390):
+        schema = {"type": "array", "items": schema}
+    return GrammarSpec("json_schema", json.dumps(schema))
+
+
+def _step(scheduler, messages=()) -> None:
+    scheduler.receiver.backlog.extend(messages)
+    scheduler.run_step(scheduler.recv_requests())
+
+
+def _tokens(scheduler, rid: str) -> int:
+    return len(collect_results(scheduler.sender.socket.messages).get(rid, {"ids": []})["ids"])
+
+
+@pytest.mark.slow
+def test_free_requests_keep_decoding_while_a_slow_grammar_compiles(ckpt):
+    """The compile runs in a worker thread: the loop keeps stepping the free request meanwhile,
+    and the constrained request is admitted once its grammar is ready."""
+    scheduler = make_scheduler(ckpt, disable_overlap_schedule=True)
+    _step(scheduler, [greedy("free", list(range(5, 15)), 1500)])
+    slow = TokenizedGenerateReqInput(rid="slow", input_ids=[5, 6, 7],
+                                     sampling_params=SamplingParams(max_new_tokens=4, temperature=1.0))
+    slow.grammar = _slow_spec()
+    _step(scheduler, [slow])
+    steps_while_compiling = 0
+    while "slow" in scheduler.grammar_queue.pending:
+        before = _tokens(scheduler, "free")
+        _step(scheduler)
+        steps_while_compiling += "slow" in scheduler.grammar_queue.pending and _tokens(scheduler, "free") > before
+    while not scheduler.is_idle():
+        _step(scheduler)
+    assert steps_while_compiling >= 3
+    assert _tokens(scheduler, "slow") == 4
+
+
+def test_aborting_a_request_whose_grammar_compiles_answers_it_and_frees_the_queue(ckpt):
+    scheduler = make_scheduler(ckpt)
+    slow = TokenizedGenerateReqInput(rid="slow", input_ids=[5, 6, 7],
+                                     sampling_params=SamplingParams(max_new_tokens=4), grammar=_slow_spec())
+    _step(scheduler, [slow])
+    _step(scheduler, [AbortReq("slow")])
+    assert collect_results(scheduler.sender.socket.messages)["slow"]["finish"]["type"] == "abort"
+    assert scheduler.is_idle()

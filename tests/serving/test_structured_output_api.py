@@ -119,6 +119,38 @@ def test_properties_named_like_keywords_are_served(server):
     assert r.status_code == 200, r.text
 
 
+def _nested_objects(levels: int) -> str:
+    """A schema ``levels`` objects deep, as text (``json.dumps`` itself recurses too deep)."""
+    schema = '{"type": "integer"}'
+    for _ in range(levels):
+        schema = '{"type": "object", "properties": {"a": ' + schema + "}}"
+    return schema
+
+
+@pytest.mark.parametrize("levels", [300, 800])
+def test_a_schema_nested_past_the_depth_limit_is_400_naming_the_field_and_limit(server, levels):
+    body = ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": '
+            '{"type": "json_schema", "json_schema": {"name": "x", "schema": ' + _nested_objects(levels) + "}}}")
+    r = httpx.post(server.url + "/v1/chat/completions", content=body,
+                   headers={"content-type": "application/json"}, timeout=120)
+    error = _error(r)
+    assert (error["param"], error["message"]) == (
+        "response_format", "response_format: JSON nested more than 400 levels deep (arrays and objects); "
+        "at most 400 levels are accepted")
+
+
+def test_a_string_schema_nested_past_the_depth_limit_is_400_naming_sampling_params(server):
+    r = server.post("/generate", {"text": "hi", "sampling_params": {"json_schema": _nested_objects(800),
+                                                                    "max_new_tokens": 2}})
+    assert _error(r)["param"] == "sampling_params.json_schema"
+
+
+def test_a_schema_within_the_depth_limit_is_served(server):
+    r = server.post("/generate", {"text": "hi", "sampling_params": {"json_schema": _nested_objects(20),
+                                                                    "max_new_tokens": 2}})
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.slow
 def test_health_answers_while_a_slow_schema_compiles(server):
     """A deeply nested schema takes seconds to compile; the compile runs off the event loop."""

@@ -119,6 +119,24 @@ def test_bad_tool_requests_are_400_naming_the_field(tools_server, body, param):
     assert r.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
+                         ids=["required", "named"])
+def test_forced_parameters_with_an_unenforced_keyword_are_400_naming_the_path(tools_server, tool_choice):
+    """The forcing grammar would ignore ``not``: refused as ``response_format`` schemas are."""
+    time_tool = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "not": {"enum": ["PST"]}}}}}}
+    body = {"messages": MESSAGES, "max_tokens": 4, "tools": [TOOLS[0], time_tool], "tool_choice": tool_choice}
+    error = tools_server.post("/v1/chat/completions", body).json()["error"]
+    assert error["message"].startswith("tools[1].function.parameters.properties.zone.not: "), error
+
+
+def test_auto_tool_choice_serves_parameters_the_grammar_would_not_enforce(tools_server):
+    """Nothing is forced under ``auto``: the schema only goes into the prompt."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}
+    r = tools_server.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4, "tools": [tool]})
+    assert r.status_code == 200, r.text
+
+
 def test_tools_on_a_template_that_ignores_them_are_400_naming_tools(server):
     r = server.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4, "tools": TOOLS})
     assert r.json()["error"]["param"] == "tools"

@@ -112,6 +112,10 @@ def test_non_finite_json_numbers_are_400_naming_the_field(server, raw, param):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -5}, "max_tokens"),
     ("/generate", {"text": "hi", "return_logprob": True, "logprob_start_len": 1000}, "logprob_start_len"),
     ("/generate", {"text": "hi", "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "stream_options": {"include_usage": True}},
+     "stream_options"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+                              "stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_out_of_range_and_wrong_type_fields_are_400_naming_the_field(server, path, body, param):
     err = _error(server.post(path, body))

@@ -194,11 +194,18 @@ def bounded_strings_without_control_characters(schema: Any) -> Any:
     """``schema`` with every ``{"type": "string", "minLength"?, "maxLength"?}`` that has no
     ``pattern`` or ``format`` rewritten to the equivalent ``pattern`` without control
     characters (see the module docstring); everything else unchanged (a new object)."""
+    # Plain loops, no comprehensions: one Python frame per level of nesting (a comprehension
+    # adds a second), so a request at the HTTP depth limit never meets RecursionError.
     if isinstance(schema, list):
-        return [bounded_strings_without_control_characters(item) for item in schema]
+        items = []
+        for item in schema:
+            items.append(bounded_strings_without_control_characters(item))
+        return items
     if not isinstance(schema, dict):
         return schema
-    out = {k: bounded_strings_without_control_characters(v) for k, v in schema.items()}
+    out = {}
+    for key, value in schema.items():
+        out[key] = bounded_strings_without_control_characters(value)
     bounded = "minLength" in out or "maxLength" in out
     if out.get("type") == "string" and bounded and "pattern" not in out and "format" not in out:
         low, high = out.pop("minLength", 0), out.pop("maxLength", "")
@@ -229,13 +236,15 @@ class LazyGrammars:
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._backend: GrammarBackend | None = None
+        self._build_lock = threading.Lock()  # compiles run in the scheduler's worker threads
 
     @property
     def backend(self) -> GrammarBackend:
-        if self._backend is None:
-            self._backend = GrammarBackend.from_tokenizer_path(
-                self.tokenizer_path, self.vocab_size, self.stop_token_ids
-            )
+        with self._build_lock:
+            if self._backend is None:
+                self._backend = GrammarBackend.from_tokenizer_path(
+                    self.tokenizer_path, self.vocab_size, self.stop_token_ids
+                )
         return self._backend
 
     def __call__(self, spec: GrammarSpec) -> RequestGrammar:

@@ -86,6 +86,11 @@ def _check_common(req, tm: TokenizerManager) -> GrammarSpec | None:
         tm.validator.check_grammar(grammar)
     if req.logit_bias:
         raise RequestValidationError("logit_bias is not supported", "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        # OpenAI's and vLLM's answer: usage options of a stream would be silently dropped
+        raise RequestValidationError(
+            "stream_options is only allowed when stream is true", "stream_options"
+        )
     if req.stop_token_ids:
         bad = [t for t in req.stop_token_ids if not 0 <= t < tm.info.vocab_size]
         if bad:

@@ -6,6 +6,8 @@ a 400 naming where it is, never a 500 deep in the tokenizer.
 - A lone UTF-16 surrogate written as an escape (``"\\ud800"``): Python's JSON parser accepts it,
   but it is no Unicode scalar value and a Rust tokenizer raises on it. 400 naming the field's
   path (``messages.0.content``) and the code point.
+- Nesting deeper than ``json_depth.MAX_JSON_DEPTH`` levels: 400 naming the top-level field and
+  the limit (checked before parsing; Python's parser would raise ``RecursionError``).
 - A body sent with another ``Content-Type`` (``curl -d`` sends
   ``application/x-www-form-urlencoded``): 400 naming the header and the type expected.
 
@@ -22,6 +24,7 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
+from shardline_runtime.entrypoints.json_depth import check_depth
 from shardline_runtime.managers.request_validation import RequestValidationError
 
 
@@ -62,8 +65,8 @@ def parse_json_body(body: bytes) -> Any:
     """The parsed body.
 
     Raises:
-        RequestValidationError: bytes that are not UTF-8, or a string holding a lone surrogate
-            (``param``: the top-level field).
+        RequestValidationError: bytes that are not UTF-8, a string holding a lone surrogate, or
+            nesting deeper than ``MAX_JSON_DEPTH`` (``param``: the top-level field).
         json.JSONDecodeError: not JSON (FastAPI reports it).
     """
     try:
@@ -72,6 +75,7 @@ def parse_json_body(body: bytes) -> Any:
         raise RequestValidationError(
             f"request body is not valid UTF-8: byte {exc.start} is {body[exc.start]:#04x}"
         ) from None
+    check_depth(text)
     parsed = json.loads(text)
     found = _lone_surrogate(parsed)
     if found is not None:

@@ -19,6 +19,7 @@ import json
 from typing import Any
 
 from shardline_runtime.constrained.grammar_spec import GrammarSpec
+from shardline_runtime.entrypoints.json_depth import check_depth
 from shardline_runtime.managers.request_validation import RequestValidationError
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -26,17 +27,34 @@ RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 
 def _schema_text(schema: Any, param: str) -> str:
     if isinstance(schema, str):
+        check_depth(schema, param)
         try:
             schema = json.loads(schema)
         except ValueError as exc:
             raise RequestValidationError(f"{param}: not valid JSON: {exc}", param) from None
     if not isinstance(schema, (dict, bool)):
         raise RequestValidationError(f"{param}: a JSON Schema must be an object", param)
-    found = _unenforced_keyword(schema, "schema")
-    if found is not None:
-        where, why = found
-        raise RequestValidationError(f"{param}: {where}: {why}", param)
+    check_enforceable(schema, "schema", param)
     return json.dumps(schema)
+
+
+def check_enforceable(schema: Any, where: str, param: str) -> None:
+    """Refuse a schema using a keyword the grammar backend would not enforce.
+
+    Args:
+        schema: the parsed JSON Schema.
+        where: its path in messages (``schema``, ``tools[0].function.parameters``).
+        param: the request field named by the 400.
+
+    Raises:
+        RequestValidationError: ``"{param}: {path of the keyword}: {why}"`` (the path alone
+            when it starts with ``param``).
+    """
+    found = _unenforced_keyword(schema, where)
+    if found is not None:
+        path, why = found
+        prefix = "" if path.startswith(param) else f"{param}: "
+        raise RequestValidationError(f"{prefix}{path}: {why}", param)
 
 
 # JSON Schema keywords the grammar library (xgrammar 0.2) accepts but does not enforce: a schema

@@ -9,7 +9,9 @@ grammar and the reply parser get (:class:`ToolPlan`).
   reply is forced by a grammar (an xgrammar structural tag in the family's format) to be one or
   more calls of the allowed tools whose arguments fit each function's ``parameters`` schema;
   ``parallel_tool_calls: false`` allows exactly one call (vLLM forces with a JSON schema of its
-  own format; forcing the family's own format lets one parser read both).
+  own format; forcing the family's own format lets one parser read both). A forced function's
+  ``parameters`` using a JSON Schema keyword the grammar would not enforce is a 400 naming
+  ``tools[i].function.parameters...`` (as ``response_format`` schemas are checked).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from shardline_runtime.constrained.grammar_spec import GrammarSpec
 from shardline_runtime.constrained.xgrammar_backend import (
     bounded_strings_without_control_characters,
 )
+from shardline_runtime.entrypoints.structured_output import check_enforceable
 from shardline_runtime.entrypoints.tool_parsers import ToolCallFormat
 from shardline_runtime.managers.request_validation import RequestValidationError
 
@@ -138,6 +141,10 @@ def tool_plan(
     if choice == "auto":
         return ToolPlan(tools=list(tools or []), parse=True)
     allowed = functions if choice == "required" else {choice: functions[choice]}
+    for i, name in enumerate(functions):  # the forcing grammar enforces these schemas
+        if name in allowed:
+            where = f"tools[{i}].function.parameters"
+            check_enforceable(allowed[name]["parameters"], where, where)
     tag = forcing_structural_tag(fmt, allowed, parallel_tool_calls)
     return ToolPlan(
         tools=list(tools or []),
@@ -156,11 +163,16 @@ def _arguments_schema(function: dict[str, Any]) -> dict[str, Any]:
 
 
 def _no_additional_properties(schema: Any) -> Any:
-    if isinstance(schema, list):
-        return [_no_additional_properties(s) for s in schema]
+    if isinstance(schema, list):  # plain loops: one frame per level (see bounded_strings_...)
+        items = []
+        for item in schema:
+            items.append(_no_additional_properties(item))
+        return items
     if not isinstance(schema, dict):
         return schema
-    out = {k: _no_additional_properties(v) for k, v in schema.items()}
+    out = {}
+    for key, value in schema.items():
+        out[key] = _no_additional_properties(value)
     if out.get("type") == "object" and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out

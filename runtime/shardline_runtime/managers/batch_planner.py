@@ -211,9 +211,7 @@ class BatchPlanner:
 
     def abort(self, rid: str | None, reason: dict) -> None:
         """Abort ``rid`` (None: all) wherever it is; its KV is freed now, before the next step."""
-        finish = FinishReason(
-            reason.get("type", "abort"), reason.get("matched"), reason.get("message")
-        )
+        finish = FinishReason.from_dict(reason)
         hit = self.prefill.abort(rid, finish)
         in_flight = {id(batch) for batch in self.in_flight()}
         for batch in self.running_batches():

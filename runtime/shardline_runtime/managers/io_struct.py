@@ -274,6 +274,11 @@ class FinishReason:
     matched: int | str | None = None
     message: str | None = None
 
+    @classmethod
+    def from_dict(cls, reason: dict[str, Any]) -> FinishReason:
+        """An ``AbortReq``'s reason (``{"type"?, "matched"?, "message"?}``; type default abort)."""
+        return cls(reason.get("type", "abort"), reason.get("matched"), reason.get("message"))
+
     def to_dict(self) -> dict[str, Any]:
         """SGLang's ``meta_info.finish_reason`` object: ``{"type", "matched"}`` for stop,
         ``{"type", "length"}`` for length, plus ``"message"`` when set."""

@@ -11,6 +11,7 @@ the next :meth:`RequestReceiver.recv`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -48,6 +49,9 @@ class RequestReceiver:
         self.pp_rank = pp_rank
         self.poller = zmq.Poller()
         self.backlog: list[Any] = []  # read ahead by :meth:`take`, not yet handed out
+        # rank 0 of stage 0: messages made on this rank for every rank (``GrammarsReady``),
+        # added after the socket's, before the broadcast
+        self.local_source: Callable[[], list[Any]] | None = None
         if socket is not None:
             self.poller.register(socket, zmq.POLLIN)
 
@@ -61,6 +65,8 @@ class RequestReceiver:
             0 if messages or not idle else IDLE_POLL_MS
         ):
             messages.extend(self._read_waiting())
+        if self.local_source is not None:
+            messages.extend(self.local_source())
         if self.tp_size > 1:
             messages = broadcast_pyobj(messages)
         return messages

@@ -58,6 +58,7 @@ from shardline_runtime.model_loader.validate import scheme_name
 from shardline_runtime.speculative.proposer import build_proposer
 
 logger = logging.getLogger(__name__)
+GRAMMAR_WAIT_S = 0.005  # how long an otherwise idle loop waits for a compile per iteration
 
 
 def batch_limits(server_args: Any, worker: Any) -> BatchLimits:
@@ -187,6 +188,9 @@ class Scheduler:
             LazyGrammars(tokenizer_path, worker.model_config.vocab_size, eos),
             is_generation=worker.model_runner.is_generation,
         )
+        self.grammar_queue = self.intake.grammar_queue
+        if first and self.grammar_queue is not None:  # the leader says when a grammar is ready
+            self.receiver.local_source = self._grammars_ready
         path, version = worker.model_config.model_path, str(args.weight_version)
         weights = initial_weights_state(
             path,
@@ -218,8 +222,9 @@ class Scheduler:
         self.dispatch = TypeBasedDispatcher.merge(
             {
                 TokenizedGenerateReqInput: self.intake.handle,
-                AbortReq: lambda msg: self.planner.abort(msg.rid, msg.finish_reason),
+                AbortReq: self._abort,
             },
+            self.grammar_queue.handlers() if self.grammar_queue is not None else {},
             self.control.handlers(),
             self.lora.handlers() if self.lora is not None else {},
             self.experts.handlers(),
@@ -296,6 +301,18 @@ class Scheduler:
         if self.lora is not None:
             self.lora.poll()
 
+    def _abort(self, msg: AbortReq) -> None:
+        self.planner.abort(msg.rid, msg.finish_reason)
+        if self.grammar_queue is not None:  # a request still compiling its grammar
+            self.grammar_queue.abort(msg.rid, msg.finish_reason)
+
+    def _grammars_ready(self) -> list[Any]:
+        """The leader's ``GrammarsReady`` for this iteration; waits a few ms for a compile
+        when nothing else can run (the loop does not spin while only grammars are pending)."""
+        assert self.grammar_queue is not None
+        busy = bool(self.planner.running_batches()) or self.prefill_manager.has_work()
+        return self.grammar_queue.ready_messages(0.0 if busy else GRAMMAR_WAIT_S)
+
     def get_next_batch_to_run(self, decode: DecodeManager | None = None) -> ScheduleBatch | None:
         """The next batch of ``decode``'s slot (default: the only one), or None while
         generation is blocked (paused, memory released) or nothing can run."""
@@ -327,6 +344,7 @@ class Scheduler:
         if not pending and self.control.generation_blocked():
             return True  # nothing can run until a control message arrives: poll at the idle pace
         busy = bool(self.planner.running_batches()) or self.prefill_manager.has_work()
+        busy = busy or bool(self.grammar_queue)  # a grammar compiling: poll for its end
         return not busy and not pending and self.overlap.in_flight is None
 
     def send_stats(self) -> None:
@@ -336,6 +354,7 @@ class Scheduler:
             kv = (self.cache.used_tokens(), self.tree_cache.evictable_size())
             total = self.cache.max_total_num_tokens
             spec = self.speculative.stats.snapshot() if self.speculative is not None else None
+            queued += len(self.grammar_queue or ())  # compiling their grammars
             stats = SchedulerStats(running, queued, *kv, total, running_lora, waiting_lora)
             stats.speculative = spec
             self.sender.send_stats(stats)

@@ -1,0 +1,5 @@
+import sys
+
+from hack.gie import main
+
+sys.exit(main())
