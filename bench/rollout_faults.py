@@ -5,7 +5,8 @@ Scenarios (``hack/scenario/rollout_faults.py``): a revert, a deleted leader of t
 group, a deleted leader of a group that is not updating, a killed operator, a second target,
 scale down and up. Two groups (TP=1) of the ~200M-parameter model (``--tiny``: the tiny model,
 where loads are too short for most faults to land mid-load). Prints per scenario the final
-target, seconds, requests sent and failed, and the violations; then the samples and faults
+target, seconds, requests sent and failed, the violations, the samples checked and the requests
+the client sent again to another leader after a refused connection; then the samples and faults
 checked. ``tests/e2e/test_rollout_faults.py`` runs a lean pick of these in CI.
 
     python bench/rollout_faults.py                           # starts a local cluster
@@ -61,7 +62,7 @@ def main() -> int:
         current = "rev-a"
         for scenario in scenarios:
             other = "rev-b" if current != "rev-b" else "rev-a"
-            before = len(invariants.violations)
+            before, samples = len(invariants.violations), invariants.samples
             with Traffic(cluster.client(), ns, name, doc["spec"]["model"]["name"], args.rate,
                          timeout=HOLD_SECONDS) as traffic:
                 started = time.monotonic()
@@ -70,7 +71,8 @@ def main() -> int:
             new = invariants.violations[before:]
             violations += len(new) + len(traffic.failures)
             print(f"{scenario:24s} -> {current:14s} {seconds:6.1f}s  requests {traffic.sent:4d}  "
-                  f"failed {len(traffic.failures)}  violations {len(new)}", flush=True)
+                  f"failed {len(traffic.failures)}  violations {len(new)}  "
+                  f"samples {invariants.samples - samples}  reconnects {traffic.reconnects}", flush=True)
             for line in new + traffic.failures:
                 print(f"    {line}")
         invariants.stop()

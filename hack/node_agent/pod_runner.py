@@ -12,6 +12,8 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import httpx
+
 from hack.localcluster.rest import ApiError
 
 from . import service_account
@@ -24,7 +26,10 @@ if TYPE_CHECKING:
     from .agent import Agent
 
 TICK_S = 0.25
-MAX_GRACE_S = 15.0
+# The kubelet honours a pod's grace period; so does the agent, up to this bound against a runaway
+# spec (Shardline renders preStop 5 s + --drain-timeout 30 s + 25 s = 60 s by default). A lower
+# cap SIGKILLed draining leaders with requests still running (issue 23).
+MAX_GRACE_S = 120.0
 SHUTDOWN_GRACE_S = 5.0  # agent stopping: the cluster is going away
 
 
@@ -63,7 +68,11 @@ class PodRunner(threading.Thread):
             while not self.gone and not self.stopping:
                 if self.pod["metadata"].get("deletionTimestamp"):
                     break
-                self._tick()
+                try:
+                    self._tick()
+                except httpx.TransportError as exc:  # the API server did not answer in time
+                    # (overloaded): the kubelet keeps its pods and reports again; so does the agent
+                    self.log(f"API server unreachable, reporting again next tick: {exc!r}")
                 time.sleep(TICK_S)
             self._finish(delete=not self.stopping and not self.gone)
         except Exception:  # the agent must never die with one pod

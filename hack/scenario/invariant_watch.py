@@ -11,8 +11,10 @@ leader's weights block, then checks:
   available since (:meth:`InvariantWatch.fault`): the planner must never add its own
   unavailability to a fault's;
 - **status follows the runtime**: a group that status shows ``Ready`` with a ``revision`` (and a
-  ``weightsDigest``) names what its leader served at some sample in the last :data:`LAG_SECONDS`
-  (status is written after the leaders are asked, so it may lag them by a pass, never lead them).
+  ``weightsDigest``) names what its leader served at some read from :data:`LAG_SECONDS` before
+  the status was read on (status is written after the leaders are asked, so it may lag them by a
+  pass, never lead them; each sample reads the CR before the leaders, so no answer compared is
+  older than the status).
 
 Violations are kept with the sample that showed them; ``samples`` counts the samples checked.
 Shared by ``tests/e2e/test_rollout_faults.py`` and ``bench/rollout_faults.py``.
@@ -124,36 +126,38 @@ class InvariantWatch:
                                "uid": pod["metadata"].get("uid")}
         return out
 
-    def _info(self, ip: str | None) -> dict | None:
+    def _info(self, ip: str | None) -> tuple[float, dict | None]:
+        """``(when the read started, /get_server_info or None)``."""
+        started = time.monotonic()
         if not ip:
-            return None
+            return started, None
         try:
-            return httpx.get(f"http://{ip}:8000/get_server_info", timeout=INFO_TIMEOUT).json()
+            return started, httpx.get(f"http://{ip}:8000/get_server_info", timeout=INFO_TIMEOUT).json()
         except (httpx.HTTPError, ValueError):
-            return None
+            return started, None
 
     def _sample(self) -> None:
-        # the reads run side by side: a sample is as old as its slowest read, not their sum
-        cr = self._pool.submit(self.client.get,
-                               f"/apis/{GROUP}/{VERSION}/namespaces/{self.namespace}/{PLURAL}/{self.name}")
+        # The CR first, then the leaders: what a leader answers is never older than the status it
+        # is compared with (read side by side, a slow CR read could return a status written after
+        # a leader's answer, and a truthful status would look ahead of its leader).
+        obj = self.client.get(f"/apis/{GROUP}/{VERSION}/namespaces/{self.namespace}/{PLURAL}/{self.name}")
+        if obj is None:
+            return
+        now = time.monotonic()  # the status read is at most this recent
         leaders = self._leaders()
         infos = {g: self._pool.submit(self._info, None if leader["deleting"] else leader["ip"])
                  for g, leader in leaders.items()}
-        obj = cr.result()
-        if obj is None:
-            return
-        now = time.monotonic()
         spec = obj.get("spec") or {}
         replicas = int(spec.get("replicas", 0))
         budget = int((spec.get("weightUpdate") or {}).get("maxUnavailable", 1))
         available = set()
         for group, leader in leaders.items():
-            info = infos[group].result()
+            asked, info = infos[group].result()
             phase = (info or {}).get("weights_phase")
             self.phases[group] = phase or ""
             if phase == "serving":
                 self._served.setdefault(group, []).append(
-                    Served(now, info.get("weights_revision"), info.get("weights_digest")))
+                    Served(asked, info.get("weights_revision"), info.get("weights_digest")))
             if leader["ready"] and phase in ("serving", None):  # None: no answer in time
                 available.add(group)
         with self._lock:

@@ -1,6 +1,11 @@
 """Client traffic for rollouts: completions at a fixed rate, round-robin over the group leaders
 that are Ready and not terminating (what EndpointSlices offer; client-side, since the local
 cluster has no kube-proxy), a fresh connection per request. Used by tests/e2e and bench/rollout.py.
+
+A request whose connection could not be made (refused, or timed out connecting: it never reached
+a server) is sent again to another leader, as kube-proxy's clients and the OpenAI SDK retry
+connection errors; anything after the connection was made is never resent: a disconnect, a
+non-200 answer or a ``finish_reason: "abort"`` counts as failed.
 """
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import time
 import httpx
 
 RATE = 4.0  # requests per second
+CONNECT_ATTEMPTS = 3  # leaders tried for one request while connections are refused
 
 
 
@@ -24,6 +30,14 @@ def ready_pod_ips(pods: dict | None) -> list[str]:
             ready.append(pod["status"]["podIP"])
     return sorted(ready)
 
+
+def _finish_reason(response: httpx.Response) -> str | None:
+    try:
+        return response.json()["choices"][0].get("finish_reason")
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
 class Traffic:
     """Open-loop client over the Ready, non-terminating leaders; counts what failed."""
 
@@ -34,6 +48,7 @@ class Traffic:
         self.leaders: list[str] = []
         self.sent = 0
         self.failures: list[str] = []
+        self.reconnects = 0  # requests sent again to another leader after a refused connection
         self.records: list[tuple[float, str, float, bool]] = []  # (sent at, leader IP, seconds, ok)
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._watch, daemon=True),
@@ -41,22 +56,36 @@ class Traffic:
 
     def _watch(self) -> None:
         while not self._stop.is_set():
-            pods = self.client.get(f"/api/v1/namespaces/{self.namespace}/pods",
-                                   params={"labelSelector": f"shardline.dev/deployment={self.name},"
-                                                            "apps.kubernetes.io/pod-index=0"})
+            try:
+                pods = self.client.get(f"/api/v1/namespaces/{self.namespace}/pods",
+                                       params={"labelSelector": f"shardline.dev/deployment={self.name},"
+                                                                "apps.kubernetes.io/pod-index=0"})
+            except Exception:  # noqa: BLE001 (an API hiccup: keep the last view, read again)
+                time.sleep(0.5)
+                continue
             self.leaders = ready_pod_ips(pods)
             time.sleep(0.1)
 
     def _one(self, ip: str) -> None:
         sent, ok = time.monotonic(), False
-        try:
-            r = httpx.post(f"http://{ip}:8000/v1/completions", timeout=self.timeout,
-                           json={"model": self.model, "prompt": "Hello", "max_tokens": 4})
-            ok = r.status_code == 200
-            if not ok:
-                self.failures.append(f"{ip}: HTTP {r.status_code} {r.text[:200]}")
-        except httpx.HTTPError as exc:
-            self.failures.append(f"{ip}: {exc.__class__.__name__}: {exc}")
+        for attempt in range(CONNECT_ATTEMPTS):
+            try:
+                r = httpx.post(f"http://{ip}:8000/v1/completions", timeout=self.timeout,
+                               json={"model": self.model, "prompt": "Hello", "max_tokens": 4})
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never reached a server
+                others = [leader for leader in self.leaders if leader != ip]
+                if attempt + 1 < CONNECT_ATTEMPTS and others:
+                    self.reconnects += 1
+                    ip = others[attempt % len(others)]
+                    continue
+                self.failures.append(f"{ip}: {exc.__class__.__name__}: {exc}")
+            except httpx.HTTPError as exc:
+                self.failures.append(f"{ip}: {exc.__class__.__name__} after {time.monotonic() - sent:.1f} s: {exc}")
+            else:
+                ok = r.status_code == 200 and _finish_reason(r) != "abort"
+                if not ok:
+                    self.failures.append(f"{ip}: HTTP {r.status_code} {r.text[:200]}")
+            break
         self.records.append((sent, ip, time.monotonic() - sent, ok))
 
     def _send(self) -> None:

@@ -1,6 +1,7 @@
 """One group's part of ``status`` (pure): its report, phase and ``status.groups[]`` item.
 
-A group's ``revision`` is what its leader reports, else its leader pod's label; while it loads
+A group's ``revision`` is what its leader reports, else a Ready leader pod's label, and empty
+while no leader serves (a group still starting serves nothing yet); while it loads
 another revision its message says so (``loading rev-b``): status follows the runtime, not the
 spec. So do its ``graphs`` and the ``GraphsCaptured`` condition (:func:`graphs_condition`): what
 the leader's ``/get_server_info`` says was captured, or why nothing was (a CPU pod: ``cpu: no
@@ -55,12 +56,14 @@ class GroupReport:
 
     @property
     def revision(self) -> str:
-        """The revision the group serves now: its leader's report, else the leader pod's label
-        (else its StatefulSet's), and "" without a live leader pod."""
+        """The revision the group serves now: its leader's report; a Ready leader that did not
+        answer this pass is judged by its pod's label (else its StatefulSet's); "" while no
+        leader serves (none live, or one still starting: nothing is served before it is
+        Ready, whatever the pod was started with)."""
         if self.view is not None and self.view.leader is not None and self.view.served is not None:
             return self.view.served.revision
         leader, declared = self.observation.leader, self.observation.served
-        if leader is None:  # no live leader (starting, or the old one terminating): serves nothing
+        if leader is None or not leader.ready:
             return ""
         return leader.revision or (declared.revision if declared is not None else "")
 

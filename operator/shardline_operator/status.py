@@ -9,7 +9,8 @@ Truth rules (issue 9): ``Ready`` only when every group is Ready *and* serves the
 mid-rollout (in place or by restart) the phase is ``RollingOut`` with the ``Progressing``
 condition saying how far (``1/2 groups on rev-b``), never ``Ready``, ``Initializing`` or
 ``Degraded``; ``Degraded`` is kept for unplanned trouble (a health restart, a mixed version, a
-failed rollout). A group's ``revision`` is what its leader reports, else its leader pod's label.
+failed rollout). A group's ``revision`` is what its leader reports, else a Ready leader pod's
+label, and empty while no leader serves; ``servedRevision`` lists the groups' revisions.
 """
 
 from __future__ import annotations

@@ -10,10 +10,9 @@ Node rank 0: spawns the schedulers of its ranks, starts uvicorn on ``--host:--po
 every local rank reported ready. Node rank > 0: spawns its schedulers and serves only
 ``/health`` and ``/ready``. Either way a dead scheduler process makes the pod unhealthy and the
 launcher exits with status 1 (writing the first error line to the termination log); SIGTERM
-drains and exits 0: ``/ready`` turns 503 at once while the listener stays open and requests
-are still served; it closes once nothing is in flight (at most ``--drain-timeout`` seconds, then
-what still runs is aborted). With the pod's pre-stop delay, clients that follow readiness or
-endpoints have moved away before the listener closes, so no connection is refused.
+drains and exits 0 (``drain.py``): ``/ready`` turns 503 at once, the listener stays open and new
+requests are served while requests run or clients still arrive, then it closes (at most
+``--drain-timeout`` seconds, then what still runs is aborted).
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from shardline_runtime.configs.pipeline_stage import PipelineLayoutError, layer_partition
+from shardline_runtime.drain import DrainStep, RequestTracker, drain_step
 from shardline_runtime.entrypoints.auth import guard
 from shardline_runtime.lora.lora_config import parse_lora_paths
 from shardline_runtime.managers.scheduler_process import (
@@ -96,18 +96,18 @@ def _status_app(state: dict) -> FastAPI:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn server that drains on SIGTERM/SIGINT: readiness drops at once, a disk weight update
-    still staging is aborted (the pod is going away; requests it holds run on the weights that
-    serve), the listener stays open while requests are in flight (new ones are still served),
-    then closes; at
-    ``--drain-timeout`` what still runs is aborted. The launcher then exits 0 (uvicorn itself
-    would re-raise the signal after shutdown, ending the process with -15). A second SIGINT
-    exits at once."""
+    """uvicorn server that drains on SIGTERM/SIGINT (``drain.py``: unready at once, serving and
+    accepting while requests run or clients still arrive, aborted at ``--drain-timeout``). The
+    launcher then exits 0 (uvicorn itself would re-raise the signal after shutdown, ending the
+    process with -15). A second SIGINT exits at once."""
 
-    def __init__(self, config: uvicorn.Config, state: dict, drain_timeout: float):
+    def __init__(
+        self, config: uvicorn.Config, state: dict, drain_timeout: float, tracker: RequestTracker
+    ):
         super().__init__(config)
         self._state = state
         self._drain_timeout = drain_timeout
+        self._tracker = tracker
 
     def handle_exit(self, sig, frame) -> None:
         loop, tm = self._state.get("loop"), self._state.get("tm")
@@ -124,22 +124,32 @@ class _Server(uvicorn.Server):
         loop.call_soon_threadsafe(gate.start_draining)  # paused requests get their 503 now
         loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
 
+    def _in_flight(self) -> int:
+        return self._tracker.in_progress + self._state["tm"].in_flight
+
     async def _drain(self) -> None:
-        """Close the listener once nothing is in flight; at ``--drain-timeout``, end what still
-        runs with ``finish_reason: "abort"`` first (uvicorn waits a little longer, so those
-        answers and streams complete before it closes)."""
-        tm = self._state["tm"]
-        deadline = time.monotonic() + self._drain_timeout
+        """Run the drain's steps (:func:`drain_step`) every 50 ms; at ``--drain-timeout``, end
+        what still runs with ``finish_reason: "abort"`` first (uvicorn waits a little longer,
+        so those answers and streams complete before it closes)."""
+        tm, started = self._state["tm"], time.monotonic()
+        deadline = started + self._drain_timeout
+        logger.info("SIGTERM: draining (%d requests in flight)", self._in_flight())
         if tm.disk_update is not None:  # the pod goes away: no point finishing new weights
             out = await tm.abort_weight_update()  # held requests then run on the weights serving
             logger.info("draining: %s", "update aborted" if out and out.aborted else "update ended")
-        while tm.in_flight and time.monotonic() < deadline:
+        while True:
+            quiet_since = max(started, self._tracker.last_arrival)
+            step = drain_step(time.monotonic(), quiet_since, self._in_flight(), deadline)
+            if step != DrainStep.ACCEPT:
+                break
             await asyncio.sleep(0.05)
-        tm.gate.closing = True
-        if tm.in_flight:
+        if step == DrainStep.TIMEOUT:  # refuse new ones (503); done: uvicorn closes the listener
+            tm.gate.closing = True  # and still serves a request it accepted in the meantime
+        if step == DrainStep.TIMEOUT and self._in_flight():
             logger.warning("drain timeout: aborting %d running requests", len(tm.streams.states))
             tm.streams.abort_all_local("server shutting down (drain timeout)")
             await tm.abort(None)
+        logger.info("drained in %.1f s", time.monotonic() - started)
         self.should_exit = True
 
 
@@ -195,15 +205,16 @@ async def _serve(args: ServerArgs, procs, ipc_dir: str, input_addr: str, output_
     switch = _SwitchApp(_status_app(state))
     # The key check wraps the whole server, so no route (present or future) is served around it.
     app = guard(switch, args.api_key, args.admin_api_key, args.port)
+    tracker = RequestTracker(app)  # outermost: every request that reached the server counts
     config = uvicorn.Config(
-        app,
+        tracker,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=args.drain_timeout + 3,
         access_log=args.log_level == "debug",
     )
-    server = _Server(config, state, args.drain_timeout)
+    server = _Server(config, state, args.drain_timeout, tracker)
     state["loop"] = asyncio.get_running_loop()
     serve_task = asyncio.create_task(server.serve())
     loop = asyncio.get_running_loop()

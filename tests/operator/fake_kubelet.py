@@ -39,12 +39,14 @@ def _now() -> str:
 class FakeKubelet:
     """Polls pods bound to ``NODE`` in ``namespace``: starts them (podIP, Running), sets Ready
     per ``ready(pod)``, crashes them per ``crash(pod) -> message | None`` and finishes their
-    deletion as kubelet would (grace 0 with a UID precondition)."""
+    deletion as kubelet would (grace 0 with a UID precondition) once ``finish_deletion(pod)``
+    says so (a pod kept terminating plays one whose runtime still drains)."""
 
     def __init__(self, client: RestClient, namespace: str):
         self.client, self.namespace = client, namespace
         self.ready: Callable[[dict], bool] = lambda pod: True
         self.crash: Callable[[dict], str | None] = lambda pod: None
+        self.finish_deletion: Callable[[dict], bool] = lambda pod: True
         self._stop = threading.Event()
         self._ips: dict[str, str] = {}
         self._thread = threading.Thread(target=self._loop, daemon=True, name="fake-kubelet")
@@ -81,6 +83,8 @@ class FakeKubelet:
                 continue
             path = f"/api/v1/namespaces/{self.namespace}/pods/{meta['name']}"
             if meta.get("deletionTimestamp"):
+                if not self.finish_deletion(pod):
+                    continue
                 self.client.delete(path, {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}},
                                    ok_missing=True)
                 continue

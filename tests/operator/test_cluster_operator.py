@@ -311,3 +311,28 @@ def test_k4_real_runtime_crash_loop_reports_its_first_error_line(op):
     assert "rev-missing" in message or "config.json" in message, message
     assert status["groups"][0]["restarts"] == 1
     op.kubectl("delete", "infd", "nockpt", "--timeout=120s", timeout=180)
+
+
+def test_status_claims_nothing_before_a_leader_serves_and_lists_groups_until_their_pods_are_gone(op):
+    """Issue 23's status lies, against the real API server: at creation, with no pod Ready, status
+    names no served revision and does not say the weights are updated; at ``replicas: 0`` the
+    group whose pods still terminate is listed (``Terminating``, ``Progressing=True``) until the
+    pods are gone, then ``ScaledToZero`` with no group."""
+    op.kubelet.ready = lambda pod: False
+    op.apply(deployment("truth"))
+    starting = op.wait_phase("truth", "Initializing")
+    conditions = {c["type"]: c["status"] for c in starting["conditions"]}
+    assert (starting.get("servedRevision"), conditions["WeightsUpdated"]) == ("", "False"), starting
+    op.kubelet.ready = lambda pod: True
+    op.wait_phase("truth", "Ready")
+    op.kubelet.finish_deletion = lambda pod: False
+    try:
+        op.kubectl("scale", "infd", "truth", "--replicas", "0")
+        draining = op.wait_phase("truth", "ScalingDown")
+    finally:
+        op.kubelet.finish_deletion = lambda pod: True
+    progressing = next(c for c in draining["conditions"] if c["type"] == "Progressing")
+    assert [(g["index"], g["phase"]) for g in draining["groups"]] == [(0, "Terminating")], draining
+    assert progressing["status"] == "True", draining
+    gone = op.wait_phase("truth", "ScaledToZero")
+    assert gone["groups"] == [], gone

@@ -166,3 +166,49 @@ def test_zero_replicas_with_pods_draining_is_not_yet_scaled_to_zero(make_spec, m
     spec = make_spec({"replicas": 0})
     plan = decide(spec, Observation(1, draining(spec, make_pod)), previous_status(make_spec()), NOW)
     assert plan.status["phase"] != "ScaledToZero"
+
+
+# --- at creation nothing serves yet: no revision, no weights claim (status follows the leaders)
+
+
+def starting(spec, make_pod):
+    """Every group's StatefulSet created, its pods scheduled but not Ready, no leader answering."""
+    return observation(spec, make_pod, {i: (pods(spec, make_pod, i, ready=False), None) for i in range(spec.replicas)})
+
+
+def test_a_deployment_whose_pods_still_start_serves_no_revision(make_spec, make_pod):
+    spec = make_spec()
+    plan = decide(spec, starting(spec, make_pod), {}, NOW)
+    assert plan.status["servedRevision"] == ""
+
+
+def test_a_group_whose_leader_still_starts_shows_no_revision(make_spec, make_pod):
+    spec = make_spec()
+    plan = decide(spec, starting(spec, make_pod), {}, NOW)
+    assert [g["revision"] for g in plan.status["groups"]] == ["", ""]
+
+
+def test_a_deployment_whose_pods_still_start_claims_no_weights(make_spec, make_pod):
+    spec = make_spec()
+    plan = decide(spec, starting(spec, make_pod), {}, NOW)
+    assert condition(plan, "WeightsUpdated")["status"] == "False"
+
+
+def test_a_deployment_whose_pods_still_start_is_not_ready(make_spec, make_pod):
+    spec = make_spec()
+    plan = decide(spec, starting(spec, make_pod), {}, NOW)
+    assert plan.status["phase"] in ("Pending", "Initializing")
+
+
+def test_the_served_revision_appears_once_a_leader_reports_it(make_spec, make_pod):
+    spec = make_spec()
+    one_up = {1: (pods(spec, make_pod, 1, ready=False), None)}
+    plan = decide(spec, observation(spec, make_pod, one_up), {}, NOW)
+    assert plan.status["servedRevision"] == "rev-a"
+
+
+def test_a_ready_leader_that_did_not_answer_is_judged_by_its_pod(make_spec, make_pod):
+    spec = make_spec()
+    silent = {i: (pods(spec, make_pod, i), None) for i in range(spec.replicas)}
+    plan = decide(spec, observation(spec, make_pod, silent), previous_status(spec), NOW)
+    assert plan.status["servedRevision"] == "rev-a"
