@@ -32,6 +32,8 @@ Usage::
     python bench/engine.py --device cuda --preset llama-1b --dtype bfloat16   # the decode table
     python bench/engine.py --device cuda --graphs --graph-batch-sizes 1 8 32
     python bench/engine.py --threads 1 --profile     # per-operator profile of a decode step
+    python bench/engine.py --kernel-paths --threads 1 --graph-batch-sizes 1 8 --contexts 128
+        # decode: eager vs fused Triton kernels (CUDA) vs --enable-torch-compile (bench/kernel_paths.py)
     python bench/engine.py --host-overhead --threads 1 --clock cpu --baseline-tree /tmp/base
         # host work per decode step outside the forward, batch 1 and 64, two trees side by side
         # (bench/host_overhead.py)
@@ -95,7 +97,7 @@ def make_checkpoint(out: Path, args) -> Path:
 
 
 def make_worker(path: Path, args, disable_cuda_graph: bool = True, attention_backend: str = "auto",
-                max_total_tokens: int | None = None) -> TpModelWorker:
+                max_total_tokens: int | None = None, **extra) -> TpModelWorker:
     server_args = ServerArgs(
         model_path=str(path), device=args.device, dtype=args.dtype,
         max_total_tokens=max_total_tokens or (args.prompt_len + args.decode_steps + 8) * max(
@@ -103,7 +105,7 @@ def make_worker(path: Path, args, disable_cuda_graph: bool = True, attention_bac
         max_running_requests=max(args.batch_size, args.prefill_batch, 32),
         disable_cuda_graph=disable_cuda_graph, cuda_graph_max_bs=max(args.graph_batch_sizes),
         context_length=args.context_len, attention_backend=attention_backend,
-        quantization=args.quantization,
+        quantization=args.quantization, **extra,
     )
     return TpModelWorker(server_args, 0)
 
@@ -339,6 +341,8 @@ def main(argv=None) -> None:
     parser.add_argument("--backends", nargs="+", default=["torch_native", "triton"],
                         choices=["torch_native", "triton"], help="attention backends of the decode table")
     parser.add_argument("--no-transformers", action="store_true", help="decode table without the transformers column")
+    parser.add_argument("--kernel-paths", action="store_true",
+                        help="decode tokens/s: eager vs fused Triton kernels vs --enable-torch-compile (bench/kernel_paths.py)")
     parser.add_argument("--compare", action="store_true", help="Shardline vs transformers prefill/decode table (CPU default)")
     parser.add_argument("--profile", action="store_true",
                         help="per-operator torch.profiler table of one decode step of each side, then exit")
@@ -368,6 +372,11 @@ def main(argv=None) -> None:
         return
     if args.profile:
         profile_decode(args)
+        return
+    if args.kernel_paths:
+        import kernel_paths
+
+        kernel_paths.run(args, make_checkpoint, make_worker, prompts)
         return
     if args.decode_table or (args.device == "cuda" and not args.compare):
         import decode_table

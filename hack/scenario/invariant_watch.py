@@ -5,8 +5,8 @@ Each sample reads the CR, the leader pods (pod index 0: Ready, terminating, IP) 
 leader's weights block, then checks:
 
 - **availability**: at most ``weightUpdate.maxUnavailable`` groups below ``replicas`` are
-  unavailable (a leader that is not Ready, is terminating, or reports a phase other than
-  ``serving``; a Ready leader whose ``/get_server_info`` does not answer in time is judged by its
+  unavailable (a leader that is not Ready in either of the sample's two pod reads, one before
+  and one after the leaders are asked, is terminating, or reports a phase other than ``serving``; a Ready leader whose ``/get_server_info`` does not answer in time is judged by its
   readiness), plus one per group a fault took down whose leader pod has not been replaced and
   available since (:meth:`InvariantWatch.fault`): the planner must never add its own
   unavailability to a fault's;
@@ -150,15 +150,25 @@ class InvariantWatch:
         spec = obj.get("spec") or {}
         replicas = int(spec.get("replicas", 0))
         budget = int((spec.get("weightUpdate") or {}).get("maxUnavailable", 1))
+        answers = {group: future.result() for group, future in infos.items()}
+        # The reads of one sample are not simultaneous: the pod list comes before the leaders'
+        # answers, which can take seconds under load. A group that turned Ready in between (and
+        # let the planner start the next wave, which its answer then shows loading) would look
+        # unavailable at the same moment as that next group. So the pods are read again after
+        # the answers, and a leader Ready in either list and serving (or silent) in its answer
+        # counts as available: a violation is reported only when no read shows the group up.
+        again = self._leaders()
         available = set()
         for group, leader in leaders.items():
-            asked, info = infos[group].result()
+            asked, info = answers[group]
             phase = (info or {}).get("weights_phase")
             self.phases[group] = phase or ""
             if phase == "serving":
                 self._served.setdefault(group, []).append(
                     Served(asked, info.get("weights_revision"), info.get("weights_digest")))
-            if leader["ready"] and phase in ("serving", None):  # None: no answer in time
+            later = again.get(group)
+            ready = leader["ready"] or bool(later and later["uid"] == leader["uid"] and later["ready"])
+            if ready and phase in ("serving", None):  # None: no answer in time
                 available.add(group)
         with self._lock:
             for group in available:

@@ -78,12 +78,14 @@ class ReportedGraphs:
     """The device graphs a leader says it captured (mirrors the runtime's ``CapturedGraphs``).
 
     ``decode_batch_sizes`` / ``piecewise_token_buckets``: sorted, empty when none; ``reason``:
-    why nothing was captured (e.g. ``"cpu: no CUDA graphs"``), None when graphs were.
+    why nothing was captured (e.g. ``"cpu: no CUDA graphs"``), None when graphs were;
+    ``torch_compile_batch_sizes``: decode sizes run by the ``--enable-torch-compile`` forward.
     """
 
     decode_batch_sizes: tuple[int, ...] = ()
     piecewise_token_buckets: tuple[int, ...] = ()
     reason: str | None = None
+    torch_compile_batch_sizes: tuple[int, ...] = ()
 
     @property
     def captured(self) -> bool:
@@ -111,6 +113,7 @@ class ReportedGraphs:
             _sizes(raw.get("decode_batch_sizes")),
             _sizes(raw.get("piecewise_token_buckets")),
             _text(raw.get("reason")),
+            _sizes(raw.get("torch_compile_batch_sizes")),
         )
 
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, fields
 from typing import Any
 
+from shardline_runtime.server_args_graphs import torch_compile_errors
 from shardline_runtime.server_args_parser import ADMIN_API_KEY_ENV, API_KEY_ENV, make_parser
 from shardline_runtime.server_args_sections import (
     ATTENTION_BACKENDS,
@@ -222,9 +223,10 @@ def _check(args: ServerArgs, raw_lora: bool, layout_error: str | None) -> None:
     if par.nnodes > 1 and not par.dist_init_addr:
         raise ServerArgsError("--dist-init-addr HOST:PORT is required when --nnodes > 1")
     _check_lora(lora)
-    spec_errors = speculative_errors(args.speculative, par.pp_size, lora.enable_lora)
-    if spec_errors:
-        raise ServerArgsError("; ".join(spec_errors))
+    errors = speculative_errors(args.speculative, par.pp_size, lora.enable_lora)
+    errors += torch_compile_errors(args)
+    if errors:
+        raise ServerArgsError("; ".join(errors))
     model = args.model
     if model.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ServerArgsError(

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from shardline_runtime.configs.pooling_config import add_model_kind_argument
 from shardline_runtime.entrypoints.chat_output import add_chat_parser_flags
 from shardline_runtime.layers.quantization.online_fp8 import ONLINE_CHOICES
+from shardline_runtime.server_args_graphs import add_graph_flags
 from shardline_runtime.server_args_sections import (
     ATTENTION_BACKENDS,
     DEVICES,
@@ -296,29 +297,7 @@ def make_parser(add_help: bool = True) -> argparse.ArgumentParser:
         help='Directory POST /dump_expert_distribution_record {"to_file": true} writes JSON records into.',
     )
 
-    g = p.add_argument_group("CUDA graphs")
-    g.add_argument(
-        "--cuda-graph-max-bs",
-        type=_int_range("--cuda-graph-max-bs", 1),
-        default=default("cuda_graph_max_bs"),
-        help="Largest decode batch size captured as a CUDA graph.",
-    )
-    g.add_argument(
-        "--disable-cuda-graph",
-        action="store_true",
-        help="Run decode eagerly (always the case on CPU).",
-    )
-    g.add_argument(
-        "--enable-piecewise-cuda-graph",
-        action="store_true",
-        help="Run EXTEND (prefill) through CUDA graphs of the non-attention pieces, attention eager between them.",
-    )
-    g.add_argument(
-        "--piecewise-cuda-graph-max-tokens",
-        type=_int_range("--piecewise-cuda-graph-max-tokens", 1),
-        default=default("piecewise_cuda_graph_max_tokens"),
-        help="Largest EXTEND token count run through piecewise graphs (larger steps run eagerly).",
-    )
+    add_graph_flags(p, _int_range)
 
     lo = p.add_argument_group("LoRA adapters")
     lo.add_argument(

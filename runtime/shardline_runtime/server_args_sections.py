@@ -177,13 +177,16 @@ class ExpertArgs:
 
 @dataclass(frozen=True)
 class GraphArgs:
-    """Decode CUDA graphs (batch sizes up to ``cuda_graph_max_bs``) and piecewise EXTEND graphs
-    (up to ``piecewise_cuda_graph_max_tokens`` tokens)."""
+    """Decode CUDA graphs (batch sizes up to ``cuda_graph_max_bs``), piecewise EXTEND graphs
+    (up to ``piecewise_cuda_graph_max_tokens`` tokens) and the torch.compile'd decode forward
+    (batch sizes up to ``torch_compile_max_bs``; ``server_args_graphs.py``)."""
 
     cuda_graph_max_bs: int = 160
     disable_cuda_graph: bool = False
     enable_piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_max_tokens: int = 4096
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 32
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,8 @@ class CapturedGraphs(BaseModel):
     ``piecewise_token_buckets``: token counts with captured piecewise EXTEND graphs (sorted;
     empty: none); ``reason``: why nothing was captured (``"cpu: no CUDA graphs"``,
     ``"disabled by flag: --disable-cuda-graph"``, a rule of ``device_graphs.py``), None when
-    graphs were captured. Captured again with every update that recaptures, so a new record
+    graphs were captured; ``torch_compile_batch_sizes``: decode batch sizes that run the
+    ``--enable-torch-compile`` forward (inside their graphs on a GPU; empty: compile is off). Captured again with every update that recaptures, so a new record
     carries a new report.
     """
 
@@ -61,6 +62,7 @@ class CapturedGraphs(BaseModel):
     decode_batch_sizes: tuple[int, ...] = ()
     piecewise_token_buckets: tuple[int, ...] = ()
     reason: str | None = None
+    torch_compile_batch_sizes: tuple[int, ...] = ()
 
     @property
     def captured(self) -> bool:

@@ -1,4 +1,4 @@
-"""Runs ``test_triton_attention.py``, ``test_triton_rms_norm.py``, ``test_triton_silu_and_mul.py`` and ``test_triton_rope_kv.py`` under Triton's interpreter, in a subprocess.
+"""Runs ``test_triton_attention.py``, ``test_triton_rms_norm.py``, ``test_triton_silu_and_mul.py``, ``test_triton_rope_kv.py`` and ``test_rope_kv_wiring.py`` under Triton's interpreter, in a subprocess.
 
 ``TRITON_INTERPRET=1`` must be set before ``triton`` is imported, and it must not reach the rest
 of the suite (it would turn every Triton kernel in the process into Python), so the kernel tests
@@ -27,7 +27,8 @@ def test_triton_kernels_under_the_interpreter():
          str(ROOT / "tests" / "runtime" / "test_triton_attention.py"),
          str(ROOT / "tests" / "runtime" / "test_triton_rms_norm.py"),
          str(ROOT / "tests" / "runtime" / "test_triton_silu_and_mul.py"),
-         str(ROOT / "tests" / "runtime" / "test_triton_rope_kv.py")],
+         str(ROOT / "tests" / "runtime" / "test_triton_rope_kv.py"),
+         str(ROOT / "tests" / "runtime" / "test_rope_kv_wiring.py")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]

@@ -59,14 +59,22 @@ class AttentionBackend(ABC):
     # ---- per layer --------------------------------------------------------------------------------
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, forward_batch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer,
+        forward_batch,
+        save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        """q (T, Hq*D), k/v (T, Hkv*D) -> (T, Hq*D); writes k/v into the pool first."""
+        """q (T, Hq*D), k/v (T, Hkv*D) -> (T, Hq*D); writes k/v into the pool first unless
+        ``save_kv_cache`` is False (the caller stored them already: the fused rotary + KV-store
+        kernel of ``layers/triton_rope_kv.py``)."""
         kv_pool = forward_batch.token_to_kv_pool or self.token_to_kv_pool
         q = q.view(-1, layer.tp_q_head_num, layer.head_dim)
         k = k.view(-1, layer.tp_k_head_num, layer.head_dim)
         v = v.view(-1, layer.tp_k_head_num, layer.head_dim)
-        if q.shape[0]:
+        if save_kv_cache and q.shape[0]:
             kv_pool.set_kv_buffer(
                 layer.layer_id,
                 forward_batch.out_cache_loc,

@@ -227,6 +227,8 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
             "max_running_requests": tm.info.max_running_requests,
             "chunked_prefill_size": server_args.chunked_prefill_size,
             "overlap_schedule": tm.info.overlap_schedule,
+            "enable_torch_compile": server_args.enable_torch_compile,
+            "torch_compile_max_bs": server_args.torch_compile_max_bs,
             "model_kind": "generate" if tm.info.is_generation else "embed",
             "num_running_reqs": s.num_running_reqs,
             "num_queued_reqs": s.num_queued_reqs,

@@ -8,10 +8,21 @@ from torch import nn
 
 
 class SiluAndMul(nn.Module):
-    """(T, 2 * d) ``[gate | up]`` -> (T, d) ``silu(gate) * up``."""
+    """(T, 2 * d) ``[gate | up]`` -> (T, d) ``silu(gate) * up``.
+
+    Attributes:
+        use_triton: the Triton kernel; None (default): on CUDA (benchmarks pin it).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.use_triton: bool | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # one Triton kernel, the same roundings (layers/triton_silu_and_mul.py)
+        # one Triton kernel, the same roundings (layers/triton_silu_and_mul.py); the PyTorch ops
+        # while torch.compile traces, so Inductor fuses them with their neighbours
+        triton = x.is_cuda if self.use_triton is None else self.use_triton
+        if triton and not torch.compiler.is_compiling():
             from shardline_runtime.layers.triton_silu_and_mul import silu_and_mul
 
             return silu_and_mul(x)

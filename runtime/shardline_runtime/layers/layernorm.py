@@ -17,6 +17,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         set_weight_attrs(self.weight, self.weight_loader, {None: (hidden_size,)})
         self.variance_epsilon = eps
+        self.use_triton: bool | None = None  # the Triton kernel; None: on CUDA (benchmarks pin it)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         from shardline_runtime.layers.linear import _check_shape
@@ -35,9 +36,11 @@ class RMSNorm(nn.Module):
         """Without ``residual``: the normalised ``x``. With it: ``(norm(x + residual), x + residual)``.
 
         On CUDA one Triton kernel does it all (``layers/triton_rms_norm.py``, the same steps and
-        roundings); elsewhere the eager PyTorch ops below.
+        roundings); elsewhere, and while ``torch.compile`` traces (Inductor fuses them with their
+        neighbours), the PyTorch ops below.
         """
-        if x.is_cuda:
+        triton = x.is_cuda if self.use_triton is None else self.use_triton
+        if triton and not torch.compiler.is_compiling():
             from shardline_runtime.layers.triton_rms_norm import rms_norm
 
             normed, summed = rms_norm(x, self.weight, self.variance_epsilon, residual)

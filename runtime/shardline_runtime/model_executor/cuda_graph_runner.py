@@ -19,6 +19,8 @@ each) into static buffers the graph reads, and a stage that is not the last retu
 
 On CPU (or with ``capture=False``) the very same static-buffer path runs eagerly, so the
 padding and buffer logic is exercised by CI without a GPU; the real capture is a ``gpu`` test.
+With ``--enable-torch-compile`` the step of a size the compiled forward covers runs it
+(``torch_compile.py``): captured inside the graph on a GPU, on the static path on the CPU.
 
 Because the graph reads the weights at fixed addresses, a weight update must copy new weights
 into the existing parameter storage (``weight_update.py`` does) or call :meth:`capture` again.
@@ -40,6 +42,7 @@ from shardline_runtime.model_executor.forward_batch_info import (
     PPProxyTensors,
 )
 from shardline_runtime.model_executor.graph_mode_buffers import ModeBuffers
+from shardline_runtime.model_executor.torch_compile import CompiledDecode
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +79,8 @@ class CudaGraphRunner:
             ``memory.max_running_requests``).
         capture: capture real CUDA graphs; default: when the model runs on CUDA.
         batch_sizes: override the captured sizes (default :func:`get_batch_sizes_to_capture`).
+        compiled: the torch.compile'd decode forward (``torch_compile.py``), run for the padded
+            sizes it covers (inside the graphs on a GPU; on the CPU static path otherwise).
 
     Attributes:
         capture_bs: sorted captured batch sizes. max_bs: the largest.
@@ -86,9 +91,14 @@ class CudaGraphRunner:
     """
 
     def __init__(
-        self, model_runner: Any, capture: bool | None = None, batch_sizes: list[int] | None = None
+        self,
+        model_runner: Any,
+        capture: bool | None = None,
+        batch_sizes: list[int] | None = None,
+        compiled: CompiledDecode | None = None,
     ):
         self.model_runner = model_runner
+        self.compiled = compiled
         self.device = torch.device(model_runner.device)
         self.use_graphs = self.device.type == "cuda" if capture is None else capture
         args = model_runner.args
@@ -166,9 +176,10 @@ class CudaGraphRunner:
             if self.proxy is None
             else {"pp_proxy_tensors": PPProxyTensors({k: v[:bs] for k, v in self.proxy.items()})}
         )
-        return self.model_runner.model.forward(
-            forward_batch.input_ids, forward_batch.positions, forward_batch, **extra
-        )
+        forward = self.model_runner.model.forward
+        if self.compiled is not None and self.compiled.covers(bs):
+            forward = self.compiled.forward
+        return forward(forward_batch.input_ids, forward_batch.positions, forward_batch, **extra)
 
     # ---- capture / replay ---------------------------------------------------------------------
 

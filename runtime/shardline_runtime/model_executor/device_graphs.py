@@ -14,7 +14,11 @@ After mini-sglang's ``engine/graph.py`` ``GraphRunner`` (``can_use_cuda_graph``,
 - piecewise graphs for EXTEND steps of at most ``piecewise_cuda_graph_max_tokens`` tokens
   without caller-given input embeddings (a graph embeds the token ids itself), without LoRA and
   while nothing records (their pieces have no per-token adapter or mask buffers)
-  (:func:`replay_kind`).
+  (:func:`replay_kind`);
+- with ``--enable-torch-compile`` the decode runner runs the compiled forward for the sizes up
+  to ``torch_compile_max_bs`` (``torch_compile.py``): inside the graphs on a GPU; on the CPU a
+  runner that captures nothing pads decode batches up to that size and runs it on the static
+  path (one compiled specialisation per padded size).
 
 Life: :meth:`DeviceGraphs.build` captures at start-up (GPU only; the CPU runs eagerly),
 :meth:`capture` captures again after a weight update, :meth:`release` / :meth:`resume` drop the
@@ -39,6 +43,7 @@ if TYPE_CHECKING:
     from shardline_runtime.model_executor.piecewise_cuda_graph_runner import (
         PiecewiseCudaGraphRunner,
     )
+    from shardline_runtime.model_executor.torch_compile import CompiledDecode
     from shardline_runtime.server_args_sections import GraphArgs
 
 logger = logging.getLogger(__name__)
@@ -98,6 +103,7 @@ class DeviceGraphs:
         self.decode = decode
         self.piecewise = piecewise
         self._released: tuple[Any, Any] | None = None
+        self.compiled: CompiledDecode | None = None  # --enable-torch-compile
         self.skipped: str | None = None  # why nothing was captured (see :meth:`report`)
 
     # ---- the rules ----------------------------------------------------------------------------
@@ -155,6 +161,8 @@ class DeviceGraphs:
         wanted = not settings.disable_cuda_graph or settings.enable_piecewise_cuda_graph
         if runner.device.type != "cuda":
             graphs.skipped = f"{runner.device.type}: no CUDA graphs"
+            if settings.enable_torch_compile and reason is None:
+                graphs.decode = graphs._decode_runner(settings.torch_compile_max_bs, capture=False)
             return graphs
         if not wanted:
             graphs.skipped = "disabled by flag: --disable-cuda-graph"
@@ -163,20 +171,13 @@ class DeviceGraphs:
             logger.warning("[tp %d] CUDA graphs disabled: %s", runner.tp_rank, reason)
             graphs.skipped = reason
             return graphs
-        from shardline_runtime.model_executor.cuda_graph_runner import (
-            CudaGraphRunner,
-            get_batch_sizes_to_capture,
-        )
         from shardline_runtime.model_executor.piecewise_cuda_graph_runner import (
             PiecewiseCudaGraphRunner,
             get_token_buckets,
         )
 
         if not settings.disable_cuda_graph:
-            sizes = get_batch_sizes_to_capture(
-                settings.cuda_graph_max_bs, runner.args.memory.max_running_requests
-            )
-            graphs.decode = CudaGraphRunner(runner, batch_sizes=sizes)
+            graphs.decode = graphs._decode_runner(settings.cuda_graph_max_bs)
         if (
             settings.enable_piecewise_cuda_graph
             and runner.lora_manager is None
@@ -185,6 +186,21 @@ class DeviceGraphs:
             buckets = get_token_buckets(settings.piecewise_cuda_graph_max_tokens)
             graphs.piecewise = PiecewiseCudaGraphRunner(runner, token_buckets=buckets)
         return graphs
+
+    def _decode_runner(self, max_bs: int, capture: bool | None = None) -> CudaGraphRunner:
+        """A decode graph runner for the sizes up to ``max_bs``, with the torch.compile'd
+        forward when ``--enable-torch-compile`` asks for it (``self.compiled``, built once)."""
+        from shardline_runtime.model_executor.cuda_graph_runner import (
+            CudaGraphRunner,
+            get_batch_sizes_to_capture,
+        )
+        from shardline_runtime.model_executor.torch_compile import CompiledDecode
+
+        r, settings = self.runner, self.runner.args.graphs
+        if settings.enable_torch_compile and self.compiled is None:
+            self.compiled = CompiledDecode(r.model, settings.torch_compile_max_bs, r.device)
+        sizes = get_batch_sizes_to_capture(max_bs, r.args.memory.max_running_requests)
+        return CudaGraphRunner(r, capture=capture, batch_sizes=sizes, compiled=self.compiled)
 
     @property
     def present(self) -> bool:
@@ -201,10 +217,16 @@ class DeviceGraphs:
             reason = self.skipped or (
                 "released with the GPU memory" if self._released else "no graph was captured"
             )
+        compiled = (
+            self.compiled.batch_sizes(self.decode.capture_bs)
+            if self.compiled is not None and self.decode is not None
+            else ()
+        )
         return CapturedGraphs(
             decode_batch_sizes=tuple(decode),
             piecewise_token_buckets=tuple(piecewise),
             reason=reason,
+            torch_compile_batch_sizes=compiled,
         )
 
     def capture(self) -> None:
@@ -246,11 +268,6 @@ class DeviceGraphs:
         reason = self.blocked_by()
         if r.device.type != "cuda" or reason is not None:
             return
-        from shardline_runtime.model_executor.cuda_graph_runner import (
-            CudaGraphRunner,
-            get_batch_sizes_to_capture,
-        )
-
         old = self.decode
         if old is not None and (disable or cuda_graph_max_bs is not None):
             r.req_to_token_pool.free(old.dummy_req_row)
@@ -260,10 +277,7 @@ class DeviceGraphs:
         if not disable and cuda_graph_max_bs is not None:
             if on_phase is not None:
                 on_phase(WeightsPhase.RECAPTURING)
-            sizes = get_batch_sizes_to_capture(
-                cuda_graph_max_bs, r.args.memory.max_running_requests
-            )
-            self.decode = CudaGraphRunner(r, batch_sizes=sizes)
+            self.decode = self._decode_runner(cuda_graph_max_bs)
             self.skipped = None
         logger.info(
             "[tp %d] CUDA graphs: %s",

@@ -151,10 +151,8 @@ class LlamaAttention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)  # (T, H_kv, D)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # per head
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(
-            q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v.contiguous(), forward_batch
-        )
+        # rotary is applied by the attention layer: with the KV store in one kernel on CUDA
+        out = self.attn(q, k, v, forward_batch, positions=positions, rotary_emb=self.rotary_emb)
         return self.o_proj(out)  # (T, hidden), all-reduced
 
 
