@@ -148,6 +148,10 @@ class ForwardBatch:
     input_embeds_values: torch.Tensor | None = None
     # Constrained decoding: (bs, ceil(vocab / 32)) int32 allowed-token bits per row, or None.
     grammar_bitmask: torch.Tensor | None = None
+    # EAGLE: return the (T, hidden_size) states the logits come from (LogitsProcessorOutput);
+    # the draft head's input features, (T, hidden_size) in the model dtype (models/llama_eagle).
+    capture_hidden_states: bool = False
+    spec_hidden_states: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

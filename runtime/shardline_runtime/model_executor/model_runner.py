@@ -128,6 +128,9 @@ class ModelRunner:
         # SGLang's flag: False for an embedding model (sentence-transformers files in the checkpoint)
         self.is_generation = self.model_config.is_generation
         self.forward_pass_id = 0
+        # EAGLE: called as sink(forward_batch, hidden_states (T, hidden)) after every step that
+        # reaches the logits, with the states the logits came from (the draft's features)
+        self.hidden_states_sink: Callable[[ForwardBatch, torch.Tensor], None] | None = None
         pre_model_load_memory = self.init_torch_distributed()
         self.forward_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         torch.manual_seed(args.operation.random_seed)
@@ -249,7 +252,12 @@ class ModelRunner:
         Raises:
             ValueError: the step stops before the stage's last layer (a partial SPLIT_PREFILL).
         """
+        sink = self.hidden_states_sink
+        forward_batch.capture_hidden_states = sink is not None
         output = self.forward(forward_batch, pp_proxy_tensors)
+        if sink is not None and isinstance(output, LogitsProcessorOutput):
+            assert output.hidden_states is not None  # the model honours capture_hidden_states
+            sink(forward_batch, output.hidden_states)
         if output is None:
             raise ValueError(
                 "forward_and_sample needs a step that reaches the last layer (not a partial SPLIT_PREFILL)"
