@@ -13,9 +13,13 @@ on two models: ``random`` (the random Llama as is) and ``copying`` (the same che
 continue a 16-token cycle, ``tiny_checkpoint.make_cycle_checkpoint``; its repetitive prompts are
 that cycle, so it shows what prompt lookup gives a model that copies its context).
 
-Proposers: ``none``, ``NGRAM`` (prompt lookup) and ``STANDALONE`` with a layer-skip draft: the
+Proposers: ``none``, ``NGRAM`` (prompt lookup), ``STANDALONE`` with a layer-skip draft: the
 target's first ``--draft-layers`` decoder layers with its embeddings and LM head
-(``tiny_checkpoint.make_draft_checkpoint``), run by its own runner and KV pool.
+(``tiny_checkpoint.make_draft_checkpoint``), run by its own runner and KV pool, and ``EAGLE``
+with a one-layer EAGLE head (``speculative/eagle_checkpoint.py``): on ``random`` an untrained
+head of random weights (its acceptance is what chance gives: no head is trained here), on
+``copying`` the head built to predict the cycle's next feature from the target's hidden state
+(``make_cycle_eagle_checkpoint``: what a head that learned the target's features gives).
 
 Columns: ``accept len`` = tokens a request gains per verify step (kept drafts + 1; SGLang's
 accept length), ``accept rate`` = kept / proposed draft tokens, ``target steps / token`` =
@@ -48,13 +52,14 @@ from shardline_runtime.managers.scheduler import Scheduler
 from shardline_runtime.managers.tp_worker import TpModelWorker
 from shardline_runtime.sampling.sampling_params import SamplingParams
 from shardline_runtime.server_args import ServerArgs
+from shardline_runtime.speculative.eagle_checkpoint import make_cycle_eagle_checkpoint, make_eagle_checkpoint
 from shardline_runtime.tiny_checkpoint import (
     make_cycle_checkpoint,
     make_draft_checkpoint,
     make_tiny_checkpoint,
 )
 
-PROPOSERS = (None, "NGRAM", "STANDALONE")
+PROPOSERS = (None, "NGRAM", "STANDALONE", "EAGLE")
 CYCLE = list(range(11, 11 + 16))
 
 
@@ -83,6 +88,8 @@ def run(model: Path, algorithm: str | None, prompts, batch: int, max_new: int, d
     extra = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": steps + 1} if algorithm else {}
     if algorithm == "STANDALONE":
         extra["speculative_draft_model_path"] = str(model.parent / f"{model.name}-draft")
+    if algorithm == "EAGLE":
+        extra["speculative_draft_model_path"] = str(model.parent / f"{model.name}-eagle")
     args = ServerArgs(model_path=str(model), device=device, max_total_tokens=8192,
                       disable_cuda_graph=True, disable_overlap_schedule=True, disable_radix_cache=True, **extra)
     scheduler = Scheduler(args, 0, TpModelWorker(args, 0))
@@ -130,6 +137,8 @@ def main() -> None:
     p.add_argument("--num-steps", type=int, default=4, help="--speculative-num-steps (drafts per verify)")
     p.add_argument("--draft-layers", type=int, default=1, help="STANDALONE: the draft's decoder layers")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--proposers", default=",".join(str(x) for x in PROPOSERS),
+                   help="comma-separated subset of None,NGRAM,STANDALONE,EAGLE (None: the baseline, always run)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -139,6 +148,8 @@ def main() -> None:
         copying = make_cycle_checkpoint(model, Path(tmp) / "copying", CYCLE, 8.0)
         for target in (model, copying):
             make_draft_checkpoint(target, target.parent / f"{target.name}-draft", num_layers=a.draft_layers)
+        make_eagle_checkpoint(model, Path(tmp) / "m-eagle")
+        make_cycle_eagle_checkpoint(copying, Path(tmp) / "copying-eagle", CYCLE)
         print("| model | prompts | batch | proposer | accept len | accept rate | target steps / token | ms / step | ms / token |")
         print("|---|---|---|---|---|---|---|---|---|")
         for label, path in (("random", model), ("copying", copying)):
@@ -150,7 +161,10 @@ def main() -> None:
 def table_rows(label: str, name: str, path: Path, prompts, batch: int, a) -> None:
     """One table row per proposer; raises SystemExit when speculation changed the output."""
     base = None
+    chosen = set(a.proposers.split(","))
     for algorithm in PROPOSERS:
+        if algorithm is not None and algorithm not in chosen:
+            continue
         r = run(path, algorithm, prompts, batch, a.max_new_tokens, a.device, a.num_steps)
         if base is None:
             base = r["outputs"]

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .parallelism import MAX_PIPELINE, MAX_WORLD_SIZE, ParallelismSpec
+from .spec_draft import check_draft_source, parse_draft_model
 from .spec_fields import field_value, int_in, one_of
 from .spec_model import LABEL_VALUE as _LABEL_VALUE
 from .spec_model import SECRET_NAME as _SECRET_NAME
@@ -23,7 +24,6 @@ from .spec_types import (
     ADMIN_API_KEY_ENV,
     API_KEY_ENV,
     DEFAULT_MAX_LORAS_PER_BATCH,
-    DRAFT_MODEL_ALGORITHMS,
     DRAIN_TIMEOUT_FLAG,
     DTYPES,
     GPU_RESOURCE,
@@ -96,25 +96,6 @@ _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 
 
-def _draft_model_path(raw: dict[str, Any], path: str, algorithm: str) -> str | None:
-    """``draftModel.path``: required by a draft-model algorithm, refused otherwise; an absolute
-    directory (on ``spec.model``'s volume). Raises :class:`SpecError` naming the field."""
-    draft = field_value(raw, "draftModel", path, dict)
-    if algorithm not in DRAFT_MODEL_ALGORITHMS:
-        if draft is not None:
-            raise SpecError(
-                f"{path}.draftModel is not used by algorithm {algorithm}; "
-                f"it needs one of {', '.join(DRAFT_MODEL_ALGORITHMS)}"
-            )
-        return None
-    if draft is None:
-        raise SpecError(f"{path}.draftModel is required with algorithm {algorithm}")
-    draft_path = field_value(draft, "path", f"{path}.draftModel", str, required=True)
-    if not draft_path.startswith("/"):
-        raise SpecError(f"{path}.draftModel.path must be an absolute path, got {draft_path!r}")
-    return draft_path
-
-
 def parse_runtime(raw: Mapping[str, Any]) -> RuntimeSpec:
     """Parse ``spec.runtime``. Raises :class:`SpecError`."""
     path = "spec.runtime"
@@ -169,7 +150,7 @@ def parse_runtime(raw: Mapping[str, Any]) -> RuntimeSpec:
         speculative = SpeculativeSpec(
             algorithm=algorithm,
             num_draft_tokens=int_in(spec_raw, "numDraftTokens", spath, 5, 2, 16),
-            draft_model_path=_draft_model_path(spec_raw, spath, algorithm),
+            draft_model_path=parse_draft_model(spec_raw, spath, algorithm),
         )
     return RuntimeSpec(
         image=image,
@@ -298,6 +279,8 @@ def parse_spec(name: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> 
             "spec.model.cache.volume must be a shared (ReadWriteMany) persistentVolumeClaim when "
             f"an hf:// or s3:// spec.model.uri serves groups of {parallelism.pods_per_group} pods"
         )
+    runtime = parse_runtime(field_value(spec, "runtime", "spec", dict, required=True))
+    check_draft_source(runtime.speculative, model)
     return DeploymentSpec(
         name=name,
         namespace=namespace,
@@ -305,7 +288,7 @@ def parse_spec(name: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> 
         replicas=int_in(spec, "replicas", "spec", 1, 0, MAX_REPLICAS),
         model=model,
         parallelism=parallelism,
-        runtime=parse_runtime(field_value(spec, "runtime", "spec", dict, required=True)),
+        runtime=runtime,
         weight_update=parse_weight_update(update_raw),
         restart_policy=RestartPolicySpec(
             max_group_restarts=int_in(

@@ -67,8 +67,11 @@ RESERVED_FLAGS = (
     "--speculative-draft-model-path",
 )
 # speculative decoding algorithms the runtime implements (its --speculative-algorithm)
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
-DRAFT_MODEL_ALGORITHMS = ("STANDALONE",)  # those that need spec.runtime.speculative.draftModel
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE")
+DRAFT_MODEL_ALGORITHMS = (
+    "STANDALONE",
+    "EAGLE",
+)  # those that need spec.runtime.speculative.draftModel
 DEFAULT_MAX_LORAS_PER_BATCH = 8  # the runtime's --max-loras-per-batch default
 # The keys reach the runtime only through these env vars, filled from Secrets (spec.auth).
 API_KEY_ENV = "SHARDLINE_API_KEY"

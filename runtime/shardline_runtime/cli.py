@@ -87,6 +87,7 @@ def fetch_model_args(args: ServerArgs) -> ServerArgs:
     """
     from shardline_runtime.model_loader.model_source import fetch_to_local, parse_model_source
 
+    args = fetch_draft_args(args)
     source = parse_model_source(args.model_path)
     if not source.is_remote:
         return args
@@ -103,6 +104,27 @@ def fetch_model_args(args: ServerArgs) -> ServerArgs:
         or (source.location if source.scheme == "hf" else str(source)),
         revision=args.revision or fetched.revision,
     )
+
+
+def fetch_draft_args(args: ServerArgs) -> ServerArgs:
+    """``args`` with a remote ``--speculative-draft-model-path`` (hf://, s3://, ORG/NAME) fetched
+    into ``--download-dir`` the same way as ``--model-path`` and replaced by the local, verified
+    directory (the draft's own cache entry, bounded by ``--download-max-bytes`` like the
+    target's).
+
+    Raises:
+        ModelSourceError: naming ``--speculative-draft-model-path``; see
+            :func:`shardline_runtime.model_loader.model_source.fetch_model`.
+    """
+    from shardline_runtime.model_loader.model_source import fetch_to_local, parse_model_source
+
+    draft = args.speculative_draft_model_path
+    if not draft:
+        return args
+    if not parse_model_source(draft, field="--speculative-draft-model-path").is_remote:
+        return args
+    fetched = fetch_to_local(draft, args.download_dir, max_bytes=args.download_max_bytes)
+    return args.replace(speculative_draft_model_path=str(fetched.path))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ def to_device(
     """
     device = torch.device(device)
     if isinstance(values, torch.Tensor):
-        host = values if dtype is None else values.to(dtype)
+        host = values if dtype is None or values.dtype == dtype else values.to(dtype)
         if host.device.type == device.type:
             return host
     else:

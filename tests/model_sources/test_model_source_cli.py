@@ -65,6 +65,29 @@ def test_fetched_args_report_the_resolved_commit(hub, tmp_path):
     assert fetch_model_args(args).revision == hub.repos["shardline/tiny-llama"].refs["v1"]
 
 
+def test_a_hub_draft_is_fetched_like_the_model(hub, tmp_path):
+    args = ServerArgs(model_path="hf://shardline/tiny-llama@v1", download_dir=str(tmp_path),
+                      speculative_algorithm="STANDALONE", speculative_draft_model_path="hf://shardline/tiny-llama@v1")
+    fetched = fetch_model_args(args)
+    draft = Path(fetched.speculative_draft_model_path)
+    assert checkpoint_files(draft) == checkpoint_files(Path(fetched.model_path))
+
+
+def test_an_s3_draft_is_fetched_into_the_download_dir(s3, tmp_path, tiny_checkpoint):
+    _, bucket = s3
+    args = ServerArgs(model_path=str(tiny_checkpoint("llama")), download_dir=str(tmp_path),
+                      speculative_algorithm="STANDALONE", speculative_draft_model_path=f"s3://{bucket}/tiny/v1")
+    draft = Path(fetch_model_args(args).speculative_draft_model_path)
+    assert checkpoint_files(draft) == checkpoint_files(Path(tiny_checkpoint("llama")))
+
+
+def test_a_malformed_draft_reference_names_the_draft_flag(tmp_path):
+    args = ServerArgs(model_path="/m", download_dir=str(tmp_path),
+                      speculative_algorithm="STANDALONE", speculative_draft_model_path="hf://only-one-part")
+    with pytest.raises(ModelSourceError, match="--speculative-draft-model-path"):
+        fetch_model_args(args)
+
+
 def test_unsupported_load_format_is_refused_naming_the_choices(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--model-path", "/m", "--load-format", "gguf"])

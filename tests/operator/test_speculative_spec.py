@@ -26,8 +26,9 @@ def test_absent_speculative_is_off():
 @pytest.mark.parametrize(
     ("speculative", "extra", "message"),
     [
-        ({"algorithm": "EAGLE"}, {}, "spec.runtime.speculative.algorithm must be one of NGRAM, STANDALONE"),
-        ({}, {}, "spec.runtime.speculative.algorithm must be one of NGRAM, STANDALONE"),
+        ({"algorithm": "EAGLE3"}, {}, "spec.runtime.speculative.algorithm must be one of NGRAM, STANDALONE, EAGLE"),
+        ({}, {}, "spec.runtime.speculative.algorithm must be one of NGRAM, STANDALONE, EAGLE"),
+        ({"algorithm": "EAGLE"}, {}, "spec.runtime.speculative.draftModel is required with algorithm EAGLE"),
         ({"algorithm": "NGRAM", "numDraftTokens": 1}, {}, "numDraftTokens"),
         ({"algorithm": "NGRAM"}, {"parallelism": {"tensor": 2, "pipeline": 2, "gpusPerPod": 4}},
          "not served with spec.parallelism.pipeline > 1"),
@@ -44,6 +45,15 @@ def test_speculative_flags_are_reserved():
         parse_spec("m", "ns", "u", {**BASE, "runtime": {"image": "r:1", "args": ["--speculative-algorithm=NGRAM"]}})
 
 
+def test_eagle_renders_the_head_path():
+    from shardline_operator.runtime_args import ServedModel, runtime_args
+
+    parsed = parse_spec("m", "ns", "u", _spec({"algorithm": "EAGLE", "draftModel": {"path": "/models/head"}}))
+    args = runtime_args(parsed, 0, ServedModel.desired(parsed))
+    assert args[args.index("--speculative-algorithm") + 1] == "EAGLE"
+    assert args[args.index("--speculative-draft-model-path") + 1] == "/models/head"
+
+
 def test_standalone_renders_the_draft_model_path():
     from shardline_operator.runtime_args import ServedModel, runtime_args
 
@@ -58,9 +68,30 @@ def test_standalone_renders_the_draft_model_path():
         ({"algorithm": "STANDALONE"}, "spec.runtime.speculative.draftModel is required with algorithm STANDALONE"),
         ({"algorithm": "NGRAM", "draftModel": {"path": "/d"}}, "draftModel is not used by algorithm NGRAM"),
         ({"algorithm": "STANDALONE", "draftModel": {"path": "d"}}, "draftModel.path must be an absolute path"),
-        ({"algorithm": "STANDALONE", "draftModel": {}}, "spec.runtime.speculative.draftModel.path"),
+        ({"algorithm": "STANDALONE", "draftModel": {}}, "set exactly one of spec.runtime.speculative.draftModel.path"),
+        ({"algorithm": "EAGLE", "draftModel": {"path": "/d", "uri": "hf://o/n"}}, "set exactly one of"),
+        ({"algorithm": "EAGLE", "draftModel": {"uri": "pvc://claim/d"}},
+         "draftModel.uri must be hf://ORG/NAME\\[@REVISION\\] or s3://BUCKET/PREFIX"),
     ],
 )
 def test_draft_model_fields_are_checked(speculative, message):
     with pytest.raises(SpecError, match=message):
         parse_spec("m", "ns", "u", _spec(speculative))
+
+
+REMOTE = {"name": "m", "uri": "hf://org/target@v1"}
+
+
+def test_a_draft_uri_renders_as_the_draft_path():
+    from shardline_operator.runtime_args import ServedModel, runtime_args
+
+    raw = {**_spec({"algorithm": "EAGLE", "draftModel": {"uri": "hf://org/head@v2"}}), "model": REMOTE}
+    parsed = parse_spec("m", "ns", "u", raw)
+    args = runtime_args(parsed, 0, ServedModel.desired(parsed))
+    assert args[args.index("--speculative-draft-model-path") + 1] == "hf://org/head@v2"
+
+
+def test_a_draft_uri_needs_a_remote_target():
+    raw = _spec({"algorithm": "STANDALONE", "draftModel": {"uri": "s3://bucket/draft"}})
+    with pytest.raises(SpecError, match="draftModel.uri needs an hf:// or s3:// spec.model.uri"):
+        parse_spec("m", "ns", "u", raw)

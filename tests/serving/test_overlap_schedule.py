@@ -43,9 +43,9 @@ def _count_placeholders(scheduler) -> list[int]:
     seen = [0]
     resolve = scheduler.overlap.future_map.resolve
 
-    def counting(input_ids):
+    def counting(input_ids, *rest):
         seen[0] += int((input_ids < 0).sum())
-        return resolve(input_ids)
+        return resolve(input_ids, *rest)
 
     scheduler.overlap.future_map.resolve = counting
     return seen

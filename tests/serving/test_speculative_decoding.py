@@ -92,17 +92,13 @@ def test_sampled_output_follows_the_distribution_without_speculation(cycle_ckpt)
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        ({"speculative_algorithm": "EAGLE"}, "--speculative-algorithm EAGLE is not implemented"),
+        ({"speculative_algorithm": "EAGLE3"}, "--speculative-algorithm EAGLE3 is not implemented"),
         ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 2}, "--speculative-eagle-topk 2"),
         ({"speculative_algorithm": "NGRAM", "pp_size": 2}, "not supported with --pp-size > 1"),
         ({"speculative_algorithm": "NGRAM", "enable_lora": True}, "not supported with --enable-lora"),
         ({"speculative_draft_model_path": "/d"}, "--speculative-draft-model-path needs"),
         ({"speculative_algorithm": "STANDALONE"}, "STANDALONE needs --speculative-draft-model-path"),
         ({"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "/d"}, "is not used by"),
-        (
-            {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "hf://org/draft"},
-            "must be a local checkpoint directory",
-        ),
         (
             {"speculative_algorithm": "NGRAM", "speculative_num_steps": 2, "speculative_num_draft_tokens": 5},
             "num-draft-tokens must be num-steps \\+ 1",

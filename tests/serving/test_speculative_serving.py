@@ -1,6 +1,6 @@
 """A real server with ``--speculative-algorithm NGRAM`` against the shared server without it
 (same checkpoint): the same greedy text, stop strings cut at the same place, logprobs per
-token, ``n > 1``, and the acceptance metrics on ``/metrics``."""
+token, ``n > 1``, and the acceptance metrics on ``/metrics``; STANDALONE and EAGLE at TP=2."""
 
 from __future__ import annotations
 
@@ -101,6 +101,26 @@ def test_standalone_tp2_greedy_text_equals_the_server_without_speculation(standa
     plain = _complete(server, max_tokens=40)["choices"][0]["text"]
     assert spec == plain
     assert _metric(standalone_tp2_server, "shardline:spec_accept_length") > 1.0
+
+
+@pytest.fixture(scope="module")
+def eagle_tp2_server(serving_checkpoint, checkpoint_dir, tmp_path_factory):
+    # a random EAGLE head: TP-sharded beside the target, fed the target's hidden states
+    from shardline_runtime.speculative.eagle_checkpoint import make_eagle_checkpoint
+
+    head = make_eagle_checkpoint(serving_checkpoint, tmp_path_factory.mktemp("eagle-head"))
+    srv = start_server(serving_checkpoint, checkpoint_dir, "--max-total-tokens", str(POOL),
+                       "--served-model-name", MODEL, "--speculative-algorithm", "EAGLE",
+                       "--speculative-draft-model-path", str(head), "--tp-size", "2")
+    yield srv
+    srv.stop()
+
+
+def test_eagle_tp2_greedy_text_equals_the_server_without_speculation(eagle_tp2_server, server):
+    spec = _complete(eagle_tp2_server, max_tokens=40)["choices"][0]["text"]
+    plain = _complete(server, max_tokens=40)["choices"][0]["text"]
+    assert spec == plain
+    assert _metric(eagle_tp2_server, "shardline:spec_verify_steps") > 0
 
 
 def test_a_draft_update_on_a_server_without_a_draft_model_is_a_400(server):

@@ -36,12 +36,16 @@ class LogitsProcessorOutput:
         input_token_logprobs: per request a (n_i,) float32 tensor (see module docstring), or None.
         input_top_logprobs_val / input_top_logprobs_idx: per request (n_i, k_i) float32 values and
             int64 token ids of the top ``top_logprobs_nums[i]`` logprobs at the same positions.
+        hidden_states: (T, hidden_size), the states the logits were computed from, for every
+            token of the step; only when ``forward_batch.capture_hidden_states`` (EAGLE's
+            features), else None.
     """
 
     next_token_logits: torch.Tensor
     input_token_logprobs: list[torch.Tensor] | None = None
     input_top_logprobs_val: list[torch.Tensor] | None = None
     input_top_logprobs_idx: list[torch.Tensor] | None = None
+    hidden_states: torch.Tensor | None = None
 
 
 class LogitsProcessor(nn.Module):
@@ -71,14 +75,18 @@ class LogitsProcessor(nn.Module):
         """input_ids (T,), hidden_states (T, hidden) -> logits of each request's last token
         (TARGET_VERIFY: of every token, ``next_token_logits`` (T, vocab))."""
         mode = forward_batch.forward_mode
+        captured = hidden_states if getattr(forward_batch, "capture_hidden_states", False) else None
         if mode.is_target_verify():
-            return LogitsProcessorOutput(next_token_logits=self._logits(hidden_states, lm_head))
+            logits = self._logits(hidden_states, lm_head)
+            return LogitsProcessorOutput(next_token_logits=logits, hidden_states=captured)
         if mode.is_extend() and forward_batch.extend_seq_lens is not None:
             last = torch.cumsum(forward_batch.extend_seq_lens, dim=0) - 1
             last_hidden = hidden_states[last]
         else:
             last_hidden = hidden_states
-        out = LogitsProcessorOutput(next_token_logits=self._logits(last_hidden, lm_head))
+        out = LogitsProcessorOutput(
+            next_token_logits=self._logits(last_hidden, lm_head), hidden_states=captured
+        )
         if mode.is_extend() and forward_batch.return_logprob:
             self._prompt_logprobs(out, input_ids, hidden_states, lm_head, forward_batch)
         return out

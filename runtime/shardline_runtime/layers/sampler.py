@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -91,7 +92,8 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     other dtypes) ``max(dim).indices``, which gives the same indices.
     """
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
-        return torch.from_numpy(logits.numpy().argmax(axis=-1).astype("int64", copy=False))
+        ids = logits.numpy().argmax(axis=-1)
+        return torch.from_numpy(ids if ids.dtype == np.int64 else ids.astype(np.int64))
     return logits.max(dim=-1).indices
 
 
@@ -137,7 +139,10 @@ class Sampler(nn.Module):
             raise ValueError(
                 f"logits have {logits.shape[-1]} columns < vocab_size {sampling_info.vocab_size}"
             )
-        logits = logits[:, : sampling_info.vocab_size].float()
+        if logits.shape[-1] != sampling_info.vocab_size:
+            logits = logits[:, : sampling_info.vocab_size]
+        if logits.dtype != torch.float32:
+            logits = logits.float()
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1) if return_logprob or top_logprobs_nums else None
         )

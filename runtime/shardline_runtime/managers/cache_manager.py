@@ -30,8 +30,9 @@ class CacheManager:
         max_total_num_tokens: KV slots in the pool (for :meth:`used_tokens`).
 
     Attributes:
-        on_release: called with a request's id each time :meth:`release` gives its KV back
-            (finish, abort, retraction): a speculative proposer's per-request state goes with it.
+        on_release: called with a request's id and the row it held (None: it held none) each
+            time :meth:`release` gives its KV back (finish, abort, retraction): a speculative
+            proposer's per-request state goes with it.
     """
 
     def __init__(
@@ -45,7 +46,7 @@ class CacheManager:
         self.req_to_token_pool = req_to_token_pool
         self.tree_cache = tree_cache
         self.max_total_num_tokens = max_total_num_tokens
-        self.on_release: Callable[[str], None] | None = None
+        self.on_release: Callable[[str, int | None], None] | None = None
 
     def available_size(self) -> int:
         """KV slots a new step can get: free slots plus unlocked prefix-cache slots."""
@@ -90,6 +91,7 @@ class CacheManager:
     def release(self, req: Req) -> None:
         """Give back ``req``'s KV: insert its computed tokens into the prefix cache (the cache
         keeps one copy of each prefix, duplicates are freed), free its row, unlock its prefix."""
+        held_row = req.req_pool_idx
         if req.req_pool_idx is not None:
             row, kv_len = req.req_pool_idx, req.kv_len
             tokens = (req.origin_input_ids + req.output_ids)[:kv_len]
@@ -110,4 +112,4 @@ class CacheManager:
         req.tree_prefix_len = 0
         req.prefix_indices = torch.zeros(0, dtype=torch.int64)
         if self.on_release is not None:
-            self.on_release(req.rid)
+            self.on_release(req.rid, held_row)

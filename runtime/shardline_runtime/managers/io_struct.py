@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from shardline_runtime.configs.pooling_config import PoolingConfig
 from shardline_runtime.constrained.grammar_spec import GrammarSpec
+from shardline_runtime.managers.message_pickling import compact_pickle
 from shardline_runtime.sampling.sampling_params import SamplingParams
 from shardline_runtime.weights_state import WeightsState
 
@@ -399,3 +400,6 @@ class RebalanceExpertsReqOutput:
     imbalance_before: float | None = None
     imbalance_after_expected: float | None = None
     moved_experts: int = 0
+
+
+compact_pickle(FinishReason, TokenLogprob, Usage, TokenOut, BatchTokenOut)  # sent every step

@@ -45,6 +45,9 @@ class ModelWorkerBatch:
             caller-given embeddings, or None.
         grammar_bitmask: (bs, ceil(vocab / 32)) int32 on the CPU, the tokens each row may
             sample (constrained decoding; free rows all ones), or None when no row is constrained.
+        future_rows: (overlap) every input id is a future placeholder: the request rows, in
+            order (``req_pool_indices``); None otherwise. ``FutureMap.resolve`` then hands over
+            the previous step's sampled ids when that step ran the same rows.
     """
 
     forward_mode: ForwardMode
@@ -63,6 +66,7 @@ class ModelWorkerBatch:
     input_embeds_indices: torch.Tensor | None = None
     input_embeds_values: torch.Tensor | None = None
     grammar_bitmask: torch.Tensor | None = None
+    future_rows: list[int] | None = None
 
     @property
     def batch_size(self) -> int:

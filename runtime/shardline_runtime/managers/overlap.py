@@ -53,21 +53,36 @@ class FutureMap:
         self.device = device
         # zeros, not garbage: a row that never sampled still resolves to a valid id
         self.token_ids = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        self._last_rows: list[int] = []
+        # a deferred store: (rows on the host, rows on the device, their sampled ids)
+        self._pending: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
+        self._last_rows_device = torch.zeros(0, dtype=torch.int64, device=device)
 
-    def resolve(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def resolve(
+        self, input_ids: torch.Tensor, future_rows: list[int] | None = None
+    ) -> torch.Tensor:
         """(T,) int64 ids on the device with every placeholder replaced by its row's token.
 
         Args:
             input_ids: (T,) int64 on the host (which ids are placeholders is known there, so a
                 step of placeholders only, a decode step after another, is one gather).
+            future_rows: set when every id is a placeholder, the request rows in order (the
+                host knows it). When they are the rows of the last :meth:`store`, in the same
+                order (a running batch decoding step after step), that step's sampled ids are
+                this step's inputs as they are: no gather, and that store was never written.
         """
+        pending = self._pending
+        if pending is not None:
+            if future_rows is not None and future_rows == pending[0]:
+                return pending[2]
+            self._write_pending()
         if input_ids.shape[0] <= 256:  # a decode step: Python over a short list is cheaper
             ids_list = input_ids.tolist()
             rows_list = [-i - 1 for i in ids_list if i < 0]
             if not rows_list:
                 return to_device(input_ids, self.device)
             if len(rows_list) == len(ids_list):
-                return self.token_ids[to_device(rows_list, self.device, torch.int64)]
+                return self.token_ids[self._rows_on_device(rows_list)]
         placeholders = input_ids < 0
         if not bool(placeholders.any()):
             return to_device(input_ids, self.device)
@@ -75,12 +90,43 @@ class FutureMap:
         ids = to_device(input_ids, self.device)
         return torch.where(to_device(placeholders, self.device), self.token_ids[rows], ids)
 
+    def _write_pending(self) -> None:
+        """Write the deferred store (device ops only)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.token_ids[pending[1]] = pending[2]
+
+    def _rows_on_device(self, rows: list[int]) -> torch.Tensor:
+        """``rows`` as an int64 device tensor; the same rows as the last call (a running batch
+        decoding step after step) reuse that call's tensor: no new host tensor, no copy."""
+        if rows != self._last_rows:
+            self._last_rows, self._last_rows_device = (
+                rows,
+                to_device(rows, self.device, torch.int64),
+            )
+        return self._last_rows_device
+
     def store(
-        self, req_pool_indices: torch.Tensor, next_token_ids: torch.Tensor, every_row: bool = False
+        self,
+        req_pool_indices: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        every_row: bool = False,
+        rows: list[int] | None = None,
     ) -> None:
         """Record each row's sampled token ((bs,) int64 on the device; -1 rows keep theirs, unless
         ``every_row`` says, from the host, that every row sampled). Device ops only: no host
-        synchronisation."""
+        synchronisation.
+
+        With ``every_row`` and ``rows`` (``req_pool_indices`` on the host) the write is deferred:
+        the next :meth:`resolve` of exactly these rows takes the ids as they are, any other
+        resolve or store writes them first. A later store of the same rows replaces a deferred
+        one (every row then holds a newer token)."""
+        pending = self._pending
+        if pending is not None and not (every_row and rows == pending[0]):
+            self._write_pending()
+        if every_row and rows is not None:
+            self._pending = (rows, req_pool_indices, next_token_ids)
+            return
         if every_row:
             self.token_ids[req_pool_indices] = next_token_ids
             return
@@ -129,10 +175,11 @@ def launch_step(
         context = torch.cuda.stream(stream)
     with context:
         if future_map is not None:
-            batch.input_ids = future_map.resolve(batch.input_ids)
+            batch.input_ids = future_map.resolve(batch.input_ids, batch.future_rows)
         result = worker.forward_batch_generation(batch)
         if future_map is not None:
             rows = result.forward_batch.req_pool_indices  # on the device already
-            future_map.store(rows, result.next_token_ids, every_row=all(batch.wants_token))
+            every_row = all(batch.wants_token)
+            future_map.store(rows, result.next_token_ids, every_row, batch.req_pool_indices)
         result.copy_to_cpu()
     return result

@@ -41,6 +41,9 @@ class KVCacheFullError(RuntimeError):
 
 __all__ = ["FinishReason", "KVCacheFullError", "Req", "ScheduleBatch"]
 
+# the per-token state of a batch with no prepared step (shared, never written in place)
+_NO_SLOTS = torch.zeros(0, dtype=torch.int64)
+
 
 class ScheduleBatch:
     """Requests that run one step together, and the KV bookkeeping for that step.
@@ -72,7 +75,7 @@ class ScheduleBatch:
         self.device = torch.device(device)
         self.forward_mode = ForwardMode.IDLE
         self.input_ids: list[int] = []
-        self.out_cache_loc = torch.zeros(0, dtype=torch.int64)
+        self.out_cache_loc = _NO_SLOTS
         self.req_pool_indices: list[int] = []
         self.seq_lens: list[int] = []
         self.prefix_lens: list[int] = []
@@ -80,6 +83,7 @@ class ScheduleBatch:
         self.sampling_info: SamplingBatchInfo | None = None
         # overlap scheduling: a decode input may be the token the step in flight samples
         self.future_tokens = False
+        self._future_ids_cache: tuple[list[int], torch.Tensor] = ([], _NO_SLOTS)
         # The request of this EXTEND whose prefill continues in a later step (set when formed):
         # with pipeline micro-batches or overlap scheduling the scheduler's own ``chunked_req``
         # may have moved on by the time this batch's result is processed.
@@ -182,15 +186,7 @@ class ScheduleBatch:
         Returns the slots and each request's input id."""
         input_ids = [self._decode_input_id(r) for r in reqs]
         slots = self._alloc_slots(len(reqs))
-        if len(reqs) == 1:  # a plain element write, no index tensors
-            self.req_to_token_pool.write(
-                (reqs[0].row, slice(reqs[0].kv_len, reqs[0].kv_len + 1)), slots
-            )
-        else:
-            index = torch.tensor(
-                [[r.row for r in reqs], [r.kv_len for r in reqs]], dtype=torch.int64
-            )
-            self.req_to_token_pool.write((index[0], index[1]), slots)  # one write for the batch
+        self.req_to_token_pool.write_tokens([r.row for r in reqs], [r.kv_len for r in reqs], slots)
         for req in reqs:
             req.kv_len += 1
         return slots, input_ids
@@ -262,7 +258,7 @@ class ScheduleBatch:
         self.req_pool_indices = [r.row for r in self.reqs]
         self.seq_lens = [r.kv_len for r in self.reqs]
         self.input_ids, self.prefix_lens, self.extend_lens = [], [], []
-        self.out_cache_loc = torch.zeros(0, dtype=torch.int64)
+        self.out_cache_loc = _NO_SLOTS
         if self.sampling_info is not None:
             self.sampling_info.filter_batch(keep_indices)
 
@@ -309,9 +305,16 @@ class ScheduleBatch:
                 else n
                 for r, p, n in zip(reqs, self.prefix_lens, self.extend_lens)
             ]
+        futures = (
+            self.future_tokens
+            and self.forward_mode.is_decode()
+            and all(i < 0 for i in self.input_ids)
+        )
         batch = ModelWorkerBatch(
             forward_mode=self.forward_mode,
-            input_ids=torch.as_tensor(self.input_ids, dtype=torch.int64),
+            input_ids=self._future_ids()
+            if futures
+            else torch.as_tensor(self.input_ids, dtype=torch.int64),
             req_pool_indices=list(self.req_pool_indices),
             seq_lens=list(self.seq_lens),
             out_cache_loc=self.out_cache_loc,
@@ -329,7 +332,19 @@ class ScheduleBatch:
             self._attach_input_embeds(batch)
         if any(r.grammar is not None for r in reqs):
             batch.grammar_bitmask = self._grammar_bitmask()
+        if futures:
+            batch.future_rows = batch.req_pool_indices  # every input is the step in flight's token
         return batch
+
+    def _future_ids(self) -> torch.Tensor:
+        """(bs,) int64 host tensor of this decode step's input ids, every one a placeholder; the
+        same rows as the last call (decoding step after step) give the same tensor back."""
+        if self.input_ids != self._future_ids_cache[0]:
+            self._future_ids_cache = (
+                self.input_ids,
+                torch.tensor(self.input_ids, dtype=torch.int64),
+            )
+        return self._future_ids_cache[1]
 
     def _grammar_bitmask(self) -> torch.Tensor:
         """(bs, ceil(vocab / 32)) int32: each constrained row that samples this step gets its

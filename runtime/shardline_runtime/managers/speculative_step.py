@@ -145,7 +145,7 @@ class SpeculativeDecoding:
             return False
         budgets = [self.draft_budget(r) for r in reqs]
         proposal = self.proposer.propose(
-            [r.origin_input_ids + r.output_ids for r in reqs], budgets, rids
+            [r.origin_input_ids + r.output_ids for r in reqs], budgets, rids, [r.row for r in reqs]
         )
         drafts = [list(d[:b]) for d, b in zip(proposal.draft_ids, budgets)]
         if not any(drafts) or not self.cache.ensure_free(sum(1 + len(d) for d in drafts)):

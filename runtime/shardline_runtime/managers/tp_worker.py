@@ -118,9 +118,9 @@ class TpModelWorker(BaseTpWorker):
         self._init_model_config(model_runner)
         self._init_model_runner(model_runner)
         self._init_limits()
-        # STANDALONE: the draft model's own runner and KV pools (raises DraftModelError)
+        # STANDALONE / EAGLE: the draft's own runner and KV pools (raises DraftModelError)
         self.draft_worker = build_draft_worker(
-            server_args, tp_rank, self.pp_rank, self.model_config, self.max_total_num_tokens
+            server_args, tp_rank, self.pp_rank, self.model_runner, self.max_total_num_tokens
         )
         # World rank 0's seed on every rank of every stage, so unseeded sampling draws the same numbers.
         self.random_seed = broadcast_pyobj_world(int(getattr(server_args, "random_seed", 0)))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from shardline_runtime.device_copy import to_device
@@ -69,6 +70,15 @@ class ReqToTokenPool:
         )
         self.free_slots: list[int] = list(range(size))
 
+    @property
+    def req_to_token_host(self) -> torch.Tensor:
+        return self._host
+
+    @req_to_token_host.setter
+    def req_to_token_host(self, table: torch.Tensor) -> None:
+        self._host = table
+        self._host_np = table.numpy()  # the same memory: element writes go through NumPy
+
     def available_size(self) -> int:
         """Number of free request rows."""
         return len(self.free_slots)
@@ -115,6 +125,24 @@ class ReqToTokenPool:
                 to_device(i, self.device) if isinstance(i, torch.Tensor) else i for i in indices
             )
         self.req_to_token[indices] = to_device(values, self.device)
+
+    def write_tokens(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
+        """``req_to_token[rows[i], positions[i]] = slots[i]`` for every i (a decode step's one
+        new slot per request), on the host copy and the device table.
+
+        Args:
+            rows / positions: host ints, one per new token.
+            slots: (len(rows),) int64 host KV slots.
+        """
+        values = slots.numpy()
+        if len(rows) == 1:  # batch 1: an element write, no index arrays
+            self._host_np[rows[0], positions[0]] = values[0]
+        else:
+            self._host_np[rows, positions] = values
+        if self.req_to_token_host is self.req_to_token:
+            return
+        index = to_device([rows, positions], self.device, torch.int64)
+        self.req_to_token[index[0], index[1]] = to_device(slots, self.device)
 
     def slots(self, row: int, start: int, end: int) -> torch.Tensor:
         """(end - start,) int64 KV slots of positions ``[start, end)`` of ``row``, read from the
@@ -262,8 +290,10 @@ class TokenToKVPoolAllocator:
 
     def clear(self) -> None:
         """Free every slot."""
-        self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64)
-        self.is_free = torch.ones(self.size + 1, dtype=torch.bool)
+        # NumPy, not torch: an allocation is a slice and one element write, each well under a
+        # microsecond in NumPy against a few in torch (a decode step allocates every step)
+        self.free_slots = np.arange(1, self.size + 1, dtype=np.int64)
+        self.is_free = np.ones(self.size + 1, dtype=np.bool_)
         self.is_free[0] = False
 
     def available_size(self) -> int:
@@ -279,7 +309,7 @@ class TokenToKVPoolAllocator:
             return None
         out, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
         self.is_free[out] = False
-        return out
+        return torch.from_numpy(out)
 
     def free(self, indices: torch.Tensor) -> None:
         """Return slots to the free list.
@@ -300,13 +330,13 @@ class TokenToKVPoolAllocator:
                 f"KV slots to free must be host tensors (reading {indices.device} would wait "
                 "for the device), got one on " + str(indices.device)
             )
-        indices = indices.to(torch.int64).flatten()
-        low, high = int(indices.min()), int(indices.max())
+        slots = indices.to(torch.int64).flatten().numpy()
+        low, high = int(slots.min()), int(slots.max())
         if low < 1 or high > self.size:
             raise ValueError(
                 f"KV slots to free must be in [1, {self.size}], got min {low} max {high}"
             )
-        if bool(self.is_free[indices].any()) or indices.unique().numel() != indices.numel():
+        if bool(self.is_free[slots].any()) or np.unique(slots).shape[0] != slots.shape[0]:
             raise ValueError("double free of KV slots: some are already free or repeated")
-        self.is_free[indices] = True
-        self.free_slots = torch.cat((self.free_slots, indices))
+        self.is_free[slots] = True
+        self.free_slots = np.concatenate((self.free_slots, slots))

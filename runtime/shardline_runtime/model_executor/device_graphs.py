@@ -139,7 +139,10 @@ class DeviceGraphs:
             input_embeds=forward_batch.input_embeds_indices is not None,
         )
         graphs = self.decode if kind == "decode" else self.piecewise if kind else None
-        if graphs is None or not graphs.can_run(forward_batch):
+        # a step whose hidden states are captured (EAGLE's features) runs eagerly
+        if graphs is None or forward_batch.capture_hidden_states:
+            return None
+        if not graphs.can_run(forward_batch):
             return None
         # only a decode graph of a stage after the first takes proxy tensors (piecewise: pp 1)
         proxy = () if pp_proxy_tensors is None else (pp_proxy_tensors,)

@@ -82,6 +82,8 @@ class PPProxyTensors:
 
 def _as_int64(name: str, value: Any, device: torch.device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
+        if value.dtype == torch.int64 and value.device == device:
+            return value  # already there (a decode step's packed indices): no call, no copy
         if value.dtype not in (torch.int32, torch.int64):
             raise TypeError(
                 f"ForwardBatch.{name} must be an integer tensor, got dtype {value.dtype}"
@@ -146,6 +148,10 @@ class ForwardBatch:
     input_embeds_values: torch.Tensor | None = None
     # Constrained decoding: (bs, ceil(vocab / 32)) int32 allowed-token bits per row, or None.
     grammar_bitmask: torch.Tensor | None = None
+    # EAGLE: return the (T, hidden_size) states the logits come from (LogitsProcessorOutput);
+    # the draft head's input features, (T, hidden_size) in the model dtype (models/llama_eagle).
+    capture_hidden_states: bool = False
+    spec_hidden_states: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -216,7 +222,7 @@ class ForwardBatch:
             packed = to_device(
                 [rows, seq_lens_cpu, [n - 1 for n in seq_lens_cpu]], device, torch.int64
             )
-            req_pool_indices, seq_lens, positions = packed[0], packed[1], packed[2]
+            req_pool_indices, seq_lens, positions = packed.unbind(0)
         req_pool_indices = _as_int64("req_pool_indices", req_pool_indices, device)
         seq_lens = _as_int64("seq_lens", seq_lens, device)
         out_cache_loc = _as_int64("out_cache_loc", out_cache_loc, device)

@@ -46,6 +46,7 @@ from shardline_runtime.model_executor.kv_pools import (
 )
 from shardline_runtime.model_executor.memory_saver import MemorySaver
 from shardline_runtime.model_executor.model_forward import forward_eager
+from shardline_runtime.model_executor.sample_step import sample_batch
 from shardline_runtime.model_executor.verify_step import verify_batch
 from shardline_runtime.model_executor.weight_staging import StagedWeights
 from shardline_runtime.model_executor.weight_update import update_weights_from_disk
@@ -128,6 +129,9 @@ class ModelRunner:
         # SGLang's flag: False for an embedding model (sentence-transformers files in the checkpoint)
         self.is_generation = self.model_config.is_generation
         self.forward_pass_id = 0
+        # EAGLE: called as sink(forward_batch, hidden_states (T, hidden)) after every step that
+        # reaches the logits, with the states the logits came from (the draft's features)
+        self.hidden_states_sink: Callable[[ForwardBatch, torch.Tensor], None] | None = None
         pre_model_load_memory = self.init_torch_distributed()
         self.forward_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         torch.manual_seed(args.operation.random_seed)
@@ -249,7 +253,12 @@ class ModelRunner:
         Raises:
             ValueError: the step stops before the stage's last layer (a partial SPLIT_PREFILL).
         """
+        sink = self.hidden_states_sink
+        forward_batch.capture_hidden_states = sink is not None
         output = self.forward(forward_batch, pp_proxy_tensors)
+        if sink is not None and isinstance(output, LogitsProcessorOutput):
+            assert output.hidden_states is not None  # the model honours capture_hidden_states
+            sink(forward_batch, output.hidden_states)
         if output is None:
             raise ValueError(
                 "forward_and_sample needs a step that reaches the last layer (not a partial SPLIT_PREFILL)"
@@ -291,8 +300,6 @@ class ModelRunner:
     ) -> GenerationBatchResult:
         """Draw one token for each row that wants one; the only sampling path
         (:func:`~shardline_runtime.model_executor.sample_step.sample_batch`)."""
-        from shardline_runtime.model_executor.sample_step import sample_batch
-
         return sample_batch(self.sampler, logits_output, forward_batch, self.device, self.tp_size)
 
     def update_weights_from_disk(

@@ -64,7 +64,8 @@ def sample_batch(
     nums = forward_batch.top_logprobs_nums or [0] * bs
     result.top_logprobs_nums = [nums[i] if asked[i] else 0 for i in rows]
     top_nums = result.top_logprobs_nums if any(result.top_logprobs_nums) else None
-    out = sampler(logits, info, any(result.logprob_rows), top_nums)
+    # forward, not __call__: the sampler has no hooks, and __call__ is two more frames a step
+    out = sampler.forward(logits, info, any(result.logprob_rows), top_nums)
     if out.next_token_logprobs is not None and tp_size > 1:
         distributed.broadcast_tensor(out.next_token_logprobs, src=0)
     if forward_batch.sampling_info.penalties is not None:

@@ -33,6 +33,8 @@ from shardline_runtime.model_executor.forward_batch_info import ForwardBatch, Fo
 from shardline_runtime.model_executor.model_runner import ModelRunner
 from shardline_runtime.speculative.proposer import Proposal
 
+EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle"  # config.json architectures[0] of an EAGLE head
+
 
 class DraftModelError(ValueError):
     """The draft checkpoint cannot serve this target (names the flag and the mismatch)."""
@@ -76,21 +78,54 @@ def check_draft_vocab(target_vocab: int, draft_vocab: int, path: str) -> None:
 
 
 def build_draft_worker(
-    args, tp_rank: int, pp_rank: int, target_config, max_total_num_tokens: int
+    args, tp_rank: int, pp_rank: int, target: ModelRunner, max_total_num_tokens: int
 ) -> DraftWorker | None:
-    """The draft model's :class:`DraftWorker` with STANDALONE (else None): its own runner on
-    :func:`draft_server_args`, a KV pool of the target's ``max_total_num_tokens``.
+    """The draft's worker: a :class:`DraftWorker` with STANDALONE, an ``EagleWorker`` with EAGLE
+    (fed ``target``'s hidden states, sharing its embedding and LM head), else None; its own
+    runner on :func:`draft_server_args`, a KV pool of the target's ``max_total_num_tokens``.
 
     Raises:
-        DraftModelError: the draft's vocabulary is not the target's ``target_config``'s.
+        DraftModelError: the draft's vocabulary or hidden size is not the target's, or its
+            architecture does not fit the algorithm.
     """
     spec = getattr(args, "speculative", None)
-    if spec is None or spec.speculative_algorithm != "STANDALONE":
+    if spec is None or spec.speculative_algorithm not in ("STANDALONE", "EAGLE"):
         return None
-    runner = ModelRunner(draft_server_args(args, max_total_num_tokens), tp_rank, pp_rank)
+    algo = spec.speculative_algorithm
     path = str(spec.speculative_draft_model_path)
+    runner = ModelRunner(draft_server_args(args, max_total_num_tokens), tp_rank, pp_rank)
+    config, target_config = runner.model_config, target.model_config
+    check_draft_architecture(algo, config.architecture, path)
     check_draft_vocab(target_config.vocab_size, runner.model_config.vocab_size, path)
-    return DraftWorker(runner)
+    if algo == "STANDALONE":
+        return DraftWorker(runner)
+    if config.hidden_size != target_config.hidden_size:
+        raise DraftModelError(
+            f"--speculative-draft-model-path {path}: hidden_size {config.hidden_size} differs "
+            f"from the target's {target_config.hidden_size}; an EAGLE head reads its states"
+        )
+    from shardline_runtime.speculative.eagle_worker import EagleWorker
+
+    return EagleWorker(runner, target)
+
+
+def check_draft_architecture(algo: str, architecture: str, path: str) -> None:
+    """EAGLE needs an EAGLE head checkpoint, STANDALONE a causal LM.
+
+    Raises:
+        DraftModelError: naming the flag, the checkpoint's architecture and the expected one.
+    """
+    eagle = architecture == EAGLE_ARCHITECTURE
+    if algo == "EAGLE" and not eagle:
+        raise DraftModelError(
+            f"--speculative-draft-model-path {path}: config.json architectures[0] is "
+            f"{architecture!r}; --speculative-algorithm EAGLE needs {EAGLE_ARCHITECTURE!r}"
+        )
+    if algo == "STANDALONE" and eagle:
+        raise DraftModelError(
+            f"--speculative-draft-model-path {path} is an EAGLE head ({architecture}); use "
+            "--speculative-algorithm EAGLE"
+        )
 
 
 def draft_update(
@@ -104,7 +139,7 @@ def draft_update(
     if draft is None:
         return None, (
             f"draft_model_path {draft_model_path} given but this server runs no draft model "
-            "(--speculative-algorithm STANDALONE); old weights kept"
+            "(--speculative-algorithm STANDALONE or EAGLE); old weights kept"
         )
     return (draft.runner, draft_model_path), ""
 
@@ -145,8 +180,9 @@ class DraftWorker:
         alloc = self.runner.token_to_kv_pool_allocator
         return alloc.size - alloc.available_size()
 
-    def release(self, rid: str) -> None:
-        """Free ``rid``'s draft row and KV slots (no-op for an unknown id)."""
+    def release(self, rid: str, row: int | None = None) -> None:
+        """Free ``rid``'s draft row and KV slots (no-op for an unknown id; ``row``, its target
+        row, is not needed here)."""
         entry = self.entries.pop(rid, None)
         if entry is None:
             return
@@ -173,16 +209,20 @@ class DraftWorker:
             )
             del entry.tokens[keep:]
 
-    def _admit(self, rid: str, tokens: Sequence[int]) -> tuple[_Entry, int, torch.Tensor] | None:
-        """Cut ``rid``'s cache to its common prefix with ``tokens`` (the last token is always
-        run) and allocate slots for the rest; None when the draft pools are full."""
+    def _admit(
+        self, rid: str, tokens: Sequence[int], prefix: int | None = None
+    ) -> tuple[_Entry, int, torch.Tensor] | None:
+        """Cut ``rid``'s cache to ``prefix`` (default: its common prefix with ``tokens``; the
+        last token is always run) and allocate slots for the rest; None when the draft pools
+        are full."""
         entry = self.entries.get(rid)
         if entry is None:
             rows = self.runner.req_to_token_pool.alloc(1)
             if rows is None:
                 return None
             entry = self.entries[rid] = _Entry(rows[0])
-        prefix = min(common_prefix(entry.tokens, tokens), len(tokens) - 1)
+        if prefix is None:
+            prefix = min(common_prefix(entry.tokens, tokens), len(tokens) - 1)
         self._truncate(entry, prefix)
         slots = self.runner.token_to_kv_pool_allocator.alloc(len(tokens) - prefix)
         if slots is None:
@@ -191,9 +231,14 @@ class DraftWorker:
         return entry, prefix, slots
 
     def propose(
-        self, rids: Sequence[str], histories: Sequence[Sequence[int]], max_drafts: Sequence[int]
+        self,
+        rids: Sequence[str],
+        histories: Sequence[Sequence[int]],
+        max_drafts: Sequence[int],
+        rows: Sequence[int] = (),
     ) -> Proposal:
-        """Up to ``max_drafts[i]`` greedy drafts after ``histories[i]`` (module docstring).
+        """Up to ``max_drafts[i]`` greedy drafts after ``histories[i]`` (module docstring;
+        ``rows``, the target's request rows, are not needed here).
 
         Returns:
             a :class:`Proposal` without draft probabilities (point masses).
@@ -239,23 +284,32 @@ class DraftWorker:
         """DECODE steps over each request's last draft until it has ``max_drafts[i]``."""
         while True:
             step = [i for i in active if len(drafts[i]) < max_drafts[i]]
-            slots = self.runner.token_to_kv_pool_allocator.alloc(len(step)) if step else None
+            rows, lens, slots = self._append_slots(rids, step, drafts)
             if slots is None:
                 return
-            rows, lens = [], []
-            for i, slot in zip(step, slots.tolist()):
-                entry = self.entries[rids[i]]
-                self.runner.req_to_token_pool.write(
-                    (entry.row, len(entry.tokens)), torch.tensor(slot)
-                )
-                entry.tokens.append(drafts[i][-1])
-                rows.append(entry.row)
-                lens.append(len(entry.tokens))
             next_ids = self._run(
                 ForwardMode.DECODE, [drafts[i][-1] for i in step], rows, lens, slots, None
             )
             for i, t in zip(step, next_ids):
                 drafts[i].append(t)
+
+    def _append_slots(
+        self, rids: Sequence[str], step: list[int], drafts: list[list[int]]
+    ) -> tuple[list[int], list[int], torch.Tensor | None]:
+        """One KV slot after each request ``i in step`` for its last draft: its draft rows, new
+        lengths and the slots (None: no request, or the draft pool is full)."""
+        slots = self.runner.token_to_kv_pool_allocator.alloc(len(step)) if step else None
+        rows: list[int] = []
+        lens: list[int] = []
+        if slots is None:
+            return rows, lens, None
+        for i, slot in zip(step, slots.tolist()):
+            entry = self.entries[rids[i]]
+            self.runner.req_to_token_pool.write((entry.row, len(entry.tokens)), torch.tensor(slot))
+            entry.tokens.append(drafts[i][-1])
+            rows.append(entry.row)
+            lens.append(len(entry.tokens))
+        return rows, lens, slots
 
     def _run(
         self,
@@ -267,6 +321,21 @@ class DraftWorker:
         prefixes: list[int] | None,
     ) -> list[int]:
         """One draft forward; the argmax after each request's last token."""
+        output, _ = self._forward(mode, input_ids, rows, seq_lens, out_cache_loc, prefixes)
+        return output.next_token_logits.argmax(dim=-1).tolist()
+
+    def _forward(
+        self,
+        mode: ForwardMode,
+        input_ids: list[int],
+        rows: list[int],
+        seq_lens: list[int],
+        out_cache_loc: torch.Tensor,
+        prefixes: list[int] | None,
+        features: torch.Tensor | None = None,
+    ) -> tuple[LogitsProcessorOutput, ForwardBatch]:
+        """One draft forward (``features`` (T, hidden): an EAGLE head's input, whose predicted
+        features then come back in ``hidden_states``)."""
         runner = self.runner
         forward_batch = ForwardBatch.init_new(
             forward_mode=mode,
@@ -277,7 +346,8 @@ class DraftWorker:
             extend_prefix_lens=prefixes,
             model_runner=runner,
         )
+        forward_batch.spec_hidden_states = features
+        forward_batch.capture_hidden_states = features is not None
         output = runner.forward(forward_batch)
         assert isinstance(output, LogitsProcessorOutput)  # a whole model, one stage
-        logits = output.next_token_logits  # (bs, vocab)
-        return logits.argmax(dim=-1).tolist()
+        return output, forward_batch

@@ -69,6 +69,7 @@ class NgramProposer:
         histories: Sequence[Sequence[int]],
         max_drafts: Sequence[int],
         rids: Sequence[str] = (),
+        rows: Sequence[int] = (),
     ) -> Proposal:
         """Drafts per request (:func:`ngram_lookup`); no draft probabilities (point masses)."""
         return Proposal(
@@ -81,5 +82,5 @@ class NgramProposer:
     def keep(self, rid: str, tokens: Sequence[int]) -> None:
         """Nothing to drop: the lookup keeps no state between steps."""
 
-    def release(self, rid: str) -> None:
+    def release(self, rid: str, row: int | None = None) -> None:
         """Nothing to drop: the lookup keeps no state between steps."""

@@ -42,6 +42,7 @@ class Proposer(Protocol):
         histories: Sequence[Sequence[int]],
         max_drafts: Sequence[int],
         rids: Sequence[str] = (),
+        rows: Sequence[int] = (),
     ) -> Proposal:
         """Drafts for each request.
 
@@ -49,6 +50,8 @@ class Proposer(Protocol):
             histories: per request, its prompt + output token ids.
             max_drafts: per request, the most draft tokens to return (>= 0).
             rids: per request, its id (what stateful proposers key their state by).
+            rows: per request, its target request-pool row (where EAGLE's features were
+                captured); empty when unknown.
         """
         ...
 
@@ -57,13 +60,15 @@ class Proposer(Protocol):
         past their common prefix (rejected drafts) is dropped now."""
         ...
 
-    def release(self, rid: str) -> None:
-        """Drop request ``rid``'s state (no-op for an unknown id)."""
+    def release(self, rid: str, row: int | None = None) -> None:
+        """Drop request ``rid``'s state (no-op for an unknown id); ``row``: the target row it
+        held (None: none)."""
         ...
 
 
 class DraftModelProposer:
-    """A draft model's proposer (STANDALONE): the rank's :class:`DraftWorker`."""
+    """A draft model's proposer (STANDALONE, EAGLE): the rank's :class:`DraftWorker` (EAGLE:
+    its ``EagleWorker`` subclass)."""
 
     def __init__(self, draft: DraftWorker):
         self.draft = draft
@@ -73,25 +78,26 @@ class DraftModelProposer:
         histories: Sequence[Sequence[int]],
         max_drafts: Sequence[int],
         rids: Sequence[str] = (),
+        rows: Sequence[int] = (),
     ) -> Proposal:
-        return self.draft.propose(rids, histories, max_drafts)
+        return self.draft.propose(rids, histories, max_drafts, rows)
 
     def keep(self, rid: str, tokens: Sequence[int]) -> None:
         self.draft.keep(rid, tokens)
 
-    def release(self, rid: str) -> None:
-        self.draft.release(rid)
+    def release(self, rid: str, row: int | None = None) -> None:
+        self.draft.release(rid, row)
 
 
 def build_proposer(spec: SpeculativeArgs, draft: DraftWorker | None = None) -> Proposer:
     """The proposer of ``spec.speculative_algorithm``.
 
     Args:
-        draft: the worker's draft model (STANDALONE).
+        draft: the worker's draft model (STANDALONE, EAGLE).
 
     Raises:
         ValueError: an algorithm without an implementation (``ServerArgs`` refuses it first),
-            or STANDALONE without a draft worker.
+            or STANDALONE / EAGLE without a draft worker.
     """
     from shardline_runtime.speculative.ngram import NgramProposer
 
@@ -101,9 +107,9 @@ def build_proposer(spec: SpeculativeArgs, draft: DraftWorker | None = None) -> P
             spec.speculative_ngram_min_match_window_size,
             spec.speculative_ngram_max_match_window_size,
         )
-    if algo == "STANDALONE" and draft is not None:
+    if algo in ("STANDALONE", "EAGLE") and draft is not None:
         return DraftModelProposer(draft)
     raise ValueError(
         f"--speculative-algorithm {algo} has no proposer here; implemented: NGRAM, STANDALONE "
-        "(with the worker's draft model)"
+        "and EAGLE (with the worker's draft model)"
     )

@@ -2,9 +2,9 @@
 
 ``--speculative-algorithm``: ``NGRAM`` (prompt lookup: drafts are copied from the request's own
 tokens) and ``STANDALONE`` (a small draft model of the target's tokenizer,
-``--speculative-draft-model-path``, run by its own runner and KV pool) are implemented;
-``EAGLE`` / ``EAGLE3`` are recognised and refused with a clear error until their draft heads
-exist. ``--speculative-num-steps`` is implied by the draft-token count (one draft forward per
+``--speculative-draft-model-path``, run by its own runner and KV pool) and ``EAGLE`` (an
+EAGLE head checkpoint, ``architectures: ["LlamaForCausalLMEagle"]``, fed the target's hidden
+states) are implemented; ``EAGLE3`` is recognised and refused with a clear error. ``--speculative-num-steps`` is implied by the draft-token count (one draft forward per
 draft token in a chain). ``--speculative-num-draft-tokens`` counts the tokens one
 verify forward scores per request, the last accepted token included (SGLang's convention), so
 a request gets at most ``num_draft_tokens - 1`` draft tokens a step. ``--speculative-eagle-topk``
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
-IMPLEMENTED_ALGORITHMS = ("NGRAM", "STANDALONE")
+IMPLEMENTED_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE")
 DRAFT_MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
 DEFAULT_NUM_STEPS = 4
 
@@ -89,11 +89,6 @@ def speculative_errors(spec: SpeculativeArgs, pp_size: int, lora: bool) -> list[
     needs_draft = algo in DRAFT_MODEL_ALGORITHMS
     if needs_draft and not spec.speculative_draft_model_path:
         errors.append(f"--speculative-algorithm {algo} needs --speculative-draft-model-path")
-    if needs_draft and "://" in (spec.speculative_draft_model_path or ""):
-        errors.append(
-            f"--speculative-draft-model-path {spec.speculative_draft_model_path}: must be a local "
-            "checkpoint directory (hf:// and s3:// drafts are not fetched)"
-        )
     if not needs_draft and spec.speculative_draft_model_path:
         errors.append(
             f"--speculative-draft-model-path is not used by --speculative-algorithm {algo}; "
@@ -146,16 +141,18 @@ def add_speculative_flags(
         "--speculative-algorithm",
         choices=SPECULATIVE_ALGORITHMS,
         default=None,
-        help="Speculative decoding: NGRAM (prompt lookup, no draft model) and STANDALONE (a "
-        "draft model of the same tokenizer, --speculative-draft-model-path) are implemented; "
-        "EAGLE / EAGLE3 are refused until their draft heads exist. Turns the overlap "
+        help="Speculative decoding: NGRAM (prompt lookup, no draft model), STANDALONE (a "
+        "draft model of the same tokenizer, --speculative-draft-model-path) and EAGLE (an EAGLE "
+        "head checkpoint fed the target's hidden states) are implemented; EAGLE3 is refused. "
+        "Turns the overlap "
         "scheduler off (a verify step's accepted length decides the next step's inputs).",
     )
     s.add_argument(
         "--speculative-draft-model-path",
         default=None,
-        help="Draft model checkpoint directory (STANDALONE): a causal LM with the target's "
-        "vocabulary.",
+        help="Draft checkpoint: a directory, hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX "
+        "(fetched into --download-dir like --model-path); a causal LM with the target's "
+        "vocabulary (STANDALONE), or an EAGLE head, architectures LlamaForCausalLMEagle (EAGLE).",
     )
     s.add_argument(
         "--speculative-num-steps",

@@ -1,0 +1,92 @@
+"""Host state a decode step carries over or writes cheaply: the future map's deferred store,
+``ReqToTokenPool.write_tokens`` and the compact pickling of the per-step messages."""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+
+from shardline_runtime.managers.io_struct import (
+    BatchTokenOut,
+    FinishReason,
+    TokenLogprob,
+    TokenOut,
+    Usage,
+)
+from shardline_runtime.managers.overlap import FutureMap, future_placeholder
+from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool
+
+
+def _placeholders(rows: list[int]) -> torch.Tensor:
+    return torch.tensor([future_placeholder(r) for r in rows], dtype=torch.int64)
+
+
+def _stored(future_map: FutureMap, rows: list[int], ids: list[int]) -> None:
+    future_map.store(torch.tensor(rows), torch.tensor(ids), every_row=True, rows=rows)
+
+
+def test_same_rows_take_the_previous_steps_ids():
+    future_map = FutureMap(8, torch.device("cpu"))
+    _stored(future_map, [3, 5], [11, 12])
+    assert future_map.resolve(_placeholders([3, 5]), [3, 5]).tolist() == [11, 12]
+
+
+def test_rows_in_another_order_resolve_per_row():
+    future_map = FutureMap(8, torch.device("cpu"))
+    _stored(future_map, [3, 5], [11, 12])
+    assert future_map.resolve(_placeholders([5, 3]), [5, 3]).tolist() == [12, 11]
+
+
+def test_a_deferred_store_is_written_before_a_mixed_resolve():
+    future_map = FutureMap(8, torch.device("cpu"))
+    _stored(future_map, [3, 5], [11, 12])
+    ids = torch.tensor([future_placeholder(5), 40], dtype=torch.int64)
+    assert future_map.resolve(ids).tolist() == [12, 40]
+
+
+def test_a_later_store_of_other_rows_keeps_the_deferred_tokens():
+    future_map = FutureMap(8, torch.device("cpu"))
+    _stored(future_map, [3, 5], [11, 12])
+    _stored(future_map, [5], [13])
+    assert future_map.resolve(_placeholders([3, 5]), [3, 5]).tolist() == [11, 13]
+
+
+def test_write_tokens_writes_one_entry_per_row_at_batch_one():
+    pool = ReqToTokenPool(4, 16)
+    pool.write_tokens([2], [7], torch.tensor([9]))
+    assert pool.req_to_token[2, 7].item() == 9
+
+
+def test_write_tokens_writes_every_row_of_a_batch():
+    pool = ReqToTokenPool(4, 16)
+    pool.write_tokens([0, 3], [1, 5], torch.tensor([4, 6]))
+    assert pool.req_to_token[[0, 3], [1, 5]].tolist() == [4, 6]
+
+
+def test_write_tokens_updates_a_separate_device_table():
+    pool = ReqToTokenPool(4, 16, host_copy=True)
+    pool.write_tokens([1, 2], [0, 3], torch.tensor([5, 8]))
+    assert pool.req_to_token[[1, 2], [0, 3]].tolist() == [5, 8]
+
+
+def test_write_tokens_follows_a_replaced_host_table():
+    pool = ReqToTokenPool(4, 16, host_copy=True)
+    pool.req_to_token_host = torch.zeros((4, 16), dtype=torch.int64)
+    pool.write_tokens([1], [2], torch.tensor([7]))
+    assert pool.req_to_token_host[1, 2].item() == 7
+
+
+def test_a_step_message_survives_pickling_unchanged():
+    out = BatchTokenOut(
+        [
+            TokenOut(
+                rid="r0",
+                ids=[5, 6],
+                usage=Usage(12, 2, 4),
+                logprobs=[TokenLogprob(-0.5, 5, [(-0.5, 5)]), TokenLogprob(-1.0, 6)],
+                finish=FinishReason("stop", 6),
+            )
+        ]
+    )
+    assert pickle.loads(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)) == out
