@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from shardline_runtime.cli import fetch_model_args, main
 from shardline_runtime.model_loader.errors import ModelSourceError
 from shardline_runtime.model_loader.model_source import parse_model_source
+from shardline_runtime.model_loader.revision_cache import SOURCE_FILE
 from shardline_runtime.server_args import ServerArgs
 from tests.model_sources.conftest import checkpoint_files
 from tests.model_sources.hub_double import HubDouble, HubRepo
@@ -78,7 +80,16 @@ def test_an_s3_draft_is_fetched_into_the_download_dir(s3, tmp_path, tiny_checkpo
     args = ServerArgs(model_path=str(tiny_checkpoint("llama")), download_dir=str(tmp_path),
                       speculative_algorithm="STANDALONE", speculative_draft_model_path=f"s3://{bucket}/tiny/v1")
     draft = Path(fetch_model_args(args).speculative_draft_model_path)
-    assert checkpoint_files(draft) == checkpoint_files(Path(tiny_checkpoint("llama")))
+    fetched = {name: data for name, data in checkpoint_files(draft).items() if name != SOURCE_FILE}
+    assert fetched == checkpoint_files(Path(tiny_checkpoint("llama")))
+
+
+def test_an_s3_draft_records_the_source_it_was_verified_against(s3, tmp_path, tiny_checkpoint):
+    _, bucket = s3
+    args = ServerArgs(model_path=str(tiny_checkpoint("llama")), download_dir=str(tmp_path),
+                      speculative_algorithm="STANDALONE", speculative_draft_model_path=f"s3://{bucket}/tiny/v1")
+    draft = Path(fetch_model_args(args).speculative_draft_model_path)
+    assert json.loads((draft / SOURCE_FILE).read_text())["uri"] == f"s3://{bucket}/tiny/v1"
 
 
 def test_a_malformed_draft_reference_names_the_draft_flag(tmp_path):
