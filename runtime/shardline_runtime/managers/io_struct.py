@@ -28,6 +28,15 @@ from typing import Any, Literal
 
 from shardline_runtime.configs.pooling_config import PoolingConfig
 from shardline_runtime.constrained.grammar_spec import GrammarSpec
+from shardline_runtime.managers.io_lora_experts import (  # noqa: F401  (re-exported)
+    ExpertDistributionReqInput,
+    ExpertDistributionReqOutput,
+    LoadLoRAAdapterReqInput,
+    LoRAAdapterReqOutput,
+    RebalanceExpertsReqInput,
+    RebalanceExpertsReqOutput,
+    UnloadLoRAAdapterReqInput,
+)
 from shardline_runtime.managers.message_pickling import compact_pickle
 from shardline_runtime.sampling.sampling_params import SamplingParams
 from shardline_runtime.weights_state import WeightsState
@@ -344,62 +353,6 @@ class BatchTokenOut:
     """The :class:`TokenOut` of every request that advanced in one step, in batch order."""
 
     outs: list[TokenOut]
-
-
-@dataclass
-class LoadLoRAAdapterReqInput:
-    lora_name: str
-    lora_path: str
-
-
-@dataclass
-class UnloadLoRAAdapterReqInput:
-    lora_name: str
-
-
-@dataclass
-class LoRAAdapterReqOutput:
-    """``status_code``: 200, 400 (bad adapter or name) or 503 (pool full of adapters in use).
-    ``loaded``: ``{name: path}`` after the operation."""
-
-    success: bool
-    message: str
-    status_code: int = 200
-    param: str | None = None
-    loaded: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class ExpertDistributionReqInput:
-    """Expert-distribution recorder control: ``action`` is ``start`` (with ``mode``), ``stop``
-    or ``dump`` (``to_file``: write into ``--expert-distribution-recorder-dir``)."""
-
-    action: str
-    mode: str | None = None
-    to_file: bool = False
-
-
-@dataclass
-class ExpertDistributionReqOutput:
-    success: bool
-    message: str = ""
-    record: dict[str, Any] | None = None
-
-
-@dataclass
-class RebalanceExpertsReqInput:
-    """Re-place the experts (EPLB) from the recorded load, on every rank."""
-
-
-@dataclass
-class RebalanceExpertsReqOutput:
-    """Imbalance is max / mean tokens per expert-parallel rank (1.0 = balanced)."""
-
-    success: bool
-    message: str
-    imbalance_before: float | None = None
-    imbalance_after_expected: float | None = None
-    moved_experts: int = 0
 
 
 compact_pickle(FinishReason, TokenLogprob, Usage, TokenOut, BatchTokenOut)  # sent every step
