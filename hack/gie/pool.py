@@ -1,6 +1,8 @@
 """An InferencePool of runtime leaders in the local cluster with the real EPP in front.
 
-:class:`LeaderPool` installs the GIE CRDs from the Go module, renders the chart with
+:class:`EppFront` puts the EPP in front of the leaders of any deployment name (the operator's
+fleet in ``tests/e2e/test_routing_e2e.py``); :class:`LeaderPool` makes its own leaders. Together
+they install the GIE CRDs from the Go module, renders the chart with
 ``inferencePool.enabled`` for one deployment name, applies what the chart renders (the
 InferencePool, the EPP's ConfigMap, ServiceAccount, Role, RoleBinding and Service; the EPP
 Deployment only in a server-side dry run, since the node agent runs local processes, not the
@@ -73,10 +75,59 @@ def _service_account_kubeconfig(cluster, namespace: str, account: str, out: Path
     return out
 
 
+class EppFront:
+    """The chart's InferencePool over the leaders of deployment ``name`` in ``namespace`` (which
+    must exist: the operator's fleet or :class:`LeaderPool`'s pods), with the real EPP in front:
+    CRDs installed, the chart's documents applied (the EPP Deployment only in a server-side dry
+    run), the EPP run as a local process authenticated as the chart's ServiceAccount. After
+    ``__enter__``: ``epp`` (:class:`hack.gie.Epp`, listening) and ``docs``."""
+
+    def __init__(self, cluster, name: str, namespace: str, log_dir: Path) -> None:
+        self.cluster, self.name, self.namespace, self.log_dir = cluster, name, namespace, log_dir
+        self.docs: list[dict] = []
+        self.epp: Epp | None = None
+
+    def __enter__(self) -> EppFront:
+        install_crds(self.cluster)
+        self.docs = render_pool(self.cluster, self.name, self.namespace)
+        applied = [d for d in self.docs if d["kind"] != "Deployment"]
+        self.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(applied))
+        (deployment,) = [d for d in self.docs if d["kind"] == "Deployment"]
+        self.cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(deployment))
+        (config,) = [d for d in self.docs if d["kind"] == "ConfigMap"]
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        kubeconfig = _service_account_kubeconfig(self.cluster, self.namespace,
+                                                 deployment["spec"]["template"]["spec"]["serviceAccountName"],
+                                                 self.log_dir / f"epp-{self.namespace}.kubeconfig")
+        self.epp = Epp(kubeconfig, container["args"], config["data"]["config.yaml"], self.log_dir).__enter__()
+        self.epp.wait_listening()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.epp is not None:
+            self.epp.__exit__(*exc)
+
+    def pool_size(self) -> int:
+        """The EPP's ``inference_pool_ready_pods`` for this pool (0 before its first sample)."""
+        assert self.epp is not None
+        return int(sum(self.epp.metric("inference_pool_ready_pods").values()))
+
+    def wait_pool_size(self, n: int, timeout: float = 60) -> float:
+        """Until the EPP counts ``n`` ready pods in its pool; returns the seconds waited.
+        Raises RuntimeError with the EPP's log tail on timeout."""
+        started = time.monotonic()
+        while self.pool_size() != n:
+            if time.monotonic() - started > timeout:
+                assert self.epp is not None
+                raise RuntimeError(f"the EPP's pool did not reach {n} pods in {timeout}s:\n{self.epp.log_tail()}")
+            time.sleep(0.05)
+        return time.monotonic() - started
+
+
 class LeaderPool:
     """``groups`` leaders of deployment ``name`` in a new namespace, the chart's InferencePool
-    over them and the EPP in front. After ``__enter__``: ``namespace``, ``endpoints`` (pod name
-    -> ``"podIP:8000"``), ``epp`` (:class:`hack.gie.Epp`), ``docs`` (the chart's documents)."""
+    over them and the EPP in front (:class:`EppFront`). After ``__enter__``: ``namespace``,
+    ``endpoints`` (pod name -> ``"podIP:8000"``), ``epp`` (:class:`hack.gie.Epp`), ``docs``."""
 
     def __init__(self, cluster, model_path: Path, log_dir: Path, groups: int = 2, name: str = "gie",
                  extra_args: list[str] | None = None, ready_timeout: float = 300) -> None:
@@ -86,35 +137,23 @@ class LeaderPool:
         self.namespace = f"gie-{uuid.uuid4().hex[:6]}"
         self.client = cluster.client()
         self.endpoints: dict[str, str] = {}
+        self.front = EppFront(cluster, name, self.namespace, log_dir)
         self.docs: list[dict] = []
         self.epp: Epp | None = None
 
     def __enter__(self) -> LeaderPool:
-        install_crds(self.cluster)
         self.cluster.kubectl("create", "namespace", self.namespace)
-        self.docs = render_pool(self.cluster, self.name, self.namespace)
-        applied = [d for d in self.docs if d["kind"] != "Deployment"]
-        self.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(applied))
-        self.cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump_all(
-            [d for d in self.docs if d["kind"] == "Deployment"]))
         pods = [leader_pod(self.name, self.namespace, g, self.model_path, self.extra_args)
                 for g in range(self.groups)]
         self.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(pods))
         self._wait_ready([p["metadata"]["name"] for p in pods])
-        (deployment,) = [d for d in self.docs if d["kind"] == "Deployment"]
-        (config,) = [d for d in self.docs if d["kind"] == "ConfigMap"]
-        container = deployment["spec"]["template"]["spec"]["containers"][0]
-        kubeconfig = _service_account_kubeconfig(self.cluster, self.namespace,
-                                                 deployment["spec"]["template"]["spec"]["serviceAccountName"],
-                                                 self.log_dir / f"epp-{self.namespace}.kubeconfig")
-        self.epp = Epp(kubeconfig, container["args"], config["data"]["config.yaml"], self.log_dir).__enter__()
-        self.epp.wait_listening()
+        self.front.__enter__()
+        self.docs, self.epp = self.front.docs, self.front.epp
         self.wait_pool_size(self.groups)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.epp is not None:
-            self.epp.__exit__(*exc)
+        self.front.__exit__(*exc)
         self.cluster.kubectl("delete", "namespace", self.namespace, "--wait=false", check=False)
         self.client.close()
 
@@ -134,20 +173,12 @@ class LeaderPool:
             time.sleep(0.5)
 
     def pool_size(self) -> int:
-        """The EPP's ``inference_pool_ready_pods`` for this pool (0 before its first sample)."""
-        assert self.epp is not None
-        return int(sum(self.epp.metric("inference_pool_ready_pods").values()))
+        """The EPP's ``inference_pool_ready_pods`` for this pool."""
+        return self.front.pool_size()
 
     def wait_pool_size(self, n: int, timeout: float = 60) -> float:
-        """Until the EPP counts ``n`` ready pods in its pool; returns the seconds waited.
-        Raises RuntimeError with the EPP's log tail on timeout."""
-        started = time.monotonic()
-        while self.pool_size() != n:
-            if time.monotonic() - started > timeout:
-                assert self.epp is not None
-                raise RuntimeError(f"the EPP's pool did not reach {n} pods in {timeout}s:\n{self.epp.log_tail()}")
-            time.sleep(0.05)
-        return time.monotonic() - started
+        """Until the EPP counts ``n`` ready pods (:meth:`EppFront.wait_pool_size`)."""
+        return self.front.wait_pool_size(n, timeout)
 
     def set_routable(self, pod: str, routable: bool) -> None:
         """Flip a leader's ``shardline.dev/routable`` label, as the operator's routing does."""

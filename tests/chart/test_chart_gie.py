@@ -26,8 +26,8 @@ def render(helm, extra):
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
-def pool_docs(helm, namespace="models"):
-    return {d["kind"]: d for d in render(helm, POOLED) if d["metadata"].get("namespace") == namespace}
+def pool_docs(helm, *extra: str, namespace="models"):
+    return {d["kind"]: d for d in render(helm, [*POOLED, *extra]) if d["metadata"].get("namespace") == namespace}
 
 
 def test_no_gateway_objects_by_default(helm):
@@ -41,8 +41,8 @@ def test_lint_strict_with_pools(helm):
 
 def test_each_listed_deployment_gets_a_pool_and_its_picker(helm):
     for namespace in ("models", "lab"):
-        assert sorted(pool_docs(helm, namespace)) == ["ConfigMap", "Deployment", "InferencePool", "Role",
-                                                      "RoleBinding", "Service", "ServiceAccount"]
+        assert sorted(pool_docs(helm, namespace=namespace)) == ["ConfigMap", "Deployment", "InferencePool", "Role",
+                                                                  "RoleBinding", "Service", "ServiceAccount"]
 
 
 def test_core_objects_validate_strictly(helm):
@@ -72,7 +72,7 @@ def test_endpoint_picker_ref_is_the_epp_service_port(helm):
 
 
 def test_epp_serves_the_pool_of_its_namespace(helm):
-    args = pool_docs(helm, "lab")["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    args = pool_docs(helm, namespace="lab")["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert [a for a in args if a.startswith("--pool-")] == [
         "--pool-name=qwen", "--pool-namespace=lab", "--pool-group=inference.networking.k8s.io"]
 
@@ -106,3 +106,15 @@ def test_epp_config_uses_the_shardline_engine_by_default(helm):
 def test_enabled_without_a_complete_deployment_fails_naming_the_field(helm, extra, message):
     proc = helm("template", "s", str(CHART), "--set", "inferencePool.enabled=true", *extra, check=False)
     assert (proc.returncode != 0, message in proc.stderr) == (True, True), proc.stderr
+
+
+def test_epp_prefix_window_is_set_in_tokens(helm):
+    # The runtime exports block_size 1: the EPP's default of 256 blocks would hash only the
+    # first 256 tokens (1 KiB of text), so prompts sharing them would all look alike.
+    default = yaml.safe_load(pool_docs(helm)["ConfigMap"]["data"]["config.yaml"])
+    config = yaml.safe_load(pool_docs(helm, "--set", "inferencePool.epp.prefixMatchTokens=2048")
+                            ["ConfigMap"]["data"]["config.yaml"])
+    assert [p.get("parameters") for p in default["plugins"] if p["type"] == "prefix-cache-scorer"] == [
+        {"autoTune": True, "maxPrefixTokensToMatch": 4096}]
+    (scorer,) = [p for p in config["plugins"] if p["type"] == "prefix-cache-scorer"]
+    assert scorer["parameters"] == {"autoTune": True, "maxPrefixTokensToMatch": 2048}

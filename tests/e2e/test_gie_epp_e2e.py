@@ -126,10 +126,12 @@ def test_picks_the_other_leader_while_one_has_a_queue(pool):
     assert busy not in chosen, (chosen, seen)
 
 
-def _prefix_living_on(pool: LeaderPool, endpoint: str) -> list[dict]:
+def _prefix_living_on(pool: LeaderPool, endpoint: str, seeds: range) -> list[dict]:
     """Two requests sharing a system prompt whose first one the EPP put on ``endpoint`` (fresh
-    prompts are tried until one lands there)."""
-    for seed in range(100, 130):
+    prompts are tried until one lands there). Each test passes its own ``seeds``: the EPP
+    remembers every prompt it routed, so a follow-up another test already sent elsewhere is
+    rightly picked there again."""
+    for seed in seeds:
         first, second = prefix_trace(1, 2, seed=seed, prefix_words=160)
         body = chat_body(first.messages)
         if picks(pool, [body]) == [endpoint]:
@@ -139,7 +141,7 @@ def _prefix_living_on(pool: LeaderPool, endpoint: str) -> list[dict]:
 
 def test_a_leader_labelled_not_routable_is_never_picked(pool):
     out_name, out = sorted(pool.endpoints.items())[1]
-    first, follow_up = _prefix_living_on(pool, out)
+    first, follow_up = _prefix_living_on(pool, out, range(100, 130))
     pool.set_routable(out_name, False)
     try:
         left = pool.wait_pool_size(1, timeout=10)
@@ -152,16 +154,12 @@ def test_a_leader_labelled_not_routable_is_never_picked(pool):
     pool.wait_pool_size(2, timeout=10)
 
 
-@pytest.mark.skip(reason="fails on merged main (2 of 2 runs): right after the relabel test the EPP "
-                  "sends the follow-up to the other leader; run alone, fresh prompts never land on "
-                  "leader 1 (the scores are deterministic, so the test's premise depends on the "
-                  "leaders' KV gauges). Affinity itself is checked by "
-                  "test_each_shared_prefix_stays_on_one_leader. Open on issue 29.")
 def test_prefix_affinity_to_a_leader_is_what_the_label_overrides(pool):
     # The counterpart of the test above: while routable, a follow-up of a prefix living on the
-    # leader is picked there, so it was the label that moved it.
+    # leader is picked there, so it was the label that moved it. Its own prompts: the test
+    # above sent its follow-up to the other leader, and the EPP keeps that.
     _, there = sorted(pool.endpoints.items())[1]
-    first, follow_up = _prefix_living_on(pool, there)
+    first, follow_up = _prefix_living_on(pool, there, range(200, 230))
     assert picks(pool, [follow_up]) == [there]
 
 

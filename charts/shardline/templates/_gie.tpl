@@ -1,7 +1,10 @@
 {{/* The EPP's EndpointPickerConfig: upstream's default profile (queue-scorer 2,
 kv-cache-utilization-scorer 2, prefix-cache-scorer 3; epplib's _config.yaml) scraping the
 runtime's model-server-protocol gauges (runtime/shardline_runtime/entrypoints/metrics.py) as
-engine "shardline". */}}
+engine "shardline". The prefix scorer's parameters go to its data producer
+(approx-prefix-cache-producer): autoTune (upstream's default) takes the block size and the
+index's capacity from cache_config_info (block_size 1, num_gpu_blocks = KV tokens), so
+maxPrefixTokensToMatch sets the hashed window in tokens (inferencePool.epp.prefixMatchTokens). */}}
 {{- define "shardline.eppConfig" -}}
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
@@ -9,6 +12,9 @@ plugins:
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
 - type: prefix-cache-scorer
+  parameters:
+    autoTune: true
+    maxPrefixTokensToMatch: {{ .Values.inferencePool.epp.prefixMatchTokens }}
 - type: metrics-data-source
   parameters:
     scheme: "http"
