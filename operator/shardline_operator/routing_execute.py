@@ -1,6 +1,7 @@
 """Performing the routing actions of a pass (``routing.py`` plans them): pod label patches, the
-wait for a leader to leave the Services' EndpointSlices, and the health check before it
-returns."""
+wait for a leader to leave the Services' EndpointSlices (and at least
+:data:`GATEWAY_SETTLE_SECONDS` after its label flip, for gateways that watch the label), and the
+health check before it returns."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ from .pass_plan import EnterRouting, LabelLeader, LeaveRouting
 logger = logging.getLogger(__name__)
 
 SLICE_POLL_SECONDS = 0.1
+# A leaving leader's update is sent no sooner than this after its routable label flipped, so a
+# gateway watching the label drops it first: the GIE endpoint picker did in 0.20-0.31 s
+# (tests/e2e/test_gie_epp_e2e.py). The EndpointSlice wait alone can end at once (a cluster
+# whose slices never listed the pod), before such a gateway saw the flip.
+GATEWAY_SETTLE_SECONDS = 1.0
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # set by the EndpointSlice controller
 
 
@@ -55,6 +61,7 @@ def perform_routing(
         _patch_labels(kube, namespace, action.pod, dict(action.labels))
     elif isinstance(action, LeaveRouting):
         _patch_labels(kube, namespace, action.pod, {labels.LABEL_ROUTABLE: "false"})
+        settled = time.monotonic() + GATEWAY_SETTLE_SECONDS
         deadline = time.monotonic() + action.timeout_seconds
         while any(action.ip in listed_addresses(kube, namespace, s) for s in action.services):
             if time.monotonic() >= deadline:
@@ -68,6 +75,8 @@ def perform_routing(
                 )
                 return
             sleep(SLICE_POLL_SECONDS)
+        if time.monotonic() < settled:
+            sleep(settled - time.monotonic())
     else:
         passed, message = client.verify(action.url, None)
         if passed:

@@ -12,6 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+
 from shardline_operator.render.services import routable_leader_labels
 from shardline_runtime.entrypoints.metrics import ServingMetrics
 

@@ -20,7 +20,11 @@ from shardline_operator.pass_plan import (
     StartUpdate,
 )
 from shardline_operator.routing import plan_routing, with_leave_before_start
-from shardline_operator.routing_execute import perform_routing
+from shardline_operator.routing_execute import (
+    GATEWAY_SETTLE_SECONDS,
+    SLICE_POLL_SECONDS,
+    perform_routing,
+)
 from shardline_operator.weights import LeaderReport
 
 
@@ -153,19 +157,29 @@ def test_leave_routing_waits_until_the_endpoint_slice_drops_the_leader():
     _slice(kube, "10.0.0.1")
     polls = []
 
-    def sleep(_seconds):  # the EndpointSlice controller drops the pod after three polls
-        polls.append(1)
+    def sleep(seconds):  # the EndpointSlice controller drops the pod after three polls
+        polls.append(seconds)
         if len(polls) == 3:
             kube.delete("discovery.k8s.io/v1", "EndpointSlice", "default", "llama-abc")
 
     perform_routing(kube, None, "default", LeaveRouting(0, "llama-g0-0", "10.0.0.1", ("llama",), 30), sleep)
-    assert len(polls) == 3
+    assert polls[:3] == [SLICE_POLL_SECONDS] * 3 and len(polls) == 4
+
+
+def test_leave_routing_gives_label_watching_gateways_time_to_drop_the_leader():
+    # No slice lists the leader (the wait ends at once), yet the update waits until a gateway
+    # watching the label (the GIE endpoint picker: 0.2-0.3 s) has seen the flip.
+    kube = FakeKube()
+    _pod_in(kube)
+    slept = []
+    perform_routing(kube, None, "default", LeaveRouting(0, "llama-g0-0", "10.0.0.1", ("llama",), 30), slept.append)
+    assert len(slept) == 1 and GATEWAY_SETTLE_SECONDS - 0.5 < slept[0] <= GATEWAY_SETTLE_SECONDS
 
 
 def test_leave_routing_labels_the_leader_unroutable():
     kube = FakeKube()
     _pod_in(kube)
-    perform_routing(kube, None, "default", LeaveRouting(0, "llama-g0-0", "10.0.0.1", ("llama",), 30))
+    perform_routing(kube, None, "default", LeaveRouting(0, "llama-g0-0", "10.0.0.1", ("llama",), 30), lambda s: None)
     assert kube.get("v1", "Pod", "default", "llama-g0-0")["metadata"]["labels"][labels.LABEL_ROUTABLE] == "false"
 
 
