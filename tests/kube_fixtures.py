@@ -22,7 +22,7 @@ from hack.localcluster import LocalCluster, build
 def pytest_collection_finish(session):
     """Build the cluster binaries before the first test when a selected test needs the
     cluster: a cold build (10-20 min) must not count against one test's timeout."""
-    if any("gie_pool" in getattr(item, "fixturenames", ()) for item in session.items):
+    if any({"gie_pool", "gateway_rollout"} & set(getattr(item, "fixturenames", ())) for item in session.items):
         _build_epp()  # the GIE endpoint picker (hack/gie): tens of minutes cold
     if os.environ.get("SHARDLINE_CLUSTER_DIR"):
         return
