@@ -126,22 +126,29 @@ def test_picks_the_other_leader_while_one_has_a_queue(pool):
     assert busy not in chosen, (chosen, seen)
 
 
-def _prefix_living_on(pool: LeaderPool, endpoint: str, seeds: range) -> list[dict]:
-    """Two requests sharing a system prompt whose first one the EPP put on ``endpoint`` (fresh
-    prompts are tried until one lands there). Each test passes its own ``seeds``: the EPP
-    remembers every prompt it routed, so a follow-up another test already sent elsewhere is
-    rightly picked there again."""
-    for seed in seeds:
-        first, second = prefix_trace(1, 2, seed=seed, prefix_words=160)
-        body = chat_body(first.messages)
-        if picks(pool, [body]) == [endpoint]:
-            return [body, chat_body(second.messages)]
-    raise AssertionError(f"the EPP never put a fresh prompt on {endpoint}")
+def _prefix_living_on(pool: LeaderPool, endpoint: str, seed: int) -> list[dict]:
+    """Two requests sharing a system prompt, the first of which the EPP put on ``endpoint``: it
+    is sent while the other leaders are labelled out of routing, so the EPP has nowhere else to
+    put it (a fresh prompt ties on every score between idle leaders, and ties break at random).
+    Each test passes its own ``seed``: the EPP remembers every prompt it routed, so a follow-up
+    that another test already sent elsewhere is rightly picked there again."""
+    first, second = (chat_body(r.messages) for r in prefix_trace(1, 2, seed=seed, prefix_words=160))
+    others = [name for name, e in pool.endpoints.items() if e != endpoint]
+    for name in others:
+        pool.set_routable(name, False)
+    try:
+        pool.wait_pool_size(len(pool.endpoints) - len(others), timeout=10)
+        assert picks(pool, [first]) == [endpoint]
+    finally:
+        for name in others:
+            pool.set_routable(name, True)
+    pool.wait_pool_size(len(pool.endpoints), timeout=10)
+    return [first, second]
 
 
 def test_a_leader_labelled_not_routable_is_never_picked(pool):
     out_name, out = sorted(pool.endpoints.items())[1]
-    first, follow_up = _prefix_living_on(pool, out, range(100, 130))
+    first, follow_up = _prefix_living_on(pool, out, seed=100)
     pool.set_routable(out_name, False)
     try:
         left = pool.wait_pool_size(1, timeout=10)
@@ -159,7 +166,7 @@ def test_prefix_affinity_to_a_leader_is_what_the_label_overrides(pool):
     # leader is picked there, so it was the label that moved it. Its own prompts: the test
     # above sent its follow-up to the other leader, and the EPP keeps that.
     _, there = sorted(pool.endpoints.items())[1]
-    first, follow_up = _prefix_living_on(pool, there, range(200, 230))
+    first, follow_up = _prefix_living_on(pool, there, seed=200)
     assert picks(pool, [follow_up]) == [there]
 
 
