@@ -60,3 +60,11 @@ def make_pod():
     """``make_pod(group, rank, uid=None, ready=True, restarts=0, terminated_message=None, deleting=False, ...)``
     -> a v1.Pod dict as the API returns it."""
     return _pod
+
+
+@pytest.fixture(autouse=True)
+def _no_gateway_settle(monkeypatch):
+    """Passes run against the fake API server here do not wait the real second a leaving leader
+    gives label-watching gateways (``routing_execute.GATEWAY_SETTLE_SECONDS``); the tests of
+    that wait in test_routing.py set it back."""
+    monkeypatch.setattr("shardline_operator.routing_execute.GATEWAY_SETTLE_SECONDS", 0.0)

@@ -9,7 +9,7 @@ import re
 import pytest
 from fake_kube import FakeKube
 
-from shardline_operator import labels
+from shardline_operator import labels, routing_execute
 from shardline_operator.observed import GroupObservation, LeaderObservation, PodObservation
 from shardline_operator.pass_plan import (
     ApplyObject,
@@ -20,11 +20,7 @@ from shardline_operator.pass_plan import (
     StartUpdate,
 )
 from shardline_operator.routing import plan_routing, with_leave_before_start
-from shardline_operator.routing_execute import (
-    GATEWAY_SETTLE_SECONDS,
-    SLICE_POLL_SECONDS,
-    perform_routing,
-)
+from shardline_operator.routing_execute import SLICE_POLL_SECONDS, perform_routing
 from shardline_operator.weights import LeaderReport
 
 
@@ -151,7 +147,8 @@ def _slice(kube, ip):
         "endpoints": [{"addresses": [ip]}]})
 
 
-def test_leave_routing_waits_until_the_endpoint_slice_drops_the_leader():
+def test_leave_routing_waits_until_the_endpoint_slice_drops_the_leader(monkeypatch):
+    monkeypatch.setattr(routing_execute, "GATEWAY_SETTLE_SECONDS", 1.0)
     kube = FakeKube()
     _pod_in(kube)
     _slice(kube, "10.0.0.1")
@@ -166,14 +163,15 @@ def test_leave_routing_waits_until_the_endpoint_slice_drops_the_leader():
     assert polls[:3] == [SLICE_POLL_SECONDS] * 3 and len(polls) == 4
 
 
-def test_leave_routing_gives_label_watching_gateways_time_to_drop_the_leader():
+def test_leave_routing_gives_label_watching_gateways_time_to_drop_the_leader(monkeypatch):
+    monkeypatch.setattr(routing_execute, "GATEWAY_SETTLE_SECONDS", 1.0)
     # No slice lists the leader (the wait ends at once), yet the update waits until a gateway
     # watching the label (the GIE endpoint picker: 0.2-0.3 s) has seen the flip.
     kube = FakeKube()
     _pod_in(kube)
     slept = []
     perform_routing(kube, None, "default", LeaveRouting(0, "llama-g0-0", "10.0.0.1", ("llama",), 30), slept.append)
-    assert len(slept) == 1 and GATEWAY_SETTLE_SECONDS - 0.5 < slept[0] <= GATEWAY_SETTLE_SECONDS
+    assert len(slept) == 1 and 0.5 < slept[0] <= 1.0
 
 
 def test_leave_routing_labels_the_leader_unroutable():
