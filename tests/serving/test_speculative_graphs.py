@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 import torch
 from scheduler_harness import greedy, make_scheduler, run_loop
-from speculative_harness import CYCLE, MIXED_LIMITS, assert_mixed_workload_matches, mixed_workload, prompt, run
+from speculative_harness import CYCLE, prompt, run
 
 from shardline_runtime.model_executor.cuda_graph_runner import CudaGraphRunner
 from shardline_runtime.model_executor.device_graphs import DeviceGraphs
@@ -100,7 +100,7 @@ def test_greedy_batch_through_graphs_equals_no_speculation(proposers, algo):
     target, flags = proposers[algo]
     rng = random.Random(3)
     # three requests (bs 3 pads to 4), repetitive prompts, different lengths
-    arrivals = {0: [greedy(f"r{i}", prompt(rng, 6 + i) * 3, 24 + 4 * i) for i in range(3)]}
+    arrivals = {0: [greedy(f"r{i}", prompt(rng, 5 + i) * 3, 14 + 3 * i) for i in range(3)]}
     plain, _ = run(target, arrivals, None)
     spec, scheduler, replays = run_graphs(target, arrivals, flags)
     assert {rid: v["ids"] for rid, v in spec.items()} == {rid: v["ids"] for rid, v in plain.items()}
@@ -122,3 +122,55 @@ def assert_settled(scheduler) -> None:
         assert rows.available_size() == rows.size - 1, "one row pads the graphs, the rest are free"
         if runner is not worker.model_runner:  # the target's may sit in the prefix cache
             assert alloc.available_size() == alloc.size
+
+
+@pytest.mark.parametrize(
+    "algo, reason",
+    [
+        ("NGRAM", "verify: cpu: no CUDA graphs"),
+        ("STANDALONE", "verify: cpu: no CUDA graphs; draft: cpu: no CUDA graphs"),
+    ],
+)
+def test_the_report_says_why_no_verify_or_draft_graph_was_captured(proposers, algo, reason):
+    target, flags = proposers[algo]
+    worker = make_scheduler(target, disable_overlap_schedule=True, **flags).worker
+    report = worker.captured_graphs()
+    assert (report.verify_batch_sizes, report.draft_batch_sizes, report.verify_tokens_per_request) == ((), (), 0)
+    assert report.reason == "cpu: no CUDA graphs"
+    assert report.speculative_reason == reason
+
+
+def test_the_report_of_a_server_without_speculation_names_no_speculative_graphs(ckpt):
+    report = make_scheduler(ckpt, disable_overlap_schedule=True).worker.captured_graphs()
+    assert report.speculative_reason is None and report.verify_batch_sizes == ()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE", "EAGLE"])
+def test_captured_verify_and_draft_graphs_on_cuda(proposers, algo):
+    """Real capture: greedy output through the verify and draft graphs equals the output
+    without speculation; the report lists them; a weight update of target and draft (the same
+    checkpoints) captures them again and the output stays the same."""
+    target, flags = proposers[algo]
+    rng = random.Random(3)
+    arrivals = {0: [greedy(f"r{i}", prompt(rng, 6 + i) * 3, 24) for i in range(3)]}
+    cuda = {"device": "cuda", "disable_cuda_graph": False, "cuda_graph_max_bs": 4}
+    plain = run_loop(make_scheduler(target, disable_overlap_schedule=True, device="cuda"), arrivals)
+    scheduler = make_scheduler(target, disable_overlap_schedule=True, **cuda, **flags)
+    worker = scheduler.worker
+    report = worker.captured_graphs()
+    assert report.verify_batch_sizes == (1, 2, 4) and report.verify_tokens_per_request == 4
+    assert report.draft_batch_sizes == (() if algo == "NGRAM" else (1, 2, 4))
+    assert report.speculative_reason is None
+    spec = run_loop(scheduler, arrivals)
+    assert {rid: v["ids"] for rid, v in spec.items()} == {rid: v["ids"] for rid, v in plain.items()}
+    before = dict(worker.model_runner.graphs.verify.graphs)
+    draft_path = flags.get("speculative_draft_model_path")
+    ok, message = worker.update_weights_from_disk(str(target), draft_model_path=draft_path)
+    assert ok, message
+    assert all(worker.model_runner.graphs.verify.graphs[bs] is not g for bs, g in before.items())
+    if draft_path is not None:
+        assert worker.draft_worker.runner.graphs.decode.graphs
+    rerun = {0: [greedy(f"again{i}", r.input_ids, 24) for i, r in enumerate(arrivals[0])]}
+    again = run_loop(scheduler, rerun)
+    assert [again[f"again{i}"]["ids"] for i in range(3)] == [plain[f"r{i}"]["ids"] for i in range(3)]

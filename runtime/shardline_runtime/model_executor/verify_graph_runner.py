@@ -77,7 +77,11 @@ class VerifyGraphRunner:
             return torch.zeros(size, dtype=torch.int64, device=self.device)
 
         tokens = self.max_bs * self.n
-        self.input_ids, self.positions, self.out_cache_loc = zeros(tokens), zeros(tokens), zeros(tokens)
+        self.input_ids, self.positions, self.out_cache_loc = (
+            zeros(tokens),
+            zeros(tokens),
+            zeros(tokens),
+        )
         self.req_pool_indices, self.seq_lens = zeros(self.max_bs), zeros(self.max_bs)
         self.prefix_lens, self.extend_lens = zeros(self.max_bs), zeros(self.max_bs)
         self.q_start_loc = torch.arange(self.max_bs, device=self.device) * self.n
@@ -170,7 +174,9 @@ class VerifyGraphRunner:
                     self.graph_pool = graph.pool()
                 self.graphs[bs], self.outputs[bs] = graph, output
         torch.cuda.synchronize(self.device)
-        logger.info("captured TARGET_VERIFY CUDA graphs (x%d tokens) for %s", self.n, self.capture_bs)
+        logger.info(
+            "captured TARGET_VERIFY CUDA graphs (x%d tokens) for %s", self.n, self.capture_bs
+        )
 
     def release_graphs(self) -> None:
         """Drop every graph, its output and the memory pool (``capture`` builds them again)."""
