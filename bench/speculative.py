@@ -205,6 +205,9 @@ def table_rows(label: str, name: str, path: Path, prompts, batch: int, a) -> Non
               flush=True)
         if a.graphs:  # what really ran through graphs (a reason when something was not captured)
             print(f"  graphs: {r['graphs'].model_dump_json()}", flush=True)
+            missing = r["graphs"].reason or r["graphs"].speculative_reason
+            if a.device.startswith("cuda") and missing:
+                raise SystemExit(f"--graphs on {a.device}: not captured: {missing}")
 
 
 if __name__ == "__main__":
