@@ -20,7 +20,12 @@
 #      against online FP8 weights (issue 28's target: batch-1 FP8 >= 1.6x bf16);
 #   8. bench/engine.py --kernel-paths on the 1B shape: batch-1 decode tokens/s with graphs and
 #      each one's HBM-roofline share, eager kernels vs the fused Triton kernels vs
-#      --enable-torch-compile, ratios side by side (issue 24 item 3's target: >= 60%).
+#      --enable-torch-compile, ratios side by side (issue 24 item 3's target: >= 60%);
+#   9. bench/speculative.py --graphs on a random float32 Llama (8 layers, hidden 1024) made to
+#      copy a cycle: batch-1 and batch-8 output tokens/s with NGRAM, STANDALONE and EAGLE against
+#      none, graphs on (decode, TARGET_VERIFY and the draft's decode graphs; each row prints what
+#      was really captured), wall clock, ratios in one run (issue 30 item 5). Its 50 s came from
+#      the table, modes, serving, quant and kernels steps (10 s each), none yet run on a GPU.
 # Nothing GPU-marked may skip here: the script sets SHARDLINE_GPU_CHECK=1, under which the
 # memory-saver test fails without torch-memory-saver, and it fails when tests/serving cannot run.
 # Packages the GPU image lacks come as wheels in .whl/ (bash bench/fetch_gpu_wheels.sh, on a
@@ -42,8 +47,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 
-# GPU_CHECK_STEPS picks steps (default all: tests triton table modes serving idle quant kernels).
-steps=" ${GPU_CHECK_STEPS:-tests triton table modes serving idle quant kernels} "
+# GPU_CHECK_STEPS picks steps (default all: tests triton table modes serving idle quant kernels spec).
+steps=" ${GPU_CHECK_STEPS:-tests triton table modes serving idle quant kernels spec} "
 wants() { [[ "$steps" == *" $1 "* ]]; }
 # A step's time cap on the GPU; the CPU dry run (a busy CI machine) gets 600 s per step.
 cap() { if [[ "${GPU_CHECK_DRY_RUN:-0}" == "1" ]]; then echo 600; else echo "$1"; fi; }
@@ -59,6 +64,8 @@ if [[ "${GPU_CHECK_DRY_RUN:-0}" == "1" ]]; then
              --vocab 512 --batch-size 1 2 --profile-steps 4 --warmup-steps 2)
   kernel_args=(--device cpu --kernel-paths --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128
                --vocab 512 --dtype float32 --graph-batch-sizes 1 --contexts 16 --decode-steps 2)
+  spec_args=(--device cpu --layers 2 --hidden 64 --prompts 2 --max-new-tokens 8 --batches 1 2 --models copying
+             --prompt-sets repetitive --graphs)
   serving_args=(--device cpu --concurrency 1 2 --compare-overlap --baseline none --requests-per-level 4
                 --prompt-len 8 16 --output-len 2 4 --long-fraction 0 --max-total-tokens 4096)
 else
@@ -73,6 +80,8 @@ else
   idle_args=(--device cuda --preset llama-1b --dtype bfloat16 --batch-size 1 8 64 --profile-steps 16)
   kernel_args=(--device cuda --kernel-paths --preset llama-1b --dtype bfloat16 --graph-batch-sizes 1
                --contexts 512 --decode-steps 16)
+  spec_args=(--device cuda --graphs --clock wall --layers 8 --hidden 1024 --prompts 8 --max-new-tokens 64
+             --batches 1 8 --models copying --prompt-sets repetitive)
   serving_args=(--device cuda --preset llama-1b --concurrency 1 16 64 --compare-overlap --baseline none
                 --max-total-tokens 262144 --requests-per-level 64)
 fi
@@ -108,15 +117,15 @@ if wants triton; then
 fi
 if wants table; then
   echo "== decode table ($((SECONDS - start)) s)"
-  timeout "$(cap 80)" python3 bench/engine.py "${bench_args[@]}" || status=$?
+  timeout "$(cap 70)" python3 bench/engine.py "${bench_args[@]}" || status=$?
 fi
 if wants modes; then
   echo "== graphs in every mode ($((SECONDS - start)) s)"
-  timeout "$(cap 60)" python3 bench/graph_modes.py "${modes_args[@]}" || status=$?
+  timeout "$(cap 50)" python3 bench/graph_modes.py "${modes_args[@]}" || status=$?
 fi
 if wants serving; then
   echo "== serving on $device ($((SECONDS - start)) s)"
-  timeout "$(cap 80)" python3 bench/serving.py "${serving_args[@]}" || status=$?
+  timeout "$(cap 70)" python3 bench/serving.py "${serving_args[@]}" || status=$?
 fi
 if wants idle; then
   echo "== overlap idle time on $device ($((SECONDS - start)) s)"
@@ -124,11 +133,15 @@ if wants idle; then
 fi
 if wants quant; then
   echo "== quantized weights on $device ($((SECONDS - start)) s)"
-  timeout "$(cap 90)" bash bench/gpu_quant.sh || status=$?
+  timeout "$(cap 80)" bash bench/gpu_quant.sh || status=$?
 fi
 if wants kernels; then
   echo "== decode kernel paths on $device ($((SECONDS - start)) s)"
-  timeout "$(cap 50)" python3 bench/engine.py "${kernel_args[@]}" || status=$?
+  timeout "$(cap 40)" python3 bench/engine.py "${kernel_args[@]}" || status=$?
+fi
+if wants spec; then
+  echo "== speculative decoding with graphs on $device ($((SECONDS - start)) s)"
+  timeout "$(cap 50)" python3 bench/speculative.py "${spec_args[@]}" || status=$?
 fi
 echo "== done in $((SECONDS - start)) s, status $status"
 exit "$status"

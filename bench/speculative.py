@@ -35,6 +35,12 @@ Usage::
 
     python bench/speculative.py                    # about a minute on 2 busy cores
     python bench/speculative.py --device cuda --layers 16 --hidden 2048   # on a GPU
+    python bench/speculative.py --device cuda --graphs --clock wall --models copying \
+        --prompt-sets repetitive --layers 8 --hidden 1024   # bench/gpu_check.sh's spec step
+
+``tokens / s`` is output tokens per second of the whole run (prefill included), ``vs none`` the
+ratio of ``ms / token`` without speculation to this row's, in one run; ``--graphs`` prints what
+each configuration really captured (``CapturedGraphs``: decode, verify and draft batch sizes).
 """
 
 from __future__ import annotations
@@ -52,7 +58,10 @@ from shardline_runtime.managers.scheduler import Scheduler
 from shardline_runtime.managers.tp_worker import TpModelWorker
 from shardline_runtime.sampling.sampling_params import SamplingParams
 from shardline_runtime.server_args import ServerArgs
-from shardline_runtime.speculative.eagle_checkpoint import make_cycle_eagle_checkpoint, make_eagle_checkpoint
+from shardline_runtime.speculative.eagle_checkpoint import (
+    make_cycle_eagle_checkpoint,
+    make_eagle_checkpoint,
+)
 from shardline_runtime.tiny_checkpoint import (
     make_cycle_checkpoint,
     make_draft_checkpoint,
@@ -84,29 +93,34 @@ def prompt_sets(n: int, span: int, repeats: int, copying: bool, seed: int = 0) -
     return {"repetitive": rep, "non-repetitive": plain}
 
 
-def run(model: Path, algorithm: str | None, prompts, batch: int, max_new: int, device: str, steps: int):
+def run(model: Path, algorithm: str | None, prompts, batch: int, max_new: int, device: str, steps: int,
+        graphs: bool = False, wall: bool = False):
     extra = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": steps + 1} if algorithm else {}
     if algorithm == "STANDALONE":
         extra["speculative_draft_model_path"] = str(model.parent / f"{model.name}-draft")
     if algorithm == "EAGLE":
         extra["speculative_draft_model_path"] = str(model.parent / f"{model.name}-eagle")
-    args = ServerArgs(model_path=str(model), device=device, max_total_tokens=8192,
-                      disable_cuda_graph=True, disable_overlap_schedule=True, disable_radix_cache=True, **extra)
+    args = ServerArgs(model_path=str(model), device=device, max_total_tokens=8192, cuda_graph_max_bs=8,
+                      disable_cuda_graph=not graphs, disable_overlap_schedule=True, disable_radix_cache=True, **extra)
     scheduler = Scheduler(args, 0, TpModelWorker(args, 0))
     scheduler.sender.socket = _Capture()
     params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
     runner = scheduler.worker.model_runner
+    clock = time.perf_counter if wall else time.process_time
+    sync = torch.cuda.synchronize if wall and device.startswith("cuda") else (lambda: None)
     start_steps, elapsed = runner.forward_pass_id, 0.0
     for first in range(0, len(prompts), batch):
         for i, ids in enumerate(prompts[first : first + batch]):
             scheduler.intake.handle(TokenizedGenerateReqInput(rid=f"r{first + i}", input_ids=ids, sampling_params=params))
-        t0 = time.process_time()
+        sync()
+        t0 = clock()
         while True:
             batch_ = scheduler.get_next_batch_to_run()
             if batch_ is None:
                 break
             scheduler.results.process(batch_, scheduler.run_batch(batch_))
-        elapsed += time.process_time() - t0
+        sync()
+        elapsed += clock() - t0
     outputs: dict[str, list[int]] = {}
     for msg in scheduler.sender.socket.messages:
         if isinstance(msg, BatchTokenOut):
@@ -122,6 +136,7 @@ def run(model: Path, algorithm: str | None, prompts, batch: int, max_new: int, d
         "steps_per_token": target_steps / tokens,
         "ms_per_step": 1000 * elapsed / target_steps,
         "ms_per_token": 1000 * elapsed / tokens,
+        "graphs": scheduler.worker.captured_graphs(),
     }
 
 
@@ -137,6 +152,14 @@ def main() -> None:
     p.add_argument("--num-steps", type=int, default=4, help="--speculative-num-steps (drafts per verify)")
     p.add_argument("--draft-layers", type=int, default=1, help="STANDALONE: the draft's decoder layers")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--graphs", action="store_true",
+                   help="CUDA graphs on (decode, verify and the draft's decode graphs up to batch 8; GPU only)")
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                   help="process CPU time (default; other load does not count) or wall time (GPU)")
+    p.add_argument("--models", default="random,copying", help="comma-separated subset of random,copying")
+    p.add_argument("--prompt-sets", default="repetitive,non-repetitive",
+                   help="comma-separated subset of repetitive,non-repetitive")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--proposers", default=",".join(str(x) for x in PROPOSERS),
                    help="comma-separated subset of None,NGRAM,STANDALONE,EAGLE (None: the baseline, always run)")
     a = p.parse_args()
@@ -150,29 +173,41 @@ def main() -> None:
             make_draft_checkpoint(target, target.parent / f"{target.name}-draft", num_layers=a.draft_layers)
         make_eagle_checkpoint(model, Path(tmp) / "m-eagle")
         make_cycle_eagle_checkpoint(copying, Path(tmp) / "copying-eagle", CYCLE)
-        print("| model | prompts | batch | proposer | accept len | accept rate | target steps / token | ms / step | ms / token |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("| model | prompts | batch | proposer | accept len | accept rate | target steps / token | ms / step "
+              "| ms / token | tokens / s | vs none |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for label, path in (("random", model), ("copying", copying)):
+            if label not in a.models.split(","):
+                continue
             for name, prompts in prompt_sets(a.prompts, a.span, a.repeats, label == "copying").items():
-                for batch in (1, 8):
+                if name not in a.prompt_sets.split(","):
+                    continue
+                for batch in a.batches:
                     table_rows(label, name, path, prompts, batch, a)
 
 
 def table_rows(label: str, name: str, path: Path, prompts, batch: int, a) -> None:
     """One table row per proposer; raises SystemExit when speculation changed the output."""
-    base = None
+    base, base_ms = None, 1.0
     chosen = set(a.proposers.split(","))
     for algorithm in PROPOSERS:
         if algorithm is not None and algorithm not in chosen:
             continue
-        r = run(path, algorithm, prompts, batch, a.max_new_tokens, a.device, a.num_steps)
+        r = run(path, algorithm, prompts, batch, a.max_new_tokens, a.device, a.num_steps, a.graphs,
+                a.clock == "wall")
         if base is None:
-            base = r["outputs"]
+            base, base_ms = r["outputs"], r["ms_per_token"]
         elif r["outputs"] != base:
             raise SystemExit(f"{algorithm} changed the greedy output on {label}/{name} batch {batch}")
         print(f"| {label} | {name} | {batch} | {algorithm or 'none'} | {r['accept_len']:.2f} | "
               f"{r['accept_rate']:.2f} | {r['steps_per_token']:.3f} | {r['ms_per_step']:.1f} | "
-              f"{r['ms_per_token']:.1f} |", flush=True)
+              f"{r['ms_per_token']:.1f} | {1000 / r['ms_per_token']:.0f} | {base_ms / r['ms_per_token']:.2f}x |",
+              flush=True)
+        if a.graphs:  # what really ran through graphs (a reason when something was not captured)
+            print(f"  graphs: {r['graphs'].model_dump_json()}", flush=True)
+            missing = r["graphs"].reason or r["graphs"].speculative_reason
+            if a.device.startswith("cuda") and missing:
+                raise SystemExit(f"--graphs on {a.device}: not captured: {missing}")
 
 
 if __name__ == "__main__":

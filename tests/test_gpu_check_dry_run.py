@@ -35,7 +35,7 @@ def _rows(output: str, key: str) -> list[dict]:
 
 def test_the_gpu_check_runs_every_step_by_default():
     script = (ROOT / "bench" / "gpu_check.sh").read_text()
-    assert 'GPU_CHECK_STEPS:-tests triton table modes serving idle quant kernels' in script
+    assert 'GPU_CHECK_STEPS:-tests triton table modes serving idle quant kernels spec' in script
 
 
 def test_the_gpu_check_step_caps_fit_in_nine_minutes():

@@ -79,13 +79,20 @@ class ReportedGraphs:
 
     ``decode_batch_sizes`` / ``piecewise_token_buckets``: sorted, empty when none; ``reason``:
     why nothing was captured (e.g. ``"cpu: no CUDA graphs"``), None when graphs were;
-    ``torch_compile_batch_sizes``: decode sizes run by the ``--enable-torch-compile`` forward.
+    ``torch_compile_batch_sizes``: decode sizes run by the ``--enable-torch-compile`` forward;
+    speculative decoding: ``verify_batch_sizes`` (of ``verify_tokens_per_request`` tokens each),
+    ``draft_batch_sizes`` (the draft model's decode graphs), ``speculative_reason`` (why either
+    is missing).
     """
 
     decode_batch_sizes: tuple[int, ...] = ()
     piecewise_token_buckets: tuple[int, ...] = ()
     reason: str | None = None
     torch_compile_batch_sizes: tuple[int, ...] = ()
+    verify_batch_sizes: tuple[int, ...] = ()
+    verify_tokens_per_request: int = 0
+    draft_batch_sizes: tuple[int, ...] = ()
+    speculative_reason: str | None = None
 
     @property
     def captured(self) -> bool:
@@ -100,6 +107,8 @@ class ReportedGraphs:
             for kind, label, sizes in (
                 ("decode", "batch sizes", self.decode_batch_sizes),
                 ("piecewise", "tokens", self.piecewise_token_buckets),
+                ("verify", "batch sizes", self.verify_batch_sizes),
+                ("draft", "batch sizes", self.draft_batch_sizes),
             )
             if sizes
         ]
@@ -114,7 +123,15 @@ class ReportedGraphs:
             _sizes(raw.get("piecewise_token_buckets")),
             _text(raw.get("reason")),
             _sizes(raw.get("torch_compile_batch_sizes")),
+            _sizes(raw.get("verify_batch_sizes")),
+            _count(raw.get("verify_tokens_per_request")),
+            _sizes(raw.get("draft_batch_sizes")),
+            _text(raw.get("speculative_reason")),
         )
+
+
+def _count(raw: Any) -> int:
+    return raw if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0 else 0
 
 
 # (phase, model path, revision, digest, weight version) in the ``weights`` block, and in the

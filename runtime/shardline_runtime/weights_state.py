@@ -53,8 +53,13 @@ class CapturedGraphs(BaseModel):
     empty: none); ``reason``: why nothing was captured (``"cpu: no CUDA graphs"``,
     ``"disabled by flag: --disable-cuda-graph"``, a rule of ``device_graphs.py``), None when
     graphs were captured; ``torch_compile_batch_sizes``: decode batch sizes that run the
-    ``--enable-torch-compile`` forward (inside their graphs on a GPU; empty: compile is off). Captured again with every update that recaptures, so a new record
-    carries a new report.
+    ``--enable-torch-compile`` forward (inside their graphs on a GPU; empty: compile is off).
+    Speculative decoding: ``verify_batch_sizes`` (TARGET_VERIFY graphs, each of
+    ``verify_tokens_per_request`` tokens per request, 0 when none), ``draft_batch_sizes`` (the
+    draft runner's decode graphs: STANDALONE decode steps, EAGLE chain steps) and
+    ``speculative_reason`` (why verify or draft graphs are missing while speculation is on,
+    ``"verify: ...; draft: ..."``; None otherwise). Captured again with every update that
+    recaptures, so a new record carries a new report.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -63,10 +68,14 @@ class CapturedGraphs(BaseModel):
     piecewise_token_buckets: tuple[int, ...] = ()
     reason: str | None = None
     torch_compile_batch_sizes: tuple[int, ...] = ()
+    verify_batch_sizes: tuple[int, ...] = ()
+    verify_tokens_per_request: int = 0
+    draft_batch_sizes: tuple[int, ...] = ()
+    speculative_reason: str | None = None
 
     @property
     def captured(self) -> bool:
-        """True when at least one graph of either kind was captured."""
+        """True when at least one decode or piecewise graph was captured."""
         return bool(self.decode_batch_sizes or self.piecewise_token_buckets)
 
 

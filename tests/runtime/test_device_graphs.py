@@ -35,6 +35,11 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
         (ForwardMode.EXTEND, {"recording": True}, None),
         (ForwardMode.EXTEND, {"input_embeds": True}, None),
         (ForwardMode.DECODE, {"input_embeds": True}, "decode"),
+        (ForwardMode.TARGET_VERIFY, {}, "verify"),
+        (ForwardMode.TARGET_VERIFY, {"lora": True}, None),
+        (ForwardMode.TARGET_VERIFY, {"recording": True}, None),
+        (ForwardMode.TARGET_VERIFY, {"pp_size": 2}, None),
+        (ForwardMode.TARGET_VERIFY, {"dynamic_rope": True}, None),
     ],
 )
 def test_eligibility_table(mode, facts, expected):

@@ -120,6 +120,60 @@ def test_extend_kernel_matches_torch_native(hq, hkv, d, window):
     assert (got - ref).abs().max() <= 2e-5
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_verify_graph_layout_matches_eager_extend(window):
+    """TARGET_VERIFY through a graph's static layout (``VerifyLayout``: ``n`` rows per request,
+    fewer real ones padded, a padded request on the dummy row) gives, on both backends, the
+    eager EXTEND output on the real rows, and finite padded rows."""
+    from shardline_runtime.attention.base import VerifyLayout
+
+    gen = torch.Generator().manual_seed(11)
+    hq, hkv, d, n = 4, 2, 64, 4
+    runner = make_runner(hkv, d)
+    random_kv(runner, gen)
+    lens = [9, 40, 6]
+    rows = place(runner, lens, gen)
+    ext = [1, 4, 3]  # a request without drafts, a full one, one with fewer drafts
+    prefix = [seq - e for seq, e in zip(lens, ext)]
+    r2t = runner.req_to_token_pool.req_to_token
+    loc = torch.cat([r2t[r, p:q] for r, p, q in zip(rows, prefix, lens)])
+    t = sum(ext)
+    q = torch.randn(t, hq * d, generator=gen).to(DEVICE)
+    k = torch.randn(t, hkv * d, generator=gen).to(DEVICE)
+    v = torch.randn(t, hkv * d, generator=gen).to(DEVICE)
+    layer = RadixAttention(hq, d, d ** -0.5, hkv, 0, sliding_window=window)
+    args = dict(forward_mode=ForwardMode.TARGET_VERIFY, input_ids=[1] * t, req_pool_indices=rows, seq_lens=lens,
+                extend_prefix_lens=prefix, out_cache_loc=loc.tolist())
+    ref, _ = run_both(runner, args, layer, q, k, v)
+    bs, dummy = 4, 7  # the 4th request pads the batch on row 7 (all slot 0)
+    index = torch.tensor([i * n + j for i, e in enumerate(ext) for j in range(e)], device=DEVICE)
+
+    def padded(x):
+        return torch.zeros(bs * n, x.shape[1], dtype=x.dtype, device=DEVICE).index_copy_(0, index, x)
+
+    def long(values):
+        return torch.tensor(values, dtype=torch.int64, device=DEVICE)
+
+    layout = VerifyLayout(bs=bs, tokens_per_req=n, req_pool_indices=long(rows + [dummy]),
+                          prefix_lens=long(prefix + [0]), extend_lens=long(ext + [1]),
+                          q_start_loc=torch.arange(bs, device=DEVICE) * n)
+    out_loc = torch.zeros(bs * n, dtype=torch.int64, device=DEVICE).index_copy_(0, index, loc.to(DEVICE))
+    pool = runner.token_to_kv_pool
+    saved = [b.clone() for b in pool.k_buffer_head_major + pool.v_buffer_head_major]
+    for backend in backends(runner):
+        for b, s in zip(pool.k_buffer_head_major + pool.v_buffer_head_major, saved):
+            b.copy_(s)
+        fb = ForwardBatch(forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=long([0] * (bs * n)),
+                          positions=long([0] * (bs * n)), req_pool_indices=layout.req_pool_indices,
+                          seq_lens=long(lens + [1]), out_cache_loc=out_loc, extend_seq_lens=layout.extend_lens,
+                          extend_prefix_lens=layout.prefix_lens, req_to_token_pool=runner.req_to_token_pool,
+                          token_to_kv_pool=pool, attn_backend=backend)
+        backend.init_forward_metadata_verify_graph(layout)
+        out = backend.forward(padded(q), padded(k), padded(v), layer, fb).float()
+        assert torch.isfinite(out).all(), type(backend).__name__
+        assert (out[index] - ref).abs().max() <= 2e-5, type(backend).__name__
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fp8_pool_matches_torch_native(kv_dtype):
     """Both backends read the same fp8 cache through k_scale / v_scale."""

@@ -115,7 +115,8 @@ def test_adapter_endpoints_without_enable_lora_are_400_naming_the_flag(server, p
 def test_server_info_reports_that_a_cpu_server_captured_no_graphs(server):
     graphs = _ok(server.get("/get_server_info"))["cuda_graphs"]
     assert graphs == {"decode_batch_sizes": [], "piecewise_token_buckets": [], "reason": "cpu: no CUDA graphs",
-                      "torch_compile_batch_sizes": []}
+                      "torch_compile_batch_sizes": [], "verify_batch_sizes": [], "verify_tokens_per_request": 0,
+                      "draft_batch_sizes": [], "speculative_reason": None}
 
 
 def test_server_info_carries_the_graphs_report_in_the_weights_block(server):

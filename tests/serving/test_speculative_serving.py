@@ -127,3 +127,10 @@ def test_a_draft_update_on_a_server_without_a_draft_model_is_a_400(server):
     r = server.post("/update_weights_from_disk", {"model_path": "/nowhere", "draft_model_path": "/nowhere-draft"})
     assert r.status_code == 400
     assert "--speculative-algorithm STANDALONE" in r.json()["message"]
+
+
+def test_server_info_says_why_no_verify_graph_was_captured(spec_server):
+    graphs = spec_server.get("/get_server_info").json()["cuda_graphs"]
+    assert graphs["verify_batch_sizes"] == [] and graphs["verify_tokens_per_request"] == 0
+    assert graphs["draft_batch_sizes"] == []
+    assert graphs["speculative_reason"] == "verify: cpu: no CUDA graphs", "NGRAM has no draft model"

@@ -18,8 +18,27 @@ KV cache dtype and dequantised with the layer's ``k_scale`` / ``v_scale``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class VerifyLayout:
+    """The static layout of a TARGET_VERIFY step replayed from a graph (``verify_graph_runner.py``).
+
+    Request ``i < bs`` owns query rows ``[i * tokens_per_req, (i + 1) * tokens_per_req)``; its
+    first ``extend_lens[i]`` rows are its real tokens at positions ``prefix_lens[i] + j``, the
+    others are padding, which must come out finite and read only that request's keys
+    ``[0, prefix_lens[i] + extend_lens[i])``. Every tensor is (bs,) int64 at a fixed address.
+    """
+
+    bs: int
+    tokens_per_req: int
+    req_pool_indices: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    q_start_loc: torch.Tensor
 
 
 class AttentionBackend(ABC):
@@ -33,6 +52,8 @@ class AttentionBackend(ABC):
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.device = torch.device(getattr(model_runner, "device", "cpu"))
+        # set by init_forward_metadata_verify_graph; the eager start-of-pass calls reset it
+        self.verify_layout: VerifyLayout | None = None
 
     # ---- start of a forward pass ----------------------------------------------------------------
 
@@ -55,6 +76,19 @@ class AttentionBackend(ABC):
     ) -> None:
         """A captured decode graph of ``bs`` rows is about to replay: refill its static metadata
         from the (already filled) static ``req_pool_indices`` / ``seq_lens``."""
+
+    def init_forward_metadata_verify_graph(self, layout: VerifyLayout) -> None:
+        """A TARGET_VERIFY graph is about to be captured or replayed over ``layout``'s static
+        tensors (already filled): every attention call of the pass reads them.
+
+        Raises:
+            NotImplementedError: the backend has no graph-safe verify path.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no TARGET_VERIFY graph path")
+
+    def forward_verify_graph(self, q: torch.Tensor, layer, forward_batch, kv_pool) -> torch.Tensor:
+        """q (bs * tokens_per_req, Hq, D) -> the same shape, over :attr:`verify_layout`."""
+        raise NotImplementedError(f"{type(self).__name__} has no TARGET_VERIFY graph path")
 
     # ---- per layer --------------------------------------------------------------------------------
 
@@ -85,6 +119,8 @@ class AttentionBackend(ABC):
             )
         if forward_batch.forward_mode.is_decode():
             out = self.forward_decode(q, layer, forward_batch, kv_pool)
+        elif self.verify_layout is not None and forward_batch.forward_mode.is_target_verify():
+            out = self.forward_verify_graph(q, layer, forward_batch, kv_pool)
         else:
             out = self.forward_extend(q, layer, forward_batch, kv_pool)
         return out.reshape(-1, layer.tp_q_head_num * layer.head_dim)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from shardline_runtime.attention.base import AttentionBackend
+from shardline_runtime.attention.base import AttentionBackend, VerifyLayout
 from shardline_runtime.attention.paged_decode import DecodeScratch, decode_attention_cpu
 
 
@@ -72,6 +72,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch) -> None:
         """Eager step: the DECODE bound is the longest ``seq_len`` of the batch."""
         self._decode = None
+        self.verify_layout = None
         if forward_batch.forward_mode.is_decode():
             lens = forward_batch.seq_lens_cpu
             bound = (
@@ -89,6 +90,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         """Graph capture: a fixed bound, the whole ``req_to_token`` row (the slots and masks are
         then computed inside the graph from its static tensors)."""
         self._decode = None
+        self.verify_layout = None
         self.forward_metadata = ForwardMetadata(kv_len_bound=self.max_context_len)
 
     def init_forward_metadata_replay_cuda_graph(
@@ -119,6 +121,47 @@ class TorchNativeAttnBackend(AttentionBackend):
                 )
             self._decode.masks[window] = valid
         return self._decode
+
+    def init_forward_metadata_verify_graph(self, layout: VerifyLayout) -> None:
+        """A TARGET_VERIFY graph pass: the whole ``req_to_token`` row is gathered per request
+        and masked from the layout's tensors (nothing is read from Python lists)."""
+        self._decode = None
+        self.verify_layout = layout
+        self.forward_metadata = ForwardMetadata(kv_len_bound=self.max_context_len)
+
+    def forward_verify_graph(self, q: torch.Tensor, layer, forward_batch, kv_pool) -> torch.Tensor:
+        """q (bs * n, Hq, D) -> (bs * n, Hq, D): query ``j`` of request ``i`` attends keys
+        ``k <= prefix_i + min(j, ext_i - 1)`` (a padded query repeats the request's last real
+        one, so it stays finite and in range), within the sliding window when there is one."""
+        lay = self.verify_layout
+        assert lay is not None
+        bs, n, bound = lay.bs, lay.tokens_per_req, self.forward_metadata.kv_len_bound
+        if self._decode is None:  # the pass's slots, built by its first layer
+            rows = self._req_to_token(forward_batch)[lay.req_pool_indices]
+            self._decode = DecodeTensors(slots=rows[:, :bound].reshape(bs * bound))
+        meta = self._decode
+        window = layer.sliding_window
+        if window not in meta.masks:
+            j = torch.arange(n, device=q.device)[None, :]
+            q_pos = lay.prefix_lens[:, None] + torch.minimum(j, lay.extend_lens[:, None] - 1)
+            k_pos = torch.arange(bound, device=q.device)[None, None, :]
+            allowed = k_pos <= q_pos[:, :, None]  # (bs, n, bound)
+            if window is not None:
+                allowed &= k_pos > q_pos[:, :, None] - window
+            meta.masks[window] = allowed
+        k_buf, v_buf = kv_pool.get_kv_buffer_head_major(layer.layer_id)  # (Hkv, size + 1, D)
+        hkv, d = layer.tp_k_head_num, layer.head_dim
+        k = _dequant(k_buf.index_select(1, meta.slots), layer.k_scale, q.dtype)
+        v = _dequant(v_buf.index_select(1, meta.slots), layer.v_scale, q.dtype)
+        o = F.scaled_dot_product_attention(
+            q.view(bs, n, layer.tp_q_head_num, d).transpose(1, 2),  # (bs, Hq, n, D)
+            k.view(hkv, bs, bound, d).transpose(0, 1),  # (bs, Hkv, bound, D)
+            v.view(hkv, bs, bound, d).transpose(0, 1),
+            attn_mask=meta.masks[window][:, None],
+            scale=layer.scaling,
+            enable_gqa=layer.tp_q_head_num != hkv,
+        )
+        return o.transpose(1, 2).reshape(bs * n, layer.tp_q_head_num, d)
 
     # ---- compute -----------------------------------------------------------------------------
 

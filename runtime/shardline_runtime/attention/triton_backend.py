@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardline_runtime.attention.base import AttentionBackend
+from shardline_runtime.attention.base import AttentionBackend, VerifyLayout
 from shardline_runtime.attention.triton_ops.decode_attention import decode_attention_fwd
 from shardline_runtime.attention.triton_ops.extend_attention import extend_attention_fwd
 from shardline_runtime.attention.triton_ops.kv_indices import create_kv_indices, fill_kv_indptr
@@ -70,6 +70,7 @@ class TritonAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch) -> None:
         """Eager pass: DECODE builds fresh ``kv_indptr`` / ``kv_indices``; EXTEND its offsets."""
         self.decode_metadata = self.extend_metadata = None
+        self.verify_layout = None
         bs = forward_batch.batch_size
         device = forward_batch.seq_lens.device
         if forward_batch.forward_mode.is_decode():
@@ -133,8 +134,39 @@ class TritonAttnBackend(AttentionBackend):
                 "init_cuda_graph_state(max_bs) must run before a CUDA graph is captured or replayed"
             )
         self.extend_metadata = None
+        self.verify_layout = None
         self._fill(None, req_pool_indices[:bs], seq_lens[:bs], indptr, indices)
         self.decode_metadata = DecodeMetadata(indptr, indices)
+
+    def init_forward_metadata_verify_graph(self, layout: VerifyLayout) -> None:
+        """A TARGET_VERIFY graph pass: the extend kernel reads the layout's static tensors, its
+        grid sized by ``tokens_per_req`` (padded query rows are not computed; see
+        :meth:`forward_verify_graph`)."""
+        self.decode_metadata = self.extend_metadata = None
+        self.verify_layout = layout
+
+    def forward_verify_graph(self, q: torch.Tensor, layer, forward_batch, kv_pool) -> torch.Tensor:
+        """q (bs * n, Hq, D) -> (bs * n, Hq, D) with ``extend_attention_fwd`` over the layout;
+        padded query rows come out zero."""
+        lay = self.verify_layout
+        assert lay is not None
+        k_buf, v_buf = kv_pool.get_kv_buffer_head_major(layer.layer_id)
+        return extend_attention_fwd(
+            q,
+            k_buf,
+            v_buf,
+            torch.zeros_like(q),
+            self._req_to_token(forward_batch),
+            lay.req_pool_indices,
+            lay.prefix_lens,
+            lay.extend_lens,
+            lay.q_start_loc,
+            lay.tokens_per_req,
+            layer.scaling,
+            window=layer.sliding_window,
+            k_scale=layer.k_scale,
+            v_scale=layer.v_scale,
+        )
 
     # ---- per layer --------------------------------------------------------------------------------
 

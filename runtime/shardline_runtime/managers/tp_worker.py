@@ -302,8 +302,10 @@ class TpModelWorker(BaseTpWorker):
         self.model_runner.graphs.rebuild(cuda_graph_max_bs, disable, on_phase)
 
     def captured_graphs(self) -> CapturedGraphs:
-        """What this rank's runner really captured (``DeviceGraphs.report``)."""
-        return self.model_runner.graphs.report()
+        """What this rank's runner (and its draft model's runner) really captured
+        (``DeviceGraphs.report``)."""
+        draft = self.draft_worker.runner.graphs if self.draft_worker is not None else None
+        return self.model_runner.graphs.report(draft)
 
     # ---- weight sync from a trainer (model_executor/weight_sync.py) ----------------------------
 

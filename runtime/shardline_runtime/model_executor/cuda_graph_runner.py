@@ -17,6 +17,11 @@ copies the previous stage's ``PPProxyTensors`` (``hidden_states`` and ``residual
 each) into static buffers the graph reads, and a stage that is not the last returns its own
 ``PPProxyTensors`` (the first ``bs`` rows, copied) instead of logits.
 
+Every graph returns the hidden states its logits came from (``capture_hidden_states``: EAGLE
+reads them from the target's decode steps), copied out only for a batch that asks. A model that
+takes input features (the EAGLE head, ``takes_spec_features``: its chain steps) reads them from a
+static (max_bs, hidden) buffer, padded rows zero.
+
 On CPU (or with ``capture=False``) the very same static-buffer path runs eagerly, so the
 padding and buffer logic is exercised by CI without a GPU; the real capture is a ``gpu`` test.
 With ``--enable-torch-compile`` the step of a size the compiled forward covers runs it
@@ -125,6 +130,12 @@ class CudaGraphRunner:
         self.req_pool_indices = zeros()
         self.seq_lens = zeros()
         self.modes = ModeBuffers(model_runner, self.max_bs, self.device)  # LoRA, recorder
+        hidden_size = model_runner.model_config.hidden_size
+        self.features: torch.Tensor | None = (  # an EAGLE head's input features, static
+            torch.zeros(self.max_bs, hidden_size, dtype=model_runner.dtype, device=self.device)
+            if getattr(model_runner.model, "takes_spec_features", False)
+            else None
+        )
         stage = getattr(model_runner, "pipeline_stage", None)
         hidden = (self.max_bs, model_runner.model_config.hidden_size)
         self.proxy: dict[str, torch.Tensor] | None = (  # the previous stage's output, static
@@ -151,6 +162,8 @@ class CudaGraphRunner:
         self.req_pool_indices[start:end] = self.dummy_req_row
         self.seq_lens[start:end] = 1
         self.modes.fill_padding(start, end)
+        if self.features is not None:
+            self.features[start:end] = 0
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         """A DECODE ForwardBatch whose tensors are views of the first ``bs`` buffer rows; it
@@ -167,6 +180,8 @@ class CudaGraphRunner:
             req_to_token_pool=runner.req_to_token_pool,
             token_to_kv_pool=runner.token_to_kv_pool,
             attn_backend=runner.attn_backend,
+            capture_hidden_states=True,
+            spec_hidden_states=None if self.features is None else self.features[:bs],
         )
 
     def _run_model(self, forward_batch: ForwardBatch):
@@ -240,9 +255,12 @@ class CudaGraphRunner:
         self.graph_pool = None
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
-        """True for a DECODE batch of at most ``max_bs`` requests."""
+        """True for a DECODE batch of at most ``max_bs`` requests (with its input features
+        when the model takes them)."""
         return (
-            forward_batch.forward_mode.is_decode() and 0 < forward_batch.batch_size <= self.max_bs
+            forward_batch.forward_mode.is_decode()
+            and 0 < forward_batch.batch_size <= self.max_bs
+            and (self.features is None or forward_batch.spec_hidden_states is not None)
         )
 
     def padded_batch_size(self, bs: int) -> int:
@@ -261,7 +279,8 @@ class CudaGraphRunner:
 
         Returns:
             The model's ``LogitsProcessorOutput`` with ``next_token_logits`` cut to the real
-            ``bs`` rows ((bs, vocab) float32, a copy, so the next replay cannot overwrite it),
+            ``bs`` rows ((bs, vocab) float32, a copy, so the next replay cannot overwrite it)
+            and, when the batch asks, ``hidden_states`` (bs, hidden) (a copy),
             or on a stage that is not the last its ``PPProxyTensors`` (the ``bs`` rows, copied).
         """
         bs = forward_batch.batch_size
@@ -272,6 +291,9 @@ class CudaGraphRunner:
         self.req_pool_indices[:bs].copy_(forward_batch.req_pool_indices)
         self.seq_lens[:bs].copy_(forward_batch.seq_lens)
         self._fill_padding(bs, padded)
+        if self.features is not None:
+            assert forward_batch.spec_hidden_states is not None  # can_run
+            self.features[:bs].copy_(forward_batch.spec_hidden_states)
         self.modes.fill(forward_batch.lora_names, bs, padded)
         if self.proxy is not None:
             assert pp_proxy_tensors is not None, "a stage after the first needs the proxy tensors"
@@ -291,4 +313,13 @@ class CudaGraphRunner:
                 output = self._run_model(self._static_batch(padded))
         if isinstance(output, PPProxyTensors):
             return PPProxyTensors({k: v[:bs].clone() for k, v in output.tensors.items()})
-        return dataclasses.replace(output, next_token_logits=output.next_token_logits[:bs].clone())
+        hidden = output.hidden_states
+        return dataclasses.replace(
+            output,
+            next_token_logits=output.next_token_logits[:bs].clone(),
+            hidden_states=(
+                hidden[:bs].clone()
+                if hidden is not None and forward_batch.capture_hidden_states
+                else None
+            ),
+        )

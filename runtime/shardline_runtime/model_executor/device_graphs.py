@@ -15,6 +15,12 @@ After mini-sglang's ``engine/graph.py`` ``GraphRunner`` (``can_use_cuda_graph``,
   without caller-given input embeddings (a graph embeds the token ids itself), without LoRA and
   while nothing records (their pieces have no per-token adapter or mask buffers)
   (:func:`replay_kind`);
+- verify graphs (``verify_graph_runner.py``) for speculative decoding's TARGET_VERIFY steps of at
+  most the decode graphs' batch sizes and ``--speculative-num-draft-tokens`` tokens per request,
+  without LoRA, with one stage and while nothing records; built beside the decode graphs (they
+  share its padding row);
+- a step whose hidden states are captured (EAGLE's features) replays decode and verify graphs
+  (they always return them), never the piecewise ones;
 - with ``--enable-torch-compile`` the decode runner runs the compiled forward for the sizes up
   to ``torch_compile_max_bs`` (``torch_compile.py``): inside the graphs on a GPU; on the CPU a
   runner that captures nothing pads decode batches up to that size and runs it on the static
@@ -44,11 +50,12 @@ if TYPE_CHECKING:
         PiecewiseCudaGraphRunner,
     )
     from shardline_runtime.model_executor.torch_compile import CompiledDecode
+    from shardline_runtime.model_executor.verify_graph_runner import VerifyGraphRunner
     from shardline_runtime.server_args_sections import GraphArgs
 
 logger = logging.getLogger(__name__)
 
-ReplayKind = Literal["decode", "piecewise"]
+ReplayKind = Literal["decode", "piecewise", "verify"]
 
 
 def graphs_blocked_by(dynamic_rope: bool) -> str | None:
@@ -77,8 +84,12 @@ def replay_kind(
         return None
     if mode.is_decode():
         return "decode"
-    if mode == ForwardMode.EXTEND and not (input_embeds or lora or recording or pp_size > 1):
+    if input_embeds or lora or recording or pp_size > 1:
+        return None
+    if mode == ForwardMode.EXTEND:
         return "piecewise"
+    if mode == ForwardMode.TARGET_VERIFY:
+        return "verify"
     return None
 
 
@@ -91,6 +102,7 @@ class DeviceGraphs:
         decode: a :class:`CudaGraphRunner` (on CPU one built with ``capture=False`` runs the
             same static-buffer path eagerly).
         piecewise: a :class:`PiecewiseCudaGraphRunner`.
+        verify: a :class:`VerifyGraphRunner` (speculative decoding's TARGET_VERIFY steps).
     """
 
     def __init__(
@@ -98,11 +110,13 @@ class DeviceGraphs:
         runner: Any,
         decode: CudaGraphRunner | None = None,
         piecewise: PiecewiseCudaGraphRunner | None = None,
+        verify: VerifyGraphRunner | None = None,
     ) -> None:
         self.runner = runner
         self.decode = decode
         self.piecewise = piecewise
-        self._released: tuple[Any, Any] | None = None
+        self.verify = verify
+        self._released: tuple[Any, Any, Any] | None = None
         self.compiled: CompiledDecode | None = None  # --enable-torch-compile
         self.skipped: str | None = None  # why nothing was captured (see :meth:`report`)
 
@@ -138,9 +152,10 @@ class DeviceGraphs:
             recording=self._recording(),
             input_embeds=forward_batch.input_embeds_indices is not None,
         )
-        graphs = self.decode if kind == "decode" else self.piecewise if kind else None
-        # a step whose hidden states are captured (EAGLE's features) runs eagerly
-        if graphs is None or forward_batch.capture_hidden_states:
+        graphs: Any = {"decode": self.decode, "piecewise": self.piecewise, "verify": self.verify}
+        graphs = graphs.get(kind) if kind else None
+        # decode and verify graphs return the hidden states (EAGLE's features); pieces do not
+        if graphs is None or (forward_batch.capture_hidden_states and kind == "piecewise"):
             return None
         if not graphs.can_run(forward_batch):
             return None
@@ -178,6 +193,7 @@ class DeviceGraphs:
 
         if not settings.disable_cuda_graph:
             graphs.decode = graphs._decode_runner(settings.cuda_graph_max_bs)
+            graphs.verify = graphs.verify_runner(graphs.decode)
         if (
             settings.enable_piecewise_cuda_graph
             and runner.lora_manager is None
@@ -202,14 +218,36 @@ class DeviceGraphs:
         sizes = get_batch_sizes_to_capture(max_bs, r.args.memory.max_running_requests)
         return CudaGraphRunner(r, capture=capture, batch_sizes=sizes, compiled=self.compiled)
 
+    def verify_runner(
+        self, decode: CudaGraphRunner, capture: bool | None = None
+    ) -> VerifyGraphRunner | None:
+        """TARGET_VERIFY graphs of ``decode``'s batch sizes (and padding row) when this runner
+        verifies speculative drafts (``--speculative-algorithm``), without LoRA and with one
+        stage; else None (``capture=False``: the CPU static-buffer path)."""
+        from shardline_runtime.model_executor.verify_graph_runner import VerifyGraphRunner
+
+        r = self.runner
+        spec = getattr(r.args, "speculative", None)
+        if spec is None or not spec.enabled or r.lora_manager is not None or r.pp_size > 1:
+            return None
+        return VerifyGraphRunner(
+            r,
+            spec.speculative_num_draft_tokens,
+            list(decode.capture_bs),
+            decode.dummy_req_row,
+            capture=capture,
+        )
+
     @property
     def present(self) -> bool:
         """Whether any graph runner is held (captured, or the CPU static-buffer path)."""
-        return self.decode is not None or self.piecewise is not None
+        return any(g is not None for g in (self.decode, self.piecewise, self.verify))
 
-    def report(self) -> CapturedGraphs:
+    def report(self, draft: DeviceGraphs | None = None) -> CapturedGraphs:
         """What this runner really captured: the batch sizes and token buckets of its graphs
-        (a runner on the CPU static-buffer path captured none), or why there are none."""
+        (a runner on the CPU static-buffer path captured none), or why there are none; with
+        speculative decoding also its verify graphs and ``draft``'s (the draft runner's) decode
+        graphs, or why they are missing (``speculative_reason``)."""
         decode = sorted(self.decode.graphs) if self.decode is not None else []
         piecewise = sorted(self.piecewise.graphs) if self.piecewise is not None else []
         reason = None
@@ -222,17 +260,30 @@ class DeviceGraphs:
             if self.compiled is not None and self.decode is not None
             else ()
         )
+        verify = sorted(self.verify.graphs) if self.verify is not None else []
+        drafted = sorted(draft.decode.graphs) if draft is not None and draft.decode else []
+        spec = getattr(self.runner.args, "speculative", None)
+        missing = []
+        if spec is not None and spec.enabled and not verify:
+            missing.append(f"verify: {reason or 'no graph was captured'}")
+        if draft is not None and not drafted:
+            why = draft.report().reason if draft.decode is None else "no graph was captured"
+            missing.append(f"draft: {why}")
         return CapturedGraphs(
             decode_batch_sizes=tuple(decode),
             piecewise_token_buckets=tuple(piecewise),
             reason=reason,
             torch_compile_batch_sizes=compiled,
+            verify_batch_sizes=tuple(verify),
+            verify_tokens_per_request=self.verify.n if verify and self.verify else 0,
+            draft_batch_sizes=tuple(drafted),
+            speculative_reason="; ".join(missing) or None,
         )
 
     def capture(self) -> None:
-        """Capture every held runner again (decode, then the EXTEND pieces), e.g. after a
+        """Capture every held runner again (decode, the EXTEND pieces, verify), e.g. after a
         weight update that asks for it."""
-        for graphs in (self.decode, self.piecewise):
+        for graphs in (self.decode, self.piecewise, self.verify):
             if graphs is not None:
                 graphs.capture()
 
@@ -240,18 +291,17 @@ class DeviceGraphs:
         """Drop the captured graphs and their memory pools; :meth:`resume` captures them again."""
         if not self.present:
             return
-        self._released = (self.decode, self.piecewise)
-        if self.decode is not None:
-            self.decode.release_graphs()
-        if self.piecewise is not None:
-            self.piecewise.release_graphs()
-        self.decode = self.piecewise = None
+        self._released = (self.decode, self.piecewise, self.verify)
+        for graphs in self._released:
+            if graphs is not None:
+                graphs.release_graphs()
+        self.decode = self.piecewise = self.verify = None
 
     def resume(self) -> None:
         """Capture the graphs dropped by :meth:`release` again (a no-op when none were)."""
         if self._released is None:
             return
-        self.decode, self.piecewise = self._released
+        self.decode, self.piecewise, self.verify = self._released
         self._released = None
         self.capture()
 
@@ -271,13 +321,14 @@ class DeviceGraphs:
         old = self.decode
         if old is not None and (disable or cuda_graph_max_bs is not None):
             r.req_to_token_pool.free(old.dummy_req_row)
-            self.decode = None
+            self.decode = self.verify = None  # the verify graphs used its padding row
         if disable:
             self.skipped = "disabled by the update request: disable_cuda_graph"
         if not disable and cuda_graph_max_bs is not None:
             if on_phase is not None:
                 on_phase(WeightsPhase.RECAPTURING)
             self.decode = self._decode_runner(cuda_graph_max_bs)
+            self.verify = self.verify_runner(self.decode)
             self.skipped = None
         logger.info(
             "[tp %d] CUDA graphs: %s",

@@ -18,7 +18,8 @@ Steps, each rank:
   3. Copy each new tensor into the existing parameter storage (``param.data.copy_``), so every
      ``data_ptr`` stays the same and captured CUDA graphs read the new weights; set the fp8 KV
      scales to the new checkpoint's (1.0 where it has none; read and checked in step 1).
-  4. ``recapturing`` (when asked and graphs exist): capture the decode and piecewise graphs again.
+  4. ``recapturing`` (when asked and graphs exist): capture the decode, piecewise and verify
+     graphs again, and the draft model's decode graphs when its weights changed too.
   5. ``serving``; a failed update leaves ``failed`` (the old weights keep serving).
 
 With speculative decoding's draft model (``draft``: its runner and new checkpoint), step 1
@@ -153,15 +154,17 @@ def update_weights_from_disk(
     updates = 1 + (draft is not None)
     assert len(staged.entries) == updates  # every rank staged every update (all_ok)
     copied = 0
+    runners = [entry[0] for entry in staged.entries]  # the target, then the draft
     for runner, new_config, new_model, kv_scales in staged.entries:
         copied += copy_weights_in_place(runner.model, new_model)
         set_kv_scales(runner.model, kv_scales, runner.kv_cache_dtype)
         runner.model_config = new_config  # same shapes and behaviour; reports the new path
     staged.entries.clear()
-    graphs = model_runner.graphs
-    if recapture_cuda_graph and graphs.present:
+    held = [r.graphs for r in runners if r.graphs.present]
+    if recapture_cuda_graph and held:
         phase(WeightsPhase.RECAPTURING)
-        graphs.capture()  # decode graphs, then the EXTEND pieces
+        for graphs in held:
+            graphs.capture()  # decode graphs, the EXTEND pieces, verify; the draft's
     phase(WeightsPhase.SERVING)
     return (
         True,

@@ -83,6 +83,8 @@ class LlamaForCausalLMEagle(LlamaForCausalLM):
     """
 
     architecture: ClassVar[str] = "LlamaForCausalLMEagle"
+    # reads forward_batch.spec_hidden_states: a decode graph keeps them in a static buffer
+    takes_spec_features: ClassVar[bool] = True
 
     def __init__(self, config: ModelConfig, stage: PipelineStage | None = None):
         nn.Module.__init__(self)

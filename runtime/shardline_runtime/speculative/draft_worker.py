@@ -23,7 +23,7 @@ drafts are broadcast, so every rank verifies the same tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -42,7 +42,8 @@ class DraftModelError(ValueError):
 
 def draft_server_args(args, max_total_tokens: int):
     """The draft runner's ``ServerArgs``: the target's, with the draft checkpoint, a KV pool of
-    ``max_total_tokens`` tokens, no graphs, no LoRA and no speculation of its own."""
+    ``max_total_tokens`` tokens, no LoRA and no speculation of its own; built without graphs
+    (:func:`build_draft_graphs` captures its decode graphs once the worker is wired)."""
     return args.replace(
         model_path=args.speculative_draft_model_path,
         model_source=None,
@@ -98,7 +99,7 @@ def build_draft_worker(
     check_draft_architecture(algo, config.architecture, path)
     check_draft_vocab(target_config.vocab_size, runner.model_config.vocab_size, path)
     if algo == "STANDALONE":
-        return DraftWorker(runner)
+        return build_draft_graphs(DraftWorker(runner), args.graphs)
     if config.hidden_size != target_config.hidden_size:
         raise DraftModelError(
             f"--speculative-draft-model-path {path}: hidden_size {config.hidden_size} differs "
@@ -106,7 +107,19 @@ def build_draft_worker(
         )
     from shardline_runtime.speculative.eagle_worker import EagleWorker
 
-    return EagleWorker(runner, target)
+    return build_draft_graphs(EagleWorker(runner, target), args.graphs)
+
+
+def build_draft_graphs(worker: DraftWorker, settings) -> DraftWorker:
+    """Give the draft runner decode graphs as the target's ``settings`` ask (``GraphArgs``;
+    never piecewise or compiled): STANDALONE decode steps and EAGLE chain steps (their input
+    features and predicted ones in static buffers) replay them. Built after the worker, since an
+    EAGLE head can run only once it shares the target's embedding and LM head."""
+    from shardline_runtime.model_executor.device_graphs import DeviceGraphs
+
+    draft = replace(settings, enable_piecewise_cuda_graph=False, enable_torch_compile=False)
+    worker.runner.graphs = DeviceGraphs.build(worker.runner, draft)
+    return worker
 
 
 def check_draft_architecture(algo: str, architecture: str, path: str) -> None:
