@@ -19,12 +19,13 @@ Sources:
   phase are taken to bound one stretch of it (a leader does not go loading -> serving ->
   loading between two reads a fraction of a second apart).
 
-A group is *definitely down* at ``t`` when some source's down stretch certainly covers ``t``
+A group is *certainly down* at ``t`` when some source's down stretch certainly covers ``t``
 (:func:`down_intervals`). :func:`violations` reports each instant at which more groups below
-``replicas`` are definitely down than ``maxUnavailable`` allows, not counting a group an injected
-fault took down until a new leader pod of it was seen Ready (:class:`Excuse`). Uncertainty is
-always resolved towards "up", so skew between sources cannot make a violation; a real one is
-missed only where no source bounds it.
+``replicas`` are certainly down than ``maxUnavailable`` allows, not counting a group an injected
+fault took down until a new leader pod of it was seen Ready (:class:`Excuse`), and each update
+that began while the groups down, those a fault took down included, already filled
+``maxUnavailable``. Uncertainty is always resolved towards "up", so skew between sources cannot
+make a violation; a real one is missed only where no source bounds it.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 INF = float("inf")
+UPDATING = ("loading", "recapturing")
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class Interval:
     start: float
     end: float
     why: str
+    starts_wave: bool = False  # the stretch is an update the operator started (the runtime's)
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,8 @@ def answer_intervals(answers: Sequence[Answer]) -> list[Interval]:
         if run and run[0].received <= run[-1].sent:
             phases = "/".join(dict.fromkeys(a.phase for a in run))
             out.append(Interval(run[0].group, run[0].received, run[-1].sent,
-                                f"leader {phases} ({len(run)} answers)"))
+                                f"leader {phases} ({len(run)} answers)",
+                                starts_wave=run[0].phase in UPDATING))
         run.clear()
 
     for answer in sorted(answers, key=lambda a: a.sent):
@@ -200,10 +204,18 @@ def _budget_at(budgets: Sequence[Budget], t: float) -> tuple[int, int] | None:
 
 
 def violations(intervals: Sequence[Interval], excuses: Sequence[Excuse],
-               budgets: Sequence[Budget]) -> list[Violation]:
-    """Each instant (a down stretch's start) where the groups certainly down, below
-    ``replicas`` and not excused by a fault, outnumber ``maxUnavailable``; one violation per
-    episode (the same groups, overlapping stretches)."""
+               budgets: Sequence[Budget], origin: float = 0.0) -> list[Violation]:
+    """Check, at each instant a down stretch begins (times in the text relative to
+    ``origin``), counting only groups below ``replicas``:
+
+    - the groups certainly down and not excused by a fault must not outnumber
+      ``maxUnavailable``;
+    - when a group's update begins (its leader's first ``loading``/``recapturing`` answer), the
+      groups certainly down, the excused ones included, must not outnumber it either: the
+      planner starts no wave while a fault has a group down (issue 23: a deleted leader's group
+      restarting while the next group updates).
+
+    One violation per episode (the same groups, overlapping stretches)."""
     budgets = sorted(budgets, key=lambda b: b.at)
     found: list[Violation] = []
     episode_end = -INF
@@ -213,19 +225,25 @@ def violations(intervals: Sequence[Interval], excuses: Sequence[Excuse],
         if limits is None:
             continue
         replicas, allowed = limits
-        covering = [i for i in intervals if i.start <= t <= i.end and i.group < replicas
-                    and not any(e.group == i.group and e.start <= t <= e.end for e in excuses)]
-        groups = tuple(sorted({i.group for i in covering}))
-        if len(groups) <= allowed:
+        down = [i for i in intervals if i.start <= t <= i.end and i.group < replicas]
+        counted = [i for i in down if not any(e.group == i.group and e.start <= t <= e.end
+                                              for e in excuses)]
+        waves = sorted({i.group for i in down if i.starts_wave and i.start == t})
+        if len({i.group for i in counted}) > allowed:
+            covering, rule = counted, "certainly down"
+        elif waves and len({i.group for i in down}) > allowed:
+            covering, rule = down, f"certainly down when group {waves[0]}'s update began"
+        else:
             continue
+        groups = tuple(sorted({i.group for i in covering}))
         if groups == episode_groups and t <= episode_end:
             continue
         episode_groups = groups
         episode_end = min(max(i.end for i in covering if i.group == g) for g in groups)
-        why = "; ".join(f"group {i.group}: {i.why} over [{i.start:.2f}, {i.end:.2f}]"
+        why = "; ".join(f"group {i.group}: {i.why} over [{i.start - origin:.2f}, {i.end - origin:.2f}]"
                         for i in sorted(covering, key=lambda i: (i.group, i.start)))
-        found.append(Violation(t, groups, allowed, f"at {t:.2f}: groups {list(groups)} certainly "
-                               f"down, allowed {allowed} ({why})"))
+        found.append(Violation(t, groups, allowed,
+                               f"groups {list(groups)} {rule}, allowed {allowed} ({why})"))
     return found
 
 

@@ -17,8 +17,9 @@ Checked:
   groups below ``replicas`` certainly unavailable (leader pod missing, terminating or not Ready,
   or leader answering a phase other than ``serving``) than ``weightUpdate.maxUnavailable``,
   beyond the groups an injected fault took down whose new leader pod has not turned Ready since
-  (:meth:`InvariantWatch.fault`): the planner must never add its own unavailability to a
-  fault's. A group is judged at each instant only from facts valid at that instant, so reads
+  (:meth:`InvariantWatch.fault`), and no group's update begins while the groups down, those a
+  fault took down included, already fill ``maxUnavailable``: the planner must never add its own
+  unavailability to a fault's. A group is judged at each instant only from facts valid at that instant, so reads
   that are not simultaneous cannot make a violation, and one shorter than a round is found
   where the pod timestamps or two answers bound it;
 - **status follows the runtime**: a group that status shows ``Ready`` with a ``revision`` (and a
@@ -128,7 +129,7 @@ class InvariantWatch:
             changes = [c for group in self._changes.values() for c in group]
             intervals = av.down_intervals(changes, list(self._answers), self._horizon)
             excuses = [av.Excuse(g, at, av.excuse_end(changes, g, at, uid)) for at, g, uid in self._faults]
-            return av.violations(intervals, excuses, list(self._budgets))
+            return av.violations(intervals, excuses, list(self._budgets), self._t0)
 
     def violations_since(self, since: float) -> list[str]:
         """Every violation at or after wall-clock time ``since``, in time order."""

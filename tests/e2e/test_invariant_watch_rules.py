@@ -93,13 +93,32 @@ def test_a_fault_is_excused_until_the_new_leader_is_ready_and_no_longer():
                      (T + 120.5, pod("c", True, T + 120, created=T + 106)),
                      (T + 140.5, pod("c", False, T + 140)), (T + 150.5, pod("c", True, T + 150))])
     g1 = changes(1, [(T + 0.5, pod("b", True, T))])
-    during_fault = answers(1, "b", [(T + 101.0, T + 101.2, "loading"), (T + 115.0, T + 115.2, "loading"),
-                                    (T + 116.0, T + 116.2, "serving")])
+    # group 1 updates from before the fault (T+99.9) to T+116: the fault added group 0's
+    # unavailability to it, the planner added nothing
+    during_fault = answers(1, "b", [(T + 99.0, T + 99.2, "loading"), (T + 101.0, T + 101.2, "loading"),
+                                    (T + 115.0, T + 115.2, "loading"), (T + 116.0, T + 116.2, "serving")])
     excuse = av.Excuse(0, T + 99.9, av.excuse_end(g0, 0, T + 99.9, "a"))
     assert excuse.end == T + 120.5  # the latest the new pod "c" can have turned Ready
     assert judge(g0 + g1, during_fault, [excuse]) == []
     after = answers(1, "b", [(T + 141.0, T + 141.2, "loading"), (T + 142.0, T + 142.2, "loading")])
     assert [v.groups for v in judge(g0 + g1, during_fault + after, [excuse])] == [(0, 1)]
+
+
+def test_an_update_begun_while_a_faulted_group_restarts_is_a_violation():
+    # Issue 23's first failure: group 0's leader is deleted while it updates (a recorded fault);
+    # the operator then starts group 1 while group 0's new pod is not Ready yet.
+    g0 = changes(0, [(T + 0.5, pod("a", True, T)), (T + 100.4, pod("a", True, T, deleted=T + 100)),
+                     (T + 105.0, None), (T + 106.0, pod("c", False, T + 106, created=T + 106)),
+                     (T + 120.5, pod("c", True, T + 120, created=T + 106))])
+    g1 = changes(1, [(T + 0.5, pod("b", True, T))])
+    excuse = av.Excuse(0, T + 99.9, av.excuse_end(g0, 0, T + 99.9, "a"))
+    early = answers(1, "b", [(T + 110.0, T + 110.2, "loading"), (T + 111.0, T + 111.2, "loading"),
+                             (T + 125.0, T + 125.2, "serving")])
+    found = judge(g0 + g1, early, [excuse])
+    assert [v.groups for v in found] == [(0, 1)]
+    assert "update began" in found[0].text
+    late = answers(1, "b", [(T + 121.0, T + 121.2, "loading"), (T + 122.0, T + 122.2, "loading")])
+    assert judge(g0 + g1, late, [excuse]) == []
 
 
 def test_single_answers_and_unconfirmed_states_prove_nothing():
