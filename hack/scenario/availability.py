@@ -16,8 +16,8 @@ Sources:
 - **the leader's runtime** (:class:`Answer`, one ``/get_server_info`` per leader at a time): the
   answer's phase held at some instant between sending and receiving; ``serving`` is up, any
   other phase down, no answer says nothing. Two consecutive answers of one leader with the same
-  phase are taken to bound one stretch of it (a leader does not go loading -> serving ->
-  loading between two reads a fraction of a second apart).
+  phase are taken to bound one stretch of it, unless their ``last_update`` records differ (an
+  update ended between them).
 
 A group is *certainly down* at ``t`` when some source's down stretch certainly covers ``t``
 (:func:`down_intervals`). :func:`violations` reports each instant at which more groups below
@@ -61,6 +61,7 @@ class Answer:
     phase: str
     revision: str | None = None
     digest: str | None = None
+    last_update: str | None = None  # the leader's ``last_update`` record, as JSON: an update ended between two answers that differ here
 
 
 @dataclass(frozen=True)
@@ -158,8 +159,8 @@ def pod_intervals(changes: Sequence[Change], horizon: float) -> list[Interval]:
 
 def answer_intervals(answers: Sequence[Answer]) -> list[Interval]:
     """Certain down stretches of one group by its runtime: each run of consecutive answers of
-    one leader that are not ``serving`` covers ``[first received, last sent]`` (empty for a
-    single answer)."""
+    one leader that are not ``serving``, with the same ``last_update`` (no update ended in
+    between), covers ``[first received, last sent]`` (empty for a single answer)."""
     out: list[Interval] = []
     run: list[Answer] = []
 
@@ -172,7 +173,8 @@ def answer_intervals(answers: Sequence[Answer]) -> list[Interval]:
         run.clear()
 
     for answer in sorted(answers, key=lambda a: a.sent):
-        if run and (answer.phase == "serving" or answer.uid != run[0].uid):
+        if run and (answer.phase == "serving" or answer.uid != run[0].uid
+                    or answer.last_update != run[-1].last_update):
             close()
         if answer.phase != "serving":
             run.append(answer)

@@ -31,6 +31,7 @@ Shared by ``tests/e2e/test_rollout_faults.py`` and ``bench/rollout_faults.py``.
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -225,7 +226,8 @@ class InvariantWatch:
         except (httpx.HTTPError, ValueError):
             return None
         return av.Answer(group, leader["uid"], sent, time.time(), info.get("weights_phase") or "",
-                         info.get("weights_revision"), info.get("weights_digest"))
+                         info.get("weights_revision"), info.get("weights_digest"),
+                         json.dumps(info.get("last_weight_update"), sort_keys=True))
 
     def _ask_leaders(self) -> None:
         while not self._stop.is_set():

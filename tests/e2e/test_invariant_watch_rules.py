@@ -130,6 +130,17 @@ def test_single_answers_and_unconfirmed_states_prove_nothing():
     assert judge(g0, g1, horizon=T + 100.0) == []
 
 
+def test_an_update_that_ended_between_two_answers_splits_the_stretch():
+    # Loading, then (the update cancelled and the next begun between two slow reads) loading
+    # again under a new last_update: not one stretch over the serving moment in between.
+    reads = [av.Answer(1, "b", T + 100.0, T + 100.2, "loading", last_update="x"),
+             av.Answer(1, "b", T + 101.0, T + 101.2, "loading", last_update="x"),
+             av.Answer(1, "b", T + 110.0, T + 110.2, "loading", last_update="y"),
+             av.Answer(1, "b", T + 111.0, T + 111.2, "loading", last_update="y")]
+    found = [(round(i.start - T, 3), round(i.end - T, 3)) for i in av.answer_intervals(reads)]
+    assert found == [(100.2, 101.0), (110.2, 111.0)]
+
+
 def test_groups_above_replicas_do_not_count():
     g0 = changes(0, [(T + 0.5, pod("a", False, T))])
     g2 = changes(2, [(T + 0.5, pod("z", False, T))])
