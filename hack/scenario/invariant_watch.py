@@ -1,26 +1,37 @@
-"""Sample an InferenceDeployment's status and every group leader's ``/get_server_info`` during a
-rollout, and check the rollout invariants at every sample (issue 23 item 6).
+"""Watch an InferenceDeployment's leaders and status during a rollout, and check the rollout
+invariants (issue 23 item 6) from time-stamped observations.
 
-Each sample reads the CR, the leader pods (pod index 0: Ready, terminating, IP) and each live
-leader's weights block, then checks:
+Three sources, each read on its own and each observation kept with the times it can be valid at:
 
-- **availability**: at most ``weightUpdate.maxUnavailable`` groups below ``replicas`` are
-  unavailable (a leader that is not Ready in either of the sample's two pod reads, one before
-  and one after the leaders are asked, is terminating, or reports a phase other than ``serving``; a Ready leader whose ``/get_server_info`` does not answer in time is judged by its
-  readiness), plus one per group a fault took down whose leader pod has not been replaced and
-  available since (:meth:`InvariantWatch.fault`): the planner must never add its own
-  unavailability to a fault's;
+- the leader pods (pod index 0), by a LIST and WATCH: every change of a group's leader (Ready,
+  not Ready, terminating, gone, a new pod) with the bounds the API server's timestamps give
+  (:func:`~hack.scenario.availability.pod_change`);
+- each live leader's ``/get_server_info``, asked about four times a second, one request per
+  leader at a time: the phase, revision and digest, with the times it was sent and received;
+- the CR, read before each round of leader requests: ``replicas``, ``maxUnavailable`` and the
+  groups status shows.
+
+Checked:
+
+- **availability** (:func:`~hack.scenario.availability.violations`): at no instant are more
+  groups below ``replicas`` certainly unavailable (leader pod missing, terminating or not Ready,
+  or leader answering a phase other than ``serving``) than ``weightUpdate.maxUnavailable``,
+  beyond the groups an injected fault took down whose new leader pod has not turned Ready since
+  (:meth:`InvariantWatch.fault`), and no group's update begins while the groups down, those a
+  fault took down included, already fill ``maxUnavailable``: the planner must never add its own
+  unavailability to a fault's. A group is judged at each instant only from facts valid at that instant, so reads
+  that are not simultaneous cannot make a violation, and one shorter than a round is found
+  where the pod timestamps or two answers bound it;
 - **status follows the runtime**: a group that status shows ``Ready`` with a ``revision`` (and a
-  ``weightsDigest``) names what its leader served at some read from :data:`LAG_SECONDS` before
-  the status was read on (status is written after the leaders are asked, so it may lag them by a
-  pass, never lead them; each sample reads the CR before the leaders, so no answer compared is
-  older than the status).
+  ``weightsDigest``) names what its leader served at some answer from :data:`LAG_SECONDS`
+  before the CR read on (status is written from leaders asked before, so it may lag them by a
+  pass, never lead them).
 
-Violations are kept with the sample that showed them; ``samples`` counts the samples checked.
 Shared by ``tests/e2e/test_rollout_faults.py`` and ``bench/rollout_faults.py``.
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,60 +39,78 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from hack.localcluster.rest import RestClient
+from hack.scenario import availability as av
 from hack.scenario.status_watch import GROUP, PLURAL, VERSION
 
 LAG_SECONDS = 3.0  # a pass runs every 0.5 s in a rollout; status written from leaders asked before
 SAMPLE_SECONDS = 0.25
 INFO_TIMEOUT = 2.0
-
-
-@dataclass
-class Served:
-    at: float
-    revision: str | None
-    digest: str | None
+WATCH_SECONDS = 10  # the pod watch is renewed by a LIST this often, which confirms the state
 
 
 @dataclass
 class InvariantWatch:
-    """Background sampler of one deployment (``start``/``stop``); see the module notes."""
+    """Background watcher of one deployment (``start``/``stop``); see the module notes.
 
-    client: object
+    ``samples``: rounds checked (a CR read and every live leader asked); ``answers``: leader
+    answers; ``pod_events``: pod list items and watch events read; ``faults``: the injected
+    faults; ``violations``: what broke an invariant, in time order, times in seconds since
+    :meth:`start`.
+    """
+
+    client: RestClient
     namespace: str
     name: str
     samples: int = 0
-    violations: list[str] = field(default_factory=list)
+    answers: int = 0
+    pod_events: int = 0
     faults: list[str] = field(default_factory=list)
-    max_unavailable_seen: int = 0
-    phases: dict[int, str] = field(default_factory=dict)  # each leader's weights phase, last sample
-    errors: int = 0  # samples that failed to read (API or network hiccups)
+    phases: dict[int, str] = field(default_factory=dict)  # each leader's weights phase, last answer
+    errors: int = 0  # rounds or watches that failed to read (API or network hiccups)
     last_error: str = ""
     slowest_sample: float = 0.0  # seconds
-    _down: dict[int, str | None] = field(default_factory=dict)  # group -> leader uid a fault took down
-    _served: dict[int, list[Served]] = field(default_factory=dict)
+    _t0: float = field(default_factory=time.time)
+    _changes: dict[int, list[av.Change]] = field(default_factory=dict)
+    _leaders: dict[int, dict] = field(default_factory=dict)  # group -> {uid, ip, deleting}
+    _horizon: float = 0.0  # the last LIST that confirmed every group's pod state was sent then
+    _answers: list[av.Answer] = field(default_factory=list)
+    _budgets: list[av.Budget] = field(default_factory=list)
+    _faults: list[tuple[float, int, str | None]] = field(default_factory=list)  # (at, group, uid)
+    _claims: list[tuple[float, str]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
+    _threads: list[threading.Thread] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4))
 
     def start(self) -> InvariantWatch:
-        self._thread = threading.Thread(target=self._run, daemon=True, name=f"invariants-{self.name}")
-        self._thread.start()
+        self._t0 = time.time()
+        for target, what in ((self._watch_pods, "pods"), (self._ask_leaders, "leaders")):
+            thread = threading.Thread(target=target, daemon=True, name=f"invariants-{what}-{self.name}")
+            thread.start()
+            self._threads.append(thread)
         return self
 
     def stop(self) -> None:
+        """Stop sampling; a last LIST confirms the pods' states up to now."""
+        if self._stop.is_set():
+            return
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(30)
+        for thread in self._threads:
+            thread.join(30)
         self._pool.shutdown(wait=False)
+        try:
+            self._list_pods()
+        except Exception as exc:  # noqa: BLE001 (the watch's horizon stays where it was)
+            self._error(exc)
 
     def fault(self, description: str, downs: tuple[int, ...] = ()) -> None:
         """Record an injected fault (call before injecting it); ``downs``: groups whose leader pod
-        it takes down (allowed on top of ``maxUnavailable`` until a new leader pod is available)."""
-        leaders = self._leaders() if downs else {}
+        it takes down (allowed on top of ``maxUnavailable`` until a new leader pod is Ready)."""
+        now = time.time()
         with self._lock:
             self.faults.append(description)
-            self._down.update({g: (leaders.get(g) or {}).get("uid") for g in downs})
+            self._faults += [(now, g, (self._leaders.get(g) or {}).get("uid")) for g in downs]
 
     def wait_loading(self, timeout: float) -> int:
         """The first group whose leader reports ``loading`` (raises TimeoutError)."""
@@ -93,108 +122,157 @@ class InvariantWatch:
             time.sleep(0.05)
         raise TimeoutError(f"no leader reported loading within {timeout:.0f} s")
 
-    # ------------------------------------------------------------------ sampling
+    # ------------------------------------------------------------------ judging
 
-    def _run(self) -> None:
+    def availability_violations(self) -> list[av.Violation]:
+        """The availability invariant judged over everything observed so far."""
+        with self._lock:
+            changes = [c for group in self._changes.values() for c in group]
+            intervals = av.down_intervals(changes, list(self._answers), self._horizon)
+            excuses = [av.Excuse(g, at, av.excuse_end(changes, g, at, uid)) for at, g, uid in self._faults]
+            return av.violations(intervals, excuses, list(self._budgets), self._t0)
+
+    def violations_since(self, since: float) -> list[str]:
+        """Every violation at or after wall-clock time ``since``, in time order."""
+        found = [(v.at, v.text) for v in self.availability_violations()]
+        with self._lock:
+            found += self._claims
+        return [self._relative(text, at) for at, text in sorted(found) if at >= since]
+
+    @property
+    def violations(self) -> list[str]:
+        return self.violations_since(0.0)
+
+    def summary(self) -> str:
+        return (f"{self.samples} samples ({self.answers} leader answers, {self.pod_events} pod "
+                f"events; slowest round {self.slowest_sample:.1f} s, {self.errors} unreadable"
+                f"{': ' + self.last_error if self.errors else ''}), {len(self.faults)} faults "
+                f"({'; '.join(self.faults)})")
+
+    def _relative(self, text: str, at: float) -> str:
+        return f"+{at - self._t0:.2f} s: {text}"
+
+    def _error(self, exc: Exception) -> None:
+        self.errors += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+
+    # ------------------------------------------------------------------ the leader pods
+
+    @property
+    def _pods_path(self) -> str:
+        return f"/api/v1/namespaces/{self.namespace}/pods"
+
+    @property
+    def _selector(self) -> dict:
+        return {"labelSelector": f"shardline.dev/deployment={self.name},apps.kubernetes.io/pod-index=0"}
+
+    def _record_pod(self, pod: dict, received: float, gone: bool = False) -> None:
+        group = (pod["metadata"].get("labels") or {}).get("shardline.dev/group", "")
+        if not group.isdigit():
+            return
+        self._record(int(group), pod, received, gone)
+
+    def _record(self, group: int, pod: dict | None, received: float, gone: bool) -> None:
+        with self._lock:
+            self.pod_events += 1
+            history = self._changes.setdefault(group, [])
+            change = av.pod_change(pod, group, received, history[-1] if history else None, gone)
+            if change is not None:
+                history.append(change)
+            if pod is None or gone:
+                self._leaders.pop(group, None)
+            else:
+                self._leaders[group] = {"uid": pod["metadata"].get("uid"),
+                                        "ip": (pod.get("status") or {}).get("podIP"),
+                                        "deleting": pod["metadata"].get("deletionTimestamp") is not None}
+
+    def _list_pods(self) -> str:
+        """LIST the leader pods, record each and the groups gone; the list's resourceVersion."""
+        sent = time.time()
+        listing = self.client.get(self._pods_path, params=self._selector) or {}
+        received = time.time()
+        seen = set()
+        for pod in listing.get("items", []):
+            self._record_pod(pod, received)
+            seen.add((pod["metadata"].get("labels") or {}).get("shardline.dev/group", ""))
+        for group in [g for g in list(self._changes) if str(g) not in seen]:
+            self._record(group, None, received, True)
+        with self._lock:
+            self._horizon = sent
+        return (listing.get("metadata") or {}).get("resourceVersion", "")
+
+    def _watch_pods(self) -> None:
+        while not self._stop.is_set():
+            try:
+                rv = self._list_pods()
+                for event in self.client.watch(self._pods_path, rv, timeout_seconds=WATCH_SECONDS,
+                                               params=self._selector):
+                    if self._stop.is_set():
+                        return
+                    if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                        self._record_pod(event["object"], time.time(), gone=event["type"] == "DELETED")
+                    elif event["type"] == "ERROR":
+                        break  # 410 Gone: relist
+            except Exception as exc:  # noqa: BLE001 (a dropped watch: relist)
+                self._error(exc)
+                time.sleep(0.5)
+
+    # ------------------------------------------------------------------ the leaders and the CR
+
+    def _info(self, group: int, leader: dict) -> av.Answer | None:
+        sent = time.time()
+        try:
+            info = httpx.get(f"http://{leader['ip']}:8000/get_server_info", timeout=INFO_TIMEOUT).json()
+        except (httpx.HTTPError, ValueError):
+            return None
+        return av.Answer(group, leader["uid"], sent, time.time(), info.get("weights_phase") or "",
+                         info.get("weights_revision"), info.get("weights_digest"),
+                         json.dumps(info.get("last_weight_update"), sort_keys=True))
+
+    def _ask_leaders(self) -> None:
         while not self._stop.is_set():
             started = time.monotonic()
             try:
-                self._sample()
+                self._round()
             except Exception as exc:  # noqa: BLE001 (an API hiccup is not a violation; retry)
-                self.errors += 1
-                self.last_error = f"{type(exc).__name__}: {exc}"
+                self._error(exc)
             self.slowest_sample = max(self.slowest_sample, time.monotonic() - started)
             time.sleep(SAMPLE_SECONDS)
 
-    def summary(self) -> str:
-        return (f"{self.samples} samples (slowest {self.slowest_sample:.1f} s, {self.errors} unreadable"
-                f"{': ' + self.last_error if self.errors else ''}), {len(self.faults)} faults "
-                f"({'; '.join(self.faults)}), max unavailable groups seen {self.max_unavailable_seen}")
-
-    def _leaders(self) -> dict[int, dict]:
-        pods = self.client.get(f"/api/v1/namespaces/{self.namespace}/pods", params={
-            "labelSelector": f"shardline.dev/deployment={self.name},apps.kubernetes.io/pod-index=0"})
-        out = {}
-        for pod in (pods or {}).get("items", []):
-            group = (pod["metadata"].get("labels") or {}).get("shardline.dev/group", "")
-            if not group.isdigit():
-                continue
-            conditions = {c["type"]: c["status"] for c in pod.get("status", {}).get("conditions") or []}
-            deleting = pod["metadata"].get("deletionTimestamp") is not None
-            out[int(group)] = {"ready": conditions.get("Ready") == "True" and not deleting,
-                               "deleting": deleting, "ip": pod.get("status", {}).get("podIP"),
-                               "uid": pod["metadata"].get("uid")}
-        return out
-
-    def _info(self, ip: str | None) -> tuple[float, dict | None]:
-        """``(when the read started, /get_server_info or None)``."""
-        started = time.monotonic()
-        if not ip:
-            return started, None
-        try:
-            return started, httpx.get(f"http://{ip}:8000/get_server_info", timeout=INFO_TIMEOUT).json()
-        except (httpx.HTTPError, ValueError):
-            return started, None
-
-    def _sample(self) -> None:
-        # The CR first, then the leaders: what a leader answers is never older than the status it
-        # is compared with (read side by side, a slow CR read could return a status written after
-        # a leader's answer, and a truthful status would look ahead of its leader).
+    def _round(self) -> None:
+        """Read the CR, then ask every live leader (one request each, in parallel), then check
+        the status the CR showed against the answers."""
+        read_at = time.time()
         obj = self.client.get(f"/apis/{GROUP}/{VERSION}/namespaces/{self.namespace}/{PLURAL}/{self.name}")
         if obj is None:
             return
-        now = time.monotonic()  # the status read is at most this recent
-        leaders = self._leaders()
-        infos = {g: self._pool.submit(self._info, None if leader["deleting"] else leader["ip"])
-                 for g, leader in leaders.items()}
         spec = obj.get("spec") or {}
-        replicas = int(spec.get("replicas", 0))
-        budget = int((spec.get("weightUpdate") or {}).get("maxUnavailable", 1))
-        answers = {group: future.result() for group, future in infos.items()}
-        # The reads of one sample are not simultaneous: the pod list comes before the leaders'
-        # answers, which can take seconds under load. A group that turned Ready in between (and
-        # let the planner start the next wave, which its answer then shows loading) would look
-        # unavailable at the same moment as that next group. So the pods are read again after
-        # the answers, and a leader Ready in either list and serving (or silent) in its answer
-        # counts as available: a violation is reported only when no read shows the group up.
-        again = self._leaders()
-        available = set()
-        for group, leader in leaders.items():
-            asked, info = answers[group]
-            phase = (info or {}).get("weights_phase")
-            self.phases[group] = phase or ""
-            if phase == "serving":
-                self._served.setdefault(group, []).append(
-                    Served(asked, info.get("weights_revision"), info.get("weights_digest")))
-            later = again.get(group)
-            ready = leader["ready"] or bool(later and later["uid"] == leader["uid"] and later["ready"])
-            if ready and phase in ("serving", None):  # None: no answer in time
-                available.add(group)
         with self._lock:
-            for group in available:
-                if group in self._down and leaders[group]["uid"] != self._down[group]:
-                    del self._down[group]  # a new leader pod serves: the fault is over
-            unavailable = [g for g in range(replicas) if g not in available]
-            allowed = budget + len(set(self._down) & set(unavailable))
+            self._budgets.append(av.Budget(read_at, int(spec.get("replicas", 0)),
+                                           int((spec.get("weightUpdate") or {}).get("maxUnavailable", 1))))
+            leaders = {g: dict(leader) for g, leader in self._leaders.items()
+                       if leader["ip"] and not leader["deleting"]}
+        futures = [self._pool.submit(self._info, g, leader) for g, leader in leaders.items()]
+        answers = [a for a in (f.result() for f in futures) if a is not None]
+        with self._lock:
+            self._answers += answers
+            self.answers += len(answers)
+            self.phases.update({a.group: a.phase for a in answers})
             self.samples += 1
-            self.max_unavailable_seen = max(self.max_unavailable_seen, len(unavailable))
-            if len(unavailable) > allowed:
-                self.violations.append(
-                    f"sample {self.samples}: groups {unavailable} unavailable, allowed {allowed} "
-                    f"(maxUnavailable {budget}, faults down {sorted(self._down)})")
             for item in (obj.get("status") or {}).get("groups") or []:
-                self._check_claim(item, now)
+                self._check_claim(item, read_at)
 
-    def _check_claim(self, item: dict, now: float) -> None:
+    def _check_claim(self, item: dict, read_at: float) -> None:
         group, revision, digest = item.get("index"), item.get("revision"), item.get("weightsDigest")
         if item.get("phase") != "Ready" or not revision:
             return
-        recent = [s for s in self._served.get(group, []) if now - s.at <= LAG_SECONDS]
+        recent = [a for a in self._answers if a.group == group and a.phase == "serving"
+                  and a.received >= read_at - LAG_SECONDS]
         if not recent:
             return  # the leader could not be asked lately: nothing to compare with
-        if not any(s.revision == revision and (not digest or not s.digest or s.digest == digest)
-                   for s in recent):
+        if not any(a.revision == revision and (not digest or not a.digest or a.digest == digest)
+                   for a in recent):
             last = recent[-1]
-            self.violations.append(
-                f"sample {self.samples}: status shows group {group} Ready on {revision} "
-                f"({(digest or '')[:19]}), its leader serves {last.revision} ({(last.digest or '')[:19]})")
+            self._claims.append((read_at, f"status shows group {group} Ready on {revision} "
+                                 f"({(digest or '')[:19]}), its leader serves {last.revision} "
+                                 f"({(last.digest or '')[:19]})"))

@@ -3,11 +3,14 @@ checked continuously in the local cluster.
 
 Two groups (TP=1) of the ~200M-parameter model (an 810 MB revision: loading takes seconds, so a
 fault lands mid-load). A readiness-aware client (``hack/scenario/traffic.py``) runs throughout;
-``hack/scenario/invariant_watch.py`` samples the CR and every leader's ``/get_server_info`` about
-four times a second and checks at every sample that no more than ``maxUnavailable`` groups are
-unavailable beyond what a fault took down, and that status never shows a group Ready on a
-revision or digest its leader did not serve. Asserted: no violation, 0 failed requests, and the
-fleet Ready on the last target with every leader serving it.
+``hack/scenario/invariant_watch.py`` watches the leader pods, asks every leader's
+``/get_server_info`` about four times a second and reads the CR, keeps each observation with the
+times it can be valid at, and checks (``hack/scenario/availability.py``) that at no instant are
+more than ``maxUnavailable`` groups certainly unavailable beyond what a fault took down, that no
+update begins while the groups down (faulted ones included) fill ``maxUnavailable``, and that
+status never shows a group Ready on a revision or digest its leader did not serve. Asserted: no
+violation, 0 failed requests, and the fleet Ready on the last target with every leader serving
+it.
 
 CI runs a lean pick on one fleet: a revert, a killed operator, a deleted leader of the updating
 group and a deleted leader of the group that is not updating (each deleted leader drains: it
