@@ -127,3 +127,16 @@ def test_a_draft_update_on_a_server_without_a_draft_model_is_a_400(server):
     r = server.post("/update_weights_from_disk", {"model_path": "/nowhere", "draft_model_path": "/nowhere-draft"})
     assert r.status_code == 400
     assert "--speculative-algorithm STANDALONE" in r.json()["message"]
+
+
+def test_an_eagle_server_updates_target_and_head_together_over_http(eagle_tp2_server, server):
+    """The route takes ``draft_model_path`` with EAGLE too (issue 30): target and head reload
+    together and the server reports the head it serves."""
+    head = eagle_tp2_server.args[eagle_tp2_server.args.index("--speculative-draft-model-path") + 1]
+    target = eagle_tp2_server.args[eagle_tp2_server.args.index("--model-path") + 1]
+    r = eagle_tp2_server.post("/update_weights_from_disk", {"model_path": target, "draft_model_path": head})
+    assert r.status_code == 200, r.text
+    weights = eagle_tp2_server.get("/get_server_info").json()["weights"]
+    assert weights["draft_model_path"] == head and weights["draft_digest"].startswith("sha256:")
+    spec = _complete(eagle_tp2_server, max_tokens=24)["choices"][0]["text"]
+    assert spec == _complete(server, max_tokens=24)["choices"][0]["text"]
