@@ -174,6 +174,12 @@ def group_status(report: GroupReport, phase: str, parallelism: ParallelismSpec) 
         served = leader is not None and leader.digest == report.digest
         source = leader.source_revision if served and leader is not None else None
         item["weightsDigest"] = digest_with_source(report.digest, source)
+    if leader is not None and leader.draft_model_path is not None:  # as the leader reports it
+        item["draftModel"] = leader.draft_model_path
+        if leader.draft_digest is not None:
+            item["draftDigest"] = digest_with_source(
+                leader.draft_digest, leader.draft_source_revision
+            )
     if record.last_restart_time is not None:
         item["lastRestartTime"] = to_rfc3339(record.last_restart_time)
     if report.weight_version is not None:

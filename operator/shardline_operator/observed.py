@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import labels
-from .runtime_args import ServedModel
+from .runtime_args import ServedModel, draft_in_args
 from .spec import CudaGraphSpec
 from .weights import LeaderReport, WeightsPhase
 
@@ -159,7 +159,15 @@ class GroupObservation:
             path=path,
             revision=revision,
             cuda_graph=parse_cuda_graph_key(annotations.get(labels.ANNOTATION_CUDA_GRAPH, "")),
+            draft=draft_in_args(self._runtime_args()),
         )
+
+    def _runtime_args(self) -> list[str]:
+        """The runtime container's args in the StatefulSet's pod template (empty: none)."""
+        assert self.statefulset is not None
+        pod = (self.statefulset.get("spec") or {}).get("template", {}).get("spec") or {}
+        runtime = [c for c in pod.get("containers") or [] if c.get("name") == "runtime"]
+        return [str(a) for a in (runtime[0].get("args") or [])] if runtime else []
 
     @property
     def restart_hash(self) -> str | None:

@@ -24,7 +24,7 @@ def needs_restart(spec: DeploymentSpec, group: GroupObservation) -> bool:
     return (
         spec.weight_update.strategy == "Restart"
         and served is not None
-        and ((served.path, served.revision) != (desired.path, desired.revision))
+        and served.checkpoints() != desired.checkpoints()
     )
 
 

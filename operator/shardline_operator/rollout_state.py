@@ -38,6 +38,7 @@ def _model(raw: Mapping[str, Any], prefix: str) -> ServedModel | None:
         raw[f"{prefix}ModelPath"],
         raw.get(f"{prefix}Revision", ""),
         parse_cuda_graph_key(raw.get(f"{prefix}CudaGraph", "")),
+        raw.get(f"{prefix}DraftModel") or None,
     )
 
 
@@ -73,12 +74,16 @@ class RolloutState:
             "message": self.message,
             "canaryPassed": self.canary_passed,
         }
+        if self.target.draft is not None:
+            out["targetDraftModel"] = self.target.draft
         if self.previous is not None:
             out.update(
                 previousModelPath=self.previous.path,
                 previousRevision=self.previous.revision,
                 previousCudaGraph=self.previous.cuda_graph.key(),
             )
+            if self.previous.draft is not None:
+                out["previousDraftModel"] = self.previous.draft
         if self.wave:
             out.update(wave=list(self.wave), startedAt=to_rfc3339(self.started_at or 0.0))
         if self.group_phases:

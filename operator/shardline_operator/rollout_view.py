@@ -62,7 +62,8 @@ class GroupView:
             and leader.model_path
             and leader.revision is not None
         ):
-            return ServedModel(leader.model_path, leader.revision, declared.cuda_graph)
+            draft = leader.draft_model_path or declared.draft  # None: not reported (older runtime)
+            return ServedModel(leader.model_path, leader.revision, declared.cuda_graph, draft)
         return declared
 
     def serves(self, target: ServedModel) -> bool:
@@ -73,10 +74,7 @@ class GroupView:
         leader, served = self.leader, self.served
         if leader is not None and leader.weights_phase != WeightsPhase.SERVING:
             return False
-        return served is not None and (served.path, served.revision) == (
-            target.path,
-            target.revision,
-        )
+        return served is not None and served.checkpoints() == target.checkpoints()
 
     @property
     def available(self) -> bool:
@@ -99,6 +97,10 @@ class GroupView:
             expected == declared.revision and served.path != declared.path
         ):
             return f"group {self.index}: leader serves {served.revision} ({served.path}), expected {expected}"
+        if expected == declared.revision and served.draft != declared.draft:
+            return (
+                f"group {self.index}: leader serves draft {served.draft}, expected {declared.draft}"
+            )
         if self.recorded_digest and leader.digest and leader.digest != self.recorded_digest:
             return f"group {self.index}: leader serves digest {leader.digest[:19]}, status records {self.recorded_digest[:19]}"
         return None
@@ -136,12 +138,16 @@ class RolloutPlan:
 
 
 def update_body(current: ServedModel | None, target: ServedModel) -> dict[str, Any]:
-    """JSON body of ``/update_weights_from_disk`` (DESIGN 2.4) moving ``current`` to ``target``."""
+    """JSON body of ``/update_weights_from_disk`` (DESIGN 2.4) moving ``current`` to ``target``;
+    it carries ``draft_model_path`` when the draft changes too, so the group's runtime commits
+    both or neither (issue 30)."""
     body: dict[str, Any] = {
         "model_path": target.path,
         "revision": target.revision,
         "recapture_cuda_graph": target.cuda_graph.enabled,
     }
+    if target.draft is not None and (current is None or current.draft != target.draft):
+        body["draft_model_path"] = target.draft
     if current is None or target.cuda_graph != current.cuda_graph:
         body.update(
             cuda_graph_max_bs=target.cuda_graph.max_batch_size,

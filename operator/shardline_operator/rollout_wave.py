@@ -46,7 +46,7 @@ def _result(view: GroupView, target: ServedModel) -> tuple[str, str]:
         return "pending", leader.weights_phase.value
     if leader.weights_phase == WeightsPhase.FAILED:
         return "failure", leader.message or "runtime reports weights_phase=failed"
-    if (leader.model_path, leader.revision) == (target.path, target.revision):
+    if target.served_by(leader.model_path, leader.revision, leader.draft_model_path):
         return "success", ""
     return "unknown", ""
 
@@ -59,7 +59,7 @@ def _confirmed(view: GroupView, target: ServedModel) -> bool:
     leader = view.leader
     return leader is None or (
         leader.weights_phase == WeightsPhase.SERVING
-        and (leader.model_path, leader.revision) == (target.path, target.revision)
+        and target.served_by(leader.model_path, leader.revision, leader.draft_model_path)
     )
 
 

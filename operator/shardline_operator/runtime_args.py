@@ -15,23 +15,53 @@ from .spec_model import MODEL_CACHE_ENV
 RUNTIME_COMMAND = ("shardline-runtime", "serve")
 
 
+DRAFT_FLAG = "--speculative-draft-model-path"
+
+
 @dataclass(frozen=True)
 class ServedModel:
-    """What one group's pods load at start: checkpoint directory, its revision label, graph setup.
+    """What one group's pods load at start: checkpoint directory, its revision label, graph
+    setup, and the draft model or EAGLE head (``spec.runtime.speculative.draftModel``'s path or
+    uri; None without one).
 
-    It differs from ``spec.model`` while an in-place rollout has not reached the group yet.
+    It differs from the spec while an in-place rollout has not reached the group yet: the target
+    and the draft roll in place together (issue 30).
     """
 
     path: str
     revision: str
     cuda_graph: CudaGraphSpec
+    draft: str | None = None
 
     @classmethod
     def desired(cls, spec: DeploymentSpec) -> ServedModel:
         """The model the spec asks every group to serve."""
+        speculative = spec.runtime.speculative
         return cls(
-            path=spec.model.path, revision=spec.model.revision, cuda_graph=spec.runtime.cuda_graph
+            path=spec.model.path,
+            revision=spec.model.revision,
+            cuda_graph=spec.runtime.cuda_graph,
+            draft=None if speculative is None else speculative.draft_model_path,
         )
+
+    def checkpoints(self) -> tuple[str, str, str | None]:
+        """``(path, revision, draft)``: what a change of needs new bytes (not the graphs)."""
+        return self.path, self.revision, self.draft
+
+    def served_by(self, model_path: str | None, revision: str | None, draft: str | None) -> bool:
+        """A leader reporting ``model_path``, ``revision`` and ``draft`` (its draft's reported
+        path or uri; None from a runtime without a draft or one that does not report it) serves
+        this model."""
+        same_draft = draft is None or self.draft is None or draft == self.draft
+        return (model_path, revision) == (self.path, self.revision) and same_draft
+
+
+def draft_in_args(args: list[str]) -> str | None:
+    """The ``--speculative-draft-model-path`` value in a container's ``args`` (None: absent)."""
+    for i, arg in enumerate(args[:-1]):
+        if arg == DRAFT_FLAG:
+            return args[i + 1]
+    return None
 
 
 def runtime_args(spec: DeploymentSpec, group: int, served: ServedModel) -> list[str]:
@@ -99,8 +129,9 @@ def runtime_args(spec: DeploymentSpec, group: int, served: ServedModel) -> list[
             "--speculative-num-draft-tokens",
             str(spec.runtime.speculative.num_draft_tokens),
         ]
+        # the group's draft: rolled in place with the target, so it may lag the spec's
         if spec.runtime.speculative.draft_model_path is not None:
-            args += ["--speculative-draft-model-path", spec.runtime.speculative.draft_model_path]
+            args += [DRAFT_FLAG, served.draft or spec.runtime.speculative.draft_model_path]
     if (
         spec.lora_adapters
     ):  # loaded at start; later changes are loaded/unloaded in place (lora_sync.py)

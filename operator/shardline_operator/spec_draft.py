@@ -5,8 +5,9 @@
 A ``uri`` is handed to the runtime as ``--speculative-draft-model-path``; the runtime fetches
 and verifies it at start into the same model cache as an hf:// or s3:// ``spec.model.uri``,
 with the same credentials (``spec.model.credentialsSecretRef``, ``spec.model.s3``), so a draft
-``uri`` needs a target ``uri`` of those forms. Unlike the target's, a draft revision is not
-staged on the nodes before a rollout: the new pods fetch it when they start.
+``uri`` needs a target ``uri`` of those forms. A change of the draft rolls in place with the
+target (``runtime_args.ServedModel.draft``), and a draft ``uri`` is staged on the nodes by the
+target's staging Jobs (``staging_step.staging_target``).
 """
 
 from __future__ import annotations

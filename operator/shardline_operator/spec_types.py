@@ -288,8 +288,9 @@ class DeploymentSpec:
     def restart_hash(self) -> str:
         """Hash (12 hex chars) of every field whose change needs a pod restart.
 
-        Excluded: ``model.path``/``model.revision`` (rolled in place with ``InPlace``),
-        ``runtime.cudaGraph`` (recaptured in place), replicas, weightUpdate, restartPolicy,
+        Excluded: ``model.path``/``model.revision`` and ``runtime.speculative.draftModel``
+        (rolled in place with ``InPlace``; the draft's ``algorithm`` and ``numDraftTokens`` are
+        flags read at start and stay in), ``runtime.cudaGraph`` (recaptured in place), replicas, weightUpdate, restartPolicy,
         service and networkPolicy (they never touch a running pod). Included: ``auth`` and the
         digest of the keys' values, which the runtime reads once at start.
         """
@@ -298,7 +299,7 @@ class DeploymentSpec:
             "mountPath": self.model.mount_path,
             "volume": self.model.volume,
             "parallelism": self.parallelism.restart_fields(),
-            "runtime": {k: v for k, v in asdict(self.runtime).items() if k != "cuda_graph"},
+            "runtime": self._runtime_restart_fields(),
             "scheduling": asdict(self.scheduling),
         }
         if self.model.is_remote:  # the store's env, cache volume and bound are read at start
@@ -316,3 +317,11 @@ class DeploymentSpec:
             relevant["auth"] = {"apiKey": asdict(self.auth), "digest": self.credentials_digest}
         text = json.dumps(relevant, sort_keys=True, default=list)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+    def _runtime_restart_fields(self) -> dict[str, Any]:
+        fields = {k: v for k, v in asdict(self.runtime).items() if k != "cuda_graph"}
+        if fields.get("speculative"):  # the draft's source rolls in place (ServedModel.draft)
+            fields["speculative"] = {
+                k: v for k, v in fields["speculative"].items() if k != "draft_model_path"
+            }
+        return fields

@@ -127,19 +127,24 @@ def plan_staging(
         state = replace(state, phase=STAGING, message=message + _progress_line(items))
         return _plan(state, out, hold=True, poll=True)
     resolved = sorted({i.resolved_revision or "" for i in done})
-    if len(resolved) > 1:
+    drafts = sorted({i.draft_resolved_revision or "" for i in done})
+    if len(resolved) > 1 or len(drafts) > 1:
+        uri, seen = (target.uri, resolved) if len(resolved) > 1 else (target.draft_uri, drafts)
         line = (
-            f"staging {target.uri} failed: nodes resolved different revisions "
-            f"({', '.join(resolved)}); the source changed while it was staged"
+            f"staging {uri} failed: nodes resolved different revisions "
+            f"({', '.join(seen)}); the source changed while it was staged"
         )
         state = replace(state, phase=FAILED, reason="SourceChanged", message=line, finished_at=now)
         out.events.append(("Warning", "StagingFailed", line))
         return _plan(state, out, hold=True)
     line = f"{target.revision} staged on {len(done)} node(s) as {resolved[0] or 'unknown'}"
+    if target.draft_uri:
+        line += f", with the draft {target.draft_uri} as {drafts[0] or 'unknown'}"
     state = replace(
         state,
         phase=STAGED,
         resolved_revision=resolved[0] or None,
+        draft_resolved_revision=drafts[0] or None,
         message=line,
         finished_at=now,
     )
@@ -180,12 +185,14 @@ def _new_attempt(target: StagingTarget, attempt: int, generation: int, now: floa
         attempt=attempt,
         generation=generation,
         started_at=now,
+        draft_uri=target.draft_uri,
     )
 
 
 def _started(state: StagingState, wanted: Sequence[str]) -> str:
     where = "the shared cache" if wanted == [SHARED] else f"{len(wanted)} node(s)"
-    return f"staging {state.uri} ({state.revision}) on {where}, attempt {state.attempt}"
+    draft = f" with the draft {state.draft_uri}" if state.draft_uri else ""
+    return f"staging {state.uri} ({state.revision}){draft} on {where}, attempt {state.attempt}"
 
 
 def _node_line(item: NodeStaging, target: StagingTarget) -> str:

@@ -37,16 +37,20 @@ SHARED = ""  # the node name of the one Job that stages into a shared (RWX) clai
 class StagingTarget:
     """What to stage: ``uri`` (hf:// or s3://), its ``revision`` label, and ``shared``: the
     cache is one ReadWriteMany claim (one Job in all) rather than a node-local hostPath (one
-    Job per node)."""
+    Job per node); ``draft_uri``: the draft model's or EAGLE head's hf:// or s3:// uri, staged
+    by the same Jobs (None: no remote draft)."""
 
     uri: str
     revision: str
     shared: bool = False
+    draft_uri: str | None = None
 
     @property
     def key(self) -> str:
-        """10 hex characters of sha256(uri, revision): names the target in labels and Jobs."""
-        return hashlib.sha256(f"{self.uri}\n{self.revision}".encode()).hexdigest()[:10]
+        """10 hex characters of sha256(uri, revision[, draft_uri]): names the target in labels
+        and Jobs (a target without a draft keeps the key it had before drafts were staged)."""
+        text = f"{self.uri}\n{self.revision}" + (f"\n{self.draft_uri}" if self.draft_uri else "")
+        return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,7 @@ class NodeStaging:
     cached: bool = False
     resolved_revision: str | None = None
     message: str = ""
+    draft_resolved_revision: str | None = None
 
     def to_status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"node": self.node or "shared", "job": self.job, "state": self.state}
@@ -100,6 +105,8 @@ class NodeStaging:
             out["cached"] = True
         if self.resolved_revision:
             out["resolvedRevision"] = self.resolved_revision
+        if self.draft_resolved_revision:
+            out["draftResolvedRevision"] = self.draft_resolved_revision
         if self.message:
             out["message"] = self.message
         return out
@@ -123,6 +130,7 @@ class NodeStaging:
             cached=bool(result.get("cached", False)),
             resolved_revision=_text(result.get("resolvedRevision")),
             message=failure_of(job)[1] if job.state == JOB_FAILED else "",
+            draft_resolved_revision=_text(result.get("draftResolvedRevision")),
         )
 
 
@@ -132,7 +140,8 @@ class StagingState:
     (Staging, Staged, Failed), the ``attempt`` and the object ``generation`` it started at (a
     later generation retries a failure), the ``resolved_revision`` every node agreed on (the
     Hub commit or the S3 listing digest ``etags-...``), the failure ``reason``, a ``message``,
-    the per-node items and times (Unix seconds)."""
+    the per-node items and times (Unix seconds); ``draft_uri`` / ``draft_resolved_revision``:
+    the remote draft staged with the target and the revision every node agreed on for it."""
 
     phase: str
     uri: str
@@ -146,6 +155,8 @@ class StagingState:
     nodes: tuple[NodeStaging, ...] = ()
     started_at: float | None = None
     finished_at: float | None = None
+    draft_uri: str | None = None
+    draft_resolved_revision: str | None = None
 
     @property
     def bytes_done(self) -> int:
@@ -176,6 +187,10 @@ class StagingState:
             out["bytesTotal"] = self.bytes_total
         if self.resolved_revision:
             out["resolvedRevision"] = self.resolved_revision
+        if self.draft_uri:
+            out["draftUri"] = self.draft_uri
+        if self.draft_resolved_revision:
+            out["draftResolvedRevision"] = self.draft_resolved_revision
         if self.reason:
             out["reason"] = self.reason
         if self.started_at is not None:
@@ -201,6 +216,8 @@ class StagingState:
             message=str(raw.get("message", "")),
             started_at=from_rfc3339(raw.get("startedAt")),
             finished_at=from_rfc3339(raw.get("finishedAt")),
+            draft_uri=_text(raw.get("draftUri")),
+            draft_resolved_revision=_text(raw.get("draftResolvedRevision")),
         )
 
 

@@ -1,7 +1,8 @@
 """The staging step of ``decide`` (pure): from the spec and what runs to :func:`plan_staging`,
 and from its plan to typed actions (create and delete staging Jobs).
 
-Staging applies to an ``hf://`` / ``s3://`` ``spec.model.uri`` whose cache a Job can fill for
+Staging applies to an ``hf://`` / ``s3://`` ``spec.model.uri`` (with the draft's
+``spec.runtime.speculative.draftModel.uri`` when it has one) whose cache a Job can fill for
 the runtime pods: a ``hostPath`` cache volume (node-local: one Job per node that runs a group)
 or a ``persistentVolumeClaim`` (shared, ReadWriteMany: one Job). The default per-pod
 ``emptyDir`` cache is private to each pod, so there the leader fetches and verifies the new
@@ -33,16 +34,21 @@ def staging_target(spec: DeploymentSpec) -> StagingTarget | None:
     cache = model.cache_volume or {}
     if not model.is_remote or model.uri is None or not any(k in cache for k in STAGEABLE_CACHES):
         return None
-    return StagingTarget(model.uri, model.revision, shared="persistentVolumeClaim" in cache)
+    speculative = spec.runtime.speculative
+    draft = None if speculative is None else speculative.draft_model_path
+    return StagingTarget(
+        model.uri,
+        model.revision,
+        shared="persistentVolumeClaim" in cache,
+        draft_uri=draft if draft is not None and not draft.startswith("/") else None,
+    )
 
 
 def staging_needed(desired: ServedModel, groups: Sequence[GroupObservation]) -> bool:
-    """Some group with running pods serves another checkpoint than ``desired`` (its path or
-    revision differ; a CUDA-graph change alone needs no new bytes)."""
+    """Some group with running pods serves another checkpoint than ``desired`` (its path,
+    revision or draft differ; a CUDA-graph change alone needs no new bytes)."""
     return any(
-        g.live_pods
-        and g.served is not None
-        and (g.served.path, g.served.revision) != (desired.path, desired.revision)
+        g.live_pods and g.served is not None and g.served.checkpoints() != desired.checkpoints()
         for g in groups
     )
 

@@ -4,7 +4,8 @@ The runtime serialises its one ``WeightsState`` record (``weights_state.py``) as
 ``weights`` block: ``{model_path, revision, weight_version, phase, digest, last_update}``, with
 ``phase`` one of :class:`WeightsPhase`'s values and ``last_update`` either None or
 ``{success, model_path, load_seconds, recapture_seconds}``, and ``graphs`` either None or
-``{decode_batch_sizes, piecewise_token_buckets, reason}`` (what the runtime really captured).
+``{decode_batch_sizes, piecewise_token_buckets, reason}`` (what the runtime really captured);
+with a draft model, ``draft_model_path``, ``draft_digest`` and ``draft_source_revision``.
 The operator never imports the
 runtime, so this module mirrors the enum and parses the block by hand;
 ``tests/contract/test_weights_state_contract.py`` pins the two sides together. A runtime that
@@ -145,6 +146,7 @@ _FLAT_KEYS = (
     "weight_version",
     "weights_source_revision",
 )
+DRAFT_KEYS = ("draft_model_path", "draft_digest", "draft_source_revision")  # block only
 SOURCE_SEPARATOR = ";source="
 
 
@@ -174,6 +176,8 @@ class LeaderReport:
     ``model_kind``: ``generate`` or ``embed``, what the leader serves (likewise).
     ``source_revision``: the Hub commit or S3 listing digest the served directory was verified
     as when fetched (None: a local directory, or a runtime that does not report it).
+    ``draft_model_path`` / ``draft_digest`` / ``draft_source_revision``: the same for the draft
+    model or EAGLE head (None: no draft, or a runtime that does not report it).
     """
 
     weights_phase: WeightsPhase
@@ -187,6 +191,9 @@ class LeaderReport:
     quantization: str | None = None  # the served scheme (``unquantized``, ``fp8-...``)
     model_kind: str | None = None  # ``generate`` or ``embed`` (None: a runtime without it)
     source_revision: str | None = None
+    draft_model_path: str | None = None
+    draft_digest: str | None = None
+    draft_source_revision: str | None = None
 
     def __post_init__(self) -> None:  # a plain string phase (a test's literal) reads as the enum
         object.__setattr__(self, "weights_phase", WeightsPhase.parse(self.weights_phase))
@@ -214,4 +221,5 @@ class LeaderReport:
             _text(source.get("quantization")),
             _text(info.get("model_kind")),
             _text(resolved),
+            *(_text(source.get(key)) for key in DRAFT_KEYS),
         )

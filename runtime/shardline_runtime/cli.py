@@ -12,6 +12,7 @@ import contextlib
 import io
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardline_runtime.termination_log import write_termination_log
@@ -80,7 +81,8 @@ def fetch_model_args(args: ServerArgs) -> ServerArgs:
     ``--download-dir`` and replaced by the local, verified directory. The served model name
     defaults to the repository id (as vLLM serves ``Org/Name``) or the ``s3://`` reference, and ``--revision`` defaults
     to the resolved commit or S3 listing digest. With ``--download-max-bytes`` the cache is then
-    cut to that many bytes, least recently used revisions first, never the one fetched.
+    cut to that many bytes, least recently used revisions first, never the one fetched nor a
+    draft fetched just before it.
 
     Raises:
         ModelSourceError: see :func:`shardline_runtime.model_loader.model_source.fetch_model`.
@@ -96,6 +98,9 @@ def fetch_model_args(args: ServerArgs) -> ServerArgs:
         args.download_dir,
         revision=args.revision,
         max_bytes=args.download_max_bytes,
+        keep=(Path(str(args.speculative_draft_model_path)).name,)
+        if args.draft_model_source
+        else (),
     )
     return args.replace(
         model_path=str(fetched.path),
@@ -124,7 +129,7 @@ def fetch_draft_args(args: ServerArgs) -> ServerArgs:
     if not parse_model_source(draft, field="--speculative-draft-model-path").is_remote:
         return args
     fetched = fetch_to_local(draft, args.download_dir, max_bytes=args.download_max_bytes)
-    return args.replace(speculative_draft_model_path=str(fetched.path))
+    return args.replace(speculative_draft_model_path=str(fetched.path), draft_model_source=draft)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,13 @@ the Job runs); and one JSON line in the termination log (the container's
 
 - success: ``{"state": "Succeeded", "resolvedRevision", "cacheKey", "bytes", "cached",
   "seconds", "bytesPerSecond"}`` (exit 0; ``cached``: the revision was already complete in the
-  cache, nothing was fetched, and ``bytesPerSecond`` is 0);
+  cache, nothing was fetched, and ``bytesPerSecond`` is 0); with ``--draft-model-path`` (the
+  draft model's or EAGLE head's hf:// or s3:// uri, fetched after the model into the same cache)
+  also ``"draftResolvedRevision"`` and ``"draftCacheKey"``, ``bytes`` counting both;
 - failure: ``{"state": "Failed", "reason", "message"}``; exit 3 for a failure that a retry
   cannot fix (``NotFound``, ``Unauthorized``, ``ChecksumMismatch``, ``NotAModel``,
   ``InvalidModelSource``, ``InvalidArgument``), exit 1 for one it may (``FetchFailed``: network, 5xx, full disk).
+  A draft's failure has the same reasons, its message beginning ``--draft-model-path <uri>:``.
 
 ``--max-bytes-per-second`` (or ``SHARDLINE_DOWNLOAD_MAX_BYTES_PER_SECOND``, which a deployment
 sets through ``spec.runtime.env``) caps the average rate, so staging on a node that serves does
@@ -34,9 +37,13 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from shardline_runtime.pod_progress import PodAnnotator
 from shardline_runtime.termination_log import write_termination_log
+
+if TYPE_CHECKING:
+    from shardline_runtime.model_loader.model_source import ModelSource
 
 EXIT_RETRYABLE = 1
 EXIT_PERMANENT = 3
@@ -68,6 +75,11 @@ def make_parser() -> argparse.ArgumentParser:
         "--download-dir", required=True, help="The cache root (one directory per revision)."
     )
     p.add_argument("--revision", default=None, help="Hub revision when the reference names none.")
+    p.add_argument(
+        "--draft-model-path",
+        default=None,
+        help="A draft model's hf:// or s3:// reference, fetched after --model-path.",
+    )
     p.add_argument(
         "--max-bytes-per-second",
         type=_positive_int,
@@ -132,11 +144,29 @@ def _fail(reason: str, message: str) -> int:
     return EXIT_PERMANENT if reason in PERMANENT_REASONS else EXIT_RETRYABLE
 
 
+def _remote(text: str, flag: str) -> ModelSource:
+    """``text`` parsed as an hf:// or s3:// reference.
+
+    Raises:
+        ModelSourceError: malformed, or a local directory (naming ``flag``).
+    """
+    from shardline_runtime.model_loader.errors import ModelSourceError
+    from shardline_runtime.model_loader.model_source import parse_model_source
+
+    source = parse_model_source(text, flag)
+    if not source.is_remote:
+        raise ModelSourceError(
+            f"{flag}: {text!r} is a local directory; download takes "
+            "hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX"
+        )
+    return source
+
+
 def main(argv: Sequence[str]) -> int:
     """Run the command; returns the exit status (see the module docstring)."""
     args = make_parser().parse_args(list(argv))
     from shardline_runtime.model_loader.errors import ModelSourceError
-    from shardline_runtime.model_loader.model_source import fetch_model, parse_model_source
+    from shardline_runtime.model_loader.model_source import fetch_model
 
     started = time.monotonic()
     cap = args.max_bytes_per_second
@@ -147,17 +177,28 @@ def main(argv: Sequence[str]) -> int:
             return _fail("InvalidArgument", f"{MAX_RATE_ENV}: {exc}")
     progress = _Pace(cap, PodAnnotator.from_environment())
     try:
-        source = parse_model_source(args.model_path)
-        if not source.is_remote:
-            raise ModelSourceError(
-                f"--model-path: {args.model_path!r} is a local directory; download takes "
-                "hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX"
-            )
-        fetched = fetch_model(source, args.download_dir, revision=args.revision, progress=progress)
+        fetched = fetch_model(
+            _remote(args.model_path, "--model-path"),
+            args.download_dir,
+            revision=args.revision,
+            progress=progress,
+        )
     except ModelSourceError as exc:
         return _fail(getattr(exc, "reason", "FetchFailed"), str(exc))
+    draft = None
+    if args.draft_model_path:
+        try:  # its own progress (the pod annotation then shows the draft's bytes)
+            draft = fetch_model(
+                _remote(args.draft_model_path, "--draft-model-path"),
+                args.download_dir,
+                progress=_Pace(cap, progress.annotator),
+            )
+        except ModelSourceError as exc:
+            message = f"--draft-model-path {args.draft_model_path}: {exc}"
+            return _fail(getattr(exc, "reason", "FetchFailed"), message)
     seconds = time.monotonic() - started
-    size = sum(f.stat().st_size for f in fetched.path.rglob("*") if f.is_file())
+    paths = [fetched.path] + ([draft.path] if draft is not None else [])
+    size = sum(f.stat().st_size for path in paths for f in path.rglob("*") if f.is_file())
     record: dict[str, object] = {
         "state": "Succeeded",
         "resolvedRevision": fetched.revision,
@@ -167,6 +208,8 @@ def main(argv: Sequence[str]) -> int:
         "seconds": round(seconds, 3),
         "bytesPerSecond": round(size / seconds) if seconds > 0 and progress.fetched else 0,
     }
+    if draft is not None:
+        record.update(draftResolvedRevision=draft.revision, draftCacheKey=draft.path.name)
     _emit(record)
     write_termination_log(json.dumps(record, sort_keys=True))
     return 0

@@ -42,6 +42,9 @@ class ModelArgs:
     # The hf:// or s3:// reference model_path was fetched from (set by the CLI, not a flag): what
     # /get_server_info reports as model_path, so the operator sees the uri it asked for.
     model_source: str | None = None
+    # Likewise the reference --speculative-draft-model-path was fetched from (reported as the
+    # draft's model_path).
+    draft_model_source: str | None = None
     served_model_name: str | None = None
     revision: str | None = None
     tokenizer_path: str | None = None

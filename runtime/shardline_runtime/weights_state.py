@@ -89,7 +89,11 @@ class WeightsState(BaseModel):
     (the served scheme, ``layers/quantization/``: ``unquantized``, ``fp8-w8a8-dynamic-channel``,
     ...; an update never changes it, a change of scheme is refused), ``last_update`` (None
     until the first update ran) and ``graphs`` (the :class:`CapturedGraphs` report; None until
-    the runner reported one).
+    the runner reported one). With a draft model or EAGLE head (``--speculative-algorithm
+    STANDALONE`` / ``EAGLE``): ``draft_model_path`` (its directory, or the hf:// / s3:// reference
+    it was fetched from), ``draft_digest`` and ``draft_source_revision``, the same records for
+    the draft; all None without one. A disk update that carries ``draft_model_path`` changes
+    them with the target's, in the same record.
 
     Frozen: a change is a new record (``state.model_copy(update={...})``).
     """
@@ -105,3 +109,6 @@ class WeightsState(BaseModel):
     quantization: str = "unquantized"
     last_update: UpdateTimings | None = None
     graphs: CapturedGraphs | None = None
+    draft_model_path: str | None = None
+    draft_digest: str | None = None
+    draft_source_revision: str | None = None

@@ -38,3 +38,13 @@ def test_staging_job_downloads_into_the_mounted_cache():
 
 def test_permanent_failure_exit_code_matches_the_runtime():
     assert EXIT_PERMANENT == download_cli.EXIT_PERMANENT
+
+
+def test_a_remote_draft_reaches_the_download_parser():
+    raw = {**SPEC, "runtime": {"image": "shardline-runtime:test", "speculative": {
+        "algorithm": "STANDALONE", "draftModel": {"uri": "hf://Org/Draft@v1"}}}}
+    spec = parse_spec("llama", "serving", "uid", raw)
+    container = build_staging_job(spec, staging_target(spec), "node-0", 1)["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    args = [expand(a, env) for a in container["args"]]
+    assert download_cli.make_parser().parse_args(args).draft_model_path == "hf://Org/Draft@v1"

@@ -37,6 +37,8 @@ def states() -> list[WeightsState]:
     out.append(WeightsState(model_path="/m/rev-a", graphs=NOTHING))  # a CPU runtime at start
     out.append(WeightsState(model_path="/m/rev-a", phase=WeightsPhase.FAILED,
                             last_update=UpdateTimings(success=False, model_path="/m/broken")))
+    out.append(WeightsState(model_path="hf://o/t@v2", revision="rev-d", draft_model_path="hf://o/d@v2",
+                            draft_digest=DIGEST, draft_source_revision="c0ffee"))  # with a draft (issue 30)
     return out
 
 
@@ -64,6 +66,11 @@ class TestOperatorReadsTheBlock:
 
     def test_weight_version(self, state):
         assert LeaderReport.from_info(info_for(state)).weight_version == state.weight_version
+
+    def test_draft(self, state):
+        parsed = LeaderReport.from_info(info_for(state))
+        assert (parsed.draft_model_path, parsed.draft_digest, parsed.draft_source_revision) == (
+            state.draft_model_path, state.draft_digest, state.draft_source_revision)
 
     def test_quantization(self, state):
         assert LeaderReport.from_info(info_for(state)).quantization == state.quantization

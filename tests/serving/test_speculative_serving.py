@@ -134,3 +134,16 @@ def test_server_info_says_why_no_verify_graph_was_captured(spec_server):
     assert graphs["verify_batch_sizes"] == [] and graphs["verify_tokens_per_request"] == 0
     assert graphs["draft_batch_sizes"] == []
     assert graphs["speculative_reason"] == "verify: cpu: no CUDA graphs", "NGRAM has no draft model"
+
+
+def test_an_eagle_server_updates_target_and_head_together_over_http(eagle_tp2_server, server):
+    """The route takes ``draft_model_path`` with EAGLE too (issue 30): target and head reload
+    together and the server reports the head it serves."""
+    head = eagle_tp2_server.args[eagle_tp2_server.args.index("--speculative-draft-model-path") + 1]
+    target = eagle_tp2_server.args[eagle_tp2_server.args.index("--model-path") + 1]
+    r = eagle_tp2_server.post("/update_weights_from_disk", {"model_path": target, "draft_model_path": head})
+    assert r.status_code == 200, r.text
+    weights = eagle_tp2_server.get("/get_server_info").json()["weights"]
+    assert weights["draft_model_path"] == head and weights["draft_digest"].startswith("sha256:")
+    spec = _complete(eagle_tp2_server, max_tokens=24)["choices"][0]["text"]
+    assert spec == _complete(server, max_tokens=24)["choices"][0]["text"]

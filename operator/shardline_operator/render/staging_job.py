@@ -89,7 +89,13 @@ def build_staging_job(
         "image": spec.runtime.image,
         "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": list(DOWNLOAD_COMMAND),
-        "args": ["--model-path", target.uri, "--download-dir", f"$({MODEL_CACHE_ENV})"],
+        "args": [
+            "--model-path",
+            target.uri,
+            "--download-dir",
+            f"$({MODEL_CACHE_ENV})",
+            *(["--draft-model-path", target.draft_uri] if target.draft_uri else []),
+        ],
         "env": [
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {

@@ -113,8 +113,10 @@ class UpdateWeightsFromDiskReqInput:
     flush_cache: bool = True
     # The hf:// or s3:// reference model_path (a fetched directory) came from: reported instead.
     model_source: str | None = None
-    # The draft model's new checkpoint (STANDALONE), committed with the target's or not at all.
+    # The draft model's or EAGLE head's new checkpoint (a local directory), committed with the
+    # target's or not at all; draft_model_source: the hf:// or s3:// reference it was fetched from.
     draft_model_path: str | None = None
+    draft_model_source: str | None = None
     # When the HTTP process began holding new requests for it (its time.monotonic; None: only
     # requests that already started finish before the update).
     requested_at: float | None = None

@@ -192,6 +192,10 @@ class Scheduler:
         if first and self.grammar_queue is not None:  # the leader says when a grammar is ready
             self.receiver.local_source = self._grammars_ready
         path, version = worker.model_config.model_path, str(args.weight_version)
+        draft_worker = getattr(worker, "draft_worker", None)
+        draft = None
+        if draft_worker is not None:  # reported with the target's weights (weights_state.py)
+            draft = (str(args.speculative.speculative_draft_model_path), args.draft_model_source)
         weights = initial_weights_state(
             path,
             args.revision,
@@ -200,6 +204,7 @@ class Scheduler:
             model_source=args.model_source,
             graphs=worker.captured_graphs(),
             quantization=scheme_name(worker.model_config),
+            draft=draft,
         )
         self.control = ControlPlane(
             worker,

@@ -50,12 +50,14 @@ def initial_weights_state(
     model_source: str | None = None,
     graphs: CapturedGraphs | None = None,
     quantization: str = "unquantized",
+    draft: tuple[str, str | None] | None = None,
 ) -> WeightsState:
     """The :class:`WeightsState` of the weights loaded at start (``phase`` serving), with the
     runner's report of the graphs it captured, serving the ``quantization`` scheme. The digest is
     computed only ``with_digest`` (rank 0, which reports it); ``model_source`` (the hf:// or
-    s3:// reference the directory was fetched from) is reported as ``model_path`` when given."""
-    return WeightsState(
+    s3:// reference the directory was fetched from) is reported as ``model_path`` when given.
+    ``draft``: ``(directory, source reference or None)`` of the draft model or EAGLE head."""
+    state = WeightsState(
         model_path=model_source or model_path,
         revision=revision,
         weight_version=weight_version,
@@ -64,6 +66,19 @@ def initial_weights_state(
         quantization=quantization,
         graphs=graphs,
     )
+    if draft is None:
+        return state
+    return state.model_copy(update=draft_fields(draft[0], draft[1], with_digest))
+
+
+def draft_fields(path: str, source: str | None, with_digest: bool) -> dict[str, Any]:
+    """The draft's fields of a :class:`WeightsState` for the checkpoint in ``path`` (reported
+    as ``source``, its hf:// / s3:// reference, when given)."""
+    return {
+        "draft_model_path": source or path,
+        "draft_digest": safe_checkpoint_digest(path) if with_digest else None,
+        "draft_source_revision": source_revision(path),
+    }
 
 
 @dataclass
@@ -201,5 +216,7 @@ def _from_disk(
         changes["revision"] = msg.revision
         changes["digest"] = safe_checkpoint_digest(msg.model_path) if with_digest else None
         changes["source_revision"] = source_revision(msg.model_path)
+        if msg.draft_model_path is not None:  # committed with the target's, so reported with it
+            changes.update(draft_fields(msg.draft_model_path, msg.draft_model_source, with_digest))
     aborted = not ok and (abort.seen or (staged is not None and staged.aborted))
     return UpdateOutcome(ok, message, None, changes, timings, aborted=aborted)
