@@ -52,11 +52,13 @@ def update_replies(scheduler) -> list:
     return [m for m in scheduler.sender.socket.messages if isinstance(m, UpdateWeightsFromDiskReqOutput)]
 
 
-def check_greedy_single(ckpt, flags: dict, ids: list[int] | None = None, some_rejected: bool = True):
-    """One greedy request (``ids``, default 30 random tokens; 60 new) with ``flags`` gives the
+def check_greedy_single(
+    ckpt, flags: dict, ids: list[int] | None = None, some_rejected: bool = True, new_tokens: int = 60
+):
+    """One greedy request (``ids``, default 30 random tokens; ``new_tokens`` new) with ``flags`` gives the
     tokens it gives without speculation; some drafts were kept (and, with ``some_rejected``,
     some rejected); both pools settle. Returns the speculative scheduler."""
-    arrivals = {0: [greedy("one", ids or prompt(random.Random(1), 30), 60)]}
+    arrivals = {0: [greedy("one", ids or prompt(random.Random(1), 30), new_tokens)]}
     plain, _ = run(ckpt, arrivals, None)
     spec, scheduler = run(ckpt, arrivals, flags)
     stats = scheduler.speculative.stats

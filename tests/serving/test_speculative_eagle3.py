@@ -47,21 +47,16 @@ def _flags(head_path, tokens: int = 4) -> dict:
 
 
 def test_greedy_single_request_equals_no_speculation(cycle_target, head):
-    check_greedy_single(cycle_target, _flags(head), CYCLE * 3 + prompt(random.Random(1), 10))
+    check_greedy_single(cycle_target, _flags(head), CYCLE * 3 + prompt(random.Random(1), 10), new_tokens=30)
 
 
 def test_greedy_mixed_workload_equals_no_speculation(cycle_target, head):
     check_greedy_mixed(cycle_target, _flags(head))
 
 
-def test_greedy_with_a_random_head_on_a_random_target_equals_no_speculation(spec_target, tmp_path):
-    random_head = make_eagle3_checkpoint(spec_target, tmp_path / "random", seed=3, layer_ids=LAYERS)
-    check_greedy_mixed(spec_target, _flags(random_head), some_accepted=False)
-
-
 def test_a_head_that_advances_the_cycle_has_its_chains_accepted(cycle_target, tmp_path):
     perfect = make_cycle_eagle3_checkpoint(cycle_target, tmp_path / "perfect", CYCLE, LAYERS)
-    _, scheduler = run(cycle_target, {0: [greedy("one", CYCLE * 3, 80)]}, _flags(perfect, tokens=5))
+    _, scheduler = run(cycle_target, {0: [greedy("one", CYCLE * 3, 40)]}, _flags(perfect, tokens=5))
     stats = scheduler.speculative.stats
     assert stats.accepted_tokens == stats.draft_tokens, "every draft of the chain was kept"
     assert stats.mean_accepted_length > 4.5
@@ -96,7 +91,7 @@ def test_the_head_reads_the_outputs_of_the_targets_aux_layers(tiny_checkpoint, t
         (lambda t, d, w: make_eagle3_checkpoint(t, d, layer_ids=LAYERS, drop=("d2t",)), "parameter d2t was never written"),
         (lambda t, d, w: make_eagle3_checkpoint(t, d, layer_ids=[0, 1, 2]), "layer id 2 is out of range"),
         (lambda t, d, w: make_eagle3_checkpoint(t, d, layer_ids=[0, 1]), "must be a list of 3 layer ids"),
-        (lambda t, d, w: make_eagle3_checkpoint(t, d), "layer id -2 is out of range.*set eagle_config"),
+        (lambda t, d, w: make_eagle3_checkpoint(t, d), "set eagle_config.* layer id -2 is out of range"),
         (lambda t, d, w: make_eagle_checkpoint(t, d), "EAGLE3 needs 'LlamaForCausalLMEagle3'"),
     ],
     ids=["hidden_size", "no-d2t", "aux-out-of-range", "aux-count", "aux-default", "eagle-head"],
@@ -130,6 +125,7 @@ def test_weight_update_changes_target_and_head_together(spec_target, cycle_targe
     expected, _ = run(cycle_target, {0: [new]}, None)
     spec, scheduler = run(spec_target, {0: [update], 1: [new]}, _flags(random_head))
     assert update_replies(scheduler)[0].success is True
+    assert scheduler.speculative.stats.verify_steps > 0
     assert spec["new"]["ids"] == expected["new"]["ids"]
     head = scheduler.worker.draft_worker
     assert head.runner.model_config.model_path == str(perfect)
@@ -142,3 +138,16 @@ def make_d2t(path) -> list[int]:
     from safetensors.torch import load_file
 
     return load_file(str(path / "model.safetensors"))["d2t"].tolist()
+
+
+def test_an_update_to_a_head_of_other_aux_layers_is_refused(spec_target, tmp_path):
+    from shardline_runtime.managers.io_struct import UpdateWeightsFromDiskReqInput
+
+    head3 = make_eagle3_checkpoint(spec_target, tmp_path / "head", layer_ids=LAYERS)
+    other = make_eagle3_checkpoint(spec_target, tmp_path / "other", layer_ids=[0, 0, 1])
+    update = UpdateWeightsFromDiskReqInput(model_path=str(spec_target), revision="b", draft_model_path=str(other))
+    _, scheduler = run(spec_target, {0: [update]}, _flags(head3))
+    reply = update_replies(scheduler)[0]
+    assert reply.success is False
+    assert "eagle_aux_hidden_state_layer_ids selects target layers [0, 0, 1]" in reply.message
+    assert "this server captures [0, 1, 1]" in reply.message

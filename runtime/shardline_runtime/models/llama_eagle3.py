@@ -159,8 +159,11 @@ class LlamaForCausalLMEagle3(LlamaForCausalLMEagle):
     ) -> LogitsProcessorOutput:
         features = forward_batch.spec_hidden_states
         n = input_ids.shape[0]
-        if features is None or features.dim() != 2 or features.shape[0] != n or (
-            features.shape[1] not in self.feature_sizes()
+        if (
+            features is None
+            or features.dim() != 2
+            or features.shape[0] != n
+            or (features.shape[1] not in self.feature_sizes())
         ):
             got = None if features is None else tuple(features.shape)
             raise ValueError(

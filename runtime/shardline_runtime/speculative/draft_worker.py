@@ -150,6 +150,9 @@ def draft_update(
             f"draft_model_path {draft_model_path} given but this server runs no draft model "
             "(--speculative-algorithm STANDALONE, EAGLE or EAGLE3); old weights kept"
         )
+    refused = draft.update_refusal(draft_model_path)
+    if refused:
+        return None, f"draft_model_path {draft_model_path}: {refused}; old weights kept"
     return (draft.runner, draft_model_path), ""
 
 
@@ -188,6 +191,11 @@ class DraftWorker:
         """Draft KV slots held (0 once every request is released)."""
         alloc = self.runner.token_to_kv_pool_allocator
         return alloc.size - alloc.available_size()
+
+    def update_refusal(self, path: str) -> str:
+        """Why a weight update cannot load the draft checkpoint ``path`` into this worker
+        beyond what the loader checks ("" when nothing; EAGLE3 compares its aux layers)."""
+        return ""
 
     def release(self, rid: str, row: int | None = None) -> None:
         """Free ``rid``'s draft row and KV slots (no-op for an unknown id; ``row``, its target

@@ -17,6 +17,8 @@ error naming the ``config.json`` field or tensor.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -107,6 +109,7 @@ class Eagle3Worker(EagleWorker):
     def __init__(self, runner: ModelRunner, target: ModelRunner, layer_ids: list[int]):
         super().__init__(runner, target)
         self.layer_ids = layer_ids
+        self.num_target_layers = target.model_config.num_hidden_layers
         self.feature_size = len(layer_ids) * target.model_config.hidden_size
         self._aux: dict[int, torch.Tensor] = {}
         layers = target.model.model.layers
@@ -114,6 +117,22 @@ class Eagle3Worker(EagleWorker):
             layers[i].register_forward_hook(self._recorder(i)) for i in sorted(set(layer_ids))
         ]
         target.hidden_states_sink = self._capture
+
+    def update_refusal(self, path: str) -> str:
+        """A new head must read the layers this worker hooked (its ``config.json``'s aux layer
+        ids, or their default, equal to :attr:`layer_ids`); "" when they match or its
+        ``config.json`` cannot be read here (the loader then names the problem)."""
+        try:
+            hf_config = json.loads((Path(path) / "config.json").read_text())
+            ids = aux_layer_ids(hf_config, self.num_target_layers, path)
+        except (OSError, ValueError) as e:
+            return str(e) if isinstance(e, DraftModelError) else ""
+        if ids != self.layer_ids:
+            return (
+                f"{AUX_FIELD} selects target layers {ids}, but this server captures {self.layer_ids} "
+                "(chosen at start); restart to change them"
+            )
+        return ""
 
     def _recorder(self, layer_id: int):
         def record(module, inputs, output) -> None:

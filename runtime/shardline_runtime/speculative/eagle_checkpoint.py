@@ -142,9 +142,10 @@ def eagle3_tensor_shapes(config: dict, draft_vocab: int) -> dict[str, tuple[int,
 
 
 def hot_token_ids(vocab: int, draft_vocab: int, first: list[int]) -> list[int]:
-    """``draft_vocab`` target ids, ascending: ``first`` and then the smallest others."""
+    """``draft_vocab`` target ids, ascending: ``first`` and then the largest others (so draft
+    and target ids differ: ``d2t`` is not zero)."""
     rest = [t for t in range(vocab) if t not in set(first)]
-    return sorted(first + rest[: draft_vocab - len(first)])
+    return sorted(first + rest[len(rest) - (draft_vocab - len(first)) :])
 
 
 def write_eagle3_checkpoint(
@@ -238,7 +239,7 @@ def make_cycle_eagle3_checkpoint(
     normed state ``sqrt(hidden) e_k`` to ``e_{k+1} - e_k``, so ``f_hat = e_{k+1}`` (one cycle
     step per head pass, also when the chain feeds ``f_hat`` back without ``fc``); ``lm_head``
     reads state ``e_k`` as the draft id of ``cycle[k + 1]``. The draft vocabulary holds the
-    cycle and the smallest other ids. ``wrong_after=j``: after ``cycle[j]`` the head drafts
+    cycle and the largest other ids. ``wrong_after=j``: after ``cycle[j]`` the head drafts
     ``cycle[j + 2]`` (drafts there are rejected).
 
     Raises:
