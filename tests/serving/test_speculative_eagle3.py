@@ -112,7 +112,7 @@ def test_an_eagle3_head_is_refused_by_eagle_and_standalone(spec_target, tmp_path
 @pytest.mark.slow
 def test_sampled_output_follows_the_targets_distribution(cycle_target, tmp_path):
     perfect = make_cycle_eagle3_checkpoint(cycle_target, tmp_path / "perfect", CYCLE, LAYERS)
-    check_sampled_distribution(cycle_target, _flags(perfect))
+    check_sampled_distribution(cycle_target, _flags(perfect), n=300)  # EAGLE's test at half the cost
 
 
 def test_weight_update_changes_target_and_head_together(spec_target, cycle_target, tmp_path):
