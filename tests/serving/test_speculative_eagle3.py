@@ -93,13 +93,23 @@ def test_the_head_reads_the_outputs_of_the_targets_aux_layers(tiny_checkpoint, t
         (lambda t, d, w: make_eagle3_checkpoint(t, d, layer_ids=[0, 1]), "must be a list of 3 layer ids"),
         (lambda t, d, w: make_eagle3_checkpoint(t, d), "set eagle_config.* layer id -2 is out of range"),
         (lambda t, d, w: make_eagle_checkpoint(t, d), "EAGLE3 needs 'LlamaForCausalLMEagle3'"),
+        (lambda t, d, w: _without_draft_vocab(make_eagle3_checkpoint(t, d, layer_ids=LAYERS)), "draft_vocab_size must be"),
     ],
-    ids=["hidden_size", "no-d2t", "aux-out-of-range", "aux-count", "aux-default", "eagle-head"],
+    ids=["hidden_size", "no-d2t", "aux-out-of-range", "aux-count", "aux-default", "eagle-head", "no-draft-vocab"],
 )
 def test_a_mismatched_head_is_refused_naming_the_field(spec_target, tiny_checkpoint, tmp_path, make, message):
     wide = tiny_checkpoint("llama", 2, hidden_size=96, tokenizer=False)
     with pytest.raises(Exception, match=message):
         make_scheduler(spec_target, **_flags(make(spec_target, tmp_path / "bad", wide)))
+
+
+def _without_draft_vocab(path):
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    del config["draft_vocab_size"]
+    (path / "config.json").write_text(json.dumps(config))
+    return path
 
 
 def test_an_eagle3_head_is_refused_by_eagle_and_standalone(spec_target, tmp_path):
