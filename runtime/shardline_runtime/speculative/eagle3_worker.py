@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from shardline_runtime.model_executor.forward_batch_info import ForwardBatch
 from shardline_runtime.model_executor.model_runner import ModelRunner
-from shardline_runtime.models.llama_eagle3 import AUX_LAYERS
+from shardline_runtime.models.llama_eagle3 import AUX_LAYERS, LlamaForCausalLMEagle3
 from shardline_runtime.speculative.draft_worker import DraftModelError
 from shardline_runtime.speculative.eagle_worker import EagleWorker
 
@@ -84,7 +84,7 @@ def check_eagle3_head(head_runner: ModelRunner, target: ModelRunner, path: str) 
                 f"--speculative-draft-model-path {path}: config.json {field} {value} differs "
                 f"from the target's hidden_size {h}; an EAGLE-3 head reads its states"
             )
-    head = head_runner.model
+    head = cast(LlamaForCausalLMEagle3, head_runner.model)
     ids = torch.arange(head.draft_vocab_size, device=head.d2t.device)
     mapped = head.draft_to_target(ids)
     outside = (mapped < 0) | (mapped >= target_config.vocab_size)
