@@ -19,7 +19,10 @@ target's first ``--draft-layers`` decoder layers with its embeddings and LM head
 with a one-layer EAGLE head (``speculative/eagle_checkpoint.py``): on ``random`` an untrained
 head of random weights (its acceptance is what chance gives: no head is trained here), on
 ``copying`` the head built to predict the cycle's next feature from the target's hidden state
-(``make_cycle_eagle_checkpoint``: what a head that learned the target's features gives).
+(``make_cycle_eagle_checkpoint``: what a head that learned the target's features gives), and
+``EAGLE3`` with an EAGLE-3 head (``fc`` over three of the target's layers, SGLang's default
+layers, and a 64-id draft vocabulary mapped by ``d2t``): random on ``random``, on ``copying``
+the head built to advance the cycle one step per pass (``make_cycle_eagle3_checkpoint``).
 
 Columns: ``accept len`` = tokens a request gains per verify step (kept drafts + 1; SGLang's
 accept length), ``accept rate`` = kept / proposed draft tokens, ``target steps / token`` =
@@ -59,7 +62,9 @@ from shardline_runtime.managers.tp_worker import TpModelWorker
 from shardline_runtime.sampling.sampling_params import SamplingParams
 from shardline_runtime.server_args import ServerArgs
 from shardline_runtime.speculative.eagle_checkpoint import (
+    make_cycle_eagle3_checkpoint,
     make_cycle_eagle_checkpoint,
+    make_eagle3_checkpoint,
     make_eagle_checkpoint,
 )
 from shardline_runtime.tiny_checkpoint import (
@@ -68,7 +73,7 @@ from shardline_runtime.tiny_checkpoint import (
     make_tiny_checkpoint,
 )
 
-PROPOSERS = (None, "NGRAM", "STANDALONE", "EAGLE")
+PROPOSERS = (None, "NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
 CYCLE = list(range(11, 11 + 16))
 
 
@@ -98,8 +103,8 @@ def run(model: Path, algorithm: str | None, prompts, batch: int, max_new: int, d
     extra = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": steps + 1} if algorithm else {}
     if algorithm == "STANDALONE":
         extra["speculative_draft_model_path"] = str(model.parent / f"{model.name}-draft")
-    if algorithm == "EAGLE":
-        extra["speculative_draft_model_path"] = str(model.parent / f"{model.name}-eagle")
+    if algorithm in ("EAGLE", "EAGLE3"):
+        extra["speculative_draft_model_path"] = str(model.parent / f"{model.name}-{algorithm.lower()}")
     args = ServerArgs(model_path=str(model), device=device, max_total_tokens=8192, cuda_graph_max_bs=8,
                       disable_cuda_graph=not graphs, disable_overlap_schedule=True, disable_radix_cache=True, **extra)
     scheduler = Scheduler(args, 0, TpModelWorker(args, 0))
@@ -161,7 +166,7 @@ def main() -> None:
                    help="comma-separated subset of repetitive,non-repetitive")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--proposers", default=",".join(str(x) for x in PROPOSERS),
-                   help="comma-separated subset of None,NGRAM,STANDALONE,EAGLE (None: the baseline, always run)")
+                   help="comma-separated subset of None,NGRAM,STANDALONE,EAGLE,EAGLE3 (None: the baseline, always run)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -173,6 +178,8 @@ def main() -> None:
             make_draft_checkpoint(target, target.parent / f"{target.name}-draft", num_layers=a.draft_layers)
         make_eagle_checkpoint(model, Path(tmp) / "m-eagle")
         make_cycle_eagle_checkpoint(copying, Path(tmp) / "copying-eagle", CYCLE)
+        make_eagle3_checkpoint(model, Path(tmp) / "m-eagle3")
+        make_cycle_eagle3_checkpoint(copying, Path(tmp) / "copying-eagle3", CYCLE)
         print("| model | prompts | batch | proposer | accept len | accept rate | target steps / token | ms / step "
               "| ms / token | tokens / s | vs none |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")

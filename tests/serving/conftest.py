@@ -29,6 +29,23 @@ def _checkpoint(root: Path, name: str, seed: int, **overrides) -> Path:
 
 
 @pytest.fixture(scope="session")
+def spec_target(tiny_checkpoint):
+    """The speculative-decoding tests' target: tiny llama (seed 0), 2048 positions."""
+    return tiny_checkpoint("llama", 0, max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="session")
+def cycle_target(spec_target, tmp_path_factory):
+    """``spec_target`` continuing ``speculative_harness.CYCLE`` (greedy: always; temperature 1:
+    about half the time)."""
+    from speculative_harness import CYCLE
+
+    from shardline_runtime.tiny_checkpoint import make_cycle_checkpoint
+
+    return make_cycle_checkpoint(spec_target, tmp_path_factory.mktemp("cycle"), CYCLE, 6.2)
+
+
+@pytest.fixture(scope="session")
 def serving_checkpoint(checkpoint_dir):
     """Tiny llama (seed 0) with a 4096-token context: revision A."""
     return _checkpoint(checkpoint_dir, "rev-a", 0, max_position_embeddings=CONTEXT)

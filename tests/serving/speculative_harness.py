@@ -1,5 +1,7 @@
 """Shared parts of the speculative-decoding scheduler tests: prompts, the run with and without a
-proposer, the settled-pool check, the sampled-output chi-square test of homogeneity."""
+proposer, the settled-pool checks (target and draft), the greedy-equality checks alone and in the
+mixed workload, the sampled-output chi-square test of homogeneity. The targets they run on are
+the ``spec_target`` / ``cycle_target`` fixtures of ``conftest.py``."""
 
 from __future__ import annotations
 
@@ -24,6 +26,77 @@ def assert_settled(scheduler) -> None:
     assert scheduler.cache.used_tokens() == 0, "every KV slot is free or in the prefix cache"
     rows = scheduler.cache.req_to_token_pool
     assert rows.available_size() == rows.size, "every request row is free"
+
+
+def spec_flags(algorithm: str, draft_path=None, tokens: int = 4) -> dict:
+    """Scheduler flags of ``--speculative-algorithm algorithm`` with ``tokens`` draft tokens
+    (the last accepted one included) and, when given, the draft checkpoint."""
+    flags = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": tokens}
+    if draft_path is not None:
+        flags["speculative_draft_model_path"] = str(draft_path)
+    return flags
+
+
+def assert_draft_settled(scheduler) -> None:
+    """Every KV slot and request row of the draft's own pools is free."""
+    draft = scheduler.worker.draft_worker
+    assert draft.used_tokens == 0, "every draft KV slot is free"
+    rows = draft.runner.req_to_token_pool
+    assert rows.available_size() == rows.size, "every draft request row is free"
+
+
+def update_replies(scheduler) -> list:
+    """The ``UpdateWeightsFromDiskReqOutput`` replies the scheduler sent."""
+    from shardline_runtime.managers.io_struct import UpdateWeightsFromDiskReqOutput
+
+    return [m for m in scheduler.sender.socket.messages if isinstance(m, UpdateWeightsFromDiskReqOutput)]
+
+
+def check_greedy_single(
+    ckpt, flags: dict, ids: list[int] | None = None, some_rejected: bool = True, new_tokens: int = 60
+):
+    """One greedy request (``ids``, default 30 random tokens; ``new_tokens`` new) with ``flags`` gives the
+    tokens it gives without speculation; some drafts were kept (and, with ``some_rejected``,
+    some rejected); both pools settle. Returns the speculative scheduler."""
+    arrivals = {0: [greedy("one", ids or prompt(random.Random(1), 30), new_tokens)]}
+    plain, _ = run(ckpt, arrivals, None)
+    spec, scheduler = run(ckpt, arrivals, flags)
+    stats = scheduler.speculative.stats
+    assert spec["one"]["ids"] == plain["one"]["ids"]
+    assert stats.accepted_tokens > 0, "some drafts were kept"
+    if some_rejected:
+        assert stats.accepted_tokens < stats.draft_tokens, "some drafts were rejected"
+    assert_settled(scheduler)
+    if scheduler.worker.draft_worker is not None:
+        assert_draft_settled(scheduler)
+    return scheduler
+
+
+def check_greedy_mixed(ckpt, flags: dict, some_accepted: bool = True):
+    """:func:`mixed_workload` with ``flags`` matches it without speculation; verify steps ran
+    (and, with ``some_accepted``, drafts were kept); both pools settle. Returns the scheduler."""
+    arrivals = mixed_workload()
+    plain, _ = run(ckpt, arrivals, None, **MIXED_LIMITS)
+    spec, scheduler = run(ckpt, arrivals, flags, **MIXED_LIMITS)
+    assert_mixed_workload_matches(spec, plain)
+    assert scheduler.speculative.stats.verify_steps > 0
+    if some_accepted:
+        assert scheduler.speculative.stats.accepted_tokens > 0
+    assert_settled(scheduler)
+    if scheduler.worker.draft_worker is not None:
+        assert_draft_settled(scheduler)
+    return scheduler
+
+
+def check_sampled_distribution(ckpt, flags: dict, n: int = 600) -> None:
+    """``n`` sampled requests with ``flags`` follow the distribution without speculation
+    (chi-square p > 1e-3), with drafts both kept and rejected."""
+    a, _ = sampled_triples(ckpt, None, n, 4321)
+    b, scheduler = sampled_triples(ckpt, flags, n, 1234)
+    stats = scheduler.speculative.stats
+    assert 0 < stats.accepted_tokens < stats.draft_tokens, "drafts were both kept and rejected"
+    p_value, stat, dof = homogeneity_p_value(a, b)
+    assert p_value > 1e-3, f"chi-square {stat:.1f} on {dof} degrees of freedom"
 
 
 def run(ckpt, arrivals, flags: dict | None, **overrides):

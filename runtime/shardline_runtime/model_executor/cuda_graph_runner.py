@@ -260,7 +260,14 @@ class CudaGraphRunner:
         return (
             forward_batch.forward_mode.is_decode()
             and 0 < forward_batch.batch_size <= self.max_bs
-            and (self.features is None or forward_batch.spec_hidden_states is not None)
+            and (
+                self.features is None
+                or (
+                    forward_batch.spec_hidden_states is not None
+                    # EAGLE3's first chain step takes its (bs, 3 * hidden) aux states: eager
+                    and forward_batch.spec_hidden_states.shape[-1] == self.features.shape[-1]
+                )
+            )
         )
 
     def padded_batch_size(self, bs: int) -> int:

@@ -154,8 +154,10 @@ class DeviceGraphs:
         )
         graphs: Any = {"decode": self.decode, "piecewise": self.piecewise, "verify": self.verify}
         graphs = graphs.get(kind) if kind else None
-        # decode and verify graphs return the hidden states (EAGLE's features); pieces do not
-        if graphs is None or (forward_batch.capture_hidden_states and kind == "piecewise"):
+        # decode and verify graphs return the hidden states (EAGLE's features); pieces do not,
+        # and no replay runs the hooks that record EAGLE3's aux-layer states
+        eager_capture = kind == "piecewise" or getattr(r, "hidden_states_need_eager", False)
+        if graphs is None or (forward_batch.capture_hidden_states and eager_capture):
             return None
         if not graphs.can_run(forward_batch):
             return None

@@ -132,6 +132,9 @@ class ModelRunner:
         # EAGLE: called as sink(forward_batch, hidden_states (T, hidden)) after every step that
         # reaches the logits, with the states the logits came from (the draft's features)
         self.hidden_states_sink: Callable[[ForwardBatch, torch.Tensor], None] | None = None
+        # True when the sink's states come from Python hooks (EAGLE3's aux layers), which a graph
+        # replay does not run: steps that capture then run eagerly (DeviceGraphs.try_replay)
+        self.hidden_states_need_eager = False
         pre_model_load_memory = self.init_torch_distributed()
         self.forward_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         torch.manual_seed(args.operation.random_seed)

@@ -22,7 +22,6 @@ head against the frozen target embedding, and a stored ``embed_tokens.weight`` o
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import ClassVar, cast
 
 import torch
@@ -33,7 +32,6 @@ from shardline_runtime.configs.pipeline_stage import PipelineStage
 from shardline_runtime.layers.linear import ColumnParallelLinear
 from shardline_runtime.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from shardline_runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from shardline_runtime.models.weight_loading import load_named_weights
 
 
 class EagleDecoderLayer(LlamaDecoderLayer):
@@ -104,6 +102,10 @@ class LlamaForCausalLMEagle(LlamaForCausalLM):
         """Use the target's token embedding and LM head (shared, never copied)."""
         self.shared = (embed, head)
 
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Head vocabulary ids -> target ids: the same (the head uses the target's LM head)."""
+        return ids
+
     def get_input_embeddings(self) -> nn.Module:
         """The target's token embedding (after :meth:`set_embed_and_head`)."""
         if self.shared is None:
@@ -140,19 +142,7 @@ class LlamaForCausalLMEagle(LlamaForCausalLM):
         return name.removeprefix("model.")
 
     def stage_weights(self, weights):
-        """Checkpoint names (``fc.*``, ``layers.*``) -> this module's (``model.`` prefix)."""
+        """Checkpoint names (``fc.*``, ``layers.*``) -> this module's (``model.`` prefix);
+        ``LlamaForCausalLM.load_weights`` loads them."""
         for name, tensor in weights:
             yield (name if name.startswith("model.") else "model." + name), tensor
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load an EAGLE checkpoint (module docstring).
-
-        Raises:
-            CheckpointError: unexpected, duplicate or missing parameter, or wrong shape (named).
-        """
-        load_named_weights(
-            self,
-            self.stage_weights(weights),
-            self.stacked_params_mapping,
-            self.ignored_checkpoint_names(),
-        )

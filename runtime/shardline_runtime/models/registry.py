@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from shardline_runtime.configs.model_config import ModelConfigError
 from shardline_runtime.models.llama import LlamaForCausalLM
 from shardline_runtime.models.llama_eagle import LlamaForCausalLMEagle
+from shardline_runtime.models.llama_eagle3 import LlamaForCausalLMEagle3
 from shardline_runtime.models.mistral import MistralForCausalLM
 from shardline_runtime.models.mixtral import MixtralForCausalLM
 from shardline_runtime.models.qwen2 import Qwen2ForCausalLM
@@ -32,6 +33,7 @@ MODELS: tuple[type[LlamaForCausalLM], ...] = (
     Qwen2MoeForCausalLM,
     MixtralForCausalLM,
     LlamaForCausalLMEagle,
+    LlamaForCausalLMEagle3,
 )
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {m.architecture: m for m in MODELS}
 

@@ -34,6 +34,8 @@ from shardline_runtime.model_executor.model_runner import ModelRunner
 from shardline_runtime.speculative.proposer import Proposal
 
 EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle"  # config.json architectures[0] of an EAGLE head
+# config.json architectures[0] each head algorithm needs
+HEAD_ARCHITECTURES = {"EAGLE": EAGLE_ARCHITECTURE, "EAGLE3": "LlamaForCausalLMEagle3"}
 
 
 class DraftModelError(ValueError):
@@ -82,15 +84,16 @@ def build_draft_worker(
     args, tp_rank: int, pp_rank: int, target: ModelRunner, max_total_num_tokens: int
 ) -> DraftWorker | None:
     """The draft's worker: a :class:`DraftWorker` with STANDALONE, an ``EagleWorker`` with EAGLE
-    (fed ``target``'s hidden states, sharing its embedding and LM head), else None; its own
+    (fed ``target``'s hidden states, sharing its embedding and LM head), an ``Eagle3Worker``
+    with EAGLE3 (``speculative/eagle3_worker.py``), else None; its own
     runner on :func:`draft_server_args`, a KV pool of the target's ``max_total_num_tokens``.
 
     Raises:
         DraftModelError: the draft's vocabulary or hidden size is not the target's, or its
-            architecture does not fit the algorithm.
+            architecture does not fit the algorithm (EAGLE3: also ``d2t`` and the aux layers).
     """
     spec = getattr(args, "speculative", None)
-    if spec is None or spec.speculative_algorithm not in ("STANDALONE", "EAGLE"):
+    if spec is None or spec.speculative_algorithm not in ("STANDALONE", "EAGLE", "EAGLE3"):
         return None
     algo = spec.speculative_algorithm
     path = str(spec.speculative_draft_model_path)
@@ -100,6 +103,10 @@ def build_draft_worker(
     check_draft_vocab(target_config.vocab_size, runner.model_config.vocab_size, path)
     if algo == "STANDALONE":
         return build_draft_graphs(DraftWorker(runner), args.graphs)
+    if algo == "EAGLE3":
+        from shardline_runtime.speculative.eagle3_worker import build_eagle3_worker
+
+        return build_draft_graphs(build_eagle3_worker(runner, target, path), args.graphs)
     if config.hidden_size != target_config.hidden_size:
         raise DraftModelError(
             f"--speculative-draft-model-path {path}: hidden_size {config.hidden_size} differs "
@@ -123,21 +130,23 @@ def build_draft_graphs(worker: DraftWorker, settings) -> DraftWorker:
 
 
 def check_draft_architecture(algo: str, architecture: str, path: str) -> None:
-    """EAGLE needs an EAGLE head checkpoint, STANDALONE a causal LM.
+    """EAGLE / EAGLE3 need their head's checkpoint (:data:`HEAD_ARCHITECTURES`), STANDALONE a
+    causal LM.
 
     Raises:
         DraftModelError: naming the flag, the checkpoint's architecture and the expected one.
     """
-    eagle = architecture == EAGLE_ARCHITECTURE
-    if algo == "EAGLE" and not eagle:
+    expected = HEAD_ARCHITECTURES.get(algo)
+    if expected is not None and architecture != expected:
         raise DraftModelError(
             f"--speculative-draft-model-path {path}: config.json architectures[0] is "
-            f"{architecture!r}; --speculative-algorithm EAGLE needs {EAGLE_ARCHITECTURE!r}"
+            f"{architecture!r}; --speculative-algorithm {algo} needs {expected!r}"
         )
-    if algo == "STANDALONE" and eagle:
+    heads = {arch: name for name, arch in HEAD_ARCHITECTURES.items()}
+    if algo == "STANDALONE" and architecture in heads:
         raise DraftModelError(
             f"--speculative-draft-model-path {path} is an EAGLE head ({architecture}); use "
-            "--speculative-algorithm EAGLE"
+            f"--speculative-algorithm {heads[architecture]}"
         )
 
 
@@ -152,8 +161,11 @@ def draft_update(
     if draft is None:
         return None, (
             f"draft_model_path {draft_model_path} given but this server runs no draft model "
-            "(--speculative-algorithm STANDALONE or EAGLE); old weights kept"
+            "(--speculative-algorithm STANDALONE, EAGLE or EAGLE3); old weights kept"
         )
+    refused = draft.update_refusal(draft_model_path)
+    if refused:
+        return None, f"draft_model_path {draft_model_path}: {refused}; old weights kept"
     return (draft.runner, draft_model_path), ""
 
 
@@ -192,6 +204,11 @@ class DraftWorker:
         """Draft KV slots held (0 once every request is released)."""
         alloc = self.runner.token_to_kv_pool_allocator
         return alloc.size - alloc.available_size()
+
+    def update_refusal(self, path: str) -> str:
+        """Why a weight update cannot load the draft checkpoint ``path`` into this worker
+        beyond what the loader checks ("" when nothing; EAGLE3 compares its aux layers)."""
+        return ""
 
     def release(self, rid: str, row: int | None = None) -> None:
         """Free ``rid``'s draft row and KV slots (no-op for an unknown id; ``row``, its target

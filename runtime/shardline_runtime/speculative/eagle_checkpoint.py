@@ -111,3 +111,167 @@ def make_cycle_eagle_checkpoint(
             fc[j, j] = hidden**0.5
     weights["fc.weight"] = fc
     return write_eagle_checkpoint(target, dst, weights)
+
+
+# ---- EAGLE-3 (models/llama_eagle3.py) --------------------------------------------------------
+
+
+def eagle3_tensor_shapes(config: dict, draft_vocab: int) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name -> shape of every tensor of an EAGLE-3 head of ``config`` (a llama
+    ``config.json`` dict) with a draft vocabulary of ``draft_vocab`` ids; ``d2t`` is int64 and
+    ``t2d`` bool, the others float."""
+    h, vocab = config["hidden_size"], config["vocab_size"]
+    layer = {
+        k.replace("layers.0.", "midlayer."): v
+        for k, v in eagle_tensor_shapes(config).items()
+        if k.startswith("layers.0.")
+    }
+    for proj in ("q", "k", "v"):  # attention reads [norm(embedding), norm(feature)]
+        name = f"midlayer.self_attn.{proj}_proj.weight"
+        layer[name] = (layer[name][0], 2 * h)
+    return {
+        "fc.weight": (h, 3 * h),
+        **layer,
+        "midlayer.input_layernorm.weight": (h,),
+        "midlayer.hidden_norm.weight": (h,),
+        "norm.weight": (h,),
+        "lm_head.weight": (draft_vocab, h),
+        "d2t": (draft_vocab,),
+        "t2d": (vocab,),
+    }
+
+
+def hot_token_ids(vocab: int, draft_vocab: int, first: list[int]) -> list[int]:
+    """``draft_vocab`` target ids, ascending: ``first`` and then the largest others (so draft
+    and target ids differ: ``d2t`` is not zero)."""
+    rest = [t for t in range(vocab) if t not in set(first)]
+    return sorted(first + rest[len(rest) - (draft_vocab - len(first)) :])
+
+
+def write_eagle3_checkpoint(
+    target: str | Path,
+    dst: str | Path,
+    weights: dict,
+    hot_ids: list[int],
+    layer_ids: list[int] | None,
+    drop: tuple[str, ...] = (),
+) -> Path:
+    """Write ``weights`` (:func:`eagle3_tensor_shapes`' float names) as an EAGLE-3 head of the
+    llama checkpoint ``target`` into ``dst``, its draft vocabulary the target ids ``hot_ids``
+    (ascending; ``d2t`` and ``t2d`` are made from them), ``layer_ids`` as
+    ``eagle_config.eagle_aux_hidden_state_layer_ids`` (None: not set). ``drop``: tensor names
+    left out (to make a broken head)."""
+    import torch
+
+    config = json.loads((Path(target) / "config.json").read_text())
+    config.update(
+        architectures=["LlamaForCausalLMEagle3"],
+        num_hidden_layers=1,
+        draft_vocab_size=len(hot_ids),
+        tie_word_embeddings=False,
+    )
+    if layer_ids is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": layer_ids}
+    hot = torch.tensor(hot_ids, dtype=torch.int64)
+    t2d = torch.zeros(config["vocab_size"], dtype=torch.bool)
+    t2d[hot] = True
+    tensors = {**weights, "d2t": hot - torch.arange(len(hot_ids)), "t2d": t2d}
+    out = Path(dst)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    _save(out, {k: v for k, v in tensors.items() if k not in drop})
+    return out
+
+
+def _save(out: Path, tensors: dict) -> None:
+    from safetensors.torch import save_file
+
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    for written in out.iterdir():
+        written.chmod(written.stat().st_mode | 0o444)
+
+
+def make_eagle3_checkpoint(
+    target: str | Path,
+    dst: str | Path,
+    seed: int = 0,
+    draft_vocab: int = 64,
+    layer_ids: list[int] | None = None,
+    std: float = 0.1,
+    drop: tuple[str, ...] = (),
+) -> Path:
+    """A randomly initialised EAGLE-3 head of ``target`` (Gaussian weights of ``std``, norms
+    at 1) over ``draft_vocab`` target ids (drafts rarely right)."""
+    import torch
+
+    config = json.loads((Path(target) / "config.json").read_text())
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in eagle3_tensor_shapes(config, draft_vocab).items():
+        if name in ("d2t", "t2d"):
+            continue
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(shape)
+        else:
+            weights[name] = std * torch.randn(shape, generator=gen)
+    perm = torch.randperm(config["vocab_size"], generator=gen)[:draft_vocab]
+    hot = sorted(perm.tolist())
+    return write_eagle3_checkpoint(target, dst, weights, hot, layer_ids, drop)
+
+
+def make_cycle_eagle3_checkpoint(
+    target: str | Path,
+    dst: str | Path,
+    cycle: list[int],
+    layer_ids: list[int] | None = None,
+    wrong_after: int | None = None,
+    draft_vocab: int = 64,
+) -> Path:
+    """An EAGLE-3 head of a ``make_cycle_checkpoint`` target whose chains continue the cycle.
+
+    Every layer of the cycle target passes its input through (attention and MLP outputs zeroed),
+    so each aux state after ``cycle[j]`` is the embedding ``e_j`` (a basis vector). The head:
+    ``fc`` averages the three aux states (``e_j``); attention output zeroed; the MLP maps the
+    normed state ``sqrt(hidden) e_k`` to ``e_{k+1} - e_k``, so ``f_hat = e_{k+1}`` (one cycle
+    step per head pass, also when the chain feeds ``f_hat`` back without ``fc``); ``lm_head``
+    reads state ``e_k`` as the draft id of ``cycle[k + 1]``. The draft vocabulary holds the
+    cycle and the largest other ids. ``wrong_after=j``: after ``cycle[j]`` the head drafts
+    ``cycle[j + 2]`` (drafts there are rejected).
+
+    Raises:
+        ValueError: the cycle is longer than the hidden size or the draft vocabulary, or the
+            target's intermediate size is smaller than the cycle.
+    """
+    import torch
+
+    config = json.loads((Path(target) / "config.json").read_text())
+    h, inter, n = config["hidden_size"], config["intermediate_size"], len(cycle)
+    if n > min(h, draft_vocab, inter):
+        raise ValueError(
+            f"cycle of {n} tokens exceeds hidden size {h}, draft vocabulary {draft_vocab} or "
+            f"intermediate size {inter}"
+        )
+    shapes = eagle3_tensor_shapes(config, draft_vocab)
+    weights = {k: torch.zeros(v) for k, v in shapes.items() if k not in ("d2t", "t2d")}
+    for name in weights:
+        if name.endswith("norm.weight"):
+            weights[name].fill_(1.0)
+    for block in range(3):  # fc: the mean of the three aux states
+        weights["fc.weight"][:, block * h : (block + 1) * h] = torch.eye(h) / 3
+    gate = 20.0  # silu(gate * sqrt(h) * 1) ~ gate * sqrt(h): the active unit passes
+    active = torch.nn.functional.silu(torch.tensor(gate * h**0.5))
+    hot = hot_token_ids(config["vocab_size"], draft_vocab, list(cycle))
+    draft_id = {t: i for i, t in enumerate(hot)}
+    for k in range(n):
+        weights["midlayer.mlp.gate_proj.weight"][k, k] = gate
+        weights["midlayer.mlp.up_proj.weight"][k, k] = h**-0.5
+        down = weights["midlayer.mlp.down_proj.weight"]
+        down[(k + 1) % n, k] += 1 / active
+        down[k, k] -= 1 / active
+        step = 2 if k == wrong_after else 1
+        weights["lm_head.weight"][draft_id[cycle[(k + step) % n]], k] = 1.0
+    return write_eagle3_checkpoint(target, dst, weights, hot, layer_ids)

@@ -99,6 +99,8 @@ class EagleWorker(DraftWorker):
         self.head = cast(LlamaForCausalLMEagle, runner.model)
         self.head.set_embed_and_head(target.model.get_input_embeddings(), target.model.lm_head)
         self.features = FeatureStore()
+        # width of the target's features the head reads (EAGLE-3: three layers' states)
+        self.feature_size = runner.model_config.hidden_size
         target.hidden_states_sink = self.features.capture
         self.target_rows: dict[str, int] = {}
         self.true_len: dict[str, int] = {}  # draft positions run with the target's features
@@ -138,7 +140,7 @@ class EagleWorker(DraftWorker):
         prefixes, lens, slot_parts, feats = [], [], [], []
         room = self.runner.model_config.context_len
         like = self.head.fc_weight
-        hidden = self.runner.model_config.hidden_size
+        hidden = self.feature_size
         for i, (rid, tokens, k) in enumerate(zip(rids, histories, max_drafts)):
             if k <= 0 or len(tokens) < 2 or not rows or len(tokens) + k > room:
                 continue
@@ -202,12 +204,13 @@ class EagleWorker(DraftWorker):
                 f_hat[i] = f
 
     def _run_head(self, mode, input_ids, rows, seq_lens, out_cache_loc, prefixes, features):
-        """One head forward with ``features`` (per request (n_i, hidden)); the argmax and the
-        predicted feature (hidden,) after each request's last token."""
+        """One head forward with ``features`` (per request (n_i, feature width)); the argmax (as
+        a target id) and the predicted feature (hidden,) after each request's last token."""
         output, fb = self._forward(
             mode, input_ids, rows, seq_lens, out_cache_loc, prefixes, torch.cat(features)
         )
         assert output.hidden_states is not None
         last = [1] * len(rows) if mode.is_decode() else fb.extend_seq_lens_cpu or []
         idx = torch.tensor(last, device=output.hidden_states.device).cumsum(0) - 1
-        return output.next_token_logits.argmax(dim=-1).tolist(), list(output.hidden_states[idx])
+        ids = self.head.draft_to_target(output.next_token_logits.argmax(dim=-1))
+        return ids.tolist(), list(output.hidden_states[idx])

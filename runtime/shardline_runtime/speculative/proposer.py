@@ -67,8 +67,8 @@ class Proposer(Protocol):
 
 
 class DraftModelProposer:
-    """A draft model's proposer (STANDALONE, EAGLE): the rank's :class:`DraftWorker` (EAGLE:
-    its ``EagleWorker`` subclass)."""
+    """A draft model's proposer (STANDALONE, EAGLE, EAGLE3): the rank's :class:`DraftWorker`
+    (EAGLE: its ``EagleWorker`` subclass; EAGLE3: ``Eagle3Worker``)."""
 
     def __init__(self, draft: DraftWorker):
         self.draft = draft
@@ -107,9 +107,9 @@ def build_proposer(spec: SpeculativeArgs, draft: DraftWorker | None = None) -> P
             spec.speculative_ngram_min_match_window_size,
             spec.speculative_ngram_max_match_window_size,
         )
-    if algo in ("STANDALONE", "EAGLE") and draft is not None:
+    if algo in ("STANDALONE", "EAGLE", "EAGLE3") and draft is not None:
         return DraftModelProposer(draft)
     raise ValueError(
-        f"--speculative-algorithm {algo} has no proposer here; implemented: NGRAM, STANDALONE "
-        "and EAGLE (with the worker's draft model)"
+        f"--speculative-algorithm {algo} has no proposer here; implemented: NGRAM, STANDALONE, "
+        "EAGLE and EAGLE3 (with the worker's draft model)"
     )

@@ -4,7 +4,9 @@
 tokens) and ``STANDALONE`` (a small draft model of the target's tokenizer,
 ``--speculative-draft-model-path``, run by its own runner and KV pool) and ``EAGLE`` (an
 EAGLE head checkpoint, ``architectures: ["LlamaForCausalLMEagle"]``, fed the target's hidden
-states) are implemented; ``EAGLE3`` is recognised and refused with a clear error. ``--speculative-num-steps`` is implied by the draft-token count (one draft forward per
+states) and ``EAGLE3`` (an EAGLE-3 head, ``architectures: ["LlamaForCausalLMEagle3"]``, fed
+three of the target's layers, with its own draft vocabulary) are implemented.
+``--speculative-num-steps`` is implied by the draft-token count (one draft forward per
 draft token in a chain). ``--speculative-num-draft-tokens`` counts the tokens one
 verify forward scores per request, the last accepted token included (SGLang's convention), so
 a request gets at most ``num_draft_tokens - 1`` draft tokens a step. ``--speculative-eagle-topk``
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
-IMPLEMENTED_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE")
+IMPLEMENTED_ALGORITHMS = SPECULATIVE_ALGORITHMS
 DRAFT_MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
 DEFAULT_NUM_STEPS = 4
 
@@ -77,7 +79,8 @@ def speculative_errors(spec: SpeculativeArgs, pp_size: int, lora: bool) -> list[
     if not spec.enabled:
         if spec.speculative_draft_model_path:
             return [
-                "--speculative-draft-model-path needs --speculative-algorithm STANDALONE or EAGLE"
+                "--speculative-draft-model-path needs --speculative-algorithm STANDALONE, EAGLE "
+                "or EAGLE3"
             ]
         return []
     algo, errors = spec.speculative_algorithm, []
@@ -142,9 +145,9 @@ def add_speculative_flags(
         choices=SPECULATIVE_ALGORITHMS,
         default=None,
         help="Speculative decoding: NGRAM (prompt lookup, no draft model), STANDALONE (a "
-        "draft model of the same tokenizer, --speculative-draft-model-path) and EAGLE (an EAGLE "
-        "head checkpoint fed the target's hidden states) are implemented; EAGLE3 is refused. "
-        "Turns the overlap "
+        "draft model of the same tokenizer, --speculative-draft-model-path), EAGLE (an EAGLE "
+        "head checkpoint fed the target's hidden states) and EAGLE3 (an EAGLE-3 head fed three "
+        "of the target's layers, with its own draft vocabulary). Turns the overlap "
         "scheduler off (a verify step's accepted length decides the next step's inputs).",
     )
     s.add_argument(
@@ -152,7 +155,8 @@ def add_speculative_flags(
         default=None,
         help="Draft checkpoint: a directory, hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX "
         "(fetched into --download-dir like --model-path); a causal LM with the target's "
-        "vocabulary (STANDALONE), or an EAGLE head, architectures LlamaForCausalLMEagle (EAGLE).",
+        "vocabulary (STANDALONE), or an EAGLE head, architectures LlamaForCausalLMEagle (EAGLE) "
+        "or LlamaForCausalLMEagle3 (EAGLE3).",
     )
     s.add_argument(
         "--speculative-num-steps",
