@@ -222,7 +222,7 @@ def _check(args: ServerArgs, raw_lora: bool, layout_error: str | None) -> None:
         )
     if par.nnodes > 1 and not par.dist_init_addr:
         raise ServerArgsError("--dist-init-addr HOST:PORT is required when --nnodes > 1")
-    _check_lora(lora)
+    _check_lora(lora, (args.model_name, args.model.model_path))
     errors = speculative_errors(args.speculative, par.pp_size, lora.enable_lora)
     errors += torch_compile_errors(args)
     if errors:
@@ -251,7 +251,7 @@ def _check(args: ServerArgs, raw_lora: bool, layout_error: str | None) -> None:
             )
 
 
-def _check_lora(lora: LoRAArgs) -> None:
+def _check_lora(lora: LoRAArgs, base_names: tuple[str, ...]) -> None:
     from shardline_runtime.lora.lora_config import parse_lora_paths, resolve_target_modules
 
     try:
@@ -259,6 +259,12 @@ def _check_lora(lora: LoRAArgs) -> None:
         resolve_target_modules(list(lora.lora_target_modules))
     except ValueError as e:
         raise ServerArgsError(str(e)) from None
+    for name in paths:
+        if name in base_names:
+            raise ServerArgsError(
+                f"--lora-paths name {name!r} is the served model's name: an adapter needs a name "
+                f"other than {sorted(set(base_names))} (requests for that name reach the base model)"
+            )
     if len(paths) > lora.max_loras_per_batch:
         raise ServerArgsError(
             f"--lora-paths names {len(paths)} adapters but --max-loras-per-batch is {lora.max_loras_per_batch}"

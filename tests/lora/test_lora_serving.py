@@ -75,11 +75,15 @@ def test_load_use_unload_reload(lora_setup):
     for name, path, param, text in (("x", "/nonexistent", "lora_path", "adapter_config.json not found"),
                                     ("x", str(adapters["high"]), "lora_path", "--max-lora-rank 8"),
                                     ("x", str(adapters["other"]), "lora_path", "wrong base architecture"),
-                                    ("a", str(adapters["c"]), "lora_name", "already loaded")):
+                                    ("a", str(adapters["c"]), "lora_name", "already loaded"),
+                                    # the served model's name (or path) would shadow the base model
+                                    ("tiny", str(adapters["c"]), "lora_name", "served model's name"),
+                                    (models[0]["root"], str(adapters["c"]), "lora_name", "served model's name")):
         r = srv.post("/load_lora_adapter", {"lora_name": name, "lora_path": path})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param and text in r.json()["message"]
     assert gen(srv, "a").json()["output_ids"] == expected["a"]  # still serving after refusals
+    assert [m["id"] for m in srv.get("/v1/models").json()["data"]] == ["tiny", "a", "b"]
 
     r = srv.post("/unload_lora_adapter", {"lora_name": "a"})
     assert r.status_code == 200, r.text

@@ -101,6 +101,13 @@ def test_lora_paths_imply_enable_lora():
     assert ServerArgs(model_path="/m", lora_paths=["a=/adapters/a"]).lora.enable_lora is True
 
 
+@pytest.mark.parametrize("name", ["tiny", "/m"])
+def test_lora_paths_refuse_the_served_model_name(name):
+    # an adapter named like the base model is unreachable: `model: tiny` selects the base
+    with pytest.raises(ServerArgsError, match="served model's name"):
+        ServerArgs(model_path="/m", served_model_name="tiny", lora_paths=[f"{name}=/adapters/a"])
+
+
 def test_unknown_field_is_a_type_error():
     with pytest.raises(TypeError, match="cuda_graph_max_batch"):
         ServerArgs(model_path="/m", cuda_graph_max_batch=8)

@@ -281,7 +281,12 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
         return {"success": found}
 
     add_expert_routes(app, tm, getattr(server_args, "expert_distribution_recorder_mode", "stat"))
-    add_lora_routes(app, tm, getattr(server_args, "enable_lora", False))
+    add_lora_routes(
+        app,
+        tm,
+        getattr(server_args, "enable_lora", False),
+        (model_name, server_args.model_path),
+    )
 
     @app.get("/metrics")
     async def metrics_endpoint():

@@ -2,7 +2,7 @@
 
 - ``POST /load_lora_adapter`` ``{"lora_name", "lora_path"}``: 200 once every rank serves it;
   400 for a bad adapter (missing file, rank above ``--max-lora-rank``, another base model,
-  a name already loaded; ``param`` names the field); 503 when every pool slot holds an adapter
+  a name already loaded or the served model's own name; ``param`` names the field); 503 when every pool slot holds an adapter
   in use. A full pool with an idle adapter evicts the least recently used one.
 - ``POST /unload_lora_adapter`` ``{"lora_name"}``: new requests for it are refused at once;
   the reply comes once its queued and running requests have finished. 400 when not loaded.
@@ -88,13 +88,37 @@ async def unload_adapter(tm, lora_name: str) -> LoRAAdapterReqOutput:
     return out
 
 
-def add_lora_routes(app: FastAPI, tm, enabled: bool) -> None:
-    """Register the two routes on ``app`` (``tm``: the TokenizerManager)."""
+def _base_name_taken(name: str, base_names: tuple[str, ...], loaded: dict) -> JSONResponse:
+    message = (
+        f"lora_name {name!r} is the served model's name: an adapter needs a name other than "
+        f"{sorted(set(base_names))} (requests for that name reach the base model)"
+    )
+    return JSONResponse(
+        {
+            "success": False,
+            "message": message,
+            "loaded_adapters": loaded,
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": "lora_name",
+                "code": 400,
+            },
+        },
+        status_code=400,
+    )
+
+
+def add_lora_routes(app: FastAPI, tm, enabled: bool, base_names: tuple[str, ...] = ()) -> None:
+    """Register the two routes on ``app`` (``tm``: the TokenizerManager; ``base_names``: the
+    names that select the base model, refused as adapter names)."""
 
     @app.post("/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest):
         if not enabled:
             return _disabled()
+        if body.lora_name in base_names:
+            return _base_name_taken(body.lora_name, base_names, dict(tm.state.lora_adapters))
         return _reply(await load_adapter(tm, body.lora_name, body.lora_path))
 
     @app.post("/unload_lora_adapter")
