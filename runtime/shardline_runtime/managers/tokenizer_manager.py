@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from shardline_runtime.managers.admission_gate import AdmissionGate, WeightUpdateHoldTimeout
@@ -151,7 +151,7 @@ class TokenizerManager:
 
     async def generate(
         self, req: TokenizedGenerateReqInput, admitted: bool = False, pin: VersionPin | None = None
-    ) -> AsyncIterator[GenerateChunk]:
+    ) -> AsyncGenerator[GenerateChunk, None]:
         """Run one request; yields chunks until the one with ``finish`` set.
 
         Leaving the iterator before the end (client disconnect, cancellation) aborts the
