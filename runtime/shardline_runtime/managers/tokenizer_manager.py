@@ -2,8 +2,8 @@
 
 - :class:`RequestValidator` (``request_validation.py``): tokenize and check against the limits;
 - :class:`AdmissionGate` (``admission_gate.py``): hold for a weight update, pause, drain;
-- :class:`RequestStreams` (``request_streams.py``): send, receive, per-request queues, with
-  detokenization per step in a worker thread (``step_detokenizer.py``);
+- :class:`RequestStreams` (``request_streams.py``): send, receive, per-request queues; its
+  ``OutputReceiver`` thread receives each step and detokenizes it (``step_detokenizer.py``);
 - :class:`ControlClient` (``control_client.py``): control calls answered by reply type;
 - :class:`ServerState` (``server_state.py``): the one ``WeightsState`` copy, stats, adapters.
 
