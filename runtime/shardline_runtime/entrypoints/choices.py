@@ -11,6 +11,7 @@ import json
 import math
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -206,10 +207,9 @@ async def run_choices(
     all. The caller has already admitted the request (``TokenizerManager.admit``), so no choice
     is held again."""
     tm.gate.check_ready()
-    queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(spec: ChoiceSpec) -> None:
-        req = TokenizedGenerateReqInput(
+    def request(spec: ChoiceSpec) -> TokenizedGenerateReqInput:
+        return TokenizedGenerateReqInput(
             rid=tm.new_rid(),
             input_ids=spec.input_ids,
             sampling_params=spec.params,
@@ -220,8 +220,18 @@ async def run_choices(
             lora_name=lora_name,
             grammar=spec.grammar,
         )
+
+    if len(specs) == 1:  # one choice: its chunks as they come, no task or queue in between
+        (only,) = specs
+        async with aclosing(tm.generate(request(only), admitted=True, pin=pin)) as chunks:
+            async for chunk in chunks:  # leaving early closes ``chunks``: aborts the request
+                yield only.index, chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(spec: ChoiceSpec) -> None:
         try:
-            async for chunk in tm.generate(req, admitted=True, pin=pin):
+            async for chunk in tm.generate(request(spec), admitted=True, pin=pin):
                 queue.put_nowait((spec.index, chunk))
         except Exception as exc:  # surfaced to the consumer below
             queue.put_nowait((spec.index, exc))
@@ -278,7 +288,16 @@ class SafeJSONResponse(JSONResponse):
 
 
 def sse(data: Any) -> str:
-    return f"data: {json.dumps(json_safe(data), ensure_ascii=False, allow_nan=False)}\n\n"
+    """One server-sent event of ``data`` as JSON (non-finite floats as :func:`json_safe` says).
+
+    The common event (text, no logprobs) has no non-finite float, so it is dumped as it is;
+    only an event that fails that is walked by :func:`json_safe` and dumped again.
+    """
+    try:
+        body = json.dumps(data, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # a NaN or an infinity somewhere (a logprob of -inf)
+        body = json.dumps(json_safe(data), ensure_ascii=False, allow_nan=False)
+    return f"data: {body}\n\n"
 
 
 def now_seconds() -> int:

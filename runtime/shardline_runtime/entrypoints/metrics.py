@@ -18,6 +18,7 @@ of the last change, so a picker takes the newest sample).
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -66,6 +67,7 @@ class ServingMetrics:
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
         self._labels = labels
+        self._token_children: tuple[Any, Any, Any] | None = None
         self._max_lora = max_lora
         self._lora_seen: tuple[tuple[str, ...], tuple[str, ...]] | None = None
         r = self.registry
@@ -261,17 +263,29 @@ class ServingMetrics:
             **self._labels,
         ).set(time.time())
 
+    def _per_token_children(self) -> tuple[Any, Any, Any]:
+        """The labelled children observed on every chunk, looked up once (``labels()`` takes a
+        lock and builds a key each call)."""
+        if self._token_children is None:
+            self._token_children = (
+                self.generation_tokens.labels(**self._labels),
+                self.ttft.labels(**self._labels),
+                self.itl.labels(**self._labels),
+            )
+        return self._token_children
+
     def observe_tokens(self, state, now: float, count: int) -> None:
         """``count`` new output tokens of a request arrived at ``now`` (monotonic seconds)."""
-        self.generation_tokens.labels(**self._labels).inc(count)
+        generation_tokens, ttft, itl = self._per_token_children()
+        generation_tokens.inc(count)
         gaps = count
         if state.last_token_time is None:
-            self.ttft.labels(**self._labels).observe(now - state.created)
+            ttft.observe(now - state.created)
             gaps -= 1
         elif gaps > 0:
             gap = (now - state.last_token_time) / gaps
             for _ in range(gaps):
-                self.itl.labels(**self._labels).observe(gap)
+                itl.observe(gap)
         state.last_token_time = now
 
     def observe_finish(self, state, now: float, chunk) -> None:

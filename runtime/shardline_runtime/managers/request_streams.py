@@ -1,11 +1,11 @@
 """RequestStreams: the HTTP process's sockets to the rank-0 scheduler and one queue per request.
 
-Sends requests, aborts and control messages (ZMQ PUSH), receives every scheduler output (ZMQ
-PULL) in one background task: a ``BatchTokenOut`` is detokenized per step in the worker thread
-(:class:`StepDetokenizer`) and each request's :class:`GenerateChunk` goes to its queue; any
-other message goes to the ``on_message`` callback (state, replies). A stop string matched by
-the detokenizer finishes the request here and tells the scheduler to free it (``AbortReq`` with
-a ``stop`` reason).
+Sends requests, aborts and control messages (ZMQ PUSH, from the event loop). Every scheduler
+output arrives on a ZMQ PULL socket owned by the :class:`OutputReceiver` thread, which
+unpickles it and detokenizes a ``BatchTokenOut`` per step; on the event loop each request's
+:class:`GenerateChunk` goes to its queue and any other message to the ``on_message`` callback
+(state, replies), in arrival order. A stop string matched by the detokenizer finishes the
+request here and tells the scheduler to free it (``AbortReq`` with a ``stop`` reason).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import zmq.asyncio
 from shardline_runtime.managers.detokenizer import IncrementalDetokenizer
 from shardline_runtime.managers.io_struct import (
     AbortReq,
-    BatchTokenOut,
     FinishReason,
     TokenizedGenerateReqInput,
     Usage,
 )
+from shardline_runtime.managers.output_receiver import OutputReceiver, StepRecord
 from shardline_runtime.managers.step_detokenizer import GenerateChunk, StepDetokenizer
 from shardline_runtime.weights_state import WeightsState
 
@@ -51,7 +51,7 @@ class RequestStreams:
     """Sockets, per-request queues and the receive loop (see the module docstring).
 
     Args:
-        tokenizer: HuggingFace tokenizer of the model (copied for the detokenizer thread).
+        tokenizer: HuggingFace tokenizer of the model (copied for the receiver thread).
         scheduler_input_addr: ZMQ address the rank-0 scheduler PULLs requests from.
         output_addr: ZMQ address this process PULLs scheduler outputs on (bound here).
         on_message: called on the event loop with every message that is not a step's tokens.
@@ -73,26 +73,26 @@ class RequestStreams:
         self.context = zmq.asyncio.Context()
         self.send_socket = self.context.socket(zmq.PUSH)
         self.send_socket.connect(scheduler_input_addr)
-        self.recv_socket = self.context.socket(zmq.PULL)
-        self.recv_socket.bind(output_addr)
+        self._recv_context = zmq.Context()  # a plain context: the receiver thread blocks on it
+        recv_socket = self._recv_context.socket(zmq.PULL)
+        recv_socket.bind(output_addr)
         self.detokenizer = StepDetokenizer(tokenizer)
         self.states: dict[str, ReqStream] = {}
         self._on_message = on_message
         self._weights = weights
         self.metrics = metrics
-        self._recv_task: asyncio.Task | None = None
+        self.receiver = OutputReceiver(
+            recv_socket, self.detokenizer, self._live_stream, self._deliver_step, self._handle
+        )
 
     def start(self) -> None:
-        """Start the receive loop (call from inside the running event loop)."""
-        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+        """Start the receiver thread (call from inside the running event loop)."""
+        self.receiver.start(asyncio.get_running_loop())
 
     def close(self) -> None:
-        """Stop receiving and close the sockets and the detokenizer thread."""
-        if self._recv_task is not None:
-            self._recv_task.cancel()
+        """Stop receiving (the receiver thread ends within 0.1 s) and close the sockets."""
+        self.receiver.close()
         self.send_socket.close(0)
-        self.recv_socket.close(0)
-        self.detokenizer.close()
 
     async def send(self, msg: Any) -> None:
         await self.send_socket.send_pyobj(msg)
@@ -146,38 +146,37 @@ class RequestStreams:
                     )
                 )
 
-    # ---------------------------------------------------------------- receive loop
+    # ---------------------------------------------------------------- receive (see OutputReceiver)
 
-    async def _recv_loop(self) -> None:
-        while True:
-            msg = await self.recv_socket.recv_pyobj()
-            try:
-                if isinstance(msg, BatchTokenOut):
-                    await self._deliver_step(msg)
-                else:
-                    self._on_message(msg)
-            except Exception:  # a bug in one message must not stop every request
-                logger.exception("failed to handle scheduler output %s", type(msg).__name__)
+    def _live_stream(self, rid: str) -> ReqStream | None:
+        """The receiver thread's lookup: the stream of ``rid`` while it is in flight."""
+        stream = self.states.get(rid)
+        return None if stream is None or stream.finished else stream
 
-    async def _deliver_step(self, batch: BatchTokenOut) -> None:
-        live = [(self.states.get(o.rid), o) for o in batch.outs]
-        pairs = [(s, o) for s, o in live if s is not None and not s.finished]
-        if not pairs:
-            return
-        chunks = await self.detokenizer.run_step([(s.detok, o) for s, o in pairs])
-        now = time.monotonic()
-        for (stream, out), (chunk, stopped_here) in zip(pairs, chunks):
-            if stream.finished:  # aborted here while the thread decoded
-                continue
-            if stopped_here:
-                reason = {"type": "stop", "matched": chunk.finish and chunk.finish.matched}
-                asyncio.get_running_loop().create_task(self.send_abort(out.rid, reason))
+    def _handle(self, msg: Any) -> None:
+        try:
+            self._on_message(msg)
+        except Exception:  # a bug in one message must not stop every request
+            logger.exception("failed to handle scheduler output %s", type(msg).__name__)
+
+    def _deliver_step(self, step: list[StepRecord]) -> None:
+        """On the event loop: each chunk of a detokenized step to its request's queue."""
+        try:
+            now = time.monotonic()
             served = self._weights()
-            chunk.weight_version, chunk.revision = served.weight_version, served.revision
-            stream.usage = chunk.usage
-            stream.finished = chunk.finish is not None
-            if self.metrics and chunk.token_ids:
-                self.metrics.observe_tokens(stream, now, len(chunk.token_ids))
-            if self.metrics and chunk.finish is not None:
-                self.metrics.observe_finish(stream, now, chunk)
-            stream.queue.put_nowait(chunk)
+            for stream, out, chunk, stopped_here in step:
+                if stream.finished:  # aborted here while the thread decoded
+                    continue
+                if stopped_here:
+                    reason = {"type": "stop", "matched": chunk.finish and chunk.finish.matched}
+                    asyncio.get_running_loop().create_task(self.send_abort(out.rid, reason))
+                chunk.weight_version, chunk.revision = served.weight_version, served.revision
+                stream.usage = chunk.usage
+                stream.finished = chunk.finish is not None
+                if self.metrics and chunk.token_ids:
+                    self.metrics.observe_tokens(stream, now, len(chunk.token_ids))
+                if self.metrics and chunk.finish is not None:
+                    self.metrics.observe_finish(stream, now, chunk)
+                stream.queue.put_nowait(chunk)
+        except Exception:
+            logger.exception("failed to deliver a step's outputs")

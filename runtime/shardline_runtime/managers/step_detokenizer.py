@@ -1,21 +1,21 @@
 """Detokenization of one scheduler step, off the HTTP event loop.
 
 :class:`StepDetokenizer` runs each step's :class:`TokenOut` records through their requests'
-:class:`IncrementalDetokenizer` in one worker thread (batched per step, in arrival order), and
-returns one :class:`GenerateChunk` per request. The event loop only routes the chunks, so no
-``tokenizer.decode`` runs on it. After SGLang's ``DetokenizerManager`` (which batches the
-decode per step in its own process) and mini-sglang's per-request ``DetokenizeMsg``.
+:class:`IncrementalDetokenizer` (batched per step, in arrival order) and returns one
+:class:`GenerateChunk` per request. It is called from the HTTP process's output receiver
+thread (``request_streams.OutputReceiver``), which also receives and unpickles the step, so
+the event loop only routes the chunks and no ``tokenizer.decode`` runs on it. After SGLang's
+``DetokenizerManager`` (which batches the decode per step in its own process) and mini-sglang's
+per-request ``DetokenizeMsg``.
 
 A stop string matched here finishes the request (``FinishReason("stop", <the string>)``); the
-caller tells the scheduler to free it. The thread's decodes use a copy of the tokenizer, so the
-event loop's own tokenizer calls (encode) never share a Rust tokenizer object with it.
+caller tells the scheduler to free it. The decodes use a copy of the tokenizer, so the event
+loop's own tokenizer calls (encode) never share a Rust tokenizer object with them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import copy
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,15 +79,15 @@ def detokenize_out(detok: IncrementalDetokenizer, out: TokenOut) -> tuple[Genera
 
 
 class StepDetokenizer:
-    """Per-request incremental detokenizers, fed a step at a time in one worker thread.
+    """Per-request incremental detokenizers, fed a step at a time by one thread (the output
+    receiver's; never the event loop).
 
     Args:
-        tokenizer: the HuggingFace tokenizer (copied for the worker thread).
+        tokenizer: the HuggingFace tokenizer (copied, so the thread owns its copy).
     """
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = copy.deepcopy(tokenizer)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="detokenizer")
 
     def new_request(
         self, prompt_ids: list[int], stop: Any, skip_special_tokens: bool, include_stop: bool
@@ -97,9 +97,11 @@ class StepDetokenizer:
             self.tokenizer, prompt_ids, stop or (), skip_special_tokens, include_stop
         )
 
-    def _detokenize(
+    def detokenize(
         self, detok: IncrementalDetokenizer, out: TokenOut
     ) -> tuple[GenerateChunk, bool]:
+        """:func:`detokenize_out`, plus the texts of the chunk's logprob tokens (alternatives
+        included, decoded alone with special tokens kept)."""
         chunk, stopped_here = detokenize_out(detok, out)
         for entry in (*chunk.logprobs, *(chunk.prompt_logprobs or ())):
             for token_id in (entry.token_id, *(t for _, t in entry.top)):
@@ -109,14 +111,8 @@ class StepDetokenizer:
                     )
         return chunk, stopped_here
 
-    async def run_step(
+    def step(
         self, pairs: list[tuple[IncrementalDetokenizer, TokenOut]]
     ) -> list[tuple[GenerateChunk, bool]]:
-        """:func:`detokenize_out` of every pair, in order, plus the texts of their logprob
-        tokens, in the worker thread."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool, lambda: [self._detokenize(d, o) for d, o in pairs]
-        )
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False)
+        """:meth:`detokenize` of every pair, in order (one scheduler step)."""
+        return [self.detokenize(d, o) for d, o in pairs]

@@ -2,8 +2,8 @@
 
 - :class:`RequestValidator` (``request_validation.py``): tokenize and check against the limits;
 - :class:`AdmissionGate` (``admission_gate.py``): hold for a weight update, pause, drain;
-- :class:`RequestStreams` (``request_streams.py``): send, receive, per-request queues, with
-  detokenization per step in a worker thread (``step_detokenizer.py``);
+- :class:`RequestStreams` (``request_streams.py``): send, receive, per-request queues; its
+  ``OutputReceiver`` thread receives each step and detokenizes it (``step_detokenizer.py``);
 - :class:`ControlClient` (``control_client.py``): control calls answered by reply type;
 - :class:`ServerState` (``server_state.py``): the one ``WeightsState`` copy, stats, adapters.
 
@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from shardline_runtime.managers.admission_gate import AdmissionGate, WeightUpdateHoldTimeout
@@ -151,7 +151,7 @@ class TokenizerManager:
 
     async def generate(
         self, req: TokenizedGenerateReqInput, admitted: bool = False, pin: VersionPin | None = None
-    ) -> AsyncIterator[GenerateChunk]:
+    ) -> AsyncGenerator[GenerateChunk, None]:
         """Run one request; yields chunks until the one with ``finish`` set.
 
         Leaving the iterator before the end (client disconnect, cancellation) aborts the
