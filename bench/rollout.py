@@ -44,6 +44,7 @@ from hack.scenario.large_model import large_revisions  # noqa: E402
 from hack.scenario.models import write_revisions  # noqa: E402
 from hack.scenario.operator_install import install_operator  # noqa: E402
 from hack.scenario.rollout_fleet import apply, patch, two_group_doc, wait_ready  # noqa: E402
+from hack.scenario.rollout_log import rollout_log  # noqa: E402
 from hack.scenario.rollout_timeline import RECOVERED_FACTOR, Timeline, breakdown, recovery  # noqa: E402
 from hack.scenario.traffic import Traffic  # noqa: E402
 
@@ -53,7 +54,7 @@ def in_place(cluster, watch, ns: str, revs: dict, model: str, args) -> None:
     timeline = Timeline(cluster.client(), ns, "bench", args.groups, "rev-b").start()
     with Traffic(cluster.client(), ns, "bench", model, args.rate) as traffic:
         time.sleep(args.warmup)
-        patched = time.monotonic()
+        patched, patched_wall = time.monotonic(), time.time()
         patch(cluster, ns, "bench", {"model": {"path": str(revs["rev-b"]), "revision": "rev-b"}})
         wait_ready(watch, "rev-b", mark, 900)
         done = time.monotonic()
@@ -81,9 +82,26 @@ def in_place(cluster, watch, ns: str, revs: dict, model: str, args) -> None:
     for failure in traffic.failures[:5]:
         print(f"  failed: {failure}")
     if args.verbose:
-        for snap in watch.history[mark:]:
-            progressing = snap.conditions.get("Progressing", ("", "", ""))[2]
-            print(f"  {snap.at - patched:7.2f} {snap.line()} {progressing}")
+        print_time_line(cluster, watch.history[mark:], groups, ns, patched, patched_wall, done)
+
+
+def print_time_line(cluster, statuses, groups, ns: str, patched: float, patched_wall: float,
+                    done: float) -> None:
+    """Every status seen, each group's sampled steps and the operator's and leaders' log lines
+    (``hack/scenario/rollout_log.py``), as seconds since the patch."""
+    lines = []
+    for snap in statuses:
+        progressing = snap.conditions.get("Progressing", ("", "", ""))[2]
+        lines.append((snap.at - patched, f"[status] {snap.line()} {progressing}"))
+    for g in groups:
+        for what in ("loading_at", "serving_at", "available_at"):
+            at = getattr(g, what)
+            if at is not None:
+                lines.append((at - patched, f"[sampled] group {g.index} {what[:-3]}"))
+    lines += [(at - patched_wall, text) for at, text in
+              rollout_log(cluster.state_dir, ns, "bench", patched_wall - 1, patched_wall + done - patched + 1)]
+    for at, text in sorted(lines):
+        print(f"  {at:7.2f} {text[:220]}")
 
 
 def restart(cluster, watch, ns: str, revs: dict, model: str, rate: float) -> None:
@@ -104,7 +122,9 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=4.0, help="client requests per second")
     parser.add_argument("--warmup", type=float, default=15.0, help="seconds of traffic before the patch")
     parser.add_argument("--settle", type=float, default=20.0, help="seconds of traffic after the rollout")
-    parser.add_argument("--verbose", action="store_true", help="print the statuses seen, timed from the patch")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print one time line from the patch: statuses, sampled group steps, "
+                             "operator (at log level debug) and leader log lines")
     parser.add_argument("--restart", action="store_true", help="then roll back with strategy Restart")
     parser.add_argument("--staging", action="store_true",
                         help="an S3 rollout with and without staging (bench/rollout_staging.py)")
@@ -117,7 +137,7 @@ def main() -> None:
         cluster.start()
     try:
         revs = large_revisions() if args.params_200m else write_revisions()
-        install_operator(cluster)
+        install_operator(cluster, values={"logLevel": "debug"} if args.verbose else None)
         if args.staging:
             from bench.rollout_staging import compare
 

@@ -12,6 +12,8 @@ so a rollout is bound by the updates.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -29,6 +31,8 @@ from .spec import DeploymentSpec, RestartPolicySpec, SpecError, parse_spec
 from .status import invalid_spec_status
 
 __all__ = ["Context", "ReconcileResult", "reconcile"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -94,9 +98,12 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> ReconcileResult:
         return ReconcileResult(written, events)
     # Control and info calls carry the admin token; the canary gate's serving calls the API key.
     leaders = ctx.leaders_with_token(admin_token, api_key)
+    started = time.monotonic()
     observed = observe(ctx.kube, leaders, spec, generation, previous)
+    observed_at = time.monotonic()
     plan = decide(spec, observed, previous, now, ctx.operator_namespace, ctx.staging_cluster_role)
     failures = execute(ctx, leaders, spec, plan, now)
+    executed_at = time.monotonic()
     events.extend(plan.events)
     for step, _ in plan.trail:
         previous = write_status(ctx.kube, (namespace, name), previous, step, generation)
@@ -114,4 +121,16 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> ReconcileResult:
                 requeue if requeue is not None else LORA_RETRY_SECONDS, LORA_RETRY_SECONDS
             )
     written = write_status(ctx.kube, (namespace, name), previous, status, generation)
+    logger.debug(
+        "pass %s/%s: observe %.2f s, decide+execute %.2f s (%d actions), status %.2f s; "
+        "phase %s, rollout %s",
+        namespace,
+        name,
+        observed_at - started,
+        executed_at - observed_at,
+        len(plan.actions),
+        time.monotonic() - executed_at,
+        written.get("phase"),
+        (written.get("rollout") or {}).get("message"),
+    )
     return ReconcileResult(written, events, requeue, plan.restart_budget)
