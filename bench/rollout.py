@@ -52,7 +52,8 @@ from hack.scenario.traffic import Traffic  # noqa: E402
 def in_place(cluster, watch, ns: str, revs: dict, model: str, args) -> None:
     mark = watch.mark()
     timeline = Timeline(cluster.client(), ns, "bench", args.groups, "rev-b").start()
-    with Traffic(cluster.client(), ns, "bench", model, args.rate) as traffic:
+    with Traffic(cluster.client(), ns, "bench", model, args.rate,
+                 routable_only=args.client == "service") as traffic:
         time.sleep(args.warmup)
         patched, patched_wall = time.monotonic(), time.time()
         patch(cluster, ns, "bench", {"model": {"path": str(revs["rev-b"]), "revision": "rev-b"}})
@@ -120,6 +121,9 @@ def main() -> None:
     parser.add_argument("--params-200m", action="store_true", help="a ~200M-parameter float32 model")
     parser.add_argument("--groups", type=int, default=3, help="groups (replicas), TP=1 each")
     parser.add_argument("--rate", type=float, default=4.0, help="client requests per second")
+    parser.add_argument("--client", choices=("ready", "service"), default="ready",
+                        help="in-place rollout traffic: to every Ready leader, or (service) only to "
+                             "those the deployment's Service selects (routable), as kube-proxy does")
     parser.add_argument("--warmup", type=float, default=15.0, help="seconds of traffic before the patch")
     parser.add_argument("--settle", type=float, default=20.0, help="seconds of traffic after the rollout")
     parser.add_argument("--verbose", action="store_true",
