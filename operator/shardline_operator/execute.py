@@ -110,11 +110,15 @@ def _delete_pods(kube: KubeClient, spec: DeploymentSpec, group: int) -> None:
 def execute(
     ctx: Context, client: LeaderClient, spec: DeploymentSpec, plan: PassPlan, now: float
 ) -> dict[tuple[int, str], str]:
-    """Perform ``plan.actions`` in order and record ``plan.metrics``; returns the failed LoRA
-    actions as ``(group, adapter name) -> message`` (raises ``KubeError`` on an API failure)."""
+    """Perform ``plan.actions`` in order, except the returns to routing (:func:`return_to_routing`
+    performs them once the pass's status is written), and record ``plan.metrics``; returns the
+    failed LoRA actions as ``(group, adapter name) -> message`` (raises ``KubeError`` on an API
+    failure)."""
     kube, namespace = ctx.kube, spec.namespace
     failures: dict[tuple[int, str], str] = {}
     for action in plan.actions:
+        if isinstance(action, EnterRouting):
+            continue
         if isinstance(action, ApplyObject):
             if action.cached:
                 ctx.apply(action.obj, now)
@@ -129,7 +133,7 @@ def execute(
             patch = {"metadata": {"labels": {labels.LABEL_REVISION: action.revision}}}
             for pod in action.pods:
                 kube.merge_patch("v1", "Pod", namespace, pod, patch)
-        elif isinstance(action, (LabelLeader, LeaveRouting, EnterRouting)):
+        elif isinstance(action, (LabelLeader, LeaveRouting)):
             perform_routing(kube, client, namespace, action)
         elif isinstance(action, StartUpdate):
             key = update_key(spec, action.group)
@@ -141,6 +145,16 @@ def execute(
                 _adapter(client, action, failures)
     record_metrics(spec, plan.metrics)
     return failures
+
+
+def return_to_routing(ctx: Context, client: LeaderClient, namespace: str, plan: PassPlan) -> None:
+    """Perform the plan's :class:`EnterRouting` actions: each waits for the group's
+    ``/health_generate`` (seconds on a busy leader), so the pass runs them after writing its
+    status; the status of the pass that ends a rollout is not held up by them. Nothing in the
+    status depends on them (raises ``KubeError`` on an API failure)."""
+    for action in plan.actions:
+        if isinstance(action, EnterRouting):
+            perform_routing(ctx.kube, client, namespace, action)
 
 
 def _adapter(

@@ -3,10 +3,11 @@
 A pass reads the object's Secrets (creating the admin-token Secret once), then
 :func:`observe.observe` lists its children and asks its leaders (read-only),
 :func:`decide.decide` turns that, the spec and the previous status into a :class:`PassPlan`
-(pure), and :func:`execute.execute` performs the plan's actions; last, the statuses the plan
+(pure), and :func:`execute.execute` performs the plan's actions; then the statuses the plan
 carries are written (each phase a group passed through since the last pass, then the final
-one). Running a pass twice in a row changes nothing the second time.
-``ReconcileResult.requeue_after_seconds`` asks for the next pass soon while a wave is in flight,
+one); last, groups return to routing (:func:`execute.return_to_routing`: each waits for a
+``/health_generate``, which must not hold up the status). Running a pass twice in a row changes
+nothing the second time. ``ReconcileResult.requeue_after_seconds`` asks for the next pass soon while a wave is in flight,
 so a rollout is bound by the updates.
 """
 
@@ -21,7 +22,7 @@ from typing import Any
 from . import labels
 from .credentials import api_key_from_secret, credentials_digest, new_admin_token, secret_value
 from .decide import decide
-from .execute import Context, execute, write_status
+from .execute import Context, execute, return_to_routing, write_status
 from .kube import KubeClient
 from .lora_sync import LORA_RETRY_SECONDS, lora_status, settle
 from .observe import observe
@@ -121,8 +122,10 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> ReconcileResult:
                 requeue if requeue is not None else LORA_RETRY_SECONDS, LORA_RETRY_SECONDS
             )
     written = write_status(ctx.kube, (namespace, name), previous, status, generation)
+    return_to_routing(ctx, leaders, namespace, plan)
     logger.debug(
-        "pass %s/%s: observe %.2f s, decide+execute %.2f s (%d actions), status %.2f s; "
+        "pass %s/%s: observe %.2f s, decide+execute %.2f s (%d actions), status and "
+        "returns to routing %.2f s; "
         "phase %s, rollout %s",
         namespace,
         name,
