@@ -6,8 +6,9 @@ a ~200M-parameter float32 llama (``hack/scenario/large_model.py``: written once 
 ~/.cache/shardline and reused). Client traffic (``hack/scenario/traffic.py``: a fixed rate,
 round-robin over the Ready, non-terminating leaders, a fresh connection per request) runs
 ``--warmup`` seconds before the patch (the pre-rollout latency), through the rollout and
-``--settle`` seconds after it. The rollout is timed from the patch to the status being Ready
-with every group on the new revision.
+``--settle`` seconds after it (``--client service``: only to the leaders the deployment's Service
+selects, i.e. routable ones, as kube-proxy does). The rollout is timed from the patch (one REST
+request) to the first status the watch sees Ready with every group on the new revision.
 
 Prints:
 
@@ -16,7 +17,11 @@ Prints:
   went (``hack/scenario/rollout_timeline.py``): the runtime's work around the update, the wait
   for the pod to be Ready again, and the gap before the next group's update began;
 - per group the pre-rollout p95 latency and the time from "available again" until its p95 is
-  back within 1.5x of it (a 5-s sliding window), and the worst latency after it was available.
+  back within 1.5x of it (a 5-s sliding window), and the worst latency after it was available;
+- with ``--verbose``, one time line from the patch (``hack/scenario/rollout_log.py``): every
+  status seen, each group's sampled steps, and the operator's (installed at log level debug:
+  each pass's phases, each routing step and update request with its duration) and the leaders'
+  log lines about the update.
 
 With ``--staging`` it measures instead an S3 rollout with and without the staging step (issue 25:
 ``bench/rollout_staging.py``), in one run.
