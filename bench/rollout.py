@@ -6,8 +6,9 @@ a ~200M-parameter float32 llama (``hack/scenario/large_model.py``: written once 
 ~/.cache/shardline and reused). Client traffic (``hack/scenario/traffic.py``: a fixed rate,
 round-robin over the Ready, non-terminating leaders, a fresh connection per request) runs
 ``--warmup`` seconds before the patch (the pre-rollout latency), through the rollout and
-``--settle`` seconds after it. The rollout is timed from the patch to the status being Ready
-with every group on the new revision.
+``--settle`` seconds after it (``--client service``: only to the leaders the deployment's Service
+selects, i.e. routable ones, as kube-proxy does). The rollout is timed from the patch (one REST
+request) to the first status the watch sees Ready with every group on the new revision.
 
 Prints:
 
@@ -16,7 +17,11 @@ Prints:
   went (``hack/scenario/rollout_timeline.py``): the runtime's work around the update, the wait
   for the pod to be Ready again, and the gap before the next group's update began;
 - per group the pre-rollout p95 latency and the time from "available again" until its p95 is
-  back within 1.5x of it (a 5-s sliding window), and the worst latency after it was available.
+  back within 1.5x of it (a 5-s sliding window), and the worst latency after it was available;
+- with ``--verbose``, one time line from the patch (``hack/scenario/rollout_log.py``): every
+  status seen, each group's sampled steps, and the operator's (installed at log level debug:
+  each pass's phases, each routing step and update request with its duration) and the leaders'
+  log lines about the update.
 
 With ``--staging`` it measures instead an S3 rollout with and without the staging step (issue 25:
 ``bench/rollout_staging.py``), in one run.
@@ -44,6 +49,7 @@ from hack.scenario.large_model import large_revisions  # noqa: E402
 from hack.scenario.models import write_revisions  # noqa: E402
 from hack.scenario.operator_install import install_operator  # noqa: E402
 from hack.scenario.rollout_fleet import apply, patch, two_group_doc, wait_ready  # noqa: E402
+from hack.scenario.rollout_log import rollout_log  # noqa: E402
 from hack.scenario.rollout_timeline import RECOVERED_FACTOR, Timeline, breakdown, recovery  # noqa: E402
 from hack.scenario.traffic import Traffic  # noqa: E402
 
@@ -51,12 +57,14 @@ from hack.scenario.traffic import Traffic  # noqa: E402
 def in_place(cluster, watch, ns: str, revs: dict, model: str, args) -> None:
     mark = watch.mark()
     timeline = Timeline(cluster.client(), ns, "bench", args.groups, "rev-b").start()
-    with Traffic(cluster.client(), ns, "bench", model, args.rate) as traffic:
+    with Traffic(cluster.client(), ns, "bench", model, args.rate,
+                 routable_only=args.client == "service") as traffic:
         time.sleep(args.warmup)
-        patched = time.monotonic()
-        patch(cluster, ns, "bench", {"model": {"path": str(revs["rev-b"]), "revision": "rev-b"}})
-        wait_ready(watch, "rev-b", mark, 900)
-        done = time.monotonic()
+        # One API request (no kubectl process to start): the rollout is timed from its sending.
+        client, path = cluster.client(), f"/apis/shardline.dev/v1alpha1/namespaces/{ns}/inferencedeployments/bench"
+        patched, patched_wall = time.monotonic(), time.time()
+        client.merge_patch(path, {"spec": {"model": {"path": str(revs["rev-b"]), "revision": "rev-b"}}})
+        done = wait_ready(watch, "rev-b", mark, 900).at  # when the watch saw that status
         time.sleep(args.settle)
         end = time.monotonic()
     timeline.stop()
@@ -81,9 +89,26 @@ def in_place(cluster, watch, ns: str, revs: dict, model: str, args) -> None:
     for failure in traffic.failures[:5]:
         print(f"  failed: {failure}")
     if args.verbose:
-        for snap in watch.history[mark:]:
-            progressing = snap.conditions.get("Progressing", ("", "", ""))[2]
-            print(f"  {snap.at - patched:7.2f} {snap.line()} {progressing}")
+        print_time_line(cluster, watch.history[mark:], groups, ns, patched, patched_wall, done)
+
+
+def print_time_line(cluster, statuses, groups, ns: str, patched: float, patched_wall: float,
+                    done: float) -> None:
+    """Every status seen, each group's sampled steps and the operator's and leaders' log lines
+    (``hack/scenario/rollout_log.py``), as seconds since the patch."""
+    lines = []
+    for snap in statuses:
+        progressing = snap.conditions.get("Progressing", ("", "", ""))[2]
+        lines.append((snap.at - patched, f"[status] {snap.line()} {progressing}"))
+    for g in groups:
+        for what in ("loading_at", "serving_at", "available_at"):
+            at = getattr(g, what)
+            if at is not None:
+                lines.append((at - patched, f"[sampled] group {g.index} {what[:-3]}"))
+    lines += [(at - patched_wall, text) for at, text in
+              rollout_log(cluster.state_dir, ns, "bench", patched_wall - 1, patched_wall + done - patched + 1)]
+    for at, text in sorted(lines):
+        print(f"  {at:7.2f} {text[:220]}")
 
 
 def restart(cluster, watch, ns: str, revs: dict, model: str, rate: float) -> None:
@@ -102,9 +127,14 @@ def main() -> None:
     parser.add_argument("--params-200m", action="store_true", help="a ~200M-parameter float32 model")
     parser.add_argument("--groups", type=int, default=3, help="groups (replicas), TP=1 each")
     parser.add_argument("--rate", type=float, default=4.0, help="client requests per second")
+    parser.add_argument("--client", choices=("ready", "service"), default="ready",
+                        help="in-place rollout traffic: to every Ready leader, or (service) only to "
+                             "those the deployment's Service selects (routable), as kube-proxy does")
     parser.add_argument("--warmup", type=float, default=15.0, help="seconds of traffic before the patch")
     parser.add_argument("--settle", type=float, default=20.0, help="seconds of traffic after the rollout")
-    parser.add_argument("--verbose", action="store_true", help="print the statuses seen, timed from the patch")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print one time line from the patch: statuses, sampled group steps, "
+                             "operator (at log level debug) and leader log lines")
     parser.add_argument("--restart", action="store_true", help="then roll back with strategy Restart")
     parser.add_argument("--staging", action="store_true",
                         help="an S3 rollout with and without staging (bench/rollout_staging.py)")
@@ -117,7 +147,7 @@ def main() -> None:
         cluster.start()
     try:
         revs = large_revisions() if args.params_200m else write_revisions()
-        install_operator(cluster)
+        install_operator(cluster, values={"logLevel": "debug"} if args.verbose else None)
         if args.staging:
             from bench.rollout_staging import compare
 

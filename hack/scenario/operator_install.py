@@ -15,13 +15,15 @@ OPERATOR_NAMESPACE = "shardline-system"
 
 
 def install_operator(cluster: LocalCluster, namespace: str = OPERATOR_NAMESPACE,
-                     release: str = RELEASE, timeout: str = "5m") -> str:
-    """``helm upgrade --install`` the chart and wait for the operator Deployment to be Ready;
-    returns helm's output. Raises RuntimeError (with helm's output) on failure."""
+                     release: str = RELEASE, timeout: str = "5m", values: dict | None = None) -> str:
+    """``helm upgrade --install`` the chart (``values``: chart values to ``--set``, e.g.
+    ``{"logLevel": "debug"}``) and wait for the operator Deployment to be Ready; returns helm's
+    output. Raises RuntimeError (with helm's output) on failure."""
+    sets = [arg for key, value in (values or {}).items() for arg in ("--set", f"{key}={value}")]
     try:
         proc = cluster.helm("upgrade", "--install", release, str(CHART), "--namespace",
                             namespace, "--create-namespace", "--wait", "--timeout", timeout,
-                            timeout=600)
+                            *sets, timeout=600)
     except RuntimeError as e:
         pods = cluster.kubectl("get", "pods", "-n", namespace, "-o", "yaml", check=False)
         raise RuntimeError(f"{e}\npods in {namespace}:\n{pods.stdout}\n"

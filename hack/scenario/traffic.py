@@ -1,6 +1,9 @@
 """Client traffic for rollouts: completions at a fixed rate, round-robin over the group leaders
 that are Ready and not terminating (what EndpointSlices offer; client-side, since the local
 cluster has no kube-proxy), a fresh connection per request. Used by tests/e2e and bench/rollout.py.
+With ``routable_only`` it sends only to leaders labelled ``shardline.dev/routable: "true"`` too,
+as a client of the deployment's Service does (its selector has the label; the operator takes a
+leader out of routing before its update and back after it).
 
 A request whose connection could not be made (refused, or timed out connecting: it never reached
 a server) is sent again to another leader, as kube-proxy's clients and the OpenAI SDK retry
@@ -42,9 +45,11 @@ class Traffic:
     """Open-loop client over the Ready, non-terminating leaders; counts what failed."""
 
     def __init__(self, client, namespace: str, name: str, model: str, rate: float = RATE,
-                 timeout: float = 120.0):
+                 timeout: float = 120.0, routable_only: bool = False):
         self.client, self.namespace, self.name, self.model, self.rate = client, namespace, name, model, rate
         self.timeout = timeout  # seconds per request
+        self.selector = f"shardline.dev/deployment={name},apps.kubernetes.io/pod-index=0" + (
+            ",shardline.dev/routable=true" if routable_only else "")
         self.leaders: list[str] = []
         self.sent = 0
         self.failures: list[str] = []
@@ -58,8 +63,7 @@ class Traffic:
         while not self._stop.is_set():
             try:
                 pods = self.client.get(f"/api/v1/namespaces/{self.namespace}/pods",
-                                       params={"labelSelector": f"shardline.dev/deployment={self.name},"
-                                                                "apps.kubernetes.io/pod-index=0"})
+                                       params={"labelSelector": self.selector})
             except Exception:  # noqa: BLE001 (an API hiccup: keep the last view, read again)
                 time.sleep(0.5)
                 continue

@@ -110,11 +110,20 @@ def _delete_pods(kube: KubeClient, spec: DeploymentSpec, group: int) -> None:
 def execute(
     ctx: Context, client: LeaderClient, spec: DeploymentSpec, plan: PassPlan, now: float
 ) -> dict[tuple[int, str], str]:
-    """Perform ``plan.actions`` in order and record ``plan.metrics``; returns the failed LoRA
-    actions as ``(group, adapter name) -> message`` (raises ``KubeError`` on an API failure)."""
+    """Perform ``plan.actions`` in order, and record ``plan.metrics``; returns the failed LoRA
+    actions as ``(group, adapter name) -> message`` (raises ``KubeError`` on an API failure).
+
+    The returns to routing (:class:`EnterRouting`) go first when another group leaves routing in
+    this pass, so the Services and label-watching gateways never lose every leader at once;
+    otherwise :func:`return_to_routing` performs them once the pass's status is written, so the
+    pass that ends a rollout writes ``Ready`` without waiting for their health checks."""
     kube, namespace = ctx.kube, spec.namespace
     failures: dict[tuple[int, str], str] = {}
+    if not _returns_deferred(plan):
+        return_to_routing(ctx, client, namespace, plan, deferred=False)
     for action in plan.actions:
+        if isinstance(action, EnterRouting):
+            continue
         if isinstance(action, ApplyObject):
             if action.cached:
                 ctx.apply(action.obj, now)
@@ -129,7 +138,7 @@ def execute(
             patch = {"metadata": {"labels": {labels.LABEL_REVISION: action.revision}}}
             for pod in action.pods:
                 kube.merge_patch("v1", "Pod", namespace, pod, patch)
-        elif isinstance(action, (LabelLeader, LeaveRouting, EnterRouting)):
+        elif isinstance(action, (LabelLeader, LeaveRouting)):
             perform_routing(kube, client, namespace, action)
         elif isinstance(action, StartUpdate):
             key = update_key(spec, action.group)
@@ -141,6 +150,26 @@ def execute(
                 _adapter(client, action, failures)
     record_metrics(spec, plan.metrics)
     return failures
+
+
+def _returns_deferred(plan: PassPlan) -> bool:
+    """True when no group leaves routing in this pass: its returns can wait for the status."""
+    return not any(isinstance(action, LeaveRouting) for action in plan.actions)
+
+
+def return_to_routing(
+    ctx: Context, client: LeaderClient, namespace: str, plan: PassPlan, deferred: bool = True
+) -> None:
+    """Perform the plan's :class:`EnterRouting` actions: each waits for the group's
+    ``/health_generate`` (seconds on a busy leader). The pass calls this after writing its
+    status (``deferred``), which performs them only when :func:`execute` left them there (no
+    group leaves routing in the pass); nothing in the status depends on them (raises
+    ``KubeError`` on an API failure)."""
+    if deferred != _returns_deferred(plan):
+        return
+    for action in plan.actions:
+        if isinstance(action, EnterRouting):
+            perform_routing(ctx.kube, client, namespace, action)
 
 
 def _adapter(

@@ -144,6 +144,7 @@ async def worker(
                 await asyncio.wait_for(wakeup.wait(), timeout=delay)
             except asyncio.TimeoutError:
                 pass
+            woken = wakeup.is_set()
             wakeup.clear()
             try:
                 result = await asyncio.to_thread(run_pass, memo.context, namespace, name)
@@ -169,7 +170,10 @@ async def worker(
                 kopf.event(body, type=kind, reason=reason, message=message[:1024])
             delay = next_delay(result)
             logger.debug(
-                "reconciled: phase=%s, next pass in %.1f s", result.status.get("phase"), delay
+                "reconciled (%s): phase=%s, next pass in %.1f s",
+                "woken" if woken else "timer",
+                result.status.get("phase"),
+                delay,
             )
     finally:
         workers.unregister(key, wakeup)

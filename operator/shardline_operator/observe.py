@@ -13,6 +13,7 @@ whole rollouts with a scripted one.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from . import labels
@@ -25,6 +26,8 @@ from .rollout_state import VERIFYING, RolloutState
 from .spec import DeploymentSpec, VerifySpec
 from .staging_state import LABEL_STAGING_KEY, StagingJob, staging_job_from_api
 from .weights import LeaderReport, WeightsPhase
+
+LEADER_QUERIES = 16  # leaders asked at the same time in one pass
 
 
 class LeaderClient(Protocol):
@@ -149,7 +152,8 @@ def observe(
     generation: int,
     previous_status: Mapping[str, Any],
 ) -> Observation:
-    """List the deployment's children and ask its leaders (read-only; raises ``KubeError``)."""
+    """List the deployment's children and ask its leaders, up to :data:`LEADER_QUERIES` at the
+    same time (read-only; raises ``KubeError``; ``client`` must be safe to call from threads)."""
     selector = labels.selector_labels(spec.name)
     statefulsets: dict[int, dict[str, Any]] = {}
     for listed in kube.list("apps/v1", "StatefulSet", spec.namespace, selector):
@@ -171,13 +175,25 @@ def observe(
     )
     rollout = RolloutState.from_status(previous_status.get("rollout"))
     size = spec.parallelism.pods_per_group
-    groups = {}
-    for index in sorted(set(statefulsets) | set(pods) | set(range(spec.replicas))):
-        members = pods.get(index, ())
-        answers = LeaderObservation()
-        if index < spec.replicas:
-            answers = observe_leader(spec, index, members, rollout, client)
-        groups[index] = GroupObservation(index, size, statefulsets.get(index), members, answers)
+    indices = sorted(set(statefulsets) | set(pods) | set(range(spec.replicas)))
+    asked = [i for i in indices if i < spec.replicas]
+    # The leaders are asked at once: a pass waits for the slowest, not for their sum (a busy
+    # leader can take a second or more to answer).
+    with ThreadPoolExecutor(max_workers=max(1, min(len(asked), LEADER_QUERIES))) as pool:
+        futures = {
+            i: pool.submit(observe_leader, spec, i, pods.get(i, ()), rollout, client) for i in asked
+        }
+        answered = {i: future.result() for i, future in futures.items()}
+    groups = {
+        index: GroupObservation(
+            index,
+            size,
+            statefulsets.get(index),
+            pods.get(index, ()),
+            answered.get(index, LeaderObservation()),
+        )
+        for index in indices
+    }
     return Observation(
         generation,
         groups,

@@ -3,15 +3,19 @@
 A pass reads the object's Secrets (creating the admin-token Secret once), then
 :func:`observe.observe` lists its children and asks its leaders (read-only),
 :func:`decide.decide` turns that, the spec and the previous status into a :class:`PassPlan`
-(pure), and :func:`execute.execute` performs the plan's actions; last, the statuses the plan
+(pure), and :func:`execute.execute` performs the plan's actions; then the statuses the plan
 carries are written (each phase a group passed through since the last pass, then the final
-one). Running a pass twice in a row changes nothing the second time.
-``ReconcileResult.requeue_after_seconds`` asks for the next pass soon while a wave is in flight,
+one); last, groups return to routing (:func:`execute.return_to_routing`: each waits for a
+``/health_generate``, which must not hold up the status; in a pass where another group leaves
+routing, ``execute`` returned them first). Running a pass twice in a row changes
+nothing the second time. ``ReconcileResult.requeue_after_seconds`` asks for the next pass soon while a wave is in flight,
 so a rollout is bound by the updates.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -19,7 +23,7 @@ from typing import Any
 from . import labels
 from .credentials import api_key_from_secret, credentials_digest, new_admin_token, secret_value
 from .decide import decide
-from .execute import Context, execute, write_status
+from .execute import Context, execute, return_to_routing, write_status
 from .kube import KubeClient
 from .lora_sync import LORA_RETRY_SECONDS, lora_status, settle
 from .observe import observe
@@ -29,6 +33,8 @@ from .spec import DeploymentSpec, RestartPolicySpec, SpecError, parse_spec
 from .status import invalid_spec_status
 
 __all__ = ["Context", "ReconcileResult", "reconcile"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -94,9 +100,12 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> ReconcileResult:
         return ReconcileResult(written, events)
     # Control and info calls carry the admin token; the canary gate's serving calls the API key.
     leaders = ctx.leaders_with_token(admin_token, api_key)
+    started = time.monotonic()
     observed = observe(ctx.kube, leaders, spec, generation, previous)
+    observed_at = time.monotonic()
     plan = decide(spec, observed, previous, now, ctx.operator_namespace, ctx.staging_cluster_role)
     failures = execute(ctx, leaders, spec, plan, now)
+    executed_at = time.monotonic()
     events.extend(plan.events)
     for step, _ in plan.trail:
         previous = write_status(ctx.kube, (namespace, name), previous, step, generation)
@@ -114,4 +123,18 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> ReconcileResult:
                 requeue if requeue is not None else LORA_RETRY_SECONDS, LORA_RETRY_SECONDS
             )
     written = write_status(ctx.kube, (namespace, name), previous, status, generation)
+    return_to_routing(ctx, leaders, namespace, plan)
+    logger.debug(
+        "pass %s/%s: observe %.2f s, decide+execute %.2f s (%d actions), status and "
+        "returns to routing %.2f s; "
+        "phase %s, rollout %s",
+        namespace,
+        name,
+        observed_at - started,
+        executed_at - observed_at,
+        len(plan.actions),
+        time.monotonic() - executed_at,
+        written.get("phase"),
+        (written.get("rollout") or {}).get("message"),
+    )
     return ReconcileResult(written, events, requeue, plan.restart_budget)

@@ -61,8 +61,9 @@ def perform_routing(
         _patch_labels(kube, namespace, action.pod, dict(action.labels))
     elif isinstance(action, LeaveRouting):
         _patch_labels(kube, namespace, action.pod, {labels.LABEL_ROUTABLE: "false"})
-        settled = time.monotonic() + GATEWAY_SETTLE_SECONDS
-        deadline = time.monotonic() + action.timeout_seconds
+        started = time.monotonic()
+        settled = started + GATEWAY_SETTLE_SECONDS
+        deadline = started + action.timeout_seconds
         while any(action.ip in listed_addresses(kube, namespace, s) for s in action.services):
             if time.monotonic() >= deadline:
                 logger.warning(
@@ -75,11 +76,24 @@ def perform_routing(
                 )
                 return
             sleep(SLICE_POLL_SECONDS)
+        logger.info(
+            "group %d: %s left %s in %.2f s",
+            action.group,
+            action.ip,
+            action.services,
+            time.monotonic() - started,
+        )
         if time.monotonic() < settled:
             sleep(settled - time.monotonic())
     else:
+        started = time.monotonic()
         passed, message = client.verify(action.url, None)
         if passed:
             _patch_labels(kube, namespace, action.pod, {labels.LABEL_ROUTABLE: "true"})
+            logger.info(
+                "group %d back in routing (health check %.2f s)",
+                action.group,
+                time.monotonic() - started,
+            )
         else:
             logger.info("group %d stays out of routing: %s", action.group, message)

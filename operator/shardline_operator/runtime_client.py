@@ -12,6 +12,7 @@ runtime opens only to the API key, so it carries the deployment's API key instea
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -25,6 +26,7 @@ GATE_TIMEOUT_SECONDS = 30.0
 LORA_TIMEOUT_SECONDS = 30.0
 ABORT_TIMEOUT_SECONDS = 900.0  # the runtime answers once the update ended (committed or not)
 PHASE_POLL_SECONDS = 0.1
+logger = logging.getLogger(__name__)
 
 
 class HttpLeaderClient:
@@ -311,8 +313,18 @@ def _post_update(
     ``aborted`` (the reply's ``aborted``), ``seconds`` the reply's ``load_seconds`` /
     ``recapture_seconds`` that are numbers. Transport errors are failures."""
     reply: dict[str, Any] = {}
+    started = time.monotonic()
+    logger.info("update of %s to %s sent", url, body.get("revision"))
     success, message = _post_json(
         url, "/update_weights_from_disk", body, timeout_seconds, token, reply
+    )
+    logger.info(
+        "update of %s answered after %.2f s: success=%s, load %s s, recapture %s s",
+        url,
+        time.monotonic() - started,
+        success,
+        reply.get("load_seconds"),
+        reply.get("recapture_seconds"),
     )
     seconds = {
         k: float(v)

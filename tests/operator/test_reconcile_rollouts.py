@@ -285,3 +285,48 @@ def test_operator_restart_after_a_lost_update_sends_it_again(world):
     run()
     assert leaders.sent[-1] == ("default/llama/g0", "rev-b")
     assert leaders.sent.count(("default/llama/g0", "rev-b")) == 2
+
+
+def test_the_pass_that_ends_a_rollout_writes_ready_before_the_group_returns_to_routing(world):
+    """Issue 23 item 5: a group's return to routing waits for its ``/health_generate`` (seconds
+    on a busy leader); the pass writes its status first, so ``Ready`` is not held up by it. The
+    group still returns only after the check passed (issue 29)."""
+    kube, leaders, run = world
+    checked = []
+
+    def verify(url, verify):  # what the API holds when the health check runs
+        pod = kube.pods()["llama-g1-0"]
+        checked.append((url, kube.statuses[-1]["phase"], pod["metadata"]["labels"][labels.LABEL_ROUTABLE]))
+        return True, "ok"
+
+    leaders.verify = verify
+    run(path=REV_B, revision="rev-b")
+    leaders.finish("default/llama/g0")
+    run()
+    leaders.finish("default/llama/g1")
+    result = run()  # counts group 1 and ends the rollout
+    assert any(e[1] == "RolloutComplete" for e in result.events)
+    assert checked[-1] == ("http://127.0.1.2:8000", "Ready", "false")  # status first, then the check
+    assert kube.pods()["llama-g1-0"]["metadata"]["labels"][labels.LABEL_ROUTABLE] == "true"
+
+
+def test_a_group_returns_to_routing_before_the_next_group_leaves_it(world):
+    """With two groups, group 0's return to routing and group 1's leave come in one pass; the
+    return goes first (after its health check), so the client Service and label-watching
+    gateways never see both leaders out of routing at once (issues 23 and 29)."""
+    kube, leaders, run = world
+    seen = []
+
+    def verify(url, verify):  # the routable labels when group 0's health check runs
+        pods = kube.pods()
+        seen.append(tuple(pods[f"llama-g{g}-0"]["metadata"]["labels"][labels.LABEL_ROUTABLE] for g in (0, 1)))
+        return True, "ok"
+
+    leaders.verify = verify
+    run(path=REV_B, revision="rev-b")
+    leaders.finish("default/llama/g0")
+    run()  # counts group 0 and starts group 1
+    assert seen and seen[0] == ("false", "true"), "group 0 was checked while group 1 still routed"
+    assert leaders.sent[-1] == ("default/llama/g1", "rev-b")
+    pods = kube.pods()
+    assert pods["llama-g0-0"]["metadata"]["labels"][labels.LABEL_ROUTABLE] == "true"

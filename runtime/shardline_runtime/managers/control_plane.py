@@ -222,6 +222,11 @@ class ControlPlane:
             self.publish(phase=WeightsPhase.LOADING)
             self.watchdog.end()  # building the candidate model may outlast one step's watchdog
             self.staging = start_staging(self.worker, msg)
+            logger.info(
+                "[tp %d] weight update to %s queued: staging while the admitted requests finish",
+                self.tp_rank,
+                msg.revision,
+            )
 
     def admits(self) -> Callable[[Req], bool] | None:
         """None while no update is pending; else which waiting requests may still start: the
@@ -284,6 +289,11 @@ class ControlPlane:
         msg, self.pending_update = self.pending_update, None
         staging, self.staging = self.staging, None
         self.watchdog.end()  # loading a checkpoint may take longer than one step's watchdog
+        logger.info(
+            "[tp %d] weight update: no admitted request left; %s",
+            self.tp_rank,
+            "aborting" if aborted else "committing once staged",
+        )
         if staging is not None and aborted:
             staging.cancel()
         staged = None if staging is None else staging.result(self.abort_requested)
