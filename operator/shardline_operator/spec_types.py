@@ -67,10 +67,11 @@ RESERVED_FLAGS = (
     "--speculative-draft-model-path",
 )
 # speculative decoding algorithms the runtime implements (its --speculative-algorithm)
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
 DRAFT_MODEL_ALGORITHMS = (
     "STANDALONE",
     "EAGLE",
+    "EAGLE3",
 )  # those that need spec.runtime.speculative.draftModel
 DEFAULT_MAX_LORAS_PER_BATCH = 8  # the runtime's --max-loras-per-batch default
 # The keys reach the runtime only through these env vars, filled from Secrets (spec.auth).

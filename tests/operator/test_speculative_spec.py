@@ -26,8 +26,9 @@ def test_absent_speculative_is_off():
 @pytest.mark.parametrize(
     ("speculative", "extra", "message"),
     [
-        ({"algorithm": "EAGLE3"}, {}, "spec.runtime.speculative.algorithm must be one of NGRAM, STANDALONE, EAGLE"),
-        ({}, {}, "spec.runtime.speculative.algorithm must be one of NGRAM, STANDALONE, EAGLE"),
+        ({"algorithm": "MEDUSA"}, {}, "spec.runtime.speculative.algorithm must be one of NGRAM, STANDALONE, EAGLE, EAGLE3"),
+        ({}, {}, "spec.runtime.speculative.algorithm must be one of NGRAM, STANDALONE, EAGLE, EAGLE3"),
+        ({"algorithm": "EAGLE3"}, {}, "spec.runtime.speculative.draftModel is required with algorithm EAGLE3"),
         ({"algorithm": "EAGLE"}, {}, "spec.runtime.speculative.draftModel is required with algorithm EAGLE"),
         ({"algorithm": "NGRAM", "numDraftTokens": 1}, {}, "numDraftTokens"),
         ({"algorithm": "NGRAM"}, {"parallelism": {"tensor": 2, "pipeline": 2, "gpusPerPod": 4}},
@@ -45,12 +46,13 @@ def test_speculative_flags_are_reserved():
         parse_spec("m", "ns", "u", {**BASE, "runtime": {"image": "r:1", "args": ["--speculative-algorithm=NGRAM"]}})
 
 
-def test_eagle_renders_the_head_path():
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_eagle_renders_the_head_path(algorithm):
     from shardline_operator.runtime_args import ServedModel, runtime_args
 
-    parsed = parse_spec("m", "ns", "u", _spec({"algorithm": "EAGLE", "draftModel": {"path": "/models/head"}}))
+    parsed = parse_spec("m", "ns", "u", _spec({"algorithm": algorithm, "draftModel": {"path": "/models/head"}}))
     args = runtime_args(parsed, 0, ServedModel.desired(parsed))
-    assert args[args.index("--speculative-algorithm") + 1] == "EAGLE"
+    assert args[args.index("--speculative-algorithm") + 1] == algorithm
     assert args[args.index("--speculative-draft-model-path") + 1] == "/models/head"
 
 
