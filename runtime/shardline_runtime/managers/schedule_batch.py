@@ -72,7 +72,7 @@ class ScheduleBatch:
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.vocab_size = vocab_size
-        self.device = torch.device(device)
+        self.device = device if isinstance(device, torch.device) else torch.device(device)
         self.forward_mode = ForwardMode.IDLE
         self.input_ids: list[int] = []
         self.out_cache_loc = _NO_SLOTS

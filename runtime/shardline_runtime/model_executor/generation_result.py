@@ -74,11 +74,14 @@ class GenerationBatchResult:
         host (non-blocking on CUDA), and,
         for an EXTEND step that returns prompt logprobs, the logits output the result processor
         reads (so processing this step never reads the device while the next one runs)."""
-        cuda = self.next_token_ids is not None and self.next_token_ids.device.type == "cuda"
-        for name in ("next_token_ids", "sampled_logprobs", "pooled"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, value.to("cpu", non_blocking=cuda))
+        ids = self.next_token_ids
+        on_host = ids is not None and ids.device.type == "cpu"
+        cuda = not on_host and ids is not None and ids.device.type == "cuda"
+        if not on_host:  # on the CPU every result tensor is on the host already
+            for name in ("next_token_ids", "sampled_logprobs", "pooled"):
+                value = getattr(self, name)
+                if value is not None:
+                    setattr(self, name, value.to("cpu", non_blocking=cuda))
         batch = self.forward_batch
         if self.logits_output is not None and batch is not None and batch.return_logprob:
             if batch.forward_mode.is_extend():
