@@ -22,8 +22,8 @@ import torch
 from shardline_runtime.device_copy import to_device
 
 if TYPE_CHECKING:
-    from shardline_runtime.model_executor.host_decode_inputs import HostDecodeInputs
     from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+    from shardline_runtime.model_executor.host_decode_inputs import HostDecodeInputs
 
 
 class ForwardMode(IntEnum):
