@@ -100,6 +100,9 @@ def guard_scheduler(scheduler, monkeypatch) -> GuardState:
     pool.req_to_token = on_device(pool.req_to_token)
     future_map = scheduler.overlap.future_map
     future_map.token_ids = on_device(future_map.token_ids)
+    # the CPU-only shortcuts of the host path off: the device path runs, as on CUDA
+    scheduler.worker.model_runner.host_decode_inputs = None
+    monkeypatch.setattr(GenerationBatchResult, "host_results_as_is", False)
 
     real_to_device = device_copy.to_device
 

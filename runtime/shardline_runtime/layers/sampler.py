@@ -97,6 +97,20 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
+def greedy_on_host(logits: torch.Tensor, rows: int, vocab_size: int) -> torch.Tensor | None:
+    """:func:`greedy_argmax` of a CPU float32 (rows, vocab_size) ``logits`` exactly as the
+    sampler's greedy path computes it, with the shape checks done on the NumPy view (cheaper
+    than torch's); None when ``logits`` is anything else (then the sampler's own path runs).
+    The hot path of a greedy CPU decode step (``sample_step.sample_batch``)."""
+    if logits.device.type != "cpu" or logits.dtype is not torch.float32:
+        return None
+    host = logits.numpy()
+    if host.ndim != 2 or host.shape[0] != rows or host.shape[1] != vocab_size or not rows:
+        return None
+    ids = host.argmax(axis=-1)
+    return torch.from_numpy(ids if ids.dtype == np.int64 else ids.astype(np.int64))
+
+
 class Sampler(nn.Module):
     """Turns last-position logits into next-token ids.
 

@@ -138,6 +138,8 @@ class BatchPlanner:
             owed = self._decode_step(decode)
             if owed is not None:
                 return owed
+        if not self.prefill.has_work():  # nothing to admit (steady decode): no EXTEND to form
+            return self._decode_step(decode)
         # The KV reserve covers every running request (all micro-batch slots and the batches in
         # flight). --max-running-requests caps them all together, and each slot takes at most
         # max(cap // slots, 1), as SGLang's pp_max_micro_batch_size, so one slot cannot take

@@ -77,6 +77,25 @@ class ModelWorkerBatch:
     ) -> ForwardBatch:
         """The ``ForwardBatch`` of this step, on ``model_runner``'s device with its pools and
         attention backend (``ForwardBatch.init_new`` checks the lengths)."""
+        host = getattr(model_runner, "host_decode_inputs", None)
+        if host is not None and device is None and self.forward_mode is ForwardMode.DECODE:
+            # a CPU decode step: index tensors from the runner's preallocated buffers
+            forward_batch = ForwardBatch.host_decode(
+                host,
+                model_runner,
+                self.input_ids,
+                self.req_pool_indices,
+                self.seq_lens,
+                self.out_cache_loc,
+                return_logprob=self.return_logprob,
+                top_logprobs_nums=self.top_logprobs_nums,
+                sampling_info=self.sampling_info,
+                wants_token=self.wants_token,
+                return_logprobs=self.return_logprobs,
+            )
+            forward_batch.lora_names = self.lora_names
+            forward_batch.grammar_bitmask = self.grammar_bitmask
+            return forward_batch
         forward_batch = ForwardBatch.init_new(
             forward_mode=self.forward_mode,
             input_ids=self.input_ids,

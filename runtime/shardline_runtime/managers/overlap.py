@@ -24,7 +24,6 @@ the next step of that request needs.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,17 +168,22 @@ def launch_step(
     current stream, e.g. the ``req_to_token`` writes of this step).
     """
     stream = getattr(worker.model_runner, "forward_stream", None)
-    context: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
-    if stream is not None:
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
-        context = torch.cuda.stream(stream)
-    with context:
-        if future_map is not None:
-            batch.input_ids = future_map.resolve(batch.input_ids, batch.future_rows)
-        result = worker.forward_batch_generation(batch)
-        if future_map is not None:
-            rows = result.forward_batch.req_pool_indices  # on the device already
-            every_row = all(batch.wants_token)
-            future_map.store(rows, result.next_token_ids, every_row, batch.req_pool_indices)
-        result.copy_to_cpu()
-    return result
+    if stream is None:  # the CPU: no stream to enter
+        return _launch(worker, batch, future_map)
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        return _launch(worker, batch, future_map)
+
+
+def _launch(
+    worker: Any, batch: ModelWorkerBatch, future_map: FutureMap | None
+) -> GenerationBatchResult:
+    """:func:`launch_step`'s work, on the current stream."""
+    if future_map is not None:
+        batch.input_ids = future_map.resolve(batch.input_ids, batch.future_rows)
+    result = worker.forward_batch_generation(batch)
+    if future_map is not None:
+        rows = result.forward_batch.req_pool_indices  # on the device already
+        every_row = all(batch.wants_token)
+        future_map.store(rows, result.next_token_ids, every_row, batch.req_pool_indices)
+    return result.copy_to_cpu()

@@ -72,7 +72,7 @@ class ScheduleBatch:
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.vocab_size = vocab_size
-        self.device = torch.device(device)
+        self.device = device if isinstance(device, torch.device) else torch.device(device)
         self.forward_mode = ForwardMode.IDLE
         self.input_ids: list[int] = []
         self.out_cache_loc = _NO_SLOTS
@@ -185,11 +185,15 @@ class ScheduleBatch:
         """One new KV slot per request, written at position ``kv_len``; advances ``kv_len``.
         Returns the slots and each request's input id."""
         input_ids = [self._decode_input_id(r) for r in reqs]
-        slots = self._alloc_slots(len(reqs))
+        slots = self.token_to_kv_pool_allocator.alloc_host(len(reqs))  # NumPy: no torch call
+        if slots is None:
+            raise KVCacheFullError(
+                f"need {len(reqs)} KV slots, {self.token_to_kv_pool_allocator.available_size()} free"
+            )
         self.req_to_token_pool.write_tokens([r.row for r in reqs], [r.kv_len for r in reqs], slots)
         for req in reqs:
             req.kv_len += 1
-        return slots, input_ids
+        return torch.from_numpy(slots), input_ids
 
     def prepare_for_decode(self) -> None:
         """One new token per request: the last output id, at position ``kv_len`` (DECODE).

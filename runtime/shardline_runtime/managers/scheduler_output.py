@@ -39,6 +39,7 @@ class OutputSender:
         self.clock = clock
         self.last_stats: SchedulerStats | None = None
         self.last_stats_at = float("-inf")
+        self._last_key: tuple[Any, ...] | None = None  # _without_kv(last_stats)
 
     @property
     def enabled(self) -> bool:
@@ -67,17 +68,23 @@ class OutputSender:
         the KV counts changed (every decode step does), at most every ``KV_STATS_INTERVAL_S``
         (the loop calls this after every step, so a held change goes out with a later call)."""
         last = self.last_stats
-        if self.socket is None or stats == last:
+        if self.socket is None:
             return
-        now = self.clock()
-        if (
-            last is not None
-            and (stats.num_running_reqs or stats.num_queued_reqs)
-            and now - self.last_stats_at < KV_STATS_INTERVAL_S
-            and _without_kv(stats) == _without_kv(last)
-        ):
-            return
-        self.last_stats, self.last_stats_at = stats, now
+        key = _without_kv(stats)
+        now = None
+        if last is not None and key == self._last_key:  # at most the KV counts changed
+            if (
+                stats.kv_used_tokens == last.kv_used_tokens
+                and stats.kv_evictable_tokens == last.kv_evictable_tokens
+            ):
+                return  # equal to the last sent
+            now = self.clock()
+            if (
+                stats.num_running_reqs or stats.num_queued_reqs
+            ) and now - self.last_stats_at < KV_STATS_INTERVAL_S:
+                return
+        self.last_stats, self._last_key = stats, key
+        self.last_stats_at = self.clock() if now is None else now
         self.send(stats)
 
 

@@ -54,22 +54,24 @@ def build_token_outs(reqs: Iterable[Req]) -> list[TokenOut]:
     """One :class:`TokenOut` per request of ``reqs`` with new tokens or a finish; marks what was
     built as sent (``sent_len``, ``input_logprobs_sent``). Requests with no news are skipped."""
     outs = []
-    for req in reqs:
-        new = list(req.output_ids[req.sent_len :])
-        if not new and not req.finished():
+    for req in reqs:  # runs per request per step: attributes read once, no call without logprobs
+        output_ids, finish = req.output_ids, req.finished_reason
+        new = output_ids[req.sent_len :]  # a new list
+        if not new and finish is None:
             continue
+        logprobs = req.return_logprob
         outs.append(
             TokenOut(
                 rid=req.rid,
                 ids=new,
-                usage=Usage(len(req.origin_input_ids), len(req.output_ids), req.cached_tokens),
-                logprobs=_output_logprobs(req, new),
-                prompt_logprobs=_prompt_logprobs(req, bool(new) or req.finished()),
-                finish=req.finished_reason,
-                embedding=req.embedding if req.finished() else None,
+                usage=Usage(len(req.origin_input_ids), len(output_ids), req.cached_tokens),
+                logprobs=_output_logprobs(req, new) if logprobs else [],
+                prompt_logprobs=_prompt_logprobs(req, True) if logprobs else None,
+                finish=finish,
+                embedding=req.embedding if finish is not None else None,
             )
         )
-        req.sent_len = len(req.output_ids)
+        req.sent_len = len(output_ids)
     return outs
 
 

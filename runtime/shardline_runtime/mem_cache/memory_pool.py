@@ -126,15 +126,17 @@ class ReqToTokenPool:
             )
         self.req_to_token[indices] = to_device(values, self.device)
 
-    def write_tokens(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
+    def write_tokens(
+        self, rows: list[int], positions: list[int], slots: torch.Tensor | np.ndarray
+    ) -> None:
         """``req_to_token[rows[i], positions[i]] = slots[i]`` for every i (a decode step's one
         new slot per request), on the host copy and the device table.
 
         Args:
             rows / positions: host ints, one per new token.
-            slots: (len(rows),) int64 host KV slots.
+            slots: (len(rows),) int64 host KV slots (a tensor or a NumPy array).
         """
-        values = slots.numpy()
+        values = slots if isinstance(slots, np.ndarray) else slots.numpy()
         if len(rows) == 1:  # batch 1: an element write, no index arrays
             self._host_np[rows[0], positions[0]] = values[0]
         else:
@@ -142,7 +144,7 @@ class ReqToTokenPool:
         if self.req_to_token_host is self.req_to_token:
             return
         index = to_device([rows, positions], self.device, torch.int64)
-        self.req_to_token[index[0], index[1]] = to_device(slots, self.device)
+        self.req_to_token[index[0], index[1]] = to_device(torch.from_numpy(values), self.device)
 
     def slots(self, row: int, start: int, end: int) -> torch.Tensor:
         """(end - start,) int64 KV slots of positions ``[start, end)`` of ``row``, read from the
@@ -303,13 +305,19 @@ class TokenToKVPoolAllocator:
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """Take ``need_size`` slots: (need_size,) int64 on the host, or ``None`` (nothing taken)
         when short."""
+        out = self.alloc_host(need_size)
+        return None if out is None else torch.from_numpy(out)
+
+    def alloc_host(self, need_size: int) -> np.ndarray | None:
+        """:meth:`alloc` as a NumPy int64 array (a view of the free list, never written again
+        by the allocator): no torch call, for a decode step's host bookkeeping."""
         if need_size < 0:
             raise ValueError(f"need_size must be >= 0, got {need_size}")
         if need_size > self.free_slots.shape[0]:
             return None
         out, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
         self.is_free[out] = False
-        return torch.from_numpy(out)
+        return out
 
     def free(self, indices: torch.Tensor) -> None:
         """Return slots to the free list.

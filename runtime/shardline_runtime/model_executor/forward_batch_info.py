@@ -23,6 +23,7 @@ from shardline_runtime.device_copy import to_device
 
 if TYPE_CHECKING:
     from shardline_runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+    from shardline_runtime.model_executor.host_decode_inputs import HostDecodeInputs
 
 
 class ForwardMode(IntEnum):
@@ -157,6 +158,49 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         """Number of tokens run this step (``input_ids.shape[0]``)."""
         return int(self.input_ids.shape[0])
+
+    @classmethod
+    def host_decode(
+        cls,
+        inputs: HostDecodeInputs,
+        model_runner: Any,
+        input_ids: torch.Tensor,
+        req_pool_indices: list[int],
+        seq_lens: list[int],
+        out_cache_loc: torch.Tensor,
+        **fields: Any,
+    ) -> ForwardBatch:
+        """A DECODE step on the CPU, as :meth:`init_new` builds it, with the per-request index
+        tensors written into ``inputs``' preallocated buffers (no torch call; the hot path of a
+        CPU decode loop, see ``host_decode_inputs.py``). ``fields``: the optional fields, as
+        ``init_new`` takes them (``return_logprob``, ``sampling_info``, ...).
+
+        Raises:
+            ValueError: the lengths disagree, or an id tensor is not int64.
+        """
+        bs = len(req_pool_indices)
+        if input_ids.dtype is not torch.int64 or out_cache_loc.dtype is not torch.int64:
+            raise ValueError("host_decode takes int64 input_ids and out_cache_loc")
+        if input_ids.shape[0] != bs or out_cache_loc.shape[0] != bs:
+            raise ValueError(
+                f"DECODE runs one token per request: input_ids has {input_ids.shape[0]}, "
+                f"out_cache_loc {out_cache_loc.shape[0]}, batch size {bs}"
+            )
+        rows, lens, positions = inputs.rows(req_pool_indices, seq_lens)
+        return cls(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=input_ids,
+            positions=positions,
+            req_pool_indices=rows,
+            seq_lens=lens,
+            out_cache_loc=out_cache_loc,
+            seq_lens_cpu=list(seq_lens),
+            req_to_token_pool=model_runner.req_to_token_pool,
+            token_to_kv_pool=model_runner.token_to_kv_pool,
+            attn_backend=model_runner.attn_backend,
+            **fields,
+        )
 
     @classmethod
     def init_new(

@@ -10,7 +10,7 @@ Between the two the scheduler can prepare the next batch (the overlap scheduler,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -68,17 +68,23 @@ class GenerationBatchResult:
     accepted_logprobs: list[list[float]] | None = None
     accepted_top_logprobs: list[list[tuple[list[float], list[int]]]] | None = None
     pooled: torch.Tensor | None = None
+    # A step on the CPU keeps its result tensors as they are (they are on the host): no copy.
+    # tests/serving/device_read_guard.py turns this off, modelling a device on the CPU.
+    host_results_as_is: ClassVar[bool] = True
 
     def copy_to_cpu(self) -> GenerationBatchResult:
         """Start copying the sampled ids and logprobs (an embedding model's ``pooled``) to the
         host (non-blocking on CUDA), and,
         for an EXTEND step that returns prompt logprobs, the logits output the result processor
         reads (so processing this step never reads the device while the next one runs)."""
-        cuda = self.next_token_ids is not None and self.next_token_ids.device.type == "cuda"
-        for name in ("next_token_ids", "sampled_logprobs", "pooled"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, value.to("cpu", non_blocking=cuda))
+        ids = self.next_token_ids
+        on_host = ids is not None and ids.device.type == "cpu" and self.host_results_as_is
+        cuda = not on_host and ids is not None and ids.device.type == "cuda"
+        if not on_host:  # on the CPU every result tensor is on the host already
+            for name in ("next_token_ids", "sampled_logprobs", "pooled"):
+                value = getattr(self, name)
+                if value is not None:
+                    setattr(self, name, value.to("cpu", non_blocking=cuda))
         batch = self.forward_batch
         if self.logits_output is not None and batch is not None and batch.return_logprob:
             if batch.forward_mode.is_extend():

@@ -36,6 +36,7 @@ from shardline_runtime.model_executor.forward_batch_info import (
     PPProxyTensors,
 )
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
+from shardline_runtime.model_executor.host_decode_inputs import HostDecodeInputs
 from shardline_runtime.model_executor.kv_cache_dtype import configure_kv_cache_dtype
 from shardline_runtime.model_executor.kv_pools import (
     CPU_KV_CACHE_BYTES,
@@ -76,7 +77,8 @@ class ModelRunner:
 
     Attributes: ``model_config``, ``device``, ``dtype``, ``tp_rank``/``tp_size``,
     ``pp_rank``/``pp_size``, ``forward_pass_id`` (steps run, monotonic), ``forward_stream``
-    (the overlap scheduler's CUDA stream; None on CPU), ``model``, ``kv_cache_dtype``,
+    (the overlap scheduler's CUDA stream; None on CPU), ``host_decode_inputs`` (CPU decode
+    steps' index buffers, :class:`HostDecodeInputs`; None elsewhere), ``model``, ``kv_cache_dtype``,
     ``max_total_num_tokens`` and the three pools (from :func:`build_kv_pools`),
     ``attn_backend``, ``graphs`` (:class:`DeviceGraphs`), ``sampler``, ``lora_manager``,
     ``eplb_manager``, ``memory_saver`` (release/resume of weights, KV cache and graphs).
@@ -137,6 +139,8 @@ class ModelRunner:
         self.hidden_states_need_eager = False
         pre_model_load_memory = self.init_torch_distributed()
         self.forward_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # CPU decode steps' index tensors, written into buffers allocated once (issue 24)
+        self.host_decode_inputs = HostDecodeInputs() if self.device.type == "cpu" else None
         torch.manual_seed(args.operation.random_seed)
         sync = args.weight_sync
         self.memory_saver = MemorySaver(

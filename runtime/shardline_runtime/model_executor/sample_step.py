@@ -8,7 +8,7 @@ from shardline_runtime import distributed
 from shardline_runtime.constrained.xgrammar_backend import apply_token_bitmask
 from shardline_runtime.device_copy import to_device
 from shardline_runtime.layers.logits_processor import LogitsProcessorOutput
-from shardline_runtime.layers.sampler import Sampler
+from shardline_runtime.layers.sampler import Sampler, greedy_on_host
 from shardline_runtime.model_executor.forward_batch_info import ForwardBatch
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
 
@@ -36,6 +36,25 @@ def sample_batch(
     bs = forward_batch.batch_size
     wants = forward_batch.wants_token
     every_row = wants is None or all(wants)
+    info = forward_batch.sampling_info
+    if (  # a greedy step of plain rows on the CPU (most decode steps): argmax only
+        every_row
+        and not forward_batch.return_logprob
+        and forward_batch.grammar_bitmask is None
+        and sampler.broadcast is None
+        and info.all_greedy
+        and info.penalties is None
+    ):
+        ids = greedy_on_host(logits_output.next_token_logits, bs, info.vocab_size)
+        if ids is not None:
+            return GenerationBatchResult(
+                logits_output,
+                forward_batch,
+                ids,
+                sampled_rows=list(range(bs)),
+                logprob_rows=[False] * bs,
+                top_logprobs_nums=[0] * bs,
+            )
     rows = list(range(bs)) if wants is None or every_row else [i for i, w in enumerate(wants) if w]
     result = GenerationBatchResult(
         logits_output=logits_output, forward_batch=forward_batch, sampled_rows=rows
@@ -43,7 +62,6 @@ def sample_batch(
     if not rows:
         result.next_token_ids = torch.full((bs,), -1, dtype=torch.int64, device=device)
         return result
-    info = forward_batch.sampling_info
     logits = logits_output.next_token_logits
     row_index = None
     if not every_row:
