@@ -120,7 +120,11 @@ class InvariantWatch:
             if loading:
                 return loading[0]
             time.sleep(0.05)
-        raise TimeoutError(f"no leader reported loading within {timeout:.0f} s")
+        raise TimeoutError(
+            f"no leader reported loading within {timeout:.0f} s (phases {self.phases}, "
+            f"{self.answers} answers, {self.pod_events} pod events, leaders {self._leaders}, "
+            f"{self.errors} read errors, last: {self.last_error or 'none'})"
+        )
 
     # ------------------------------------------------------------------ judging
 
