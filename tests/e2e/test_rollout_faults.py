@@ -32,7 +32,10 @@ from hack.scenario.rollout_faults import HOLD_SECONDS, Fleet, fault_fleet_doc, r
 from hack.scenario.traffic import Traffic
 from tests.kube_fixtures import agent_nodes_only
 
-pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.slow]
+# chaos: out of `make test` (make test-chaos): in session 8 its fixture's wait for a loading leader
+# timed out in 2 of 3 runs (one in CI) and passed in the third; the timeout now names what the
+# watcher saw
+pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.slow, pytest.mark.chaos]
 
 TIMEOUT = 900
 NAME = "faults"
