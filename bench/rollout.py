@@ -67,13 +67,19 @@ def in_place(cluster, watch, ns: str, revs: dict, model: str, args) -> None:
         done = wait_ready(watch, "rev-b", mark, 900).at  # when the watch saw that status
         time.sleep(args.settle)
         end = time.monotonic()
+    # Requests still in flight when the client stopped sending (a stalled leader's) are recorded
+    # only when they end: wait for them (up to the client's timeout), so none is left out.
+    waited_until = time.monotonic() + traffic.timeout + 5
+    while len(traffic.records) < traffic.sent and time.monotonic() < waited_until:
+        time.sleep(0.5)
     timeline.stop()
     groups = list(timeline.by_group.values())
     rows = breakdown(groups, patched, done)
     total, updates = done - patched, sum(g.update_seconds for g in groups)
     print(f"InPlace: rollout {total:.1f} s; sum of updates {updates:.1f} s; overhead "
           f"{total - updates:.1f} s ({(total - updates) / args.groups:.1f} s per group; target <= 1.0); "
-          f"ratio {total / updates:.2f}x; {traffic.sent} requests, {len(traffic.failures)} failed")
+          f"ratio {total / updates:.2f}x; {traffic.sent} requests, {len(traffic.failures)} failed, "
+          f"{traffic.sent - len(traffic.records)} unanswered after the client's timeout")
     print(f"{'group':>5}{'gap before':>12}{'update':>8}{'runtime extra':>15}{'ready lag':>11}")
     for row in rows:
         print(f"{row['group']:>5}{row['gap_before']:>12.2f}{row['update']:>8.2f}"

@@ -4,7 +4,7 @@ request), the leaders' scheduler logs (the update's own lines), the statuses a w
 group events ``rollout_timeline.Timeline`` sampled, each as seconds since the patch.
 
 Log lines are read from the files the node agent writes for each container
-(``<cluster state>/pods/<namespace>_<pod>/<container>.log``); both the operator and the runtime's
+(``<cluster state>/pods/<namespace>_<pod>_<uid prefix>/<container>.log``); both the operator and the runtime's
 scheduler start a line with ``logging``'s ``asctime`` (local time, milliseconds).
 """
 from __future__ import annotations
@@ -44,7 +44,8 @@ def rollout_log(state_dir: Path, namespace: str, name: str, since: float, until:
     pods = state_dir / "pods"
     lines = [(at, f"[operator] {text}") for log in sorted(pods.glob(f"{operator_namespace}_*/*.log"))
              for at, text in stamped_lines(log, since, until, OPERATOR_LINES)]
-    for log in sorted(pods.glob(f"{namespace}_{name}-g*-0/*.log")):
-        pod = log.parent.name.split("_", 1)[1]
+    # the node agent names a pod's directory <namespace>_<pod>_<uid prefix>
+    for log in sorted(pods.glob(f"{namespace}_{name}-g*-0_*/*.log")):
+        pod = log.parent.name.split("_")[1]
         lines += [(at, f"[{pod}] {text}") for at, text in stamped_lines(log, since, until, RUNTIME_LINES)]
     return sorted(lines)

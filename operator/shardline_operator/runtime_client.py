@@ -21,6 +21,8 @@ from typing import Any
 
 import httpx
 
+from .return_check import ReturnChecks
+
 INFO_TIMEOUT_SECONDS = 3.0
 GATE_TIMEOUT_SECONDS = 30.0
 LORA_TIMEOUT_SECONDS = 30.0
@@ -34,7 +36,9 @@ class HttpLeaderClient:
 
     ``on_update_end(key)``, when given, is called (from a background thread) as soon as an
     update started under ``key`` has ended and :meth:`poll` hands out its result, so the
-    reconciler can run its next pass at once instead of on its polling timer.
+    reconciler can run its next pass at once instead of on its polling timer. An update that
+    succeeded also starts the group's return-to-routing ``/health_generate`` at once
+    (``return_check.py``); :meth:`verify` without a ``verify`` spec takes its result.
     """
 
     def __init__(
@@ -48,6 +52,7 @@ class HttpLeaderClient:
         self._seconds: dict[str, dict[str, float]] = {}  # what poll last handed out, per key
         self._aborts: dict[str, threading.Thread] = {}
         self._lock = threading.Lock()
+        self._returns = ReturnChecks(lambda url, key: self._health_generate(url, key))
 
     def with_token(self, token: str | None, api_key: str | None = None) -> TokenLeaderClient:
         """This client as a ``rollout.LeaderClient`` that sends the admin ``token`` on control and
@@ -63,16 +68,18 @@ class HttpLeaderClient:
         body: Mapping[str, Any],
         timeout_seconds: float,
         token: str | None = None,
+        serving_key: str | None = None,
     ) -> None:
         """Start ``POST {url}/update_weights_from_disk``; a previous request under ``key`` is forgotten.
 
         A second thread samples ``weights_phase`` every 0.1 s while the request runs, so phases
-        shorter than a reconcile interval are still seen (:meth:`observed_phases`).
+        shorter than a reconcile interval are still seen (:meth:`observed_phases`); once the
+        update succeeded it starts the return check (``/health_generate`` with ``serving_key``).
         """
         future = self._pool.submit(_post_update, url, dict(body), timeout_seconds, token)
         sampler = threading.Thread(
             target=self._sample_phases,
-            args=(key, url, future, token),
+            args=(key, url, future, token, serving_key),
             daemon=True,
             name=f"phases-{key}",
         )
@@ -83,7 +90,9 @@ class HttpLeaderClient:
             self._seconds.pop(key, None)
         sampler.start()
 
-    def _sample_phases(self, key: str, url: str, future: Future, token: str | None) -> None:
+    def _sample_phases(
+        self, key: str, url: str, future: Future, token: str | None, serving_key: str | None
+    ) -> None:
         last = None
         while not future.done():
             phase = (self.server_info(url, token) or {}).get("weights_phase")
@@ -94,6 +103,8 @@ class HttpLeaderClient:
                     self._phases.setdefault(key, []).append(phase)
                 last = phase
             future_or_sleep(future, PHASE_POLL_SECONDS)
+        if future.exception() is None and future.result()[0] == "success":
+            self._returns.start(url, serving_key)
         if self._on_update_end is not None:
             # poll() answers once this thread has ended: hand over right after it does
             threading.Thread(
@@ -167,11 +178,8 @@ class HttpLeaderClient:
             return None
         return info if isinstance(info, dict) else None
 
-    def verify(self, url: str, verify: Any = None, token: str | None = None) -> tuple[bool, str]:
-        """The canary gate: ``GET /health_generate`` must answer 200; then, with ``verify`` (a
-        ``spec.VerifySpec``), a greedy ``/v1/completions`` of ``verify.prompt`` must answer 200
-        within ``verify.max_latency_seconds``. Returns ``(passed, what failed or took)``.
-        ``token`` is the serving (API) key: both calls are serving endpoints."""
+    def _health_generate(self, url: str, token: str | None) -> tuple[bool, str]:
+        """``GET {url}/health_generate`` (``token``: the serving key): ``(answered 200, why not)``."""
         try:
             response = httpx.get(
                 f"{url}/health_generate", headers=_auth(token), timeout=GATE_TIMEOUT_SECONDS
@@ -183,8 +191,22 @@ class HttpLeaderClient:
                 False,
                 f"/health_generate answered HTTP {response.status_code}: {response.text[:200]}",
             )
+        return True, "/health_generate answered 200"
+
+    def verify(self, url: str, verify: Any = None, token: str | None = None) -> tuple[bool, str]:
+        """The canary gate: ``GET /health_generate`` must answer 200; then, with ``verify`` (a
+        ``spec.VerifySpec``), a greedy ``/v1/completions`` of ``verify.prompt`` must answer 200
+        within ``verify.max_latency_seconds``. Returns ``(passed, what failed or took)``.
+        ``token`` is the serving (API) key: both calls are serving endpoints. Without ``verify``
+        (a return to routing), the check begun as the leader's update succeeded is used when
+        there is one (waiting for it if it still runs; ``return_check.py``)."""
         if verify is None:
-            return True, "/health_generate answered 200"
+            early = self._returns.take(url, GATE_TIMEOUT_SECONDS)
+            if early is not None:
+                return early
+        passed, message = self._health_generate(url, token)
+        if not passed or verify is None:
+            return passed, message
         body = {"prompt": verify.prompt, "max_tokens": verify.max_tokens, "temperature": 0}
         started = time.monotonic()
         try:
@@ -259,7 +281,7 @@ class TokenLeaderClient:
     def start_update(
         self, key: str, url: str, body: Mapping[str, Any], timeout_seconds: float
     ) -> None:
-        self._client.start_update(key, url, body, timeout_seconds, self._token)
+        self._client.start_update(key, url, body, timeout_seconds, self._token, self._serving_key)
 
     def abort_update(self, key: str, url: str) -> None:
         self._client.abort_update(key, url, self._token)

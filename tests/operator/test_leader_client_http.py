@@ -23,9 +23,11 @@ class Leader(BaseHTTPRequestHandler):
     reply = (200, {"success": True, "message": "ok"})
     bodies: list = []
     served: list = []  # every weights_phase reported to a client, in order
+    gets: list = []  # every GET path, in order
     reported = threading.Condition()
 
     def do_GET(self):  # noqa: N802 (http.server API)
+        Leader.gets.append(self.path)
         with Leader.reported:
             phase = Leader.phase
             Leader.served.append(phase)
@@ -62,7 +64,7 @@ def leader_url():
     server = ThreadingHTTPServer(("127.0.0.1", 0), Leader)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    Leader.bodies, Leader.served, Leader.phase = [], [], "serving"
+    Leader.bodies, Leader.served, Leader.gets, Leader.phase = [], [], [], "serving"
     Leader.reply = (200, {"success": True, "message": "ok", "load_seconds": 1.5, "recapture_seconds": 0.25})
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
@@ -147,3 +149,30 @@ def test_an_ended_update_calls_back_once_poll_hands_out_its_result(leader_url):
     client.start_update("ns/x/g0", leader_url, {"model_path": "/m/rev-b", "revision": "rev-b"}, 60)
     assert called.wait(30), "no callback after the update ended"
     assert polled_at_callback == [("success", "ok")]
+
+
+def test_a_successful_update_starts_the_return_check_and_verify_takes_it(leader_url):
+    """The return-to-routing ``/health_generate`` is sent as the update succeeds, not when a
+    later pass asks: ``verify`` (no verify spec) takes that answer, once; the next asks again."""
+    client = HttpLeaderClient()
+    client.start_update("ns/x/g0", leader_url, {"model_path": "/m/rev-b", "revision": "rev-b"}, 60)
+    assert wait_done(client, "ns/x/g0") == ("success", "ok")
+    deadline = time.monotonic() + 30
+    while "/health_generate" not in Leader.gets and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert Leader.gets.count("/health_generate") == 1, Leader.gets
+    passed, message = client.verify(leader_url)
+    assert passed and "as the update ended" in message
+    assert Leader.gets.count("/health_generate") == 1, "verify sent a second check"
+    passed, message = client.verify(leader_url)
+    assert passed and "as the update ended" not in message
+    assert Leader.gets.count("/health_generate") == 2
+
+
+def test_a_failed_update_starts_no_return_check(leader_url):
+    Leader.reply = (400, {"success": False, "message": "bad checkpoint"})
+    client = HttpLeaderClient()
+    client.start_update("ns/x/g0", leader_url, {"model_path": "/m/rev-b", "revision": "rev-b"}, 60)
+    assert wait_done(client, "ns/x/g0")[0] == "failure"
+    time.sleep(0.5)
+    assert "/health_generate" not in Leader.gets
