@@ -48,9 +48,9 @@ from hack.localcluster import LocalCluster  # noqa: E402
 from hack.scenario.large_model import large_revisions  # noqa: E402
 from hack.scenario.models import write_revisions  # noqa: E402
 from hack.scenario.operator_install import install_operator  # noqa: E402
-from hack.scenario.rollout_fleet import apply, patch, two_group_doc, wait_ready  # noqa: E402
+from hack.scenario.rollout_fleet import apply, leader_server_infos, patch, two_group_doc, wait_ready  # noqa: E402
 from hack.scenario.rollout_log import rollout_log  # noqa: E402
-from hack.scenario.rollout_timeline import RECOVERED_FACTOR, Timeline, breakdown, recovery  # noqa: E402
+from hack.scenario.rollout_timeline import RECOVERED_FACTOR, Timeline, breakdown, p95, recovery  # noqa: E402
 from hack.scenario.traffic import Traffic  # noqa: E402
 
 
@@ -60,6 +60,7 @@ def in_place(cluster, watch, ns: str, revs: dict, model: str, args) -> None:
     with Traffic(cluster.client(), ns, "bench", model, args.rate,
                  routable_only=args.client == "service") as traffic:
         time.sleep(args.warmup)
+        before = queues(cluster, ns)
         # One API request (no kubectl process to start): the rollout is timed from its sending.
         client, path = cluster.client(), f"/apis/shardline.dev/v1alpha1/namespaces/{ns}/inferencedeployments/bench"
         patched, patched_wall = time.monotonic(), time.time()
@@ -67,6 +68,7 @@ def in_place(cluster, watch, ns: str, revs: dict, model: str, args) -> None:
         done = wait_ready(watch, "rev-b", mark, 900).at  # when the watch saw that status
         time.sleep(args.settle)
         end = time.monotonic()
+        after = queues(cluster, ns)
     # Requests still in flight when the client stopped sending (a stalled leader's) are recorded
     # only when they end: wait for them (up to the client's timeout), so none is left out.
     waited_until = time.monotonic() + traffic.timeout + 5
@@ -92,10 +94,27 @@ def in_place(cluster, watch, ns: str, revs: dict, model: str, args) -> None:
         base, recovered, worst = recovery(traffic.records, g, patched, end)
         shown = f"{recovered:.2f}" if math.isfinite(recovered) else "never"
         print(f"{g.index:>5}{base:>12.2f}{shown:>21}{worst:>13.2f}")
+    # A fleet over its capacity shows a queue that grows through the warmup: its latencies
+    # then measure the queue, not the rollout.
+    half = patched - args.warmup / 2
+    early = [t for sent, _, t, _ in traffic.records if half - args.warmup / 2 <= sent < half]
+    late = [t for sent, _, t, _ in traffic.records if half <= sent < patched]
+    print(f"warmup p95: first half {p95(early):.2f} s, second half {p95(late):.2f} s; leaders' "
+          f"running/queued requests at the patch {before}, at the end {after}")
     for failure in traffic.failures[:5]:
         print(f"  failed: {failure}")
     if args.verbose:
         print_time_line(cluster, watch.history[mark:], groups, ns, patched, patched_wall, done)
+
+
+def queues(cluster, ns: str) -> str:
+    """Each leader's ``running/queued`` requests (``/get_server_info``), as one string."""
+    try:
+        infos = leader_server_infos(cluster.client(), ns, "bench")
+    except Exception as exc:  # noqa: BLE001 (a report line, not a reason to lose the run)
+        return f"(not read: {exc.__class__.__name__})"
+    return ", ".join(f"{pod.split('-')[-2]} {info.get('num_running_reqs')}/{info.get('num_queued_reqs')}"
+                     for pod, info in sorted(infos.items()))
 
 
 def print_time_line(cluster, statuses, groups, ns: str, patched: float, patched_wall: float,

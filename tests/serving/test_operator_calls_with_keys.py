@@ -107,5 +107,8 @@ def test_weight_update_runs_with_the_admin_token(leader, client, serving_checkpo
     state, message = _wait(client, "g0")
     assert state == "success", message
     assert client.server_info(url)["weights_revision"] == "rev-b"
+    # the return-to-routing check began as the update succeeded, with the API key (else 401)
+    passed, early = client.verify(url, None)
+    assert passed and "as the update ended" in early, early
     passed, gate = client.verify(url, VerifySpec(prompt="hello", max_tokens=2, max_latency_seconds=60))
     assert passed, gate
