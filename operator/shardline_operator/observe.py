@@ -28,6 +28,8 @@ from .staging_state import LABEL_STAGING_KEY, StagingJob, staging_job_from_api
 from .weights import LeaderReport, WeightsPhase
 
 LEADER_QUERIES = 16  # leaders asked at the same time in one pass
+# Each leader's LoRA adapters, asked at the same time as its /get_server_info (process-wide).
+_ADAPTER_QUERIES = ThreadPoolExecutor(max_workers=LEADER_QUERIES, thread_name_prefix="lora-list")
 
 
 class LeaderClient(Protocol):
@@ -93,6 +95,14 @@ def observe_leader(
     url = pod_url(leader)
     if url is None or leader is None or leader.phase != "Running":
         return LeaderObservation()
+    ready = _ready(pods, spec.parallelism.pods_per_group)
+    # The adapters are asked beside /get_server_info, not after it: on a loaded leader each
+    # answer takes up to a second, and every pass of a rollout waits for the slowest leader.
+    adapters_asked = (
+        _ADAPTER_QUERIES.submit(client.lora_adapters, url)
+        if ready and isinstance(client, LoRALeaderClient)
+        else None
+    )
     report = LeaderReport.from_info(client.server_info(url))
     key = update_key(spec, index)
     update: tuple[str, str] = ("unknown", "")
@@ -103,7 +113,6 @@ def observe_leader(
         phases = tuple(WeightsPhase.parse(p) for p in client.observed_phases(key))
         # Also after the reply was handed out: a success counts once the group is Ready again.
         seconds = dict(client.update_seconds(key))
-    ready = _ready(pods, spec.parallelism.pods_per_group)
     gate = None
     canary = spec.weight_update.canary
     if (
@@ -114,9 +123,7 @@ def observe_leader(
         and canary is not None
     ):
         gate = client.verify(url, canary.verify)
-    adapters = None
-    if ready and isinstance(client, LoRALeaderClient):
-        adapters = client.lora_adapters(url)
+    adapters = None if adapters_asked is None else adapters_asked.result()
     return LeaderObservation(report, update, phases, seconds, gate, adapters)
 
 

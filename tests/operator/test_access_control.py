@@ -265,14 +265,21 @@ def test_leader_client_sends_the_admin_token_on_every_call():
     url = f"http://127.0.0.1:{server.server_address[1]}"
     Recorder.seen = []
     try:
-        client = HttpLeaderClient().with_token("adm-1")
+        client = HttpLeaderClient().with_token("adm-1", "sk-1")
         client.start_update("k", url, {"model_path": "/m"}, 10)
         for _ in range(100):
             if client.poll("k")[0] != "pending":
                 break
             threading.Event().wait(0.05)
         client.server_info(url)
+        for _ in range(100):  # the return check begun as the update succeeded
+            if any(path == "/health_generate" for _, path, _ in Recorder.seen):
+                break
+            threading.Event().wait(0.05)
     finally:
         server.shutdown()
     assert ("POST", "/update_weights_from_disk", "Bearer adm-1") in Recorder.seen
-    assert all(auth == "Bearer adm-1" for _, _, auth in Recorder.seen), Recorder.seen
+    # /health_generate is a serving endpoint: it carries the API key, every other call the token
+    assert ("GET", "/health_generate", "Bearer sk-1") in Recorder.seen, Recorder.seen
+    others = [auth for _, path, auth in Recorder.seen if path != "/health_generate"]
+    assert all(auth == "Bearer adm-1" for auth in others), Recorder.seen
