@@ -1,100 +1,28 @@
 """Issue 9 through reconcile(): the revert case, truthful phases, mixed versions, requeue, ranks.
 
-Leaders are simulated per URL (what each serves, its digest, an update in flight) so the
-reconciler's gather -> plan -> execute loop runs whole rollouts against an in-memory API.
+Leaders are simulated per URL (``reconcile_world.LiveLeaders``) so the reconciler's gather ->
+plan -> execute loop runs whole rollouts against an in-memory API.
 """
 
 from __future__ import annotations
 
-import copy
-
 import pytest
+from reconcile_world import REV_A, REV_B, LiveLeaders, ready_world
 
 from shardline_operator import labels, metrics
-from shardline_operator.reconcile import Context, reconcile
-
-from fake_kube import FakeKube
-from fake_leaders import with_weights_block
-
-REV_A = "/var/lib/shardline/models/tiny-llama/rev-a"
-REV_B = "/var/lib/shardline/models/tiny-llama/rev-b"
-NOW = [1_800_000_000.0]
-
-
-class LiveLeaders:
-    """Each leader URL serves a model; an update stays ``loading`` until the test finishes it."""
-
-    def __init__(self, path=REV_A, revision="rev-a"):
-        self.default = (path, revision)
-        self.serving: dict[str, tuple[str, str]] = {}
-        self.digests: dict[str, str] = {}
-        self.flights: dict[str, dict] = {}  # key -> {url, body, state}
-        self.sent: list[tuple[str, str]] = []
-
-    def start_update(self, key, url, body, timeout_seconds):
-        self.sent.append((key, body["revision"]))
-        self.flights[key] = {"url": url, "body": dict(body), "state": "pending"}
-
-    def abort_update(self, key, url):
-        """The runtime stops an update still loading (it keeps what it served)."""
-        flight = self.flights.get(key)
-        if flight is not None and flight["state"] == "pending":
-            flight["state"] = "aborted"
-
-    def finish(self, key, ok=True):
-        flight = self.flights[key]
-        flight["state"] = "success" if ok else "failure"
-        if ok:
-            self.serving[flight["url"]] = (flight["body"]["model_path"], flight["body"]["revision"])
-            self.digests.pop(flight["url"], None)
-
-    def poll(self, key):
-        flight = self.flights.get(key)
-        if flight is None:
-            return "unknown", ""
-        if flight["state"] != "pending":
-            del self.flights[key]
-        return flight["state"], ""
-
-    def server_info(self, url):
-        path, revision = self.serving.get(url, self.default)
-        loading = any(f["url"] == url and f["state"] == "pending" for f in self.flights.values())
-        return with_weights_block({"weights_phase": "loading" if loading else "serving", "model_path": path,
-                                   "weights_revision": revision,
-                                   "weights_digest": self.digests.get(url, f"sha256:{revision}")})
-
-    def observed_phases(self, key):
-        return []
-
-    def update_seconds(self, key):  # what a CPU runtime's reply carries (no graphs to recapture)
-        return {"load_seconds": 0.25, "recapture_seconds": 0.0}
-
-    def verify(self, url, verify):
-        return True, "ok"
 
 
 @pytest.fixture
 def world(spec_dict):
-    kube, leaders = FakeKube(), LiveLeaders()
-    ctx = Context(kube=kube, leaders=leaders, clock=lambda: NOW[0])
-    body = {"apiVersion": "shardline.dev/v1alpha1", "kind": "InferenceDeployment",
-            "metadata": {"name": "llama", "namespace": "default", "uid": "cr-uid", "generation": 1},
-            "spec": spec_dict, "status": {}}
+    passes = ready_world(spec_dict, LiveLeaders())
 
     def run(spec=None, **model):
-        NOW[0] += 1
-        if model or spec:
-            body["spec"]["model"] = dict(body["spec"]["model"], **model)
-            body["spec"].update(spec or {})
-            body["metadata"]["generation"] += 1
-        result = reconcile(ctx, copy.deepcopy(body))
-        body["status"] = result.status
-        return result
+        changes = dict(spec or {})
+        if model:
+            changes["model"] = dict(passes.body["spec"]["model"], **model)
+        return passes.run(**changes)
 
-    run()
-    kube.run_statefulsets()
-    assert run().status["phase"] == "Ready"
-    return kube, leaders, run
+    return passes.kube, passes.leaders, run
 
 
 def conditions(status):
