@@ -215,27 +215,33 @@ def test_operator_restart_after_a_lost_update_sends_it_again(world):
     assert leaders.sent.count(("default/llama/g0", "rev-b")) == 2
 
 
-def test_the_pass_that_ends_a_rollout_writes_ready_before_the_group_returns_to_routing(world):
+def test_the_pass_that_ends_a_rollout_writes_ready_before_the_group_returns_to_routing(spec_dict):
     """Issue 23 item 5: a group's return to routing waits for its ``/health_generate`` (seconds
-    on a busy leader); the pass writes its status first, so ``Ready`` is not held up by it. The
-    group still returns only after the check passed (issue 29)."""
-    kube, leaders, run = world
+    on a busy leader); the pass writes its status first, and hands it to the gauges
+    (``on_status_written``), so neither ``Ready`` nor the gauges are held up by it. The group
+    still returns only after the check passed (issue 29)."""
+    spec_dict["restartPolicy"] = {"maxGroupRestarts": 3}
+    passes = ready_world(spec_dict, LiveLeaders())
+    kube, leaders = passes.kube, passes.leaders
     checked = []
 
-    def verify(url, verify):  # what the API holds when the health check runs
+    def verify(url, verify):  # what the API and the gauges hold when the health check runs
         pod = kube.pods()["llama-g1-0"]
-        checked.append((url, kube.statuses[-1]["phase"], pod["metadata"]["labels"][labels.LABEL_ROUTABLE]))
+        routable = pod["metadata"]["labels"][labels.LABEL_ROUTABLE]
+        checked.append((url, kube.statuses[-1]["phase"], passes.written[-1], routable))
         return True, "ok"
 
     leaders.verify = verify
-    run(path=REV_B, revision="rev-b")
+    passes.run(model=dict(spec_dict["model"], path=REV_B, revision="rev-b"))
     leaders.finish("default/llama/g0")
-    run()
+    passes.run()
     leaders.finish("default/llama/g1")
-    result = run()  # counts group 1 and ends the rollout
+    result = passes.run()  # counts group 1 and ends the rollout
     assert any(e[1] == "RolloutComplete" for e in result.events)
-    assert checked[-1] == ("http://127.0.1.2:8000", "Ready", "false")  # status first, then the check
+    # status and gauges first, then the check
+    assert checked[-1] == ("http://127.0.1.2:8000", "Ready", ("Ready", 3), "false")
     assert kube.pods()["llama-g1-0"]["metadata"]["labels"][labels.LABEL_ROUTABLE] == "true"
+    assert len(passes.written) == 5, "one hand-over a pass"
 
 
 def test_a_group_returns_to_routing_before_the_next_group_leaves_it(world):
