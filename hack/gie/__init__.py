@@ -14,7 +14,6 @@ module cache (``go mod download`` fetches them when missing). Usable from the sh
 
 from __future__ import annotations
 
-import fcntl
 import os
 import socket
 import subprocess
@@ -24,7 +23,7 @@ import time
 from pathlib import Path
 
 from hack.localcluster import processes
-from hack.localcluster.build import _go_env, _run, cache_root
+from hack.localcluster.build import _go_env, cache_root, cached_go_build, go_release_build
 from hack.localcluster.processes import free_port
 
 GIE_VERSION = "v1.5.0"
@@ -37,25 +36,19 @@ def binary(version: str = GIE_VERSION) -> Path:
 
 
 def ensure_epp(version: str = GIE_VERSION) -> Path:
-    """Build the EPP when missing; return the binary's path.
+    """Build the EPP when missing (:func:`~hack.localcluster.build.cached_go_build`); return the
+    binary's path.
 
     Raises:
         RuntimeError: the build failed (the command and its output tail).
     """
-    target = binary(version)
-    if os.access(target, os.X_OK):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent.parent / f".{target.parent.name}.build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.access(target, os.X_OK):
-            return target
+    what = "build the GIE endpoint picker"
+
+    def build(partial: Path) -> None:
         source = module_dir(version)
-        partial = target.with_name(target.name + ".partial")
-        _run(["nice", "-n", "10", "go", "build", "-trimpath", "-ldflags", "-s -w", "-o", str(partial), "./cmd/epp"],
-             source, _go_env(source), "build the GIE endpoint picker")
-        partial.replace(target)
-    return target
+        go_release_build(["build", "-o", str(partial), "./cmd/epp"], source, _go_env(source), what)
+
+    return cached_go_build(binary(version), what, build)
 
 
 def module_dir(version: str = GIE_VERSION) -> Path:

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 K8S_VERSION = "v1.37.2"
@@ -112,12 +113,16 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], what: str,
     return "".join(out_lines)
 
 
-def go_install_cached(package: str, version: str, target: Path, what: str) -> Path:
-    """``go install PACKAGE@VERSION`` into ``target`` (a binary path in the cache) unless it is
-    already there; concurrent builders take turns on a lock file beside ``target``'s directory.
+def cached_go_build(target: Path, what: str, build: Callable[[Path], None]) -> Path:
+    """Return ``target`` (a binary path in the cache), first running ``build(partial)`` when it
+    is missing. ``build`` writes the binary to ``partial`` (beside ``target``), which is renamed
+    to ``target`` only once it returned, so a failed or interrupted build never leaves a
+    ``target`` behind. Concurrent builders take turns on a lock file beside ``target``'s
+    directory; the one that waited finds the binary built and reuses it.
 
     Raises:
-        RuntimeError: the build failed (the command and its output tail).
+        RuntimeError: the build failed (from ``build``: the command and its output tail), or
+            ``build`` returned without writing ``partial`` (names ``what``).
     """
     if os.access(target, os.X_OK):
         return target
@@ -126,13 +131,40 @@ def go_install_cached(package: str, version: str, target: Path, what: str) -> Pa
         fcntl.flock(lock, fcntl.LOCK_EX)
         if os.access(target, os.X_OK):
             return target
+        partial = target.with_name(target.name + ".partial")
+        build(partial)
+        if not partial.is_file():
+            raise RuntimeError(f"{what}: the build wrote no binary at {partial}")
+        partial.replace(target)
+    return target
+
+
+def go_release_build(args: list[str], cwd: Path, env: dict[str, str], what: str) -> None:
+    """``go ARGS[0] -trimpath -ldflags "-s -w" ARGS[1:]`` at low priority (``nice -n 10``).
+
+    Raises:
+        RuntimeError: go failed (the command and its output tail).
+    """
+    _run(["nice", "-n", "10", "go", args[0], "-trimpath", "-ldflags", "-s -w", *args[1:]], cwd,
+         env, what)
+
+
+def go_install_cached(package: str, version: str, target: Path, what: str) -> Path:
+    """``go install PACKAGE@VERSION`` into ``target`` (a binary path in the cache) unless it is
+    already there (:func:`cached_go_build`).
+
+    Raises:
+        RuntimeError: the build failed (the command and its output tail).
+    """
+
+    def install(partial: Path) -> None:
         gobin = target.parent / ".gobin"
         env = dict(_go_env(target.parent), GOBIN=str(gobin))
-        cmd = ["nice", "-n", "10", "go", "install", "-trimpath", "-ldflags", "-s -w"]
-        _run([*cmd, f"{package}@{version}"], target.parent, env, what)
-        (gobin / package.rsplit("/", 1)[-1]).replace(target)
+        go_release_build(["install", f"{package}@{version}"], target.parent, env, what)
+        (gobin / package.rsplit("/", 1)[-1]).replace(partial)
         shutil.rmtree(gobin, ignore_errors=True)
-    return target
+
+    return cached_go_build(target, what, install)
 
 
 def _go_env(work: Path) -> dict[str, str]:

@@ -37,7 +37,7 @@ import kopf
 from . import labels, metrics
 from .kube import KubeClient, KubeError
 from .observe import deployment_of
-from .reconcile import Context, ReconcileResult, reconcile
+from .reconcile import Context, ReconcileResult, StatusWritten, reconcile
 from .runtime_client import HttpLeaderClient
 
 RESOURCE = (labels.API_GROUP, labels.API_VERSION, labels.PLURAL)
@@ -113,13 +113,15 @@ def next_delay(result: ReconcileResult) -> float:
     return RESYNC_SECONDS
 
 
-def run_pass(context: Context, namespace: str, name: str) -> ReconcileResult | None:
+def run_pass(
+    context: Context, namespace: str, name: str, on_status_written: StatusWritten
+) -> ReconcileResult | None:
     """One pass on the object as read now (the body Kopf holds can predate our last status
     write); None when it is gone or being deleted."""
     fresh = context.kube.get_deployment(namespace, name)
     if fresh is None or fresh["metadata"].get("deletionTimestamp"):
         return None
-    return reconcile(context, fresh)
+    return reconcile(context, fresh, on_status_written)
 
 
 @kopf.daemon(*RESOURCE, cancellation_timeout=10.0)
@@ -132,11 +134,20 @@ async def worker(
     memo: kopf.Memo,
     **_: Any,
 ) -> None:
-    """Run this object's passes until it is deleted or the operator stops."""
+    """Run this object's passes until it is deleted or the operator stops; each pass's status
+    goes into the gauges as soon as it is written (:func:`_publish`)."""
     assert namespace is not None  # InferenceDeployment is a namespaced resource
     key = (namespace, name)
     workers: Workers = memo.workers
     wakeup = workers.register(key)
+    loop = asyncio.get_running_loop()
+
+    def status_written(status: dict[str, Any], restart_budget: int) -> None:
+        # In the pass's thread, right after its status write: the gauges are set on the event
+        # loop, where on_delete runs, so a deletion either comes first (and they stay unset) or
+        # drops them after.
+        loop.call_soon_threadsafe(_publish, memo, namespace, name, status, restart_budget)
+
     delay = 0.0
     try:
         while not stopped:
@@ -147,7 +158,9 @@ async def worker(
             woken = wakeup.is_set()
             wakeup.clear()
             try:
-                result = await asyncio.to_thread(run_pass, memo.context, namespace, name)
+                result = await asyncio.to_thread(
+                    run_pass, memo.context, namespace, name, status_written
+                )
             except KubeError as exc:
                 if exc.status == 404:
                     _forget(memo, namespace, name)
@@ -164,8 +177,6 @@ async def worker(
             if result is None:  # deleted, or being deleted
                 _forget(memo, namespace, name)
                 return
-            if not memo.get("deleted"):  # the object went while the pass ran in its thread
-                metrics.observe_status(namespace, name, result.status, result.restart_budget)
             for kind, reason, message in result.events:
                 kopf.event(body, type=kind, reason=reason, message=message[:1024])
             delay = next_delay(result)
@@ -189,6 +200,15 @@ async def on_spec_change(namespace: str | None, name: str, memo: kopf.Memo, **_:
 async def on_delete(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     """Drop the deleted object's gauges from ``/metrics``."""
     _forget(memo, namespace or "", name)
+
+
+def _publish(
+    memo: kopf.Memo, namespace: str, name: str, status: dict[str, Any], restart_budget: int
+) -> None:
+    """Mirror a written status into the object's gauges, unless it was deleted meanwhile (its
+    gauges are gone and must stay gone). Call from the event loop's thread."""
+    if not memo.get("deleted"):
+        metrics.observe_status(namespace, name, status, restart_budget)
 
 
 def _forget(memo: kopf.Memo, namespace: str, name: str) -> None:

@@ -5,7 +5,8 @@ A pass reads the object's Secrets (creating the admin-token Secret once), then
 :func:`decide.decide` turns that, the spec and the previous status into a :class:`PassPlan`
 (pure), and :func:`execute.execute` performs the plan's actions; then the statuses the plan
 carries are written (each phase a group passed through since the last pass, then the final
-one); last, groups return to routing (:func:`execute.return_to_routing`: each waits for a
+one), and ``on_status_written`` (the operator's gauges) is handed the final status at once;
+last, groups return to routing (:func:`execute.return_to_routing`: each waits for a
 ``/health_generate``, which must not hold up the status; in a pass where another group leaves
 routing, ``execute`` returned them first). Running a pass twice in a row changes
 nothing the second time. ``ReconcileResult.requeue_after_seconds`` asks for the next pass soon while a wave is in flight,
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,7 +33,10 @@ from .render import build_admin_secret
 from .spec import DeploymentSpec, RestartPolicySpec, SpecError, parse_spec
 from .status import invalid_spec_status
 
-__all__ = ["Context", "ReconcileResult", "reconcile"]
+__all__ = ["Context", "ReconcileResult", "StatusWritten", "reconcile"]
+
+# (status as written, restart budget): called once per pass, right after the final status write
+StatusWritten = Callable[[dict[str, Any], int], None]
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +85,15 @@ def credentials(
     return replace(spec, credentials_digest=credentials_digest(token, api_key)), token, api_key
 
 
-def reconcile(ctx: Context, body: Mapping[str, Any]) -> ReconcileResult:
-    """Run one pass for ``body`` (the object as read from the API) and patch its status."""
+def reconcile(
+    ctx: Context, body: Mapping[str, Any], on_status_written: StatusWritten | None = None
+) -> ReconcileResult:
+    """Run one pass for ``body`` (the object as read from the API) and patch its status.
+
+    ``on_status_written(status, restart_budget)`` runs right after the final status write, before
+    the pass's returns to routing (each may wait for a health check), so whatever mirrors the
+    status (the operator's gauges) follows the write, not the pass's end; ``status`` and
+    ``restart_budget`` are the returned :class:`ReconcileResult`'s."""
     meta = body["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     generation = int(meta.get("generation") or 1)
@@ -97,7 +108,10 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> ReconcileResult:
             events.append(("Warning", "InvalidSpec", str(exc)))
         status = invalid_spec_status(str(exc), generation, previous, now)
         written = write_status(ctx.kube, (namespace, name), previous, status, generation)
-        return ReconcileResult(written, events)
+        result = ReconcileResult(written, events)
+        if on_status_written is not None:
+            on_status_written(result.status, result.restart_budget)
+        return result
     # Control and info calls carry the admin token; the canary gate's serving calls the API key.
     leaders = ctx.leaders_with_token(admin_token, api_key)
     started = time.monotonic()
@@ -123,6 +137,8 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> ReconcileResult:
                 requeue if requeue is not None else LORA_RETRY_SECONDS, LORA_RETRY_SECONDS
             )
     written = write_status(ctx.kube, (namespace, name), previous, status, generation)
+    if on_status_written is not None:
+        on_status_written(written, plan.restart_budget)
     return_to_routing(ctx, leaders, namespace, plan)
     logger.debug(
         "pass %s/%s: observe %.2f s, decide+execute %.2f s (%d actions), status and "

@@ -4,6 +4,7 @@ on their old weights. A real runtime (STANDALONE speculation) serves from a Hub 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -64,71 +65,64 @@ def test_the_draft_is_reported_as_the_reference_it_was_fetched_from(draft_server
     )
 
 
-@pytest.mark.slow
-def test_a_draft_that_cannot_be_fetched_leaves_target_and_draft_on_the_old_weights(draft_server):
-    server, hub, _ = draft_server
-    before = _weights(server)
-    reply = server.post(
-        "/update_weights_from_disk",
-        {
-            "model_path": f"hf://{TARGET}@v2",
-            "draft_model_path": f"hf://{DRAFT}@v9",
-            "revision": "b",
-        },
-    )
-    assert reply.status_code == 400
-    body = reply.json()
-    assert body["success"] is False
-    assert body["message"].startswith(f"NotFound: draft_model_path hf://{DRAFT}@v9:")
-    assert "nothing was loaded" in body["message"]
-    after = _weights(server)
-    keys = (
-        "model_path",
-        "source_revision",
-        "digest",
-        "draft_model_path",
-        "draft_source_revision",
-        "draft_digest",
-    )
-    assert {k: after[k] for k in keys} == {k: before[k] for k in keys}
-    assert after["source_revision"] == hub.repos[TARGET].refs["v1"]
+TARGET_KEYS = ("model_path", "source_revision", "digest")
+DRAFT_KEYS = ("draft_model_path", "draft_source_revision", "draft_digest")
+# test id: (request body, HTTP status, message pattern, target ref, draft ref served after it;
+# None: what was served before). The cases run in this order on one server.
+UPDATES = {
+    "a-draft-that-cannot-be-fetched-leaves-target-and-draft-on-the-old-weights": (
+        {"model_path": f"hf://{TARGET}@v2", "draft_model_path": f"hf://{DRAFT}@v9"},
+        400,
+        rf"NotFound: draft_model_path hf://{DRAFT}@v9: .*nothing was loaded",
+        None,
+        None,
+    ),
+    "target-and-remote-draft-update-together": (
+        {"model_path": f"hf://{TARGET}@v2", "draft_model_path": f"hf://{DRAFT}@v2"},
+        200,
+        None,
+        "v2",
+        "v2",
+    ),
+    "an-update-without-a-draft-keeps-the-draft-it-serves": (
+        {"model_path": f"hf://{TARGET}@v1"},
+        200,
+        None,
+        "v1",
+        None,
+    ),
+}
 
 
 @pytest.mark.slow
-def test_target_and_remote_draft_update_together(draft_server):
+@pytest.mark.parametrize(
+    "body, status, message, target_ref, draft_ref", UPDATES.values(), ids=list(UPDATES)
+)
+def test_an_update_moves_target_and_draft_to_what_it_names_or_neither(
+    draft_server, body, status, message, target_ref, draft_ref
+):
     server, hub, cache = draft_server
     before = _weights(server)
-    reply = server.post(
-        "/update_weights_from_disk",
-        {
-            "model_path": f"hf://{TARGET}@v2",
-            "draft_model_path": f"hf://{DRAFT}@v2",
-            "revision": "b",
-        },
-    )
-    assert reply.status_code == 200, reply.text
+    reply = server.post("/update_weights_from_disk", {**body, "revision": "b"})
+    assert reply.status_code == status, reply.text
+    assert reply.json()["success"] is (status == 200)
+    if message is not None:
+        assert re.match(message, reply.json()["message"]), reply.json()["message"]
     after = _weights(server)
-    assert after["source_revision"] == hub.repos[TARGET].refs["v2"]
-    assert after["draft_model_path"] == f"hf://{DRAFT}@v2"
-    assert after["draft_source_revision"] == hub.repos[DRAFT].refs["v2"]
-    assert after["draft_digest"] != before["draft_digest"]
-    # the bounded cache kept the new target while it fetched the new draft
-    v2 = hub.repos[TARGET].refs["v2"]
-    assert (cache / f"hf--shardline--tiny-llama--{v2}").is_dir()
+    if target_ref is None:
+        assert {k: after[k] for k in TARGET_KEYS} == {k: before[k] for k in TARGET_KEYS}
+    else:
+        commit = hub.repos[TARGET].refs[target_ref]
+        assert after["source_revision"] == commit
+        # the bounded cache kept the new target while it fetched the draft
+        assert (cache / f"hf--shardline--tiny-llama--{commit}").is_dir()
+    if draft_ref is None:
+        assert {k: after[k] for k in DRAFT_KEYS} == {k: before[k] for k in DRAFT_KEYS}
+    else:
+        assert after["draft_model_path"] == f"hf://{DRAFT}@{draft_ref}"
+        assert after["draft_source_revision"] == hub.repos[DRAFT].refs[draft_ref]
+        assert after["draft_digest"] != before["draft_digest"]
     done = server.post(
         "/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
     )
     assert done.status_code == 200
-
-
-@pytest.mark.slow
-def test_an_update_without_a_draft_keeps_the_draft_it_serves(draft_server):
-    server, _, _ = draft_server
-    before = _weights(server)
-    reply = server.post(
-        "/update_weights_from_disk", {"model_path": f"hf://{TARGET}@v1", "revision": "a"}
-    )
-    assert reply.status_code == 200, reply.text
-    after = _weights(server)
-    assert after["draft_digest"] == before["draft_digest"]
-    assert after["draft_model_path"] == before["draft_model_path"]

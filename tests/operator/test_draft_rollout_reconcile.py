@@ -8,15 +8,9 @@ new draft, and the rollout completes (the new draft is no mixed version).
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-from test_reconcile_rollouts import REV_A, LiveLeaders
+from reconcile_world import REV_A, LiveLeaders, ready_world
 
-from fake_kube import FakeKube
-from shardline_operator.reconcile import Context, reconcile
-
-NOW = [1_900_000_000.0]
 DRAFT_A, DRAFT_B = "/var/lib/shardline/models/draft/a", "/var/lib/shardline/models/draft/b"
 
 
@@ -52,26 +46,15 @@ def _speculative(draft):
 
 @pytest.fixture
 def world(spec_dict):
-    kube, leaders = FakeKube(), DraftLeaders()
-    ctx = Context(kube=kube, leaders=leaders, clock=lambda: NOW[0])
     spec_dict["runtime"]["speculative"] = _speculative(DRAFT_A)
-    body = {"apiVersion": "shardline.dev/v1alpha1", "kind": "InferenceDeployment",
-            "metadata": {"name": "llama", "namespace": "default", "uid": "cr-uid", "generation": 1},
-            "spec": spec_dict, "status": {}}
+    passes = ready_world(spec_dict, DraftLeaders())
 
     def run(speculative=None):
-        NOW[0] += 1
-        if speculative is not None:
-            body["spec"]["runtime"]["speculative"] = speculative
-            body["metadata"]["generation"] += 1
-        result = reconcile(ctx, copy.deepcopy(body))
-        body["status"] = result.status
-        return result
+        if speculative is None:
+            return passes.run()
+        return passes.run(runtime=dict(passes.body["spec"]["runtime"], speculative=speculative))
 
-    run()
-    kube.run_statefulsets()
-    assert run().status["phase"] == "Ready"
-    return kube, leaders, run
+    return passes.kube, passes.leaders, run
 
 
 def _draft_args(kube):

@@ -50,7 +50,7 @@ def test_worker_collapses_wakeups_and_honours_requeue(monkeypatch):
     first_pass_running, release = threading.Event(), threading.Event()
     results = [result(), result(requeue=0.05), result()]
 
-    def fake_pass(context, namespace, name):
+    def fake_pass(context, namespace, name, on_status_written):
         calls.append(len(calls))
         if len(calls) == 1:
             first_pass_running.set()
@@ -88,9 +88,9 @@ def run_one_pass(monkeypatch, memo, fake_pass):
     """Run the worker until its first pass returned, then cancel it."""
     done = threading.Event()
 
-    def recorded(context, namespace, name):
+    def recorded(context, namespace, name, on_status_written):
         try:
-            return fake_pass(context, namespace, name)
+            return fake_pass(context, namespace, name, on_status_written)
         finally:
             done.set()
 
@@ -108,13 +108,21 @@ def run_one_pass(monkeypatch, memo, fake_pass):
     asyncio.run(scenario())
 
 
-def test_a_pass_mirrors_its_status_and_restart_budget_into_the_gauges(monkeypatch):
-    seen = []
-    monkeypatch.setattr(handlers.metrics, "observe_status", lambda *args: seen.append(args))
+def test_a_pass_mirrors_its_status_into_the_gauges_when_written_not_when_it_ends(monkeypatch):
+    """The pass hands its written status on before its returns to routing (each may wait for a
+    health check): the gauges are set while the pass still runs."""
+    seen, published = [], threading.Event()
+    monkeypatch.setattr(handlers.metrics, "observe_status", lambda *args: (seen.append(args), published.set()))
     memo = kopf.Memo(context=object(), workers=handlers.Workers())
-    passed = ReconcileResult({"phase": "Ready"}, [], None, restart_budget=7)
-    run_one_pass(monkeypatch, memo, lambda context, namespace, name: passed)
-    assert seen == [("ns", "x", {"phase": "Ready"}, 7)]
+    waited = []
+
+    def writes_then_checks_health(context, namespace, name, on_status_written):
+        on_status_written({"phase": "Ready"}, 7)
+        waited.append(published.wait(10))  # the return to routing's health check, still running
+        return ReconcileResult({"phase": "Ready"}, [], None, restart_budget=7)
+
+    run_one_pass(monkeypatch, memo, writes_then_checks_health)
+    assert waited == [True] and seen == [("ns", "x", {"phase": "Ready"}, 7)]
 
 
 def test_an_object_deleted_while_its_pass_runs_gets_no_gauges_back(monkeypatch):
@@ -122,8 +130,9 @@ def test_an_object_deleted_while_its_pass_runs_gets_no_gauges_back(monkeypatch):
     monkeypatch.setattr(handlers.metrics, "observe_status", lambda *args: seen.append(args))
     memo = kopf.Memo(context=object(), workers=handlers.Workers())
 
-    def deleted_meanwhile(context, namespace, name):
+    def deleted_meanwhile(context, namespace, name, on_status_written):
         memo.deleted = True  # what on_delete does to the object's resource memo
+        on_status_written({"phase": "Ready"}, 3)
         return ReconcileResult({"phase": "Ready"}, [], None)
 
     run_one_pass(monkeypatch, memo, deleted_meanwhile)

@@ -1,100 +1,28 @@
 """Issue 9 through reconcile(): the revert case, truthful phases, mixed versions, requeue, ranks.
 
-Leaders are simulated per URL (what each serves, its digest, an update in flight) so the
-reconciler's gather -> plan -> execute loop runs whole rollouts against an in-memory API.
+Leaders are simulated per URL (``reconcile_world.LiveLeaders``) so the reconciler's gather ->
+plan -> execute loop runs whole rollouts against an in-memory API.
 """
 
 from __future__ import annotations
 
-import copy
-
 import pytest
+from reconcile_world import REV_A, REV_B, LiveLeaders, ready_world
 
 from shardline_operator import labels, metrics
-from shardline_operator.reconcile import Context, reconcile
-
-from fake_kube import FakeKube
-from fake_leaders import with_weights_block
-
-REV_A = "/var/lib/shardline/models/tiny-llama/rev-a"
-REV_B = "/var/lib/shardline/models/tiny-llama/rev-b"
-NOW = [1_800_000_000.0]
-
-
-class LiveLeaders:
-    """Each leader URL serves a model; an update stays ``loading`` until the test finishes it."""
-
-    def __init__(self, path=REV_A, revision="rev-a"):
-        self.default = (path, revision)
-        self.serving: dict[str, tuple[str, str]] = {}
-        self.digests: dict[str, str] = {}
-        self.flights: dict[str, dict] = {}  # key -> {url, body, state}
-        self.sent: list[tuple[str, str]] = []
-
-    def start_update(self, key, url, body, timeout_seconds):
-        self.sent.append((key, body["revision"]))
-        self.flights[key] = {"url": url, "body": dict(body), "state": "pending"}
-
-    def abort_update(self, key, url):
-        """The runtime stops an update still loading (it keeps what it served)."""
-        flight = self.flights.get(key)
-        if flight is not None and flight["state"] == "pending":
-            flight["state"] = "aborted"
-
-    def finish(self, key, ok=True):
-        flight = self.flights[key]
-        flight["state"] = "success" if ok else "failure"
-        if ok:
-            self.serving[flight["url"]] = (flight["body"]["model_path"], flight["body"]["revision"])
-            self.digests.pop(flight["url"], None)
-
-    def poll(self, key):
-        flight = self.flights.get(key)
-        if flight is None:
-            return "unknown", ""
-        if flight["state"] != "pending":
-            del self.flights[key]
-        return flight["state"], ""
-
-    def server_info(self, url):
-        path, revision = self.serving.get(url, self.default)
-        loading = any(f["url"] == url and f["state"] == "pending" for f in self.flights.values())
-        return with_weights_block({"weights_phase": "loading" if loading else "serving", "model_path": path,
-                                   "weights_revision": revision,
-                                   "weights_digest": self.digests.get(url, f"sha256:{revision}")})
-
-    def observed_phases(self, key):
-        return []
-
-    def update_seconds(self, key):  # what a CPU runtime's reply carries (no graphs to recapture)
-        return {"load_seconds": 0.25, "recapture_seconds": 0.0}
-
-    def verify(self, url, verify):
-        return True, "ok"
 
 
 @pytest.fixture
 def world(spec_dict):
-    kube, leaders = FakeKube(), LiveLeaders()
-    ctx = Context(kube=kube, leaders=leaders, clock=lambda: NOW[0])
-    body = {"apiVersion": "shardline.dev/v1alpha1", "kind": "InferenceDeployment",
-            "metadata": {"name": "llama", "namespace": "default", "uid": "cr-uid", "generation": 1},
-            "spec": spec_dict, "status": {}}
+    passes = ready_world(spec_dict, LiveLeaders())
 
     def run(spec=None, **model):
-        NOW[0] += 1
-        if model or spec:
-            body["spec"]["model"] = dict(body["spec"]["model"], **model)
-            body["spec"].update(spec or {})
-            body["metadata"]["generation"] += 1
-        result = reconcile(ctx, copy.deepcopy(body))
-        body["status"] = result.status
-        return result
+        changes = dict(spec or {})
+        if model:
+            changes["model"] = dict(passes.body["spec"]["model"], **model)
+        return passes.run(**changes)
 
-    run()
-    kube.run_statefulsets()
-    assert run().status["phase"] == "Ready"
-    return kube, leaders, run
+    return passes.kube, passes.leaders, run
 
 
 def conditions(status):
@@ -287,27 +215,33 @@ def test_operator_restart_after_a_lost_update_sends_it_again(world):
     assert leaders.sent.count(("default/llama/g0", "rev-b")) == 2
 
 
-def test_the_pass_that_ends_a_rollout_writes_ready_before_the_group_returns_to_routing(world):
+def test_the_pass_that_ends_a_rollout_writes_ready_before_the_group_returns_to_routing(spec_dict):
     """Issue 23 item 5: a group's return to routing waits for its ``/health_generate`` (seconds
-    on a busy leader); the pass writes its status first, so ``Ready`` is not held up by it. The
-    group still returns only after the check passed (issue 29)."""
-    kube, leaders, run = world
+    on a busy leader); the pass writes its status first, and hands it to the gauges
+    (``on_status_written``), so neither ``Ready`` nor the gauges are held up by it. The group
+    still returns only after the check passed (issue 29)."""
+    spec_dict["restartPolicy"] = {"maxGroupRestarts": 3}
+    passes = ready_world(spec_dict, LiveLeaders())
+    kube, leaders = passes.kube, passes.leaders
     checked = []
 
-    def verify(url, verify):  # what the API holds when the health check runs
+    def verify(url, verify):  # what the API and the gauges hold when the health check runs
         pod = kube.pods()["llama-g1-0"]
-        checked.append((url, kube.statuses[-1]["phase"], pod["metadata"]["labels"][labels.LABEL_ROUTABLE]))
+        routable = pod["metadata"]["labels"][labels.LABEL_ROUTABLE]
+        checked.append((url, kube.statuses[-1]["phase"], passes.written[-1], routable))
         return True, "ok"
 
     leaders.verify = verify
-    run(path=REV_B, revision="rev-b")
+    passes.run(model=dict(spec_dict["model"], path=REV_B, revision="rev-b"))
     leaders.finish("default/llama/g0")
-    run()
+    passes.run()
     leaders.finish("default/llama/g1")
-    result = run()  # counts group 1 and ends the rollout
+    result = passes.run()  # counts group 1 and ends the rollout
     assert any(e[1] == "RolloutComplete" for e in result.events)
-    assert checked[-1] == ("http://127.0.1.2:8000", "Ready", "false")  # status first, then the check
+    # status and gauges first, then the check
+    assert checked[-1] == ("http://127.0.1.2:8000", "Ready", ("Ready", 3), "false")
     assert kube.pods()["llama-g1-0"]["metadata"]["labels"][labels.LABEL_ROUTABLE] == "true"
+    assert len(passes.written) == 5, "one hand-over a pass"
 
 
 def test_a_group_returns_to_routing_before_the_next_group_leaves_it(world):

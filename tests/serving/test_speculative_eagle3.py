@@ -5,11 +5,14 @@ scheduler on a real tiny target and tiny EAGLE-3 checkpoints written in the publ
 ``output_hidden_states``); greedy output equals greedy output without speculation token for
 token (alone and in the mixed batch); a head that advances the cycle has every chain kept
 (fc, the fed-back pre-norm state and d2t all take part); sampled output follows the target's
-distribution; target and head update together; bad heads are refused naming the field."""
+distribution; target and head update together; bad heads are refused naming the field, and
+both heads (EAGLE's too) refuse features of another shape naming the field."""
 
 from __future__ import annotations
 
 import random
+import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +28,9 @@ from speculative_harness import (
     update_replies,
 )
 
+from shardline_runtime.configs.model_config import ModelConfig
+from shardline_runtime.models.llama_eagle import LlamaForCausalLMEagle
+from shardline_runtime.models.llama_eagle3 import LlamaForCausalLMEagle3
 from shardline_runtime.speculative.draft_worker import DraftModelError
 from shardline_runtime.speculative.eagle_checkpoint import (
     make_cycle_eagle3_checkpoint,
@@ -117,6 +123,24 @@ def test_an_eagle3_head_is_refused_by_eagle_and_standalone(spec_target, tmp_path
     for algo, message in (("EAGLE", "EAGLE needs 'LlamaForCausalLMEagle'"), ("STANDALONE", "use --speculative-algorithm EAGLE3")):
         with pytest.raises(DraftModelError, match=message):
             make_scheduler(spec_target, **spec_flags(algo, head3))
+
+
+@pytest.mark.parametrize("shape", [None, (3, 128), (2, 64), (3,)], ids=["none", "width", "tokens", "1-d"])
+@pytest.mark.parametrize(
+    "cls, make, widths",
+    [(LlamaForCausalLMEagle, make_eagle_checkpoint, "64"),
+     (LlamaForCausalLMEagle3, lambda t, d: make_eagle3_checkpoint(t, d, layer_ids=LAYERS), "one of (192, 64)")],
+    ids=["EAGLE", "EAGLE3"],
+)
+def test_a_head_refuses_features_of_another_shape_naming_the_field(spec_target, tmp_path, cls, make, widths, shape):
+    """Both heads check ``spec_hidden_states`` the one way (the EAGLE head's), before any compute:
+    the target's last state (hidden 64) for EAGLE; its three fused aux states or the head's own
+    f_hat for EAGLE-3."""
+    head = cls(ModelConfig.from_pretrained(make(spec_target, tmp_path / "head"), dtype="float32"))
+    batch = SimpleNamespace(spec_hidden_states=None if shape is None else torch.zeros(shape))
+    got = None if shape is None else shape
+    with pytest.raises(ValueError, match=re.escape(f"spec_hidden_states must be (3, {widths}), got {got}")):
+        head(torch.zeros(3, dtype=torch.long), torch.arange(3), batch)
 
 
 @pytest.mark.slow

@@ -81,6 +81,7 @@ class LlamaForCausalLMEagle(LlamaForCausalLM):
     """
 
     architecture: ClassVar[str] = "LlamaForCausalLMEagle"
+    head_name: ClassVar[str] = "EAGLE"  # in error messages
     # reads forward_batch.spec_hidden_states: a decode graph keeps them in a static buffer
     takes_spec_features: ClassVar[bool] = True
 
@@ -106,6 +107,32 @@ class LlamaForCausalLMEagle(LlamaForCausalLM):
         """Head vocabulary ids -> target ids: the same (the head uses the target's LM head)."""
         return ids
 
+    def feature_sizes(self) -> tuple[int, ...]:
+        """The widths ``spec_hidden_states`` may have: the target's last hidden state."""
+        return (self.config.hidden_size,)
+
+    def spec_features(self, forward_batch, tokens: int) -> torch.Tensor:
+        """``forward_batch.spec_hidden_states``: (``tokens``, one of :meth:`feature_sizes`).
+
+        Raises:
+            ValueError: missing, or of another shape (names the field, the shapes allowed and
+                the one given).
+        """
+        features = forward_batch.spec_hidden_states
+        sizes = self.feature_sizes()
+        if (
+            features is None
+            or features.dim() != 2
+            or features.shape[0] != tokens
+            or features.shape[1] not in sizes
+        ):
+            got = None if features is None else tuple(features.shape)
+            width = sizes[0] if len(sizes) == 1 else f"one of {sizes}"
+            raise ValueError(
+                f"{self.head_name} head: spec_hidden_states must be ({tokens}, {width}), got {got}"
+            )
+        return features
+
     def get_input_embeddings(self) -> nn.Module:
         """The target's token embedding (after :meth:`set_embed_and_head`)."""
         if self.shared is None:
@@ -120,13 +147,7 @@ class LlamaForCausalLMEagle(LlamaForCausalLM):
         input_embeds: torch.Tensor | None = None,
         pp_proxy_tensors=None,
     ) -> LogitsProcessorOutput:
-        features = forward_batch.spec_hidden_states
-        if features is None or features.shape != (input_ids.shape[0], self.config.hidden_size):
-            got = None if features is None else tuple(features.shape)
-            raise ValueError(
-                f"EAGLE head: spec_hidden_states must be ({input_ids.shape[0]}, "
-                f"{self.config.hidden_size}), got {got}"
-            )
+        features = self.spec_features(forward_batch, input_ids.shape[0])
         embed = self.get_input_embeddings()
         assert self.shared is not None
         embeds = embed(input_ids) if input_embeds is None else input_embeds

@@ -119,6 +119,7 @@ class LlamaForCausalLMEagle3(LlamaForCausalLMEagle):
     """
 
     architecture: ClassVar[str] = "LlamaForCausalLMEagle3"
+    head_name: ClassVar[str] = "EAGLE-3"
 
     def __init__(self, config: ModelConfig, stage: PipelineStage | None = None):
         nn.Module.__init__(self)
@@ -157,19 +158,7 @@ class LlamaForCausalLMEagle3(LlamaForCausalLMEagle):
         input_embeds: torch.Tensor | None = None,
         pp_proxy_tensors=None,
     ) -> LogitsProcessorOutput:
-        features = forward_batch.spec_hidden_states
-        n = input_ids.shape[0]
-        if (
-            features is None
-            or features.dim() != 2
-            or features.shape[0] != n
-            or (features.shape[1] not in self.feature_sizes())
-        ):
-            got = None if features is None else tuple(features.shape)
-            raise ValueError(
-                f"EAGLE-3 head: spec_hidden_states must be ({n}, one of "
-                f"{self.feature_sizes()}), got {got}"
-            )
+        features = self.spec_features(forward_batch, input_ids.shape[0])
         embeds = self.get_input_embeddings()(input_ids) if input_embeds is None else input_embeds
         normed, f_hat = self.model(embeds, features, positions, forward_batch)
         out = self.logits_processor(input_ids, normed, self.lm_head, forward_batch)
