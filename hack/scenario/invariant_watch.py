@@ -70,6 +70,7 @@ class InvariantWatch:
     errors: int = 0  # rounds or watches that failed to read (API or network hiccups)
     last_error: str = ""
     slowest_sample: float = 0.0  # seconds
+    last_status: str = ""  # the CR's phase, rollout and groups at the last read (for messages)
     _t0: float = field(default_factory=time.time)
     _changes: dict[int, list[av.Change]] = field(default_factory=dict)
     _leaders: dict[int, dict] = field(default_factory=dict)  # group -> {uid, ip, deleting}
@@ -112,19 +113,34 @@ class InvariantWatch:
             self.faults.append(description)
             self._faults += [(now, g, (self._leaders.get(g) or {}).get("uid")) for g in downs]
 
-    def wait_loading(self, timeout: float) -> int:
-        """The first group whose leader reports ``loading`` (raises TimeoutError)."""
+    def wait_loading(self, timeout: float, since: float | None = None) -> int:
+        """The first group whose leader answered ``loading`` in an answer sent at or after
+        wall-clock ``since`` (default: now). Raises RuntimeError at once when a leader's
+        ``last_weight_update`` changed since then without a ``loading`` answer (the update ended
+        between two answers: no fault can land mid-load), TimeoutError past ``timeout`` seconds;
+        both name what the watcher saw, the CR's rollout status included."""
+        since = time.time() if since is None else since
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            loading = [g for g, phase in self.phases.items() if phase == "loading"]
+            with self._lock:
+                answers = list(self._answers)
+            loading = [a.group for a in answers if a.sent >= since and a.phase == "loading"]
             if loading:
                 return loading[0]
+            before = {a.uid: a.last_update for a in answers if a.received < since}  # the last
+            ended = [a for a in answers if a.sent >= since and a.uid in before
+                     and a.last_update != before[a.uid]]
+            if ended:
+                raise RuntimeError(f"group {ended[0].group} ended an update that no answer saw "
+                                   f"loading ({self._seen()})")
             time.sleep(0.05)
-        raise TimeoutError(
-            f"no leader reported loading within {timeout:.0f} s (phases {self.phases}, "
-            f"{self.answers} answers, {self.pod_events} pod events, leaders {self._leaders}, "
-            f"{self.errors} read errors, last: {self.last_error or 'none'})"
-        )
+        raise TimeoutError(f"no leader reported loading within {timeout:.0f} s ({self._seen()})")
+
+    def _seen(self) -> str:
+        return (f"phases {self.phases}, {self.answers} answers, {self.samples} samples (slowest "
+                f"{self.slowest_sample:.1f} s), {self.pod_events} pod events, leaders "
+                f"{self._leaders}, {self.errors} read errors, last: {self.last_error or 'none'}; "
+                f"last CR status: {self.last_status}")
 
     # ------------------------------------------------------------------ judging
 
@@ -250,7 +266,13 @@ class InvariantWatch:
         obj = self.client.get(f"/apis/{GROUP}/{VERSION}/namespaces/{self.namespace}/{PLURAL}/{self.name}")
         if obj is None:
             return
-        spec = obj.get("spec") or {}
+        spec, status = obj.get("spec") or {}, obj.get("status") or {}
+        self.last_status = json.dumps(
+            {"generation": (obj.get("metadata") or {}).get("generation"),
+             "observedGeneration": status.get("observedGeneration"), "phase": status.get("phase"),
+             "rollout": status.get("rollout"),
+             "groups": [{k: g.get(k) for k in ("index", "phase", "revision", "message")}
+                        for g in status.get("groups") or []]}, sort_keys=True)
         with self._lock:
             self._budgets.append(av.Budget(read_at, int(spec.get("replicas", 0)),
                                            int((spec.get("weightUpdate") or {}).get("maxUnavailable", 1))))
