@@ -27,7 +27,7 @@ Checked:
   before the CR read on (status is written from leaders asked before, so it may lag them by a
   pass, never lead them).
 
-Shared by ``tests/e2e/test_rollout_faults.py`` and ``bench/rollout_faults.py``.
+Shared by ``tests/e2e/test_rollout_faults*.py`` and ``bench/rollout_faults.py``.
 """
 from __future__ import annotations
 

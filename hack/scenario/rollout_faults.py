@@ -5,8 +5,8 @@ Each scenario starts from a fleet Ready on ``current`` (two groups, TP=1,
 leader reports ``loading``, injects its fault, and waits for the fleet to be Ready on the last
 target; an :class:`~hack.scenario.invariant_watch.InvariantWatch` checks the invariants at
 every sample meanwhile and a readiness-aware client (``traffic.Traffic``) runs throughout.
-Shared by ``tests/e2e/test_rollout_faults.py`` (a lean pick) and ``bench/rollout_faults.py``
-(every scenario).
+Shared by ``tests/e2e/test_rollout_faults.py`` (CI's pick), ``test_rollout_faults_chaos.py``
+and ``bench/rollout_faults.py`` (every scenario).
 """
 from __future__ import annotations
 
