@@ -116,8 +116,10 @@ class InvariantWatch:
     def wait_loading(self, timeout: float, since: float | None = None) -> int:
         """The first group whose leader answered ``loading`` in an answer sent at or after
         wall-clock ``since`` (default: now). Raises RuntimeError at once when a leader's
-        ``last_weight_update`` changed since then without a ``loading`` answer (the update ended
-        between two answers: no fault can land mid-load), TimeoutError past ``timeout`` seconds;
+        ``last_weight_update`` differs between two answers sent since then and none of them said
+        ``loading`` (an update began and ended between two answers: no fault can land mid-load;
+        the first answer since is the reference, as the one before may predate the last update's
+        end), TimeoutError past ``timeout`` seconds;
         both name what the watcher saw, the CR's rollout status included."""
         since = time.time() if since is None else since
         deadline = time.monotonic() + timeout
@@ -127,9 +129,10 @@ class InvariantWatch:
             loading = [a.group for a in answers if a.sent >= since and a.phase == "loading"]
             if loading:
                 return loading[0]
-            before = {a.uid: a.last_update for a in answers if a.received < since}  # the last
-            ended = [a for a in answers if a.sent >= since and a.uid in before
-                     and a.last_update != before[a.uid]]
+            first: dict[str | None, str | None] = {}  # each leader's record in its first answer since
+            for a in (a for a in answers if a.sent >= since):
+                first.setdefault(a.uid, a.last_update)
+            ended = [a for a in answers if a.sent >= since and a.last_update != first[a.uid]]
             if ended:
                 raise RuntimeError(f"group {ended[0].group} ended an update that no answer saw "
                                    f"loading ({self._seen()})")
