@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -113,31 +114,34 @@ class InvariantWatch:
             self.faults.append(description)
             self._faults += [(now, g, (self._leaders.get(g) or {}).get("uid")) for g in downs]
 
-    def wait_loading(self, timeout: float, since: float | None = None) -> int:
+    def wait_loading(self, timeout: float, since: float | None = None,
+                     over: Callable[[], bool] | None = None) -> int:
         """The first group whose leader answered ``loading`` in an answer sent at or after
-        wall-clock ``since`` (default: now). Raises RuntimeError at once when a leader's
-        ``last_weight_update`` differs between two answers sent since then and none of them said
-        ``loading`` (an update began and ended between two answers: no fault can land mid-load;
-        the first answer since is the reference, as the one before may predate the last update's
-        end), TimeoutError past ``timeout`` seconds;
-        both name what the watcher saw, the CR's rollout status included."""
+        wall-clock ``since`` (default: now). An update that began and ended between two answers
+        (a leader's ``last_weight_update`` differs between two answers sent since, none of them
+        ``loading``; the first answer since is the reference, as the one before may predate the
+        previous update's end) is noted, and the wait goes on for the next group's. Raises
+        RuntimeError once ``over()`` is true (the rollout ended) with no load seen, TimeoutError
+        past ``timeout`` seconds; both name what the watcher saw, the unseen updates and the
+        CR's rollout status included."""
         since = time.time() if since is None else since
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while True:
             with self._lock:
-                answers = list(self._answers)
-            loading = [a.group for a in answers if a.sent >= since and a.phase == "loading"]
+                answers = [a for a in self._answers if a.sent >= since]
+            loading = [a.group for a in answers if a.phase == "loading"]
             if loading:
                 return loading[0]
             first: dict[str | None, str | None] = {}  # each leader's record in its first answer since
-            for a in (a for a in answers if a.sent >= since):
+            for a in answers:
                 first.setdefault(a.uid, a.last_update)
-            ended = [a for a in answers if a.sent >= since and a.last_update != first[a.uid]]
-            if ended:
-                raise RuntimeError(f"group {ended[0].group} ended an update that no answer saw "
-                                   f"loading ({self._seen()})")
+            unseen = sorted({a.group for a in answers if a.last_update != first[a.uid]})
+            seen = f"updates ended unseen by any answer: groups {unseen}; {self._seen()}"
+            if over is not None and over():
+                raise RuntimeError(f"the rollout ended before any leader reported loading ({seen})")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no leader reported loading within {timeout:.0f} s ({seen})")
             time.sleep(0.05)
-        raise TimeoutError(f"no leader reported loading within {timeout:.0f} s ({self._seen()})")
 
     def _seen(self) -> str:
         return (f"phases {self.phases}, {self.answers} answers, {self.samples} samples (slowest "

@@ -121,12 +121,18 @@ SCENARIOS: dict[str, Callable[[Fleet, str, str, int], str]] = {
 }
 
 
+def _ready_on(watch: StatusWatcher, revision: str, since: int) -> bool:
+    """A status since mark ``since`` shows the rollout to ``revision`` done (the patch observed)."""
+    return any(s.phase == "Ready" and s.served_revision == revision and s.ready_replicas == s.replicas
+               and s.observed_generation == s.generation for s in watch.history[since:])
+
+
 def run_scenario(fleet: Fleet, scenario: str, current: str, other: str) -> str:
     """Patch ``current`` -> ``other``, inject ``scenario``'s fault once a group loads, wait until
     the fleet is Ready on the last target; returns that target's revision label."""
     mark, since = fleet.watch.mark(), time.time()
     patch(fleet.cluster, fleet.namespace, fleet.name, fleet.model(other))
-    loading = fleet.invariants.wait_loading(LOAD_WAIT, since)
+    loading = fleet.invariants.wait_loading(LOAD_WAIT, since, over=lambda: _ready_on(fleet.watch, other, mark))
     final = SCENARIOS[scenario](fleet, current, other, loading)
     wait_ready(fleet.watch, final, mark, fleet.timeout)
     return final

@@ -1,7 +1,7 @@
 """The fault suite's wait for a loading leader (``InvariantWatch.wait_loading``) on constructed
-leader answers: only answers sent since the patch count, and an update that began and ended
-between two answers fails at once instead of waiting out the timeout. No cluster (the watcher is
-not started; its client is never called)."""
+leader answers: only answers sent since the patch count, an update that began and ended between
+two answers is noted and the wait goes on, and a rollout over with no load seen fails at once. No
+cluster (the watcher is not started; its client is never called)."""
 from __future__ import annotations
 
 import pytest
@@ -28,10 +28,15 @@ def test_a_loading_answer_from_before_the_patch_does_not_count():
         watch((0, 9.0, "loading", OLD), (0, 10.5, "serving", OLD)).wait_loading(0.2, since=10.0)
 
 
-def test_an_update_that_ended_between_two_answers_fails_at_once():
+def test_an_update_that_ended_between_two_answers_lets_the_wait_go_on_for_the_next_group():
+    w = watch((0, 10.5, "serving", OLD), (0, 12.0, "serving", NEW), (1, 12.0, "loading", OLD))
+    assert w.wait_loading(60, since=10.0) == 1
+
+
+def test_a_rollout_over_before_any_load_was_seen_fails_at_once_naming_the_unseen_updates():
     w = watch((0, 10.5, "serving", OLD), (0, 12.0, "serving", NEW))
-    with pytest.raises(RuntimeError, match="group 0 ended an update that no answer saw loading"):
-        w.wait_loading(60, since=10.0)
+    with pytest.raises(RuntimeError, match=r"ended before any leader reported loading \(updates ended unseen by any answer: groups \[0\]"):
+        w.wait_loading(60, since=10.0, over=lambda: True)
 
 
 def test_the_previous_update_ending_after_the_last_answer_before_the_patch_is_no_alarm():
