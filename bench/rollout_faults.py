@@ -7,7 +7,8 @@ scale down and up. Two groups (TP=1) of the ~200M-parameter model (``--tiny``: t
 where loads are too short for most faults to land mid-load). Prints per scenario the final
 target, seconds, requests sent and failed, the violations, the samples checked and the requests
 the client sent again to another leader after a refused connection; then the samples and faults
-checked. ``tests/e2e/test_rollout_faults.py`` runs a lean pick of these in CI.
+checked. ``tests/e2e/test_rollout_faults.py`` runs a lean pick of these in CI (a revert, a deleted
+updating leader), ``tests/e2e/test_rollout_faults_chaos.py`` two more (``make test-chaos``).
 
     python bench/rollout_faults.py                           # starts a local cluster
     SHARDLINE_CLUSTER_DIR=/tmp/kube python bench/rollout_faults.py --scenarios revert,kill-operator

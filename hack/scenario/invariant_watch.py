@@ -27,13 +27,14 @@ Checked:
   before the CR read on (status is written from leaders asked before, so it may lag them by a
   pass, never lead them).
 
-Shared by ``tests/e2e/test_rollout_faults.py`` and ``bench/rollout_faults.py``.
+Shared by ``tests/e2e/test_rollout_faults*.py`` and ``bench/rollout_faults.py``.
 """
 from __future__ import annotations
 
 import json
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -70,6 +71,7 @@ class InvariantWatch:
     errors: int = 0  # rounds or watches that failed to read (API or network hiccups)
     last_error: str = ""
     slowest_sample: float = 0.0  # seconds
+    last_status: str = ""  # the CR's phase, rollout and groups at the last read (for messages)
     _t0: float = field(default_factory=time.time)
     _changes: dict[int, list[av.Change]] = field(default_factory=dict)
     _leaders: dict[int, dict] = field(default_factory=dict)  # group -> {uid, ip, deleting}
@@ -112,19 +114,40 @@ class InvariantWatch:
             self.faults.append(description)
             self._faults += [(now, g, (self._leaders.get(g) or {}).get("uid")) for g in downs]
 
-    def wait_loading(self, timeout: float) -> int:
-        """The first group whose leader reports ``loading`` (raises TimeoutError)."""
+    def wait_loading(self, timeout: float, since: float | None = None,
+                     over: Callable[[], bool] | None = None) -> int:
+        """The first group whose leader answered ``loading`` in an answer sent at or after
+        wall-clock ``since`` (default: now). An update that began and ended between two answers
+        (a leader's ``last_weight_update`` differs between two answers sent since, none of them
+        ``loading``; the first answer since is the reference, as the one before may predate the
+        previous update's end) is noted, and the wait goes on for the next group's. Raises
+        RuntimeError once ``over()`` is true (the rollout ended) with no load seen, TimeoutError
+        past ``timeout`` seconds; both name what the watcher saw, the unseen updates and the
+        CR's rollout status included."""
+        since = time.time() if since is None else since
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            loading = [g for g, phase in self.phases.items() if phase == "loading"]
+        while True:
+            with self._lock:
+                answers = [a for a in self._answers if a.sent >= since]
+            loading = [a.group for a in answers if a.phase == "loading"]
             if loading:
                 return loading[0]
+            first: dict[str | None, str | None] = {}  # each leader's record in its first answer since
+            for a in answers:
+                first.setdefault(a.uid, a.last_update)
+            unseen = sorted({a.group for a in answers if a.last_update != first[a.uid]})
+            seen = f"updates ended unseen by any answer: groups {unseen}; {self._seen()}"
+            if over is not None and over():
+                raise RuntimeError(f"the rollout ended before any leader reported loading ({seen})")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no leader reported loading within {timeout:.0f} s ({seen})")
             time.sleep(0.05)
-        raise TimeoutError(
-            f"no leader reported loading within {timeout:.0f} s (phases {self.phases}, "
-            f"{self.answers} answers, {self.pod_events} pod events, leaders {self._leaders}, "
-            f"{self.errors} read errors, last: {self.last_error or 'none'})"
-        )
+
+    def _seen(self) -> str:
+        return (f"phases {self.phases}, {self.answers} answers, {self.samples} samples (slowest "
+                f"{self.slowest_sample:.1f} s), {self.pod_events} pod events, leaders "
+                f"{self._leaders}, {self.errors} read errors, last: {self.last_error or 'none'}; "
+                f"last CR status: {self.last_status}")
 
     # ------------------------------------------------------------------ judging
 
@@ -250,7 +273,13 @@ class InvariantWatch:
         obj = self.client.get(f"/apis/{GROUP}/{VERSION}/namespaces/{self.namespace}/{PLURAL}/{self.name}")
         if obj is None:
             return
-        spec = obj.get("spec") or {}
+        spec, status = obj.get("spec") or {}, obj.get("status") or {}
+        self.last_status = json.dumps(
+            {"generation": (obj.get("metadata") or {}).get("generation"),
+             "observedGeneration": status.get("observedGeneration"), "phase": status.get("phase"),
+             "rollout": status.get("rollout"),
+             "groups": [{k: g.get(k) for k in ("index", "phase", "revision", "message")}
+                        for g in status.get("groups") or []]}, sort_keys=True)
         with self._lock:
             self._budgets.append(av.Budget(read_at, int(spec.get("replicas", 0)),
                                            int((spec.get("weightUpdate") or {}).get("maxUnavailable", 1))))

@@ -5,18 +5,30 @@ Each scenario starts from a fleet Ready on ``current`` (two groups, TP=1,
 leader reports ``loading``, injects its fault, and waits for the fleet to be Ready on the last
 target; an :class:`~hack.scenario.invariant_watch.InvariantWatch` checks the invariants at
 every sample meanwhile and a readiness-aware client (``traffic.Traffic``) runs throughout.
-Shared by ``tests/e2e/test_rollout_faults.py`` (a lean pick) and ``bench/rollout_faults.py``
-(every scenario).
+Shared by ``tests/e2e/test_rollout_faults.py`` (CI's pick), ``test_rollout_faults_chaos.py``
+and ``bench/rollout_faults.py`` (every scenario).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from hack.scenario.invariant_watch import InvariantWatch
-from hack.scenario.operator_install import OPERATOR_NAMESPACE
-from hack.scenario.rollout_fleet import patch, two_group_doc, wait_ready
+from hack.scenario.large_model import large_revisions
+from hack.scenario.operator_install import OPERATOR_NAMESPACE, install_operator
+from hack.scenario.rollout_fleet import (
+    apply,
+    diagnostics,
+    leader_server_infos,
+    patch,
+    two_group_doc,
+    wait_ready,
+)
 from hack.scenario.status_watch import StatusWatcher
+from hack.scenario.traffic import Traffic
 
 LOAD_WAIT = 300  # seconds for a leader to start loading after the patch (busy machine)
 HOLD_SECONDS = 600  # a request may be held by an update this long: an 810 MB load took over 60 s
@@ -109,12 +121,52 @@ SCENARIOS: dict[str, Callable[[Fleet, str, str, int], str]] = {
 }
 
 
+def _ready_on(watch: StatusWatcher, revision: str, since: int) -> bool:
+    """A status since mark ``since`` shows the rollout to ``revision`` done (the patch observed)."""
+    return any(s.phase == "Ready" and s.served_revision == revision and s.ready_replicas == s.replicas
+               and s.observed_generation == s.generation for s in watch.history[since:])
+
+
 def run_scenario(fleet: Fleet, scenario: str, current: str, other: str) -> str:
     """Patch ``current`` -> ``other``, inject ``scenario``'s fault once a group loads, wait until
     the fleet is Ready on the last target; returns that target's revision label."""
-    mark = fleet.watch.mark()
+    mark, since = fleet.watch.mark(), time.time()
     patch(fleet.cluster, fleet.namespace, fleet.name, fleet.model(other))
-    loading = fleet.invariants.wait_loading(LOAD_WAIT)
+    loading = fleet.invariants.wait_loading(LOAD_WAIT, since, over=lambda: _ready_on(fleet.watch, other, mark))
     final = SCENARIOS[scenario](fleet, current, other, loading)
     wait_ready(fleet.watch, final, mark, fleet.timeout)
     return final
+
+
+@contextmanager
+def fault_suite(cluster, scenarios: list[tuple[str, str, str]], name: str = "faults",
+                timeout: float = 900) -> Iterator[dict]:
+    """Run ``scenarios`` (``(scenario, current, other)``, in order, each starting where the last
+    ended) on one fault fleet under one client; yields what they left behind: ``invariants``,
+    ``traffic``, ``finals`` (each scenario's last target), ``infos`` (each leader's
+    ``/get_server_info``) and ``diagnostics``. The namespace is deleted on exit. Where pods
+    may land on other nodes, wrap it in ``tests.kube_fixtures.agent_nodes_only``. Shared by
+    ``tests/e2e/test_rollout_faults*.py``."""
+    revisions = {k: str(v) for k, v in large_revisions().items()}
+    install_operator(cluster)
+    ns = f"e2e-{name}-{uuid.uuid4().hex[:6]}"
+    doc = fault_fleet_doc(ns, name, revisions["rev-a"], int(timeout))
+    watch = apply(cluster, doc)
+    invariants = InvariantWatch(cluster.client(), ns, name)
+    try:
+        wait_ready(watch, "rev-a", 0, timeout)
+        fleet = Fleet(cluster, ns, name, watch, invariants.start(), revisions, timeout)
+        finals = []
+        with Traffic(cluster.client(), ns, name, doc["spec"]["model"]["name"], timeout=HOLD_SECONDS) as traffic:
+            for scenario, current, other in scenarios:
+                finals.append(run_scenario(fleet, scenario, current, other))
+        invariants.stop()
+        print(f"fault suite: {invariants.summary()}, {traffic.sent} requests, "
+              f"{traffic.reconnects} sent again after a refused connection")
+        yield {"invariants": invariants, "traffic": traffic, "finals": finals,
+               "infos": leader_server_infos(cluster.client(), ns, name),
+               "diagnostics": diagnostics(cluster, watch)}
+    finally:
+        invariants.stop()
+        watch.stop()
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)

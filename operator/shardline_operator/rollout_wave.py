@@ -102,9 +102,10 @@ def follow_wave(
                     f"{target.revision} again",
                 )
             )
-        elif result == "aborted" and not (view.live and view.ready):
-            # the leader went away mid-update (a drained pod aborts its load): its new pod is
-            # updated once it serves
+        elif result in ("aborted", "failure") and not (view.live and view.ready):
+            # the leader went away mid-update (a drained pod aborts its load; one killed or
+            # crashed while draining drops the request): its new pod is updated once it serves,
+            # and a failure the runtime reports is read from that leader on the next pass
             result, message = "pending", "the leader was replaced during the update"
         elif result == "aborted" and not cancel:  # another client aborted it
             result, message = "failure", f"aborted ({message})"

@@ -290,3 +290,19 @@ def test_an_update_aborted_by_its_leader_going_away_waits_for_the_new_pod(make_s
     gone = {0: (pods(spec_b, make_pod, 0, leader_deleting=True), leader("rev-a", update=("aborted", "aborted")))}
     plan = decide(spec_b, observation(spec_b, make_pod, gone), previous_status(spec_b, rollout=WAVE_0), NOW)
     assert (plan.metrics.failed_updates, plan.status["rollout"]["wave"]) == (0, [0])
+
+
+def test_an_update_whose_request_failed_as_its_leader_went_away_waits_for_the_new_pod(make_spec, make_pod):
+    # a leader killed (or crashed) while it drained drops the update request: not the update's failure
+    spec_b = spec_b_of(make_spec)
+    dropped = ("failure", "request to http://10.0.0.1:8000 failed: RemoteProtocolError: Server disconnected")
+    gone = {0: (pods(spec_b, make_pod, 0, leader_deleting=True), leader("rev-a", update=dropped))}
+    plan = decide(spec_b, observation(spec_b, make_pod, gone), previous_status(spec_b, rollout=WAVE_0), NOW)
+    assert (plan.metrics.failed_updates, plan.status["rollout"]["wave"]) == (0, [0])
+
+
+def test_an_update_that_failed_on_a_leader_that_stays_fails_the_wave(make_spec, make_pod):
+    spec_b = spec_b_of(make_spec)
+    failed = {0: (pods(spec_b, make_pod, 0), leader("rev-a", phase="failed", update=("failure", "bad checkpoint")))}
+    plan = decide(spec_b, observation(spec_b, make_pod, failed), previous_status(spec_b, rollout=WAVE_0), NOW)
+    assert plan.metrics.failed_updates == 1

@@ -310,3 +310,25 @@ def test_an_abort_at_the_last_check_before_the_commit_still_stops_the_update(wor
     plane.holding_kv = False
     plane.part.maybe_run_weight_update()
     assert plane.sent(UpdateWeightsFromDiskReqOutput)[0].aborted
+
+
+def test_an_abort_while_requests_hold_cached_kv_keeps_the_cache_and_replies_aborted(worker, ckpts):
+    # A revert or a drain (SIGTERM) aborts a queued update while the requests admitted before
+    # it still run; flushing the prefix cache then raised and killed the scheduler (seen in the
+    # fault suite: the deleted leader's in-flight requests and the update's reply were lost).
+    plane = Plane(worker, ckpts[0])
+    cache = plane.part.tree_cache
+    slots = worker.token_to_kv_pool_allocator.alloc(4)
+    cache.insert([1, 2, 3, 4], slots)
+    _, node = cache.match_prefix([1, 2, 3, 4])
+    cache.inc_lock_ref(node)  # a running request uses these slots
+    plane.holding_kv = True
+    try:
+        plane.update(model_path=str(ckpts[1]), revision="rev-b")
+        plane.part.abort_weight_update(AbortWeightUpdateReqInput())
+        assert plane.sent(UpdateWeightsFromDiskReqOutput)[0].aborted
+        assert plane.part.weights.phase is WeightsPhase.SERVING
+        assert cache.match_prefix([1, 2, 3, 4])[0].tolist() == slots.tolist()
+    finally:
+        cache.dec_lock_ref(node)
+        cache.reset()

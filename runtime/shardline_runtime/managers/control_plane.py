@@ -12,8 +12,9 @@ weights' state (every rank in lockstep; rank 0 replies).
 - A disk update can be aborted (``AbortWeightUpdateReqInput``, ``POST /abort_weight_update``)
   while it stages the new weights (every rank stops its staging and votes no at once; while
   the scheduler waits for the staging to end, rank 0 looks for the abort on its input and votes
-  no); its reply then says ``aborted`` and the old weights keep serving (phase ``serving``). An
-  abort that comes after the commit changes nothing.
+  no); its reply then says ``aborted`` and the old weights keep serving (phase ``serving``),
+  their prefix cache kept (the abort may come while requests still hold KV). An abort that comes
+  after the commit changes nothing.
 - The control plane owns the live :class:`WeightsState` (model path, revision, weight_version,
   phase, digest, last update's timings). Every change is a new record, sent whole to the HTTP
   process (after SGLang's one ``weight_version`` recorded in one place). The digest is computed
@@ -309,9 +310,11 @@ class ControlPlane:
         if outcome.ok:
             self.memory_saver.note_loaded(outcome.names)
         # Old KV must never serve new weights; after a failed update the cache is still valid,
-        # but flushing it costs only recomputation, so do it in every case (a trainer sending
-        # buckets passes flush_cache false on all but the last).
-        if msg.flush_cache:
+        # but flushing it costs only recomputation, so do it (a trainer sending buckets passes
+        # flush_cache false on all but the last). An aborted update changed nothing, and its
+        # abort may come while requests still hold cached KV (a revert, a drain), which a flush
+        # would free under them: the cache stays.
+        if msg.flush_cache and not outcome.aborted:
             self.tree_cache.reset()
         self.publish(**outcome.changes)
         logger.info(
