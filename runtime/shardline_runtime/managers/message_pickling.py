@@ -78,12 +78,14 @@ def compact_step_pickle(batch_cls: type, out_cls: type, usage_cls: type) -> None
                 and out.embedding is None
             ):
                 u = out.usage
-                wire.append((out.rid, out.ids, u.prompt_tokens, u.completion_tokens, u.cached_tokens))
+                wire.append(
+                    (out.rid, out.ids, u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+                )
             else:
                 wire.append(out)
         return _rebuild_step, (wire,)
 
-    batch_cls.__reduce__ = __reduce__  # type: ignore[method-assign]
+    batch_cls.__reduce__ = __reduce__  # type: ignore[method-assign,assignment]
 
 
 _STEP_CLASSES: list[type] = []
@@ -99,7 +101,7 @@ def _rebuild_step(wire: list[Any]) -> Any:
     for item in wire:
         if type(item) is tuple:
             rid, ids, prompt, completion, cached = item
-            usage = new(usage_cls)
+            usage: Any = new(usage_cls)
             set_(usage, "prompt_tokens", prompt)
             set_(usage, "completion_tokens", completion)
             set_(usage, "cached_tokens", cached)
@@ -115,6 +117,6 @@ def _rebuild_step(wire: list[Any]) -> Any:
             ):
                 set_(item, name, value)
         outs.append(item)
-    batch = new(batch_cls)
+    batch: Any = new(batch_cls)
     set_(batch, "outs", outs)
     return batch

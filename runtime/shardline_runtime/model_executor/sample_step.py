@@ -45,7 +45,9 @@ def sample_batch(
         and info.all_greedy
         and info.penalties is None
     ):
-        greedy = greedy_on_host(logits_output.next_token_logits, bs, info.vocab_size, sampler.host_ids)
+        greedy = greedy_on_host(
+            logits_output.next_token_logits, bs, info.vocab_size, sampler.host_ids
+        )
         if greedy is not None:
             return GenerationBatchResult(
                 logits_output,
