@@ -90,3 +90,17 @@ def test_a_step_message_survives_pickling_unchanged():
         ]
     )
     assert pickle.loads(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)) == out
+
+
+def test_a_step_of_plain_and_finishing_outputs_survives_pickling_unchanged():
+    """The per-step wire form (plain outputs as tuples, others as objects) rebuilds the same
+    message, in order, with the same field values and types."""
+    plain = TokenOut(rid="a", ids=[1, 2], usage=Usage(3, 2, 1))
+    done = TokenOut(rid="b", ids=[9], usage=Usage(4, 5, 0), finish=FinishReason("length", 5))
+    embedded = TokenOut(rid="c", ids=[], usage=Usage(2, 0, 0), embedding=[0.5])
+    out = BatchTokenOut([plain, done, embedded, TokenOut(rid="d", ids=[], usage=Usage(1, 0, 0))])
+    back = pickle.loads(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
+    assert back == out
+    assert [type(o) for o in back.outs] == [TokenOut] * 4
+    assert type(back.outs[0].usage) is Usage and back.outs[0].logprobs == []
+    assert b"TokenOut" not in pickle.dumps(BatchTokenOut([plain]))  # one global: the rebuild

@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from shardline_runtime.layers.sampler import Sampler, greedy_argmax
+from shardline_runtime.layers.sampler import (
+    HOST_ID_RING,
+    HostIdRing,
+    Sampler,
+    greedy_argmax,
+    greedy_on_host,
+)
 from shardline_runtime.managers.req import Req
 from shardline_runtime.sampling import SamplingBatchInfo, SamplingParams, SamplingParamsError
 
@@ -236,3 +242,20 @@ def test_greedy_argmax_of_a_padded_vocab_slice_is_an_int64_tensor():
     ids = greedy_argmax(logits)
     assert ids.dtype == torch.int64
     assert torch.equal(ids, logits.max(dim=-1).indices)
+
+
+def test_greedy_on_host_writes_a_ring_slot_that_stays_for_the_next_steps():
+    """Each step's ids equal torch's argmax; a step's ids (tensor and NumPy view, one memory)
+    stay unchanged while the next HOST_ID_RING - 1 steps write theirs; a batch larger than the
+    ring grows it; non-CPU-float32 logits are refused (None)."""
+    ring = HostIdRing(capacity=2)
+    g = torch.Generator().manual_seed(0)
+    steps = [torch.randn(bs, 50, generator=g) for bs in (1, 3, 3, 2, 3)]
+    got = [greedy_on_host(logits, logits.shape[0], 50, ring) for logits in steps]
+    for logits, (ids, host) in zip(steps[-HOST_ID_RING:], got[-HOST_ID_RING:]):
+        assert ids.dtype == torch.int64 and host.tolist() == ids.tolist()
+        assert torch.equal(ids, logits.max(dim=-1).indices)
+    ids, host = greedy_on_host(steps[0], 1, 50)  # no ring: a new array
+    assert torch.equal(ids, steps[0].max(dim=-1).indices)
+    assert greedy_on_host(steps[0].double(), 1, 50, ring) is None
+    assert greedy_on_host(steps[1], 2, 50, ring) is None  # rows disagree

@@ -97,18 +97,68 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def greedy_on_host(logits: torch.Tensor, rows: int, vocab_size: int) -> torch.Tensor | None:
+HOST_ID_RING = 4  # a greedy step's ids stay unchanged for the next HOST_ID_RING - 1 steps
+
+
+class HostIdRing:
+    """Preallocated (bs,) int64 CPU tensors that :func:`greedy_on_host` writes each step's argmax
+    into through NumPy views (``ndarray.argmax(out=)``), used in turn: no ``from_numpy`` and no
+    new array per step.
+
+    A step's ids stay as they were for the next ``HOST_ID_RING - 1`` steps. Nothing holds them
+    longer: the overlap loop reads them as the next step's input ids (``FutureMap``) and when it
+    processes the step, one step later, as ``host_decode_inputs.py``'s ring argues for its own
+    buffers. The pipeline loop processes a step up to ``pp_size`` steps later, so a runner with
+    ``pp_size > 1`` uses no ring.
+    """
+
+    def __init__(self, capacity: int = 64):
+        self._alloc(capacity)
+        self._next = 0
+
+    def _alloc(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._buffer = torch.zeros((HOST_ID_RING, capacity), dtype=torch.int64)
+        self._host = self._buffer.numpy()
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, np.ndarray]] = {}
+
+    def next(self, bs: int) -> tuple[torch.Tensor, np.ndarray]:
+        """The next slot's (bs,) int64 tensor and its NumPy view (the same memory)."""
+        if bs > self.capacity:
+            self._alloc(max(bs, 2 * self.capacity))
+        slot = self._next
+        self._next = (slot + 1) % HOST_ID_RING
+        views = self._views.get((slot, bs))
+        if views is None:
+            views = self._views[(slot, bs)] = (self._buffer[slot, :bs], self._host[slot, :bs])
+        return views
+
+
+def greedy_on_host(
+    logits: torch.Tensor, rows: int, vocab_size: int, ring: HostIdRing | None = None
+) -> tuple[torch.Tensor, np.ndarray] | None:
     """:func:`greedy_argmax` of a CPU float32 (rows, vocab_size) ``logits`` exactly as the
     sampler's greedy path computes it, with the shape checks done on the NumPy view (cheaper
     than torch's); None when ``logits`` is anything else (then the sampler's own path runs).
-    The hot path of a greedy CPU decode step (``sample_step.sample_batch``)."""
-    if logits.device.type != "cpu" or logits.dtype is not torch.float32:
+    The hot path of a greedy CPU decode step (``sample_step.sample_batch``).
+
+    Returns:
+        the (rows,) int64 ids as a CPU tensor and as a NumPy view of the same memory (written
+        into ``ring``'s next slot when given, else new).
+    """
+    if not logits.is_cpu or logits.dtype is not torch.float32:  # is_cpu: no device object
         return None
     host = logits.numpy()
     if host.ndim != 2 or host.shape[0] != rows or host.shape[1] != vocab_size or not rows:
         return None
-    ids = host.argmax(axis=-1)
-    return torch.from_numpy(ids if ids.dtype == np.int64 else ids.astype(np.int64))
+    if ring is not None:
+        ids, out = ring.next(rows)
+        host.argmax(axis=-1, out=out)
+        return ids, out
+    out = host.argmax(axis=-1)
+    if out.dtype != np.int64:
+        out = out.astype(np.int64)
+    return torch.from_numpy(out), out
 
 
 class Sampler(nn.Module):
@@ -122,6 +172,8 @@ class Sampler(nn.Module):
     def __init__(self, broadcast: Callable[[torch.Tensor], object] | None = None):
         super().__init__()
         self.broadcast = broadcast
+        # greedy CPU steps' ids (sample_step.sample_batch); None: a new array per step
+        self.host_ids: HostIdRing | None = HostIdRing()
 
     def forward(
         self,

@@ -37,7 +37,7 @@ from shardline_runtime.managers.io_lora_experts import (  # noqa: F401  (re-expo
     RebalanceExpertsReqOutput,
     UnloadLoRAAdapterReqInput,
 )
-from shardline_runtime.managers.message_pickling import compact_pickle
+from shardline_runtime.managers.message_pickling import compact_pickle, compact_step_pickle
 from shardline_runtime.sampling.sampling_params import SamplingParams
 from shardline_runtime.weights_state import WeightsState
 
@@ -357,4 +357,5 @@ class BatchTokenOut:
     outs: list[TokenOut]
 
 
-compact_pickle(FinishReason, TokenLogprob, Usage, TokenOut, BatchTokenOut)  # sent every step
+compact_pickle(FinishReason, TokenLogprob, Usage, TokenOut)  # sent every step
+compact_step_pickle(BatchTokenOut, TokenOut, Usage)

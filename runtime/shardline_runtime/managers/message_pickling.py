@@ -8,6 +8,13 @@ process unpickles it, so at batch 1 that was a visible part of the host time of 
 tuple (read by one ``operator.attrgetter`` call) and rebuilds the object from it. The pickled
 form stays a plain pickle (ZMQ's ``send_pyobj`` / ``recv_pyobj``); the rebuilt object equals the
 original.
+
+:func:`compact_step_pickle` goes further for the per-step ``BatchTokenOut``: a request's
+``TokenOut`` that carries only ids and usage (a running request without logprobs, the common
+case) travels as a tuple of five plain values, so the whole message pickles with one
+``__reduce__`` call and one global (the rebuild function) instead of three of each per request
+(``pickle`` looks every global up by module and name on both sides). Other ``TokenOut`` (a
+finish, logprobs, an embedding) travel as they are.
 """
 
 from __future__ import annotations
@@ -54,3 +61,62 @@ def _rebuild(cls: type, values: tuple[Any, ...]) -> Any:
     for name, value in zip(names, values):
         object.__setattr__(obj, name, value)
     return obj
+
+
+def compact_step_pickle(batch_cls: type, out_cls: type, usage_cls: type) -> None:
+    """Give ``batch_cls`` (``BatchTokenOut``: one field ``outs``, a list of ``out_cls``
+    ``TokenOut``) the per-step reduce of the module docstring; ``usage_cls`` is ``Usage``."""
+    _STEP_CLASSES[:] = [batch_cls, out_cls, usage_cls]
+
+    def __reduce__(self: Any) -> tuple[Any, ...]:
+        wire = []
+        for out in self.outs:
+            if (
+                out.finish is None
+                and not out.logprobs
+                and out.prompt_logprobs is None
+                and out.embedding is None
+            ):
+                u = out.usage
+                wire.append(
+                    (out.rid, out.ids, u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+                )
+            else:
+                wire.append(out)
+        return _rebuild_step, (wire,)
+
+    batch_cls.__reduce__ = __reduce__  # type: ignore[method-assign,assignment]
+
+
+_STEP_CLASSES: list[type] = []
+
+
+def _rebuild_step(wire: list[Any]) -> Any:
+    """The ``BatchTokenOut`` of a :func:`compact_step_pickle` wire list, as unpickled."""
+    if not _STEP_CLASSES:  # an unpickling process that has not imported io_struct yet
+        import shardline_runtime.managers.io_struct  # noqa: F401  (registers the classes)
+    batch_cls, out_cls, usage_cls = _STEP_CLASSES
+    new, set_ = object.__new__, object.__setattr__
+    outs = []
+    for item in wire:
+        if type(item) is tuple:
+            rid, ids, prompt, completion, cached = item
+            usage: Any = new(usage_cls)
+            set_(usage, "prompt_tokens", prompt)
+            set_(usage, "completion_tokens", completion)
+            set_(usage, "cached_tokens", cached)
+            item = new(out_cls)
+            for name, value in (
+                ("rid", rid),
+                ("ids", ids),
+                ("usage", usage),
+                ("logprobs", []),
+                ("prompt_logprobs", None),
+                ("finish", None),
+                ("embedding", None),
+            ):
+                set_(item, name, value)
+        outs.append(item)
+    batch: Any = new(batch_cls)
+    set_(batch, "outs", outs)
+    return batch

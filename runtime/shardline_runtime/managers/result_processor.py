@@ -84,8 +84,7 @@ class ResultProcessor:
         are skipped.
         """
         decode = decode or self.decode_manager
-        assert result.next_token_ids is not None, "the result of a step that sampled nothing"
-        next_ids = result.next_token_ids.tolist()
+        next_ids = result.next_ids_list()
         done_before = {id(req) for req in batch.reqs if req.finished()}
         verify = batch.forward_mode.is_target_verify()
         if batch.forward_mode.is_extend() and not verify:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from shardline_runtime.model_executor.forward_batch_info import ForwardBatch
@@ -47,6 +48,8 @@ class GenerationBatchResult:
             from the last stage).
         pooled: (embedding models) (bs, hidden_size) float32, each request's pooled partial of
             this step (``layers/pooler.py``); None for generation models.
+        host_ids: (a greedy CPU step) ``next_token_ids`` as a NumPy view of the same memory, or
+            None; :meth:`next_ids_list` reads it (cheaper than the tensor's ``tolist``).
     """
 
     logits_output: Any
@@ -68,6 +71,7 @@ class GenerationBatchResult:
     accepted_logprobs: list[list[float]] | None = None
     accepted_top_logprobs: list[list[tuple[list[float], list[int]]]] | None = None
     pooled: torch.Tensor | None = None
+    host_ids: np.ndarray | None = None
     # A step on the CPU keeps its result tensors as they are (they are on the host): no copy.
     # tests/serving/device_read_guard.py turns this off, modelling a device on the CPU.
     host_results_as_is: ClassVar[bool] = True
@@ -78,9 +82,10 @@ class GenerationBatchResult:
         for an EXTEND step that returns prompt logprobs, the logits output the result processor
         reads (so processing this step never reads the device while the next one runs)."""
         ids = self.next_token_ids
-        on_host = ids is not None and ids.device.type == "cpu" and self.host_results_as_is
-        cuda = not on_host and ids is not None and ids.device.type == "cuda"
+        on_host = ids is not None and ids.is_cpu and self.host_results_as_is
+        cuda = not on_host and ids is not None and ids.is_cuda
         if not on_host:  # on the CPU every result tensor is on the host already
+            self.host_ids = None
             for name in ("next_token_ids", "sampled_logprobs", "pooled"):
                 value = getattr(self, name)
                 if value is not None:
@@ -93,6 +98,13 @@ class GenerationBatchResult:
             self.copy_done = torch.cuda.Event()
             self.copy_done.record()
         return self
+
+    def next_ids_list(self) -> list[int]:
+        """``next_token_ids`` as a Python list (after :meth:`wait`)."""
+        if self.host_ids is not None:
+            return self.host_ids.tolist()
+        assert self.next_token_ids is not None, "the result of a step that sampled nothing"
+        return self.next_token_ids.tolist()
 
     def wait(self) -> GenerationBatchResult:
         """Block until the copies are done; fill ``next_token_logprobs`` / ``_top_logprobs``."""

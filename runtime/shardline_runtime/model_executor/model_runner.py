@@ -174,6 +174,8 @@ class ModelRunner:
 
         # at tp_size > 1 the sampled ids are broadcast from TP rank 0 on the device group
         self.sampler = Sampler(broadcast=_broadcast_from_rank0 if self.tp_size > 1 else None)
+        if self.pp_size > 1:  # a result waits for up to pp_size steps: no ring (HostIdRing)
+            self.sampler.host_ids = None
         with self.memory_saver.region("weights"):
             self.load_model()
         experts = self.args.experts

@@ -45,15 +45,18 @@ def sample_batch(
         and info.all_greedy
         and info.penalties is None
     ):
-        ids = greedy_on_host(logits_output.next_token_logits, bs, info.vocab_size)
-        if ids is not None:
+        greedy = greedy_on_host(
+            logits_output.next_token_logits, bs, info.vocab_size, sampler.host_ids
+        )
+        if greedy is not None:
             return GenerationBatchResult(
                 logits_output,
                 forward_batch,
-                ids,
+                greedy[0],
                 sampled_rows=list(range(bs)),
                 logprob_rows=[False] * bs,
                 top_logprobs_nums=[0] * bs,
+                host_ids=greedy[1],
             )
     rows = list(range(bs)) if wants is None or every_row else [i for i, w in enumerate(wants) if w]
     result = GenerationBatchResult(
