@@ -20,8 +20,8 @@ import httpx
 
 SAMPLE_SECONDS = 0.1
 RECOVERED_FACTOR = 1.5  # p95 within this factor of the pre-rollout p95 counts as recovered
-WINDOW_SECONDS = 5.0  # the p95 of requests sent in a sliding window of this length
-MIN_WINDOW_REQUESTS = 3
+WINDOW_SECONDS = 5.0  # recovery: the p95 of requests sent in a window of this length,
+MIN_WINDOW_REQUESTS = 3  # ... stretched to at least this many requests
 
 
 @dataclass
@@ -127,20 +127,25 @@ def p95(values: list[float]) -> float:
 def recovery(records: list[tuple[float, str, float, bool]], group: GroupTimeline, baseline_until: float,
              end: float) -> tuple[float, float, float]:
     """``(pre-rollout p95, seconds to recover, worst latency after available)`` of one group from
-    the client's ``(sent at, leader IP, seconds, ok)`` records: the pre-rollout p95 over requests
-    sent to its leader before ``baseline_until``; recovery is the start of the first
-    :data:`WINDOW_SECONDS` window (stepped by 0.25 s from ``available_at``) whose p95 is within
-    :data:`RECOVERED_FACTOR` of it (inf: never before ``end``)."""
+    the client's ``(sent at, leader IP, seconds, ok)`` records (seconds; monotonic clock).
+
+    The pre-rollout p95 is over requests sent to the group's leader before ``baseline_until``.
+    Recovery is the start of the first window whose p95 is within :data:`RECOVERED_FACTOR` of it;
+    the windows start at ``available_at`` and then at each later request's send time, and each
+    spans :data:`WINDOW_SECONDS`, stretched to its first :data:`MIN_WINDOW_REQUESTS` requests
+    where fewer were sent in that time (a group that gets one request every few seconds is
+    judged on three requests, not never). inf: no window sent before ``end`` qualifies."""
     mine = [(sent, seconds) for sent, ip, seconds, _ in records if ip == group.ip]
     base = p95([s for sent, s in mine if sent < baseline_until])
     if group.available_at is None:
         return base, math.inf, math.nan
-    after = [(sent, s) for sent, s in mine if sent >= group.available_at]
+    after = sorted((sent, s) for sent, s in mine if group.available_at <= sent < end)
     worst = max((s for _, s in after), default=math.nan)
-    start = group.available_at
-    while start + WINDOW_SECONDS <= end:
-        window = [s for sent, s in after if start <= sent < start + WINDOW_SECONDS]
-        if len(window) >= MIN_WINDOW_REQUESTS and p95(window) <= RECOVERED_FACTOR * base:
+    for k in range(len(after) - MIN_WINDOW_REQUESTS + 1):
+        start = group.available_at if k == 0 else after[k][0]
+        window = [s for sent, s in after[k:] if sent < start + WINDOW_SECONDS]
+        if len(window) < MIN_WINDOW_REQUESTS:
+            window = [s for _, s in after[k:k + MIN_WINDOW_REQUESTS]]
+        if p95(window) <= RECOVERED_FACTOR * base:
             return base, start - group.available_at, worst
-        start += 0.25
     return base, math.inf, worst
