@@ -7,8 +7,11 @@ next group's update waited for it (a loaded 200M-parameter leader took 6-8 s to 
 ``docs/benchmarks.md``). :class:`ReturnChecks` starts it on the update's own thread as soon as the
 runtime replies success, so it runs while the operator observes and the pod turns Ready; the
 pass's check then takes that result (or waits for the one in flight) instead of sending a second
-request. A result is used once, and only while it is at most :data:`FRESH_SECONDS` old; a failed
-one keeps the group out, and the next pass asks the leader again.
+request. A result is used once, only while it is at most :data:`FRESH_SECONDS` old, and only if it
+passed: a failed early check is dropped and the pass asks the leader afresh, so a stale failure
+(e.g. a timeout right after the update) never decides. A new update of the leader forgets any
+check of the previous one (:meth:`ReturnChecks.forget`), so a check taken before an update can
+never return the group after it.
 """
 
 from __future__ import annotations
@@ -33,14 +36,37 @@ class ReturnChecks:
         self._results: dict[str, tuple[bool, str, float]] = {}  # url -> (passed, message, at)
 
     def start(self, url: str, serving_key: str | None) -> None:
-        """Begin the check of ``url`` on a thread of its own (a previous result is dropped)."""
+        """Begin the check of ``url`` on a thread of its own (a previous result is dropped).
+
+        Raises what ``threading.Thread.start`` raises (``RuntimeError``: no thread could start);
+        nothing is then registered for ``url``."""
         thread = threading.Thread(
             target=self._run, args=(url, serving_key), daemon=True, name=f"return-check-{url}"
         )
         with self._lock:
+            self._prune()
             self._results.pop(url, None)
             self._running[url] = thread
-        thread.start()
+        try:
+            thread.start()
+        except BaseException:
+            with self._lock:
+                if self._running.get(url) is thread:
+                    del self._running[url]
+            raise
+
+    def forget(self, url: str) -> None:
+        """Drop the result and any check in flight for ``url`` (its late result is then
+        discarded): called when a new update of that leader starts."""
+        with self._lock:
+            self._running.pop(url, None)
+            self._results.pop(url, None)
+
+    def _prune(self) -> None:
+        """Drop results too old to use (a group deleted or never returned); under the lock."""
+        now = self._clock()
+        for url in [u for u, (_, _, at) in self._results.items() if now - at > FRESH_SECONDS]:
+            del self._results[url]
 
     def _run(self, url: str, serving_key: str | None) -> None:
         passed, message = self._check(url, serving_key)
@@ -51,15 +77,15 @@ class ReturnChecks:
 
     def take(self, url: str, wait_seconds: float) -> tuple[bool, str] | None:
         """The early check of ``url``: waits up to ``wait_seconds`` for one in flight; returns
-        ``(passed, message)`` of a result at most :data:`FRESH_SECONDS` old (and forgets it),
-        else None (no early check: the caller checks itself)."""
+        ``(True, message)`` for a passed result at most :data:`FRESH_SECONDS` old (and forgets
+        it), else None: no early check, a stale one or a failed one (the caller checks itself)."""
         with self._lock:
             running = self._running.get(url)
         if running is not None:
             running.join(wait_seconds)
         with self._lock:
             result = self._results.pop(url, None)
-        if result is None or self._clock() - result[2] > FRESH_SECONDS:
+            self._prune()
+        if result is None or self._clock() - result[2] > FRESH_SECONDS or not result[0]:
             return None
-        passed, message, _ = result
-        return passed, f"{message} (checked as the update ended)"
+        return True, f"{result[1]} (checked as the update ended)"

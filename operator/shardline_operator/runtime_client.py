@@ -76,6 +76,7 @@ class HttpLeaderClient:
         shorter than a reconcile interval are still seen (:meth:`observed_phases`); once the
         update succeeded it starts the return check (``/health_generate`` with ``serving_key``).
         """
+        self._returns.forget(url)  # a check of the previous update must not return this one
         future = self._pool.submit(_post_update, url, dict(body), timeout_seconds, token)
         sampler = threading.Thread(
             target=self._sample_phases,

@@ -176,3 +176,21 @@ def test_a_failed_update_starts_no_return_check(leader_url):
     assert wait_done(client, "ns/x/g0")[0] == "failure"
     time.sleep(0.5)
     assert "/health_generate" not in Leader.gets
+
+
+def test_a_new_update_forgets_the_previous_updates_return_check(leader_url):
+    """A check taken after update B must not return the group after update C failed: C's start
+    drops it, and the return asks the leader afresh."""
+    client = HttpLeaderClient()
+    client.start_update("ns/x/g0", leader_url, {"model_path": "/m/rev-b", "revision": "rev-b"}, 60)
+    assert wait_done(client, "ns/x/g0") == ("success", "ok")
+    deadline = time.monotonic() + 30
+    while "/health_generate" not in Leader.gets and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # the check's answer is stored
+    Leader.reply = (400, {"success": False, "message": "bad checkpoint"})
+    client.start_update("ns/x/g0", leader_url, {"model_path": "/m/rev-c", "revision": "rev-c"}, 60)
+    assert wait_done(client, "ns/x/g0")[0] == "failure"
+    passed, message = client.verify(leader_url)
+    assert passed and "as the update ended" not in message
+    assert Leader.gets.count("/health_generate") == 2
