@@ -73,6 +73,7 @@ def _views(
                 seen.gate,
                 leader.revision if leader is not None else None,
                 seen.update_seconds,
+                leader is not None,
             )
         )
     return views

@@ -36,7 +36,7 @@ class GroupView:
     canary verification when it was run this pass; ``pod_revision``: the revision label of the
     leader pod (what it was started with or last relabelled to), if known; ``update_seconds``:
     the runtime's ``load_seconds`` / ``recapture_seconds`` for the update that ``update`` reports
-    ended (empty otherwise).
+    ended (empty otherwise); ``leader_pod``: a rank-0 pod exists that is not being deleted.
     """
 
     index: int
@@ -50,6 +50,7 @@ class GroupView:
     gate: tuple[bool, str] | None = None
     pod_revision: str | None = None
     update_seconds: Mapping[str, float] = field(default_factory=dict)
+    leader_pod: bool = True
 
     @property
     def served(self) -> ServedModel | None:

@@ -63,6 +63,19 @@ def _confirmed(view: GroupView, target: ServedModel) -> bool:
     )
 
 
+def _went_away(view: GroupView, result: str) -> bool:
+    """Whether an ``aborted`` or ``failure`` result came from the leader going away rather than
+    from the update: an abort while a pod is terminating or unready (a drain aborts the load);
+    a failed request only while the leader pod is being deleted or gone (killed while it
+    drained; a crash that leaves the pod fails the update, as it always did). A leader that
+    stays is unready during any update longer than its readiness probe's failure threshold
+    (``/ready`` answers 503 while it updates), so unready alone does not excuse a failure: that
+    would turn a bad checkpoint into a wait until the timeout."""
+    if result == "aborted":
+        return not (view.live and view.ready)
+    return result == "failure" and not view.leader_pod
+
+
 def follow_wave(
     state: RolloutState,
     views: Mapping[int, GroupView],
@@ -102,7 +115,7 @@ def follow_wave(
                     f"{target.revision} again",
                 )
             )
-        elif result in ("aborted", "failure") and not (view.live and view.ready):
+        elif _went_away(view, result):
             # the leader went away mid-update (a drained pod aborts its load; one killed or
             # crashed while draining drops the request): its new pod is updated once it serves,
             # and a failure the runtime reports is read from that leader on the next pass

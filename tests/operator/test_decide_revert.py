@@ -306,3 +306,12 @@ def test_an_update_that_failed_on_a_leader_that_stays_fails_the_wave(make_spec, 
     failed = {0: (pods(spec_b, make_pod, 0), leader("rev-a", phase="failed", update=("failure", "bad checkpoint")))}
     plan = decide(spec_b, observation(spec_b, make_pod, failed), previous_status(spec_b, rollout=WAVE_0), NOW)
     assert plan.metrics.failed_updates == 1
+
+
+def test_an_update_that_failed_on_a_leader_still_unready_from_it_fails_the_wave(make_spec, make_pod):
+    # /ready answers 503 while the runtime updates: right after a real failure the pod may still
+    # be unready, though nothing replaced it; the failure is the update's
+    spec_b = spec_b_of(make_spec)
+    failed = {0: (pods(spec_b, make_pod, 0, ready=False), leader("rev-a", phase="failed", update=("failure", "bad checkpoint")))}
+    plan = decide(spec_b, observation(spec_b, make_pod, failed), previous_status(spec_b, rollout=WAVE_0), NOW)
+    assert plan.metrics.failed_updates == 1
