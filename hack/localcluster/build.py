@@ -132,6 +132,7 @@ def cached_go_build(target: Path, what: str, build: Callable[[Path], None]) -> P
         if os.access(target, os.X_OK):
             return target
         partial = target.with_name(target.name + ".partial")
+        partial.unlink(missing_ok=True)  # an interrupted build's leftover is never promoted
         build(partial)
         if not partial.is_file():
             raise RuntimeError(f"{what}: the build wrote no binary at {partial}")

@@ -75,6 +75,15 @@ def test_a_build_that_writes_nothing_is_an_error_naming_it(tmp_path):
     assert not target.exists()
 
 
+def test_an_interrupted_builds_leftover_is_never_promoted(tmp_path):
+    target = tmp_path / "cache" / "v1" / "hello"
+    target.parent.mkdir(parents=True)
+    target.with_name("hello.partial").write_text("half a binary")
+    with pytest.raises(RuntimeError, match="the build wrote no binary"):
+        cached_go_build(target, "build hello", lambda partial: None)
+    assert not target.exists()
+
+
 def test_concurrent_callers_build_once(hello):
     (source, target), builds = hello, []
     results: list[Path] = []
