@@ -67,9 +67,7 @@ def _rebuild(cls: type, values: tuple[Any, ...]) -> Any:
 # left unset on the compact path, so :func:`compact_step_pickle` refuses any other set.
 STEP_FIELDS: dict[str, frozenset[str]] = {
     "batch": frozenset({"outs"}),
-    "out": frozenset(
-        {"rid", "ids", "usage", "logprobs", "prompt_logprobs", "finish", "embedding"}
-    ),
+    "out": frozenset({"rid", "ids", "usage", "logprobs", "prompt_logprobs", "finish", "embedding"}),
     "usage": frozenset({"prompt_tokens", "completion_tokens", "cached_tokens"}),
 }
 
