@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
 import torch
 
 from shardline_runtime.managers.io_struct import (
@@ -104,3 +105,30 @@ def test_a_step_of_plain_and_finishing_outputs_survives_pickling_unchanged():
     assert [type(o) for o in back.outs] == [TokenOut] * 4
     assert type(back.outs[0].usage) is Usage and back.outs[0].logprobs == []
     assert b"TokenOut" not in pickle.dumps(BatchTokenOut([plain]))  # one global: the rebuild
+
+
+def test_the_step_pickle_refuses_a_message_class_with_fields_it_would_not_rebuild():
+    """``_rebuild_step`` sets ``TokenOut``'s and ``Usage``'s fields by hand: a class with a field
+    added (or one dropped) is refused when registered, naming the field, never left unset."""
+    from dataclasses import dataclass
+
+    from shardline_runtime.managers.message_pickling import compact_step_pickle
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class UsageWithReasoning:
+        prompt_tokens: int
+        completion_tokens: int
+        cached_tokens: int = 0
+        reasoning_tokens: int = 0
+
+    @dataclass
+    class Batch:  # not registered: the check runs before anything is replaced
+        outs: list
+
+    with pytest.raises(TypeError, match=r"UsageWithReasoning .*missing \[\], extra \['reasoning_tokens'\]"):
+        compact_step_pickle(Batch, TokenOut, UsageWithReasoning)
+    with pytest.raises(TypeError, match=r"Usage .*missing \['outs'\], extra \['cached_tokens'"):
+        compact_step_pickle(Usage, TokenOut, Usage)
+    assert not hasattr(Batch, "__reduce__") or Batch.__reduce__ is object.__reduce__
+    plain = BatchTokenOut([TokenOut(rid="a", ids=[1], usage=Usage(3, 1, 0))])
+    assert pickle.loads(pickle.dumps(plain)) == plain  # the registered classes still pickle

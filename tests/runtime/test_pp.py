@@ -401,3 +401,19 @@ def test_pp2_tp2_four_processes_match_tp1(tiny_checkpoint, tmp_path):
     for rank in ranks[2:]:  # both TP ranks of the last stage
         for got, want in zip(rank["l"]["logits"], logits, strict=True):
             assert (got - want).abs().max() <= TOL
+
+
+def test_a_loop_with_more_slots_than_the_host_id_ring_keeps_every_slots_ids(tiny_checkpoint):
+    """One process, five micro-batch slots (more than ``HOST_ID_RING``): a slot's result is
+    processed four steps after it was sampled, after four other slots sampled; its greedy ids must
+    be what it sampled, as with one slot (a ring would have handed its buffer to a later step)."""
+    from shardline_runtime.layers.sampler import HOST_ID_RING
+
+    llama, loop = tiny_checkpoint("llama"), HOST_ID_RING + 1
+    staggered = [(1, [pp_harness.greedy(f"s{i}", PROMPTS[i % 3] + [i], 6)]) for i in range(loop)]
+    wide = pp_harness.make_scheduler(llama, loop_size=loop)
+    assert wide.worker.model_runner.sampler.host_ids is None
+    got = pp_harness.drive(wide, staggered + [[]])
+    assert wide.max_busy_slots == loop  # every slot held a batch at once
+    want = pp_harness.drive(pp_harness.make_scheduler(llama), [[r for _, [r] in staggered]])
+    assert got == want

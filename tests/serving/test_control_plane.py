@@ -332,3 +332,50 @@ def test_an_abort_while_requests_hold_cached_kv_keeps_the_cache_and_replies_abor
     finally:
         cache.dec_lock_ref(node)
         cache.reset()
+
+
+def _cache_with_prefix(plane, worker):
+    cache = plane.part.tree_cache
+    slots = worker.token_to_kv_pool_allocator.alloc(4)
+    cache.insert([1, 2, 3, 4], slots)
+    return cache, slots
+
+
+def test_a_rank_outvoted_by_an_abort_elsewhere_keeps_its_prefix_cache(worker, ckpts, monkeypatch):
+    # On TP rank > 0 (or a later stage) the abort is seen only on rank 0, which votes no and keeps
+    # its cache; this rank staged fine, loses the vote and must keep its cache too, or the TP
+    # ranks hold different prefix caches and build different EXTEND batches.
+    import shardline_runtime.model_executor.weight_update as weight_update
+
+    monkeypatch.setattr(weight_update, "all_reduce_min_int", lambda value: 0)  # rank 0 voted no
+    plane = Plane(worker, ckpts[0])
+    cache, slots = _cache_with_prefix(plane, worker)
+    try:
+        plane.update(model_path=str(ckpts[1]), revision="rev-b")
+        reply = plane.sent(UpdateWeightsFromDiskReqOutput)[0]
+        assert not reply.success and not reply.aborted  # this rank never saw the abort
+        assert cache.match_prefix([1, 2, 3, 4])[0].tolist() == slots.tolist()
+    finally:
+        cache.reset()
+
+
+def test_a_successful_update_flushes_the_prefix_cache(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    cache, _ = _cache_with_prefix(plane, worker)
+    try:
+        plane.update(model_path=str(ckpts[0]), revision="rev-a")
+        assert plane.sent(UpdateWeightsFromDiskReqOutput)[0].success
+        assert cache.match_prefix([1, 2, 3, 4])[0].numel() == 0
+    finally:
+        cache.reset()
+
+
+def test_an_update_with_flush_cache_false_keeps_the_prefix_cache(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    cache, slots = _cache_with_prefix(plane, worker)
+    try:
+        plane.update(model_path=str(ckpts[0]), revision="rev-a", flush_cache=False)
+        assert plane.sent(UpdateWeightsFromDiskReqOutput)[0].success
+        assert cache.match_prefix([1, 2, 3, 4])[0].tolist() == slots.tolist()
+    finally:
+        cache.reset()

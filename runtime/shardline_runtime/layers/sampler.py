@@ -108,8 +108,10 @@ class HostIdRing:
     A step's ids stay as they were for the next ``HOST_ID_RING - 1`` steps. Nothing holds them
     longer: the overlap loop reads them as the next step's input ids (``FutureMap``) and when it
     processes the step, one step later, as ``host_decode_inputs.py``'s ring argues for its own
-    buffers. The pipeline loop processes a step up to ``pp_size`` steps later, so a runner with
-    ``pp_size > 1`` uses no ring.
+    buffers. The pipeline loop processes a step ``loop_size - 1`` steps later (``loop_size``
+    micro-batch slots, ``pp_size`` by default, any number with ``Scheduler(pp_loop_size=)``), so
+    a runner with ``pp_size > 1`` (``ModelRunner``) and a scheduler with more than one slot
+    (``Scheduler``) use no ring.
     """
 
     def __init__(self, capacity: int = 64):

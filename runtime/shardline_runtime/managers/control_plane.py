@@ -5,8 +5,8 @@ weights' state (every rank in lockstep; rank 0 replies).
   start_weight_update` queues the message; the requests that arrived before it (a disk update's
   ``requested_at``; for a trainer's, none) and the started ones finish (or are aborted with
   ``abort_all_requests``), then :meth:`ControlPlane.maybe_run_weight_update` runs it on every
-  rank and the prefix cache is flushed (unless ``flush_cache`` is false: a trainer sending
-  buckets flushes on the last one). A disk update stages its new weights on a thread of its own
+  rank and, if it succeeded, the prefix cache is flushed (unless ``flush_cache`` is false: a
+  trainer sending buckets flushes on the last one). A disk update stages its new weights on a thread of its own
   meanwhile (``weight_staging.BackgroundStaging``), so the pause covers only the commit (vote,
   copy) and the recapture; requests arriving after it are held by the HTTP process.
 - A disk update can be aborted (``AbortWeightUpdateReqInput``, ``POST /abort_weight_update``)
@@ -309,12 +309,12 @@ class ControlPlane:
         )
         if outcome.ok:
             self.memory_saver.note_loaded(outcome.names)
-        # Old KV must never serve new weights; after a failed update the cache is still valid,
-        # but flushing it costs only recomputation, so do it (a trainer sending buckets passes
-        # flush_cache false on all but the last). An aborted update changed nothing, and its
-        # abort may come while requests still hold cached KV (a revert, a drain), which a flush
-        # would free under them: the cache stays.
-        if msg.flush_cache and not outcome.aborted:
+        # Old KV must never serve new weights (a trainer's buckets pass flush_cache false but
+        # the last). A failed or aborted update changed no rank's weights: the cache stays (an
+        # abort may come while requests hold cached KV). ``ok`` is the vote every rank shares;
+        # ``aborted`` is known only where the abort was seen, and TP ranks with different
+        # prefix caches would build different EXTEND batches.
+        if msg.flush_cache and outcome.ok:
             self.tree_cache.reset()
         self.publish(**outcome.changes)
         logger.info(

@@ -63,9 +63,37 @@ def _rebuild(cls: type, values: tuple[Any, ...]) -> Any:
     return obj
 
 
+# The fields :func:`_rebuild_step` sets by hand: a field added to one of these classes would be
+# left unset on the compact path, so :func:`compact_step_pickle` refuses any other set.
+STEP_FIELDS: dict[str, frozenset[str]] = {
+    "batch": frozenset({"outs"}),
+    "out": frozenset({"rid", "ids", "usage", "logprobs", "prompt_logprobs", "finish", "embedding"}),
+    "usage": frozenset({"prompt_tokens", "completion_tokens", "cached_tokens"}),
+}
+
+
+def check_step_fields(cls: type, expected: frozenset[str]) -> None:
+    """Raise ``TypeError`` naming the missing and extra fields when the dataclass ``cls``'s
+    fields are not exactly ``expected``."""
+    actual = {f.name for f in fields(cls)}
+    if actual != expected:
+        raise TypeError(
+            f"compact_step_pickle rebuilds {cls.__name__} with the fields {sorted(expected)}; "
+            f"missing {sorted(expected - actual)}, extra {sorted(actual - expected)}: update "
+            "message_pickling._rebuild_step, the wire tuple and STEP_FIELDS together"
+        )
+
+
 def compact_step_pickle(batch_cls: type, out_cls: type, usage_cls: type) -> None:
     """Give ``batch_cls`` (``BatchTokenOut``: one field ``outs``, a list of ``out_cls``
-    ``TokenOut``) the per-step reduce of the module docstring; ``usage_cls`` is ``Usage``."""
+    ``TokenOut``) the per-step reduce of the module docstring; ``usage_cls`` is ``Usage``.
+
+    Raises:
+        TypeError: a class's fields are not :data:`STEP_FIELDS`' (checked once, at import of
+            ``io_struct``), naming the missing and extra ones.
+    """
+    for cls, key in ((batch_cls, "batch"), (out_cls, "out"), (usage_cls, "usage")):
+        check_step_fields(cls, STEP_FIELDS[key])
     _STEP_CLASSES[:] = [batch_cls, out_cls, usage_cls]
 
     def __reduce__(self: Any) -> tuple[Any, ...]:

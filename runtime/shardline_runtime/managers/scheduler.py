@@ -137,6 +137,8 @@ class Scheduler:
             self.cache, self.new_token_ratio, self.limits, self.new_batch
         )
         slots = (pp_loop_size or worker.pp_size) if pipelined else 1
+        if slots > 1:  # a result is processed slots - 1 steps later: no HostIdRing (sampler.py)
+            worker.model_runner.sampler.host_ids = None
         self.decode_managers = [
             DecodeManager(self.cache, self.new_token_ratio, worker.max_req_len, self.speculative)
             for _ in range(slots)
