@@ -80,6 +80,12 @@ def wait_done(client, key, timeout: float = 60.0):
     raise AssertionError(f"update not finished after {timeout} s")
 
 
+def wait_for_get(path: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while path not in Leader.gets and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_success_and_sampled_phases(leader_url):
     client = HttpLeaderClient()
     assert client.poll("k") == ("unknown", "")
@@ -157,9 +163,7 @@ def test_a_successful_update_starts_the_return_check_and_verify_takes_it(leader_
     client = HttpLeaderClient()
     client.start_update("ns/x/g0", leader_url, {"model_path": "/m/rev-b", "revision": "rev-b"}, 60)
     assert wait_done(client, "ns/x/g0") == ("success", "ok")
-    deadline = time.monotonic() + 30
-    while "/health_generate" not in Leader.gets and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for_get("/health_generate")
     assert Leader.gets.count("/health_generate") == 1, Leader.gets
     passed, message = client.verify(leader_url)
     assert passed and "as the update ended" in message
@@ -184,9 +188,7 @@ def test_a_new_update_forgets_the_previous_updates_return_check(leader_url):
     client = HttpLeaderClient()
     client.start_update("ns/x/g0", leader_url, {"model_path": "/m/rev-b", "revision": "rev-b"}, 60)
     assert wait_done(client, "ns/x/g0") == ("success", "ok")
-    deadline = time.monotonic() + 30
-    while "/health_generate" not in Leader.gets and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for_get("/health_generate")
     time.sleep(0.2)  # the check's answer is stored
     Leader.reply = (400, {"success": False, "message": "bad checkpoint"})
     client.start_update("ns/x/g0", leader_url, {"model_path": "/m/rev-c", "revision": "rev-c"}, 60)

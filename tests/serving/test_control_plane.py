@@ -359,23 +359,14 @@ def test_a_rank_outvoted_by_an_abort_elsewhere_keeps_its_prefix_cache(worker, ck
         cache.reset()
 
 
-def test_a_successful_update_flushes_the_prefix_cache(worker, ckpts):
-    plane = Plane(worker, ckpts[0])
-    cache, _ = _cache_with_prefix(plane, worker)
-    try:
-        plane.update(model_path=str(ckpts[0]), revision="rev-a")
-        assert plane.sent(UpdateWeightsFromDiskReqOutput)[0].success
-        assert cache.match_prefix([1, 2, 3, 4])[0].numel() == 0
-    finally:
-        cache.reset()
-
-
-def test_an_update_with_flush_cache_false_keeps_the_prefix_cache(worker, ckpts):
+@pytest.mark.parametrize("flush_cache", [True, False])
+def test_a_successful_update_flushes_the_prefix_cache_unless_told_not_to(worker, ckpts, flush_cache):
     plane = Plane(worker, ckpts[0])
     cache, slots = _cache_with_prefix(plane, worker)
     try:
-        plane.update(model_path=str(ckpts[0]), revision="rev-a", flush_cache=False)
+        plane.update(model_path=str(ckpts[0]), revision="rev-a", flush_cache=flush_cache)
         assert plane.sent(UpdateWeightsFromDiskReqOutput)[0].success
-        assert cache.match_prefix([1, 2, 3, 4])[0].tolist() == slots.tolist()
+        kept = cache.match_prefix([1, 2, 3, 4])[0].tolist()
+        assert kept == ([] if flush_cache else slots.tolist())
     finally:
         cache.reset()
