@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 import decode_table
+import torch
 
 
 def _pin_kernels(worker, triton: bool) -> None:

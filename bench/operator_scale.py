@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "operator")]
 
 from fake_kubelet import NODE, TOLERATION, FakeKubelet, ensure_node  # noqa: E402
+
 from hack.localcluster import LocalCluster  # noqa: E402
 
 

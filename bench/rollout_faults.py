@@ -31,7 +31,13 @@ from hack.scenario.invariant_watch import InvariantWatch  # noqa: E402
 from hack.scenario.large_model import large_revisions  # noqa: E402
 from hack.scenario.models import write_revisions  # noqa: E402
 from hack.scenario.operator_install import install_operator  # noqa: E402
-from hack.scenario.rollout_faults import HOLD_SECONDS, SCENARIOS, Fleet, fault_fleet_doc, run_scenario  # noqa: E402
+from hack.scenario.rollout_faults import (  # noqa: E402
+    HOLD_SECONDS,
+    SCENARIOS,
+    Fleet,
+    fault_fleet_doc,
+    run_scenario,
+)
 from hack.scenario.rollout_fleet import apply, wait_ready  # noqa: E402
 from hack.scenario.traffic import Traffic  # noqa: E402
 

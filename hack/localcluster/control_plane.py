@@ -127,7 +127,7 @@ class LocalCluster:
     def client(self) -> RestClient:
         return RestClient.from_kubeconfig(self.kubeconfig)
 
-    def start(self, with_agent: bool = True) -> "LocalCluster":
+    def start(self, with_agent: bool = True) -> LocalCluster:
         """Build binaries on a cache miss, then start everything; raises RuntimeError with the
         failing component's log tail if one does not come up."""
         bins = build.ensure_binaries(names=build.ALL_BINARIES + (
@@ -329,7 +329,7 @@ class LocalCluster:
                 processes.stop(pid, grace_s=2)
 
     @classmethod
-    def load(cls, state_dir: Path) -> "LocalCluster":
+    def load(cls, state_dir: Path) -> LocalCluster:
         """Re-attach to a cluster started by another process (e.g. ``up`` from the shell)."""
         state = json.loads((state_dir / "state.json").read_text())
         cluster = cls(state_dir=state_dir, nodes=tuple(state["nodes"]), pids=state["pids"],

@@ -41,7 +41,7 @@ class RestClient:
                                     verify=self._verify, timeout=timeout)
 
     @classmethod
-    def from_kubeconfig(cls, path: Path | str) -> "RestClient":
+    def from_kubeconfig(cls, path: Path | str) -> RestClient:
         """Build from a kubeconfig written by ``pki.write_kubeconfig`` (token + CA file)."""
         cfg = yaml.safe_load(Path(path).read_text())
         ctx_name = cfg["current-context"]

@@ -16,10 +16,10 @@ from pathlib import Path
 from hack.localcluster import pki
 from hack.localcluster.rest import ApiError, RestClient
 
+from . import service_account
 from .hosts import HostsFile
 from .netshim import build_shim
 from .pod_runner import PodRunner, pod_tmpdir
-from . import service_account
 
 TOKEN_EXPIRATION_S = 24 * 3600
 MAX_JOIN_S = 20.0

@@ -18,8 +18,14 @@ from hack.localcluster.rest import ApiError
 
 from . import service_account
 from .container import Container, now_rfc3339
-from .env import (EnvError, container_argv, container_env, empty_dir_paths, host_path_paths,
-                  remap_paths)
+from .env import (
+    EnvError,
+    container_argv,
+    container_env,
+    empty_dir_paths,
+    host_path_paths,
+    remap_paths,
+)
 from .hosts import pod_dns_names
 
 if TYPE_CHECKING:
@@ -36,7 +42,7 @@ SHUTDOWN_GRACE_S = 5.0  # agent stopping: the cluster is going away
 class PodRunner(threading.Thread):
     """Runs one pod until it is deleted (or the agent stops)."""
 
-    def __init__(self, agent: "Agent", pod: dict):
+    def __init__(self, agent: Agent, pod: dict):
         meta = pod["metadata"]
         super().__init__(name=f"pod-{meta['namespace']}/{meta['name']}", daemon=True)
         self.agent = agent

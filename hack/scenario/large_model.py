@@ -49,6 +49,7 @@ def write_checkpoint(out: Path, seed: int) -> Path:
     import torch
     import transformers
     from safetensors.torch import save_file
+
     from shardline_runtime.tiny_checkpoint import tiny_config, train_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)

@@ -61,7 +61,7 @@ class StatusWatcher:
     def path(self) -> str:
         return f"/apis/{GROUP}/{VERSION}/namespaces/{self.namespace}/{PLURAL}"
 
-    def start(self) -> "StatusWatcher":
+    def start(self) -> StatusWatcher:
         threading.Thread(target=self._run, daemon=True, name=f"watch-{self.name}").start()
         return self
 

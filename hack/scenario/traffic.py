@@ -103,7 +103,7 @@ class Traffic:
             next_at += 1.0 / self.rate
             time.sleep(max(0.0, next_at - time.monotonic()))
 
-    def __enter__(self) -> "Traffic":
+    def __enter__(self) -> Traffic:
         for t in self._threads:
             t.start()
         return self
