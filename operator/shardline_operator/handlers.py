@@ -8,7 +8,8 @@ again. It is woken by
 - any event on the object's own pods and StatefulSets, found through the
   ``shardline.dev/deployment`` label (and, for StatefulSets, their owner reference);
 - a group's update request ending (the leader client's callback), so the pass that counts it
-  and starts the next wave follows the runtime's reply at once;
+  (and returns it to routing, asking for the pass that starts the next wave at once) follows
+  the runtime's reply at once;
 - the pass's own ``ReconcileResult.requeue_after_seconds`` (a group updating, a restart
   backoff running out), or :data:`ROLLOUT_POLL_SECONDS` while ``status.rollout`` is under way
   (not ``Failed``) and the pass named no time;

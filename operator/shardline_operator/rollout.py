@@ -7,12 +7,16 @@ records and :func:`plan_rollout` computes the next step from them and ``status.r
 (:class:`RolloutState`) alone; ``execute`` performs it (start updates, re-render StatefulSets,
 record metrics). Rules:
 
-- Availability (issue 23): a group is available when its pods are Ready (none terminating) and
-  its leader serves the revision and digest recorded for it. A wave starts only while the
-  unavailable groups (restarting, terminating, unready, updating), the wave included, number at
-  most ``maxUnavailable``; a group counts as updated only once it is available on the target
-  (a reply from a leader that is not Ready does not count); the rollout completes, with one
-  ``RolloutComplete``, once every group is available on the target.
+- Availability (issue 23): a group is available when its pods are Ready (none terminating), its
+  leader serves the revision and digest recorded for it, and it is back in routing
+  (:attr:`GroupView.available`). A wave starts only while the unavailable groups (restarting,
+  terminating, unready, updating, or out of routing), the wave included, number at most
+  ``maxUnavailable`` (:func:`unavailable_groups`). A group whose update ended is still out of
+  routing in the pass that counts it updated (it returns after that pass's status, once its
+  ``/health_generate`` passes), so that pass takes no further group out, and a failed return
+  check holds the rollout until a later pass returns it. A group counts as updated only once it
+  is Ready on the target (a reply from a leader that is not Ready does not count); the rollout
+  completes, with one ``RolloutComplete``, once every group serves the target.
 - The TP group is the unit. A wave updates at most ``weightUpdate.maxUnavailable`` groups at
   once; with ``canary`` the first wave is one group, which must then pass the gate
   (``/health_generate`` plus the optional ``verify`` prompt and latency bound) before the rest
@@ -47,7 +51,7 @@ from .rollout_wave import fail, follow_wave
 from .runtime_args import ServedModel
 from .spec import WeightUpdateSpec
 
-__all__ = ["GroupView", "RolloutPlan", "plan_rollout", "update_body"]
+__all__ = ["GroupView", "RolloutPlan", "plan_rollout", "unavailable_groups", "update_body"]
 
 RESUMABLE = (UPDATING, PAUSED, VERIFYING)  # a rollout the planner may redirect to a new target
 
@@ -70,8 +74,8 @@ def plan_rollout(
     restart budget (out of service until the spec changes: neither counted nor awaited).
 
     Availability invariant: a wave starts only while the groups that are not available
-    (:attr:`GroupView.available`, or restarting), the wave included, number at most
-    ``maxUnavailable``; the rollout completes only once every group is available on the target.
+    (:func:`unavailable_groups`), the wave included, number at most ``maxUnavailable``; the
+    rollout completes only once every group serves the target.
     """
     views = {g.index: g for g in groups}
     wave = set(state.wave) if state is not None else set()
@@ -86,7 +90,9 @@ def plan_rollout(
         if ended.target == desired and ended.phase != UPDATING:
             return out  # the canary gate or a pause comes first
         # The wave ended (the spec may have moved on): plan the next step in this same pass,
-        # with the groups just updated seen as what they now are (no pass between waves).
+        # with the groups just updated seen as what they now are. They are still out of routing
+        # (they return after this pass's status), so they count against maxUnavailable: a group
+        # they committed to an old target is sent on now, but no other group leaves yet.
         groups = [_updated(g, out.apply[g.index]) if g.index in out.apply else g for g in groups]
         views = {g.index: g for g in groups}
         state = ended
@@ -158,11 +164,7 @@ def plan_rollout(
         if not g.live:  # nothing runs: the next start loads the target from the template
             out.apply[g.index] = target
             out.forget_digest.append(g.index)
-    unavailable = {
-        g.index
-        for g in groups
-        if g.index not in failed and (g.index in restarting or not g.available)
-    }
+    unavailable = unavailable_groups(groups, restarting, failed)
     ready: list[GroupView] = []
     blocked = False
     for g in todo:
@@ -174,8 +176,11 @@ def plan_rollout(
         ready.append(g)
     if not ready:
         if not out.apply:
-            out.state = replace(state, message=_waiting(todo, unavailable, blocked, policy))
-        out.requeue_after_seconds = POLL_SECONDS if out.apply else None
+            out.state = replace(state, message=_waiting(groups, todo, unavailable, blocked, policy))
+            out.requeue_after_seconds = None
+        else:  # a wave ended (0.0: the next pass at once, after the returns to routing)
+            asked = out.requeue_after_seconds
+            out.requeue_after_seconds = POLL_SECONDS if asked is None else min(asked, POLL_SECONDS)
         return out
     for g in ready:
         out.start[g.index] = update_body(g.served, target)
@@ -195,6 +200,20 @@ def plan_rollout(
     out.events.append(("Normal", GroupPhase.UPDATING_WEIGHTS.value, progress))
     out.requeue_after_seconds = POLL_SECONDS
     return out
+
+
+def unavailable_groups(
+    groups: Sequence[GroupView], restarting: frozenset[int], failed: frozenset[int]
+) -> set[int]:
+    """The groups that count against ``maxUnavailable`` (issue 23's invariant, in this one
+    place): every group that is not :attr:`GroupView.available` (unready, terminating, loading,
+    a mixed version, or out of routing: its return check pending or failed) or is
+    ``restarting``; not those in ``failed`` (out of service until the spec changes)."""
+    return {
+        g.index
+        for g in groups
+        if g.index not in failed and (g.index in restarting or not g.available)
+    }
 
 
 def _updated(view: GroupView, served: ServedModel) -> GroupView:
@@ -246,14 +265,21 @@ def _repair_while_failed(
 
 
 def _waiting(
-    todo: Sequence[GroupView], unavailable: set[int], blocked: bool, policy: WeightUpdateSpec
+    groups: Sequence[GroupView],
+    todo: Sequence[GroupView],
+    unavailable: set[int],
+    blocked: bool,
+    policy: WeightUpdateSpec,
 ) -> str:
-    """Why no wave starts: the unavailable groups fill ``maxUnavailable``, or none is Ready."""
+    """Why no wave starts: the unavailable groups fill ``maxUnavailable`` (all of them only out
+    of routing: "returning to routing"), or none is Ready."""
     if not blocked:
         return f"waiting for group {todo[0].index} to be Ready"
     names = ", ".join(str(i) for i in sorted(unavailable))
     plural = "s" if len(unavailable) > 1 else ""
-    return f"waiting: group{plural} {names} unavailable (maxUnavailable {policy.max_unavailable})"
+    returning = {g.index for g in groups if g.index in unavailable and g.returning}
+    why = "returning to routing" if returning == unavailable else "unavailable"
+    return f"waiting: group{plural} {names} {why} (maxUnavailable {policy.max_unavailable})"
 
 
 def _finish(

@@ -2,9 +2,11 @@
 
 :class:`GroupView` is a group as ``decide`` hands it to the planner (what its StatefulSet
 declares, whether it is Ready, what its leader reports, the state of an update this process
-sent); :class:`RolloutPlan` is the planner's answer. :meth:`GroupView.available` is the
-availability rule the planner keeps (issue 23): a group is available when its pods are Ready
-(none terminating) and its leader serves what status records for it.
+sent); :class:`RolloutPlan` is the planner's answer. :attr:`GroupView.available` is the
+availability rule the planner keeps (issue 23), in this one place: a group is available when
+its pods are Ready (none terminating), its leader serves what status records for it, and it is
+back in routing (its return check passed). The planner takes a group out only while the
+groups that are not available, that one included, number at most ``maxUnavailable``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ class GroupView:
     canary verification when it was run this pass; ``pod_revision``: the revision label of the
     leader pod (what it was started with or last relabelled to), if known; ``update_seconds``:
     the runtime's ``load_seconds`` / ``recapture_seconds`` for the update that ``update`` reports
-    ended (empty otherwise); ``leader_pod``: a rank-0 pod exists that is not being deleted.
+    ended (empty otherwise); ``leader_pod``: a rank-0 pod exists that is not being deleted;
+    ``routable``: that pod is labelled ``shardline.dev/routable: "true"``, so every routing path
+    lists it (it never left routing, or its return check passed; ``routing.py``).
     """
 
     index: int
@@ -51,6 +55,7 @@ class GroupView:
     pod_revision: str | None = None
     update_seconds: Mapping[str, float] = field(default_factory=dict)
     leader_pod: bool = True
+    routable: bool = True
 
     @property
     def served(self) -> ServedModel | None:
@@ -79,8 +84,19 @@ class GroupView:
 
     @property
     def available(self) -> bool:
-        """Every pod Ready and none terminating, and its leader serving (not loading or failed)
-        the revision and digest recorded for it (not a mixed version)."""
+        """Every pod Ready and none terminating, its leader serving (not loading or failed) the
+        revision and digest recorded for it (not a mixed version), and back in routing: a group
+        whose return check is pending (its update ended this pass) or failed is out of service
+        as surely as one that updates."""
+        return self.routable and self._serves_recorded()
+
+    @property
+    def returning(self) -> bool:
+        """Available but for routing: Ready on what is recorded, its return check pending or
+        failed (``routing.py`` asks again each pass)."""
+        return not self.routable and self._serves_recorded()
+
+    def _serves_recorded(self) -> bool:
         if not (self.live and self.ready):
             return False
         leader = self.leader

@@ -12,7 +12,9 @@ labels that say what each leader serves, and one Service per served revision.
   (:class:`LeaveRouting`, inserted before the ``StartUpdate``); a group of the wave in flight
   stays out; once it has left the wave (available on the target, the planner's rule), Ready and
   serving, it comes back after ``/health_generate`` answers (:class:`EnterRouting`).
-  The planner's availability rule already counts such a group unavailable while it updates.
+  The planner's availability rule (``GroupView.available``) counts such a group unavailable
+  while it updates and until it is labelled back, so no other group leaves in the pass that
+  returns it, nor while its check fails.
 - **Per-revision Services**: ``<name>-rev-<revision>`` exists while some live leader serves the
   revision (created when the first group reports serving it, deleted when none does), selecting
   the routable leaders labelled with it: a client that must stay on one revision (an RL loop)

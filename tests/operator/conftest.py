@@ -41,12 +41,14 @@ def make_spec():
 
 
 def _pod(group, rank, uid=None, ready=True, restarts=0, terminated_message=None, deleting=False, ip=None,
-         phase="Running", name="llama"):
+         phase="Running", name="llama", routable="true"):
     container = {"name": "runtime", "restartCount": restarts, "state": {"running": {}}}
     if terminated_message is not None:
         container["state"] = {"terminated": {"exitCode": 1, "message": terminated_message}}
+    # routable from the start, as the pod template renders it (routing.py takes it out)
     meta = {"name": f"{name}-g{group}-{rank}", "uid": uid or f"uid-{group}-{rank}",
-            "labels": {"shardline.dev/group": str(group), "apps.kubernetes.io/pod-index": str(rank)}}
+            "labels": {"shardline.dev/group": str(group), "apps.kubernetes.io/pod-index": str(rank),
+                       "shardline.dev/routable": routable}}
     if deleting:
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     return {"metadata": meta, "status": {
@@ -57,8 +59,8 @@ def _pod(group, rank, uid=None, ready=True, restarts=0, terminated_message=None,
 
 @pytest.fixture
 def make_pod():
-    """``make_pod(group, rank, uid=None, ready=True, restarts=0, terminated_message=None, deleting=False, ...)``
-    -> a v1.Pod dict as the API returns it."""
+    """``make_pod(group, rank, uid=None, ready=True, restarts=0, terminated_message=None, deleting=False, ...,
+    routable="true")`` -> a v1.Pod dict as the API returns it."""
     return _pod
 
 

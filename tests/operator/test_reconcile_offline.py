@@ -156,6 +156,9 @@ def test_in_place_rollout_through_reconcile(world):
     assert result.status["phase"] == "UpdatingWeights" and [s[0] for s in leaders.sent] == ["default/llama/g0"]
     leaders.results["default/llama/g0"] = ("success", "")
     leaders.seconds["default/llama/g0"] = {"load_seconds": 0.2, "recapture_seconds": 0.4}  # it recaptured
+    # it reports rev-b: back in routing after this pass, then group 1 may leave
+    leaders.info["http://127.0.0.2:8000"] = {"weights_phase": "serving", "model_path": model["path"],
+                                             "weights_revision": "rev-b"}
     result = reconcile(ctx, copy.deepcopy(body))
     body["status"] = result.status
     phases = [s.get("phase") for s in kube.statuses[-2:]]

@@ -74,11 +74,14 @@ def test_progress_condition_and_no_ready_between_groups(world):
     before = recaptures()
     run(path=REV_B, revision="rev-b")
     leaders.finish("default/llama/g0")
-    result = run()  # counts group 0 updated and starts group 1 in the same pass
-    assert result.status["phase"] == "UpdatingWeights"  # between groups: never Ready, never Initializing
+    result = run()  # counts group 0 updated; it returns to routing after this pass's status
+    assert result.status["phase"] == "RollingOut"  # between groups: never Ready, never Initializing
+    assert result.requeue_after_seconds == 0.0, "the next group waits for no timer"
     progressing = conditions(result.status)["Progressing"]
     assert progressing["status"] == "True" and progressing["message"] == "1/2 groups on rev-b"
     assert conditions(result.status)["Ready"]["status"] == "False"
+    result = run()  # group 0 is back in routing: group 1 starts
+    assert result.status["phase"] == "UpdatingWeights"
     assert leaders.sent[-1] == ("default/llama/g1", "rev-b")
     leaders.finish("default/llama/g1")
     run()
@@ -234,33 +237,40 @@ def test_the_pass_that_ends_a_rollout_writes_ready_before_the_group_returns_to_r
     leaders.verify = verify
     passes.run(model=dict(spec_dict["model"], path=REV_B, revision="rev-b"))
     leaders.finish("default/llama/g0")
-    passes.run()
+    passes.run()  # counts group 0; it returns
+    passes.run()  # starts group 1
     leaders.finish("default/llama/g1")
     result = passes.run()  # counts group 1 and ends the rollout
     assert any(e[1] == "RolloutComplete" for e in result.events)
     # status and gauges first, then the check
     assert checked[-1] == ("http://127.0.1.2:8000", "Ready", ("Ready", 3), "false")
     assert kube.pods()["llama-g1-0"]["metadata"]["labels"][labels.LABEL_ROUTABLE] == "true"
-    assert len(passes.written) == 5, "one hand-over a pass"
+    assert len(passes.written) == 6, "one hand-over a pass"
 
 
 def test_a_group_returns_to_routing_before_the_next_group_leaves_it(world):
-    """With two groups, group 0's return to routing and group 1's leave come in one pass; the
-    return goes first (after its health check), so the client Service and label-watching
-    gateways never see both leaders out of routing at once (issues 23 and 29)."""
+    """With two groups, the pass that counts group 0 updated returns it (after its health
+    check) and takes no other group out; group 1 leaves in the next pass, so the client Service
+    and label-watching gateways never see both leaders out of routing at once (issues 23, 29;
+    a failed check: test_rollout_return_to_routing.py)."""
     kube, leaders, run = world
     seen = []
 
-    def verify(url, verify):  # the routable labels when group 0's health check runs
+    def routable():
         pods = kube.pods()
-        seen.append(tuple(pods[f"llama-g{g}-0"]["metadata"]["labels"][labels.LABEL_ROUTABLE] for g in (0, 1)))
+        return tuple(pods[f"llama-g{g}-0"]["metadata"]["labels"][labels.LABEL_ROUTABLE] for g in (0, 1))
+
+    def verify(url, verify):  # the routable labels when group 0's health check runs
+        seen.append(routable())
         return True, "ok"
 
     leaders.verify = verify
     run(path=REV_B, revision="rev-b")
     leaders.finish("default/llama/g0")
-    run()  # counts group 0 and starts group 1
+    run()  # counts group 0; it returns
     assert seen and seen[0] == ("false", "true"), "group 0 was checked while group 1 still routed"
+    assert routable() == ("true", "true")
+    assert leaders.sent[-1] == ("default/llama/g0", "rev-b"), "group 1 left in the pass group 0 returned"
+    run()  # starts group 1
     assert leaders.sent[-1] == ("default/llama/g1", "rev-b")
-    pods = kube.pods()
-    assert pods["llama-g0-0"]["metadata"]["labels"][labels.LABEL_ROUTABLE] == "true"
+    assert routable() == ("true", "false")
