@@ -70,7 +70,9 @@ class ModelWorkerBatch:
     input_embeds_values: torch.Tensor | None = None
     grammar_bitmask: torch.Tensor | None = None
     future_rows: list[int] | None = None
-    host_forward_batch: tuple[Any, ForwardBatch] | None = field(default=None, repr=False)
+    host_forward_batch: tuple[Any, ForwardBatch] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def batch_size(self) -> int:
