@@ -14,7 +14,7 @@ the step runs (``managers/overlap.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,6 +48,9 @@ class ModelWorkerBatch:
         future_rows: (overlap) every input id is a future placeholder: the request rows, in
             order (``req_pool_indices``); None otherwise. ``FutureMap.resolve`` then hands over
             the previous step's sampled ids when that step ran the same rows.
+        host_forward_batch: (a CPU DECODE step) the ``ForwardBatch`` this batch was last turned
+            into, and the runner's ``HostDecodeInputs``; a batch advanced in place for the next
+            step of the same rows (``decode_record.py``) updates it in place too.
     """
 
     forward_mode: ForwardMode
@@ -67,6 +70,9 @@ class ModelWorkerBatch:
     input_embeds_values: torch.Tensor | None = None
     grammar_bitmask: torch.Tensor | None = None
     future_rows: list[int] | None = None
+    host_forward_batch: tuple[Any, ForwardBatch] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def batch_size(self) -> int:
@@ -80,6 +86,16 @@ class ModelWorkerBatch:
         host = getattr(model_runner, "host_decode_inputs", None)
         if host is not None and device is None and self.forward_mode is ForwardMode.DECODE:
             # a CPU decode step: index tensors from the runner's preallocated buffers
+            last = self.host_forward_batch
+            if last is not None and last[0] is host:
+                forward_batch = last[1]
+                forward_batch.advance_host_decode(
+                    host, self.input_ids, self.req_pool_indices, self.seq_lens, self.out_cache_loc
+                )
+                forward_batch.sampling_info = self.sampling_info
+                forward_batch.wants_token = self.wants_token
+                forward_batch.grammar_bitmask = self.grammar_bitmask
+                return forward_batch
             forward_batch = ForwardBatch.host_decode(
                 host,
                 model_runner,
@@ -95,6 +111,7 @@ class ModelWorkerBatch:
             )
             forward_batch.lora_names = self.lora_names
             forward_batch.grammar_bitmask = self.grammar_bitmask
+            self.host_forward_batch = (host, forward_batch)
             return forward_batch
         forward_batch = ForwardBatch.init_new(
             forward_mode=self.forward_mode,

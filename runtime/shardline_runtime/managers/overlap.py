@@ -140,12 +140,14 @@ class InFlightStep:
     Attributes:
         batch: the ``ScheduleBatch`` that ran (an EXTEND batch joins the running batch from here).
         rows: a copy of its rows as launched, for processing the result (the running batch may
-            have been filtered or extended since).
+            have been filtered or extended since); read only (``ScheduleBatch.snapshot``).
         result: its result (ids possibly still being copied to the host).
         joined_running: its EXTEND requests already joined the running batch (they join the next
             decode before their first token is known).
         deferred_free: KV slots of requests that finished while this step was computing their
             next (discarded) token; freed once the step has completed.
+        constrained: some request of the step has a grammar (its rows are then checked by
+            ``OverlapSteps.holds_grammar``; the others are not, every step).
     """
 
     batch: Any
@@ -153,6 +155,7 @@ class InFlightStep:
     result: GenerationBatchResult
     joined_running: bool = False
     deferred_free: list[torch.Tensor] = field(default_factory=list)
+    constrained: bool = False
 
     def holds(self, req: Any) -> bool:
         return any(r is req for r in self.rows.reqs)

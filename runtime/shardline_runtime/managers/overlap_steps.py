@@ -57,8 +57,11 @@ class OverlapSteps:
 
     def launch(self, batch: ScheduleBatch) -> None:
         """Launch ``batch`` without waiting, then process the step launched before it."""
-        result = launch_step(self.worker, batch.get_model_worker_batch(), self.future_map)
-        previous, self.in_flight = self.in_flight, InFlightStep(batch, batch.copy(), result)
+        worker_batch = batch.get_model_worker_batch()
+        constrained = worker_batch.grammar_bitmask is not None  # a request has a grammar
+        result = launch_step(self.worker, worker_batch, self.future_map)
+        step = InFlightStep(batch, batch.snapshot(), result, constrained=constrained)
+        previous, self.in_flight = self.in_flight, step
         if previous is not None:
             self.process(previous)
 
@@ -72,8 +75,10 @@ class OverlapSteps:
         and both orders cost the same.
         """
         step = self.in_flight
-        return step is not None and any(
-            r.grammar is not None and not r.finished() for r in step.rows.reqs
+        return (
+            step is not None
+            and step.constrained
+            and any(r.grammar is not None and not r.finished() for r in step.rows.reqs)
         )
 
     def drain(self) -> bool:

@@ -20,6 +20,7 @@ from shardline_runtime.managers.req import Req
 from shardline_runtime.managers.schedule_batch import ScheduleBatch
 from shardline_runtime.managers.scheduler_output import OutputSender
 from shardline_runtime.managers.speculative_step import SpeculativeDecoding
+from shardline_runtime.model_executor.forward_batch_info import ForwardMode
 
 if TYPE_CHECKING:
     from shardline_runtime.managers.overlap import InFlightStep
@@ -85,9 +86,12 @@ class ResultProcessor:
         """
         decode = decode or self.decode_manager
         next_ids = result.next_ids_list()
-        done_before = {id(req) for req in batch.reqs if req.finished()}
-        verify = batch.forward_mode.is_target_verify()
-        if batch.forward_mode.is_extend() and not verify:
+        # finished_reason read directly in the per-request loops: no call per request per step
+        done_before = {id(req) for req in batch.reqs if req.finished_reason is not None}
+        mode = batch.forward_mode
+        verify = mode is ForwardMode.TARGET_VERIFY
+        extend = mode.is_extend() and not verify
+        if extend:
             collect_prompt_logprobs(batch, result)
         if result.pooled is not None and self.pooling is not None:
             collect_pooled(batch, result.pooled, self.pooling, done_before)
@@ -102,18 +106,19 @@ class ResultProcessor:
                 req.append_output(
                     next_ids[i], result.next_token_logprobs[i] if req.return_logprob else None, top
                 )
-                req.advance_grammar(next_ids[i])
+                if req.grammar is not None:
+                    req.advance_grammar(next_ids[i])
             req.check_finished(self.max_req_len)
         if verify and self.speculative is not None:
             self.speculative.free_rejected(batch, result.accepted_ids or [])
         for req in batch.reqs:
-            if req.finished() and id(req) not in done_before:
+            if req.finished_reason is not None and id(req) not in done_before:
                 self.release_finished(req, in_flight)
         streamed = [r for r in batch.reqs if id(r) not in done_before]
         if snapshot:
             if decode.running_batch is not None:
                 decode.running_batch.filter_batch()
-        elif batch.forward_mode.is_extend() and not verify:
+        elif extend:
             keep = [
                 i
                 for i, r in enumerate(batch.reqs)

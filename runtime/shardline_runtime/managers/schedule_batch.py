@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from shardline_runtime.constrained.xgrammar_backend import allow_all_bitmask
+from shardline_runtime.managers.decode_record import DecodeRecord
 from shardline_runtime.managers.model_worker_batch import ModelWorkerBatch
 from shardline_runtime.managers.overlap import future_placeholder
 from shardline_runtime.managers.req import FinishReason, Req
@@ -84,6 +85,7 @@ class ScheduleBatch:
         # overlap scheduling: a decode input may be the token the step in flight samples
         self.future_tokens = False
         self._future_ids_cache: tuple[list[int], torch.Tensor] = ([], _NO_SLOTS)
+        self._decode_record: DecodeRecord | None = None  # decode_record.py
         # The request of this EXTEND whose prefill continues in a later step (set when formed):
         # with pipeline micro-batches or overlap scheduling the scheduler's own ``chunked_req``
         # may have moved on by the time this batch's result is processed.
@@ -167,7 +169,7 @@ class ScheduleBatch:
         self.extend_lens = extend_lens
         self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs, self.vocab_size, self.device)
 
-    def _decode_input_id(self, req: Req) -> int:
+    def _decode_input_id(self, req: Req, row: int) -> int:
         """The token at position ``kv_len`` (the one this step computes the KV of): known on
         the host, or (overlap scheduling) still being sampled by the step in flight, then a
         :func:`future_placeholder` resolved on the device."""
@@ -178,22 +180,23 @@ class ScheduleBatch:
                 req.origin_input_ids[pos] if pos < prompt_len else req.output_ids[pos - prompt_len]
             )
         if self.future_tokens and pos == known:
-            return future_placeholder(req.row)
+            return future_placeholder(row)
         raise ValueError(f"request {req.rid} has no output token to decode from")
 
-    def _next_decode_slots(self, reqs: list[Req]) -> tuple[torch.Tensor, list[int]]:
+    def _next_decode_slots(self, reqs: list[Req]) -> tuple[torch.Tensor, list[int], list[int]]:
         """One new KV slot per request, written at position ``kv_len``; advances ``kv_len``.
-        Returns the slots and each request's input id."""
-        input_ids = [self._decode_input_id(r) for r in reqs]
+        Returns the slots, each request's input id and each request's row."""
+        rows = [r.row for r in reqs]
+        input_ids = [self._decode_input_id(r, row) for r, row in zip(reqs, rows)]
         slots = self.token_to_kv_pool_allocator.alloc_host(len(reqs))  # NumPy: no torch call
         if slots is None:
             raise KVCacheFullError(
                 f"need {len(reqs)} KV slots, {self.token_to_kv_pool_allocator.available_size()} free"
             )
-        self.req_to_token_pool.write_tokens([r.row for r in reqs], [r.kv_len for r in reqs], slots)
+        self.req_to_token_pool.write_tokens(rows, [r.kv_len for r in reqs], slots)
         for req in reqs:
             req.kv_len += 1
-        return torch.from_numpy(slots), input_ids
+        return torch.from_numpy(slots), input_ids, rows
 
     def prepare_for_decode(self) -> None:
         """One new token per request: the last output id, at position ``kv_len`` (DECODE).
@@ -202,8 +205,9 @@ class ScheduleBatch:
             KVCacheFullError: fewer free KV slots than requests (nothing is allocated then).
         """
         self.forward_mode = ForwardMode.DECODE
-        self.out_cache_loc, self.input_ids = self._next_decode_slots(self.reqs)
-        self.req_pool_indices = [r.row for r in self.reqs]
+        self.out_cache_loc, self.input_ids, self.req_pool_indices = self._next_decode_slots(
+            self.reqs
+        )
         self.seq_lens = [r.kv_len for r in self.reqs]
         self.prefix_lens = []
         self.extend_lens = []
@@ -218,10 +222,10 @@ class ScheduleBatch:
         if not self.forward_mode.is_extend():
             raise ValueError("mix_with_running needs a batch prepared with prepare_for_extend()")
         prefix_lens = [r.kv_len for r in running.reqs]
-        slots, input_ids = self._next_decode_slots(running.reqs)
+        slots, input_ids, rows = self._next_decode_slots(running.reqs)
         self.input_ids += input_ids
         self.out_cache_loc = torch.cat([self.out_cache_loc, slots])
-        self.req_pool_indices += [r.row for r in running.reqs]
+        self.req_pool_indices += rows
         self.seq_lens += [r.kv_len for r in running.reqs]
         self.prefix_lens += prefix_lens
         self.extend_lens += [1] * len(running.reqs)
@@ -229,6 +233,17 @@ class ScheduleBatch:
         if self.sampling_info is None or running.sampling_info is None:
             raise ValueError("mix_with_running needs both batches prepared (sampling_info set)")
         self.sampling_info.merge_batch(running.sampling_info)
+
+    def snapshot(self) -> ScheduleBatch:
+        """:meth:`copy` for the overlap loop, which only reads it: consecutive DECODE steps of
+        the same rows share one (its per-row lengths are those of the first of them; processing
+        a DECODE step's result reads only the requests, the mode and the chunked request)."""
+        record = self._decode_record
+        if record is None or record.reqs is not self.reqs or not self.forward_mode.is_decode():
+            return self.copy()
+        if record.snapshot is None:
+            record.snapshot = self.copy()
+        return record.snapshot
 
     def copy(self) -> ScheduleBatch:
         """A snapshot of the rows as they are now (requests, mode, lengths, the chunked request;
@@ -253,8 +268,8 @@ class ScheduleBatch:
     def filter_batch(self, keep_indices: Sequence[int] | None = None) -> None:
         """Keep rows ``keep_indices`` (default: unfinished requests), in order; per-token state
         is cleared (the next step prepares it again)."""
-        if keep_indices is None:
-            keep_indices = [i for i, r in enumerate(self.reqs) if not r.finished()]
+        if keep_indices is None:  # finished_reason, not finished(): no call per request
+            keep_indices = [i for i, r in enumerate(self.reqs) if r.finished_reason is None]
         keep_indices = list(keep_indices)
         if keep_indices == list(range(self.batch_size)):
             return
@@ -297,8 +312,15 @@ class ScheduleBatch:
 
     def get_model_worker_batch(self) -> ModelWorkerBatch:
         """The prepared step as the worker sees it (per-request flags read now, after
-        ``prepare_for_extend`` / ``prepare_for_decode``)."""
+        ``prepare_for_extend`` / ``prepare_for_decode``). A DECODE step of the same rows as
+        the last one updates that step's batch in place (:class:`DecodeRecord`)."""
         reqs = self.reqs
+        decode = self.forward_mode is ForwardMode.DECODE
+        # all(i < 0) as one C call: the largest id is a placeholder
+        futures = decode and self.future_tokens and bool(self.input_ids) and max(self.input_ids) < 0
+        record = self._decode_record
+        if decode and record is not None and record.reqs is reqs:
+            return record.advance(self, futures)
         extend = self.forward_mode.is_extend()
         logprob = self.return_logprob
         logprob_starts = None
@@ -309,14 +331,9 @@ class ScheduleBatch:
                 else n
                 for r, p, n in zip(reqs, self.prefix_lens, self.extend_lens)
             ]
-        futures = (
-            self.future_tokens
-            and self.forward_mode.is_decode()
-            and all(i < 0 for i in self.input_ids)
-        )
         batch = ModelWorkerBatch(
             forward_mode=self.forward_mode,
-            input_ids=self._future_ids()
+            input_ids=self.future_ids()
             if futures
             else torch.as_tensor(self.input_ids, dtype=torch.int64),
             req_pool_indices=list(self.req_pool_indices),
@@ -335,12 +352,13 @@ class ScheduleBatch:
         if extend and any(r.input_embeds_positions is not None for r in reqs):
             self._attach_input_embeds(batch)
         if any(r.grammar is not None for r in reqs):
-            batch.grammar_bitmask = self._grammar_bitmask()
+            batch.grammar_bitmask = self.grammar_bitmask()
         if futures:
             batch.future_rows = batch.req_pool_indices  # every input is the step in flight's token
+        self._decode_record = DecodeRecord(reqs, batch) if decode else None
         return batch
 
-    def _future_ids(self) -> torch.Tensor:
+    def future_ids(self) -> torch.Tensor:
         """(bs,) int64 host tensor of this decode step's input ids, every one a placeholder; the
         same rows as the last call (decoding step after step) give the same tensor back."""
         if self.input_ids != self._future_ids_cache[0]:
@@ -350,7 +368,7 @@ class ScheduleBatch:
             )
         return self._future_ids_cache[1]
 
-    def _grammar_bitmask(self) -> torch.Tensor:
+    def grammar_bitmask(self) -> torch.Tensor:
         """(bs, ceil(vocab / 32)) int32: each constrained row that samples this step gets its
         matcher's allowed tokens (the matcher holds every token accepted so far: with overlap
         the scheduler settles the step in flight first, see ``OverlapSteps.holds_grammar``)."""

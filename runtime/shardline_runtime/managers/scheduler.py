@@ -35,7 +35,6 @@ from shardline_runtime.managers.io_struct import (
     AbortReq,
     AbortWeightUpdateReqInput,
     SchedulerInfo,
-    SchedulerStats,
     TokenizedGenerateReqInput,
 )
 from shardline_runtime.managers.lora_control import LoRAControl
@@ -50,6 +49,7 @@ from shardline_runtime.managers.schedule_batch import ScheduleBatch
 from shardline_runtime.managers.schedule_policy import BatchLimits, NewTokenRatio
 from shardline_runtime.managers.scheduler_output import OutputSender
 from shardline_runtime.managers.speculative_step import SpeculativeDecoding
+from shardline_runtime.managers.stats_report import StatsReport
 from shardline_runtime.managers.watchdog import Watchdog
 from shardline_runtime.managers.weight_update_run import initial_weights_state
 from shardline_runtime.mem_cache.radix_cache import RadixCache
@@ -222,6 +222,15 @@ class Scheduler:
             tp_rank=tp_rank,
             abort_requested=lambda: self.receiver.take(AbortWeightUpdateReqInput),
         )
+        self.stats_report = StatsReport(
+            self.planner,
+            self.prefill_manager,
+            None if pipelined or lora else self.decode_manager,
+            self.cache,
+            self.sender,
+            self.grammar_queue,
+            self.speculative,
+        )
         runner = worker.model_runner
         self.experts = ExpertControl(
             runner.eplb_manager, runner.memory_saver, tp_rank, self.sender.send, worker.pp_rank
@@ -279,8 +288,8 @@ class Scheduler:
         (``DecodeManager.schedule(settle=...)``), and a step in flight that samples for a
         constrained request (its next bitmask needs that token accepted first).
         """
-        if self.control.pending_update is not None or any(
-            not isinstance(m, TokenizedGenerateReqInput) for m in messages
+        if self.control.pending_update is not None or (
+            messages and any(not isinstance(m, TokenizedGenerateReqInput) for m in messages)
         ):
             self.overlap.drain()
         self.process_input_requests(messages)
@@ -355,13 +364,6 @@ class Scheduler:
         return not busy and not pending and self.overlap.in_flight is None
 
     def send_stats(self) -> None:
-        """Rank 0: push ``SchedulerStats`` to the HTTP process when they changed."""
-        if self.sender.enabled:
-            running, queued, running_lora, waiting_lora = self.planner.load_report()
-            kv = (self.cache.used_tokens(), self.tree_cache.evictable_size())
-            total = self.cache.max_total_num_tokens
-            spec = self.speculative.stats.snapshot() if self.speculative is not None else None
-            queued += len(self.grammar_queue or ())  # compiling their grammars
-            stats = SchedulerStats(running, queued, *kv, total, running_lora, waiting_lora)
-            stats.speculative = spec
-            self.sender.send_stats(stats)
+        """Rank 0: push ``SchedulerStats`` to the HTTP process when they changed
+        (:class:`StatsReport`)."""
+        self.stats_report.send()

@@ -191,17 +191,19 @@ class TpModelWorker(BaseTpWorker):
         """Run one prepared step and sample one token per request that wants one.
 
         Returns:
-            :class:`GenerationBatchResult` (sampled ids and logprobs still on the device; the
-            caller calls ``copy_to_cpu()`` then ``wait()``). Requests that want no token
-            (intermediate chunks, ``max_new_tokens == 0``) get -1 and can still return prompt
-            logprobs.
+            :class:`GenerationBatchResult` (ids and logprobs still on the device; the caller
+            calls ``copy_to_cpu()`` then ``wait()``). Requests that want no token (intermediate
+            chunks, ``max_new_tokens == 0``) get -1 and can still return prompt logprobs.
         """
-        forward_batch = model_worker_batch.to_forward_batch(self.model_runner)
-        result = self.model_runner.forward_and_sample(forward_batch, self.recv_proxy_tensors())
-        if not self.is_last_stage:  # the ids come later (resolve_stage_outputs)
-            self.send_proxy_tensors(result.pp_hidden_states_proxy_tensors)
-        elif self.pp_size > 1:
+        runner = self._model_runner
+        forward_batch = model_worker_batch.to_forward_batch(runner)
+        if self.pp_size == 1:  # one stage: nothing to receive or send (the common case)
+            return runner.forward_and_sample(forward_batch)
+        result = runner.forward_and_sample(forward_batch, self.recv_proxy_tensors())
+        if self.is_last_stage:
             self.send_stage_outputs(result.copy_to_cpu().wait())
+        else:  # the ids come later (resolve_stage_outputs)
+            self.send_proxy_tensors(result.pp_hidden_states_proxy_tensors)
         return result
 
     @property

@@ -179,13 +179,7 @@ class ForwardBatch:
             ValueError: the lengths disagree, or an id tensor is not int64.
         """
         bs = len(req_pool_indices)
-        if input_ids.dtype is not torch.int64 or out_cache_loc.dtype is not torch.int64:
-            raise ValueError("host_decode takes int64 input_ids and out_cache_loc")
-        if input_ids.shape[0] != bs or out_cache_loc.shape[0] != bs:
-            raise ValueError(
-                f"DECODE runs one token per request: input_ids has {input_ids.shape[0]}, "
-                f"out_cache_loc {out_cache_loc.shape[0]}, batch size {bs}"
-            )
+        _check_host_decode(input_ids, out_cache_loc, bs)
         rows, lens, positions = inputs.rows(req_pool_indices, seq_lens)
         return cls(
             forward_mode=ForwardMode.DECODE,
@@ -201,6 +195,29 @@ class ForwardBatch:
             attn_backend=model_runner.attn_backend,
             **fields,
         )
+
+    def advance_host_decode(
+        self,
+        inputs: HostDecodeInputs,
+        input_ids: torch.Tensor,
+        req_pool_indices: list[int],
+        seq_lens: list[int],
+        out_cache_loc: torch.Tensor,
+    ) -> None:
+        """This :meth:`host_decode` batch, updated in place to the next DECODE step of the same
+        requests (``managers/decode_record.py``): the same checks, the index tensors written
+        into ``inputs``' next ring slot; the optional fields stay as they are.
+
+        Raises:
+            ValueError: the lengths disagree, or an id tensor is not int64.
+        """
+        _check_host_decode(input_ids, out_cache_loc, len(req_pool_indices))
+        self.req_pool_indices, self.seq_lens, self.positions = inputs.rows(
+            req_pool_indices, seq_lens
+        )
+        self.input_ids, self.out_cache_loc = input_ids, out_cache_loc
+        self.batch_size = len(req_pool_indices)
+        self.seq_lens_cpu = list(seq_lens)
 
     @classmethod
     def init_new(
@@ -359,4 +376,14 @@ class ForwardBatch:
             return_logprobs=return_logprobs,
             split_forward_start_layer=split_forward_start_layer,
             split_forward_end_layer=split_forward_end_layer,
+        )
+
+
+def _check_host_decode(input_ids: torch.Tensor, out_cache_loc: torch.Tensor, bs: int) -> None:
+    if input_ids.dtype is not torch.int64 or out_cache_loc.dtype is not torch.int64:
+        raise ValueError("host_decode takes int64 input_ids and out_cache_loc")
+    if input_ids.shape[0] != bs or out_cache_loc.shape[0] != bs:
+        raise ValueError(
+            f"DECODE runs one token per request: input_ids has {input_ids.shape[0]}, "
+            f"out_cache_loc {out_cache_loc.shape[0]}, batch size {bs}"
         )
