@@ -119,6 +119,7 @@ def execute(
     pass that ends a rollout writes ``Ready`` without waiting for their health checks."""
     kube, namespace = ctx.kube, spec.namespace
     failures: dict[tuple[int, str], str] = {}
+    settle_left: dict[int, float] = {}  # group -> gateway settle its update must still admit
     if not _returns_deferred(plan):
         return_to_routing(ctx, client, namespace, plan, deferred=False)
     for action in plan.actions:
@@ -138,11 +139,18 @@ def execute(
             patch = {"metadata": {"labels": {labels.LABEL_REVISION: action.revision}}}
             for pod in action.pods:
                 kube.merge_patch("v1", "Pod", namespace, pod, patch)
-        elif isinstance(action, (LabelLeader, LeaveRouting)):
+        elif isinstance(action, LabelLeader):
             perform_routing(kube, client, namespace, action)
+        elif isinstance(action, LeaveRouting):
+            settle_left[action.group] = perform_routing(kube, client, namespace, action)
         elif isinstance(action, StartUpdate):
             key = update_key(spec, action.group)
-            client.start_update(key, action.url, action.body, action.timeout_seconds)
+            client.start_update(
+                key,
+                action.url,
+                with_admission(action.body, settle_left.get(action.group, 0.0)),
+                action.timeout_seconds,
+            )
         elif isinstance(action, AbortUpdate):
             client.abort_update(update_key(spec, action.group), action.url)
         elif isinstance(action, (LoadAdapter, UnloadAdapter)):
@@ -150,6 +158,15 @@ def execute(
                 _adapter(client, action, failures)
     record_metrics(spec, plan.metrics)
     return failures
+
+
+def with_admission(body: Mapping[str, Any], settle_seconds: float) -> Mapping[str, Any]:
+    """The update body with ``admit_seconds``: the leader's gateway settle still to run when
+    the update is sent (``routing_execute.perform_routing``); ``body`` itself when none is
+    left. The runtime stages meanwhile and holds new requests only after it."""
+    if settle_seconds <= 0:
+        return body
+    return {**body, "admit_seconds": round(settle_seconds, 3)}
 
 
 def _returns_deferred(plan: PassPlan) -> bool:

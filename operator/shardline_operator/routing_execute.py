@@ -1,7 +1,13 @@
 """Performing the routing actions of a pass (``routing.py`` plans them): pod label patches, the
-wait for a leader to leave the Services' EndpointSlices (and at least
-:data:`GATEWAY_SETTLE_SECONDS` after its label flip, for gateways that watch the label), and the
-health check before it returns."""
+wait for a leader to leave the Services' EndpointSlices (and the gateway settle: at least
+:data:`GATEWAY_SETTLE_SECONDS` after its label flip, for gateways that watch the label, before
+the leader holds new requests), and the health check before it returns.
+
+The settle does not delay the update: what is left of it once the EndpointSlices dropped the
+leader goes into the update request as ``admit_seconds`` (``execute.py``). The runtime starts
+staging the new weights at once and goes on admitting new requests on the old weights for that
+long, so a request a gateway still sends in the settle is served, not held, while the staging
+that the update waits for anyway runs beside it."""
 
 from __future__ import annotations
 
@@ -54,9 +60,13 @@ def perform_routing(
     namespace: str,
     action: LabelLeader | LeaveRouting | EnterRouting,
     sleep: Callable[[float], None] = time.sleep,
-) -> None:
+) -> float:
     """Perform one routing action (raises ``KubeError`` on an API failure). ``client`` is the
-    pass's leader client (its ``verify(url, None)`` is the ``/health_generate`` check)."""
+    pass's leader client (its ``verify(url, None)`` is the ``/health_generate`` check).
+
+    Returns the seconds of the gateway settle still to run after a :class:`LeaveRouting`
+    (0.0 .. :data:`GATEWAY_SETTLE_SECONDS`; 0.0 for the other actions): the leader must go on
+    admitting requests that long before its update holds them (the update's ``admit_seconds``)."""
     if isinstance(action, LabelLeader):
         _patch_labels(kube, namespace, action.pod, dict(action.labels))
     elif isinstance(action, LeaveRouting):
@@ -74,7 +84,7 @@ def perform_routing(
                     action.services,
                     action.timeout_seconds,
                 )
-                return
+                return 0.0
             sleep(SLICE_POLL_SECONDS)
         logger.info(
             "group %d: %s left %s in %.2f s",
@@ -83,8 +93,7 @@ def perform_routing(
             action.services,
             time.monotonic() - started,
         )
-        if time.monotonic() < settled:
-            sleep(settled - time.monotonic())
+        return max(0.0, settled - time.monotonic())
     else:
         started = time.monotonic()
         passed, message = client.verify(action.url, None)
@@ -97,3 +106,4 @@ def perform_routing(
             )
         else:
             logger.info("group %d stays out of routing: %s", action.group, message)
+    return 0.0

@@ -274,3 +274,21 @@ def test_a_group_returns_to_routing_before_the_next_group_leaves_it(world):
     run()  # starts group 1
     assert leaders.sent[-1] == ("default/llama/g1", "rev-b")
     assert routable() == ("true", "false")
+
+
+def test_the_gateway_settle_goes_into_the_update_as_its_admission_window(world, monkeypatch):
+    """A leaving leader's gateway settle does not hold up its update: the pass sends the update
+    as soon as the EndpointSlices dropped the leader, with what is left of the settle as
+    ``admit_seconds`` (the runtime admits on the old weights that long while it stages)."""
+    monkeypatch.setattr("shardline_operator.routing_execute.GATEWAY_SETTLE_SECONDS", 1.0)
+    kube, leaders, run = world
+    run(path=REV_B, revision="rev-b")
+    body = leaders.flights["default/llama/g0"]["body"]
+    assert 0.5 < body["admit_seconds"] <= 1.0
+    assert kube.pods()["llama-g0-0"]["metadata"]["labels"][labels.LABEL_ROUTABLE] == "false"
+
+
+def test_an_update_without_a_settle_left_carries_no_admission_window(world):
+    kube, leaders, run = world  # the conftest sets the settle to 0
+    run(path=REV_B, revision="rev-b")
+    assert "admit_seconds" not in leaders.flights["default/llama/g0"]["body"]

@@ -16,6 +16,7 @@ from shardline_runtime.managers.io_struct import (
     ServingStateOut,
     UpdateWeightsFromDiskReqInput,
     UpdateWeightsFromDiskReqOutput,
+    WeightUpdateCutoffReqInput,
 )
 from shardline_runtime.managers.req import Req
 from shardline_runtime.managers.scheduler_output import OutputSender
@@ -185,6 +186,43 @@ def test_a_pending_update_waits_for_a_queued_request_admitted_before_it(worker, 
     plane.part.start_weight_update(UpdateWeightsFromDiskReqInput(str(ckpts[0]), requested_at=10.0))
     plane.part.maybe_run_weight_update()
     assert plane.part.pending_update is not None
+
+
+def test_an_update_in_its_admission_window_lets_every_waiting_request_start(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    plane.holding_kv = True
+    plane.part.start_weight_update(UpdateWeightsFromDiskReqInput(str(ckpts[0]), admit_seconds=1.0))
+    admitted_late = Req("late", [1, 2], SamplingParams(), admitted_at=11.0)
+    assert plane.part.admits()(admitted_late)
+
+
+def test_an_update_in_its_admission_window_does_not_commit_before_the_cutoff(worker, ckpts):
+    plane = Plane(worker, ckpts[1])
+    plane.update(model_path=str(ckpts[0]), revision="rev-b", admit_seconds=1.0)  # nothing runs
+    assert plane.part.pending_update is not None and plane.part.weights.revision == "rev-a"
+    assert [s.phase for s in plane.sent(WeightsState)] == [WeightsPhase.LOADING]  # staging
+    plane.part.handlers()[WeightUpdateCutoffReqInput](WeightUpdateCutoffReqInput(10.0))
+    plane.part.maybe_run_weight_update()
+    assert plane.part.pending_update is None and plane.part.weights.revision == "rev-b"
+
+
+def test_after_the_cutoff_an_update_holds_requests_admitted_after_it(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    plane.holding_kv = True
+    plane.part.start_weight_update(UpdateWeightsFromDiskReqInput(str(ckpts[0]), admit_seconds=1.0))
+    plane.part.handlers()[WeightUpdateCutoffReqInput](WeightUpdateCutoffReqInput(10.0))
+    admits = plane.part.admits()
+    before = Req("before", [1, 2], SamplingParams(), admitted_at=9.0)
+    after = Req("after", [1, 2], SamplingParams(), admitted_at=11.0)
+    assert admits(before) and not admits(after)
+
+
+def test_a_cutoff_with_no_update_waiting_for_one_changes_nothing(worker, ckpts):
+    plane = Plane(worker, ckpts[0])
+    plane.holding_kv = True
+    plane.part.start_weight_update(UpdateWeightsFromDiskReqInput(str(ckpts[0]), requested_at=10.0))
+    plane.part.handlers()[WeightUpdateCutoffReqInput](WeightUpdateCutoffReqInput(20.0))
+    assert plane.part.pending_update.requested_at == 10.0
 
 
 def test_an_update_with_abort_all_requests_aborts_every_request(worker, ckpts):

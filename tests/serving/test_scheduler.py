@@ -9,7 +9,11 @@ import pytest
 
 from scheduler_harness import greedy, make_scheduler, run_loop, run_to_completion
 
-from shardline_runtime.managers.io_struct import AbortReq
+from shardline_runtime.managers.io_struct import (
+    AbortReq,
+    UpdateWeightsFromDiskReqInput,
+    WeightUpdateCutoffReqInput,
+)
 
 
 @pytest.fixture(scope="module")
@@ -231,3 +235,16 @@ def test_chunked_prefill_gives_way_to_a_lone_running_request(ckpt, overlap):
     assert 0 < clipped < 100 and got["b"]["ids"] == expected["b"]["ids"][:clipped]
     assert got["b"]["cached"] == 0 and small.decode_manager.num_retractions > 0
     assert small.cache.used_tokens() == 0
+
+
+def test_an_update_in_its_admission_window_lets_the_loop_block_until_its_cutoff(ckpt):
+    """Nothing runs while a disk update's admission window is open: the loop polls its socket
+    at the idle pace (a message, the cutoff included, wakes it) instead of spinning beside the
+    staging thread; once the cutoff came the update is due and the loop no longer idles."""
+    scheduler = make_scheduler(ckpt)
+    scheduler.process_input_requests([UpdateWeightsFromDiskReqInput(str(ckpt), admit_seconds=1.0)])
+    assert scheduler.control.pending_update is not None and scheduler.is_idle()
+    scheduler.control.handlers()[WeightUpdateCutoffReqInput](WeightUpdateCutoffReqInput(0.0))
+    assert not scheduler.is_idle()
+    scheduler.process_input_requests([])  # commits (nothing was admitted before the cutoff)
+    assert scheduler.control.pending_update is None and scheduler.is_idle()

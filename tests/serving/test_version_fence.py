@@ -181,3 +181,33 @@ def test_pinned_request_queued_before_an_update_is_answered_by_the_old_weights(
                                {"model_path": str(serving_checkpoint), "revision": "rev-a"})
         assert restored.json()["success"] is True
         wait_for_baseline(server)
+
+
+def test_pinned_request_arriving_in_an_updates_admission_window_is_answered_by_the_old_weights(
+    fence_server, serving_checkpoint, serving_checkpoint_b
+):
+    """Issue 23 item 5: an update sent with ``admit_seconds`` (what an operator passes while a
+    gateway may still route to the leader) starts staging at once, but a request arriving in
+    that window is admitted and answered by the old weights, not held and then refused; the
+    update commits after it."""
+    server = fence_server
+    with cf.ThreadPoolExecutor(2) as pool:
+        update = pool.submit(server.post, "/update_weights_from_disk",
+                             {"model_path": str(serving_checkpoint_b), "revision": "rev-b",
+                              "admit_seconds": 8.0})
+        deadline = time.monotonic() + 60
+        while server.get("/get_server_info").json()["weights_phase"] != "loading":  # arrived
+            assert time.monotonic() < deadline and not update.done(), "the update never began"
+            time.sleep(0.02)
+        answered = _generate(server, {REVISION: "rev-a"}, timeout=600)
+        reply = update.result().json()
+    try:
+        assert answered.status_code == 200, answered.text
+        assert answered.headers[REVISION] == "rev-a"
+        assert reply["success"] is True
+        assert _generate(server).headers[REVISION] == "rev-b"
+    finally:
+        restored = server.post("/update_weights_from_disk",
+                               {"model_path": str(serving_checkpoint), "revision": "rev-a"})
+        assert restored.json()["success"] is True
+        wait_for_baseline(server)

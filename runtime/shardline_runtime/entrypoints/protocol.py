@@ -168,6 +168,10 @@ class UpdateWeightsRequest(ControlRequest):
     # the draft model's new checkpoint (--speculative-algorithm STANDALONE): loaded with the
     # target's, all or nothing
     draft_model_path: str | None = Field(None, min_length=1)
+    # seconds new requests are still admitted (and served on the old weights) while the new
+    # ones stage; held from then on (0: at once). An operator taking the leader out of routing
+    # passes what is left of its gateway settle here.
+    admit_seconds: float = Field(0.0, ge=0.0, le=30.0)
 
 
 class AbortRequest(ControlRequest):

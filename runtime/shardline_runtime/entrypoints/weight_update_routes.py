@@ -131,6 +131,7 @@ def add_weight_update_routes(
             draft_model_source=(
                 body.draft_model_path if draft_path != body.draft_model_path else None
             ),
+            admit_seconds=body.admit_seconds,
         )
         out = await tm.update_weights_from_disk(req)
         if out.success:

@@ -6,7 +6,9 @@ One small state machine in the HTTP process, owning its ``asyncio.Event``s:
   phase is ``updating`` (``/update_weights_from_disk`` also marks it at once, before the
   schedulers report). New requests are *held* meanwhile, as SGLang's ``TokenizerManager`` does,
   so they run on the new weights; one held longer than ``--weight-update-hold-timeout`` gets a
-  503 with ``Retry-After`` (:class:`WeightUpdateHoldTimeout`).
+  503 with ``Retry-After`` (:class:`WeightUpdateHoldTimeout`). A disk update with
+  ``admit_seconds`` opens an **admission window** first (:meth:`AdmissionGate.open_window`):
+  requests are admitted as when serving, while the new weights stage, until it closes.
 - **paused** (``/pause_generation``): new requests wait until ``/continue_generation``.
 - **draining** (SIGTERM): ``/ready`` is 503 but requests are still served; paused ones are
   released with a 503. **closing** (the drain ended): new requests are refused.
@@ -60,6 +62,7 @@ class AdmissionGate:
         self.draining = False
         self.closing = False
         self.held = 0  # requests waiting for a weight update to end or for generation to continue
+        self.window_open = False  # an update's admission window: not held though it runs
         self._serving = asyncio.Event()  # set unless a weight update runs
         self._serving.set()
         self._updating = asyncio.Event()  # the inverse of _serving (first_chunk waits on both)
@@ -71,12 +74,24 @@ class AdmissionGate:
     def set_phase(self, phase: WeightsPhase) -> None:
         """The weights phase now; requests are held while ``phase.updating``."""
         self.phase = phase
-        if phase.updating:
+        if phase.updating and not self.window_open:
             self._serving.clear()
             self._updating.set()
         else:
             self._serving.set()
             self._updating.clear()
+
+    def open_window(self) -> None:
+        """A disk update began with an admission window: new requests are admitted (on the
+        weights serving now) until :meth:`close_window`, whatever phase is reported meanwhile."""
+        self.window_open = True
+        self.set_phase(self.phase)
+
+    def close_window(self) -> None:
+        """The admission window ends while the update runs: requests are held from now on, as
+        for an update without a window (``loading`` until the schedulers report a phase)."""
+        self.window_open = False
+        self.set_phase(self.phase if self.phase.updating else WeightsPhase.LOADING)
 
     def set_paused(self, mode: str | None) -> None:
         """Generation paused in ``mode`` (None: running); new requests wait while paused."""

@@ -30,9 +30,14 @@ class ControlClient:
         self._waiters: dict[type, asyncio.Future] = {}
 
     async def call(
-        self, request: Any, reply_type: type[Reply], timeout: float | None = None
+        self,
+        request: Any,
+        reply_type: type[Reply],
+        timeout: float | None = None,
+        sent: asyncio.Event | None = None,
     ) -> Reply:
-        """Send ``request`` and wait for the next message of ``reply_type``.
+        """Send ``request`` and wait for the next message of ``reply_type``; ``sent`` (if
+        given) is set once ``request`` went out (after any call before it).
 
         Raises:
             ServerNotReadyError: no reply within ``timeout`` seconds (None: wait forever).
@@ -41,6 +46,8 @@ class ControlClient:
             future = asyncio.get_running_loop().create_future()
             self._waiters[reply_type] = future
             await self._send(request)
+            if sent is not None:
+                sent.set()
             try:
                 return await asyncio.wait_for(future, timeout)
             except asyncio.TimeoutError:

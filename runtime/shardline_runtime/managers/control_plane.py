@@ -8,7 +8,8 @@ weights' state (every rank in lockstep; rank 0 replies).
   rank and, if it succeeded, the prefix cache is flushed (unless ``flush_cache`` is false: a
   trainer sending buckets flushes on the last one). A disk update stages its new weights on a thread of its own
   meanwhile (``weight_staging.BackgroundStaging``), so the pause covers only the commit (vote,
-  copy) and the recapture; requests arriving after it are held by the HTTP process.
+  copy) and the recapture; requests arriving after it are held by the HTTP process (after its
+  admission window, ``admit_seconds``: ``weight_update_run.update_admits``).
 - A disk update can be aborted (``AbortWeightUpdateReqInput``, ``POST /abort_weight_update``)
   while it stages the new weights (every rank stops its staging and votes no at once; while
   the scheduler waits for the staging to end, rank 0 looks for the abort on its input and votes
@@ -55,14 +56,17 @@ from shardline_runtime.managers.io_struct import (
     UpdateWeightsFromDiskReqOutput,
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
+    WeightUpdateCutoffReqInput,
 )
 from shardline_runtime.managers.req import Req
 from shardline_runtime.managers.scheduler_output import OutputSender
 from shardline_runtime.managers.watchdog import Watchdog
 from shardline_runtime.managers.weight_update_run import (
-    arrived_before,
+    awaiting_cutoff,
+    cut_off,
     run_weight_update,
     start_staging,
+    update_admits,
 )
 from shardline_runtime.mem_cache.radix_cache import RadixCache
 from shardline_runtime.model_executor.memory_saver import MemorySaver, MemorySaverError
@@ -147,6 +151,7 @@ class ControlPlane:
         table: dict[type, Handler] = {t: self.start_weight_update for t in UPDATE_REQUESTS}
         table[FlushCacheReqInput] = lambda _msg: self.sender.send(self.flush_cache())
         table[AbortWeightUpdateReqInput] = self.abort_weight_update
+        table[WeightUpdateCutoffReqInput] = lambda m: cut_off(self.pending_update, m.requested_at)
         controls: dict[type, Callable[[Any], tuple]] = {
             InitWeightsUpdateGroupReqInput: self.worker.init_weights_update_group,
             DestroyWeightsUpdateGroupReqInput: lambda m: self.worker.destroy_weights_update_group(
@@ -234,10 +239,7 @@ class ControlPlane:
         ones retracted after they began on the old weights, and for a disk update the ones the
         HTTP process admitted before it (``arrived_before``)."""
         msg = self.pending_update
-        if msg is None:
-            return None
-        cutoff = getattr(msg, "requested_at", None)
-        return lambda req: bool(req.output_ids) or arrived_before(req, cutoff)
+        return None if msg is None else update_admits(msg)
 
     def abort_weight_update(self, _msg: AbortWeightUpdateReqInput) -> None:
         """Stop a pending disk update (every rank got this message in the same step, so every
@@ -273,7 +275,7 @@ class ControlPlane:
     def maybe_run_weight_update(self) -> None:
         """Once no request runs and none that :meth:`admits` waits (a disk update's staging
         goes on meanwhile), run the pending update (:meth:`run_pending_update`)."""
-        if self.pending_update is None:
+        if self.pending_update is None or awaiting_cutoff(self.pending_update):
             return
         admits = self.admits()
         assert admits is not None

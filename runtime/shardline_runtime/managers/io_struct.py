@@ -118,8 +118,12 @@ class UpdateWeightsFromDiskReqInput:
     draft_model_path: str | None = None
     draft_model_source: str | None = None
     # When the HTTP process began holding new requests for it (its time.monotonic; None: only
-    # requests that already started finish before the update).
+    # requests that already started finish before the update, or, with ``admit_seconds``, not
+    # yet known: a ``WeightUpdateCutoffReqInput`` brings it).
     requested_at: float | None = None
+    # Seconds the HTTP process goes on admitting new requests (served on the old weights)
+    # while the new ones stage; the cutoff follows as its own message (0: at once).
+    admit_seconds: float = 0.0
 
 
 @dataclass
@@ -141,6 +145,16 @@ class AbortWeightUpdateReqInput:
     No reply of its own: the update's reply says ``aborted``, or that it had committed. Rank 0
     also looks for this message on its input while an update stages its weights.
     """
+
+
+@dataclass
+class WeightUpdateCutoffReqInput:
+    """The end of a disk update's admission window (``admit_seconds``): the HTTP process
+    holds new requests from ``requested_at`` (its ``time.monotonic``) on. The pending update
+    commits only after this arrives, once the requests admitted before it are done; no reply.
+    """
+
+    requested_at: float
 
 
 @dataclass

@@ -51,7 +51,7 @@ from shardline_runtime.managers.scheduler_output import OutputSender
 from shardline_runtime.managers.speculative_step import SpeculativeDecoding
 from shardline_runtime.managers.stats_report import StatsReport
 from shardline_runtime.managers.watchdog import Watchdog
-from shardline_runtime.managers.weight_update_run import initial_weights_state
+from shardline_runtime.managers.weight_update_run import awaiting_cutoff, initial_weights_state
 from shardline_runtime.mem_cache.radix_cache import RadixCache
 from shardline_runtime.model_executor.generation_result import GenerationBatchResult
 from shardline_runtime.model_loader.validate import scheme_name
@@ -356,7 +356,11 @@ class Scheduler:
         return result.copy_to_cpu().wait()
 
     def is_idle(self) -> bool:
-        pending = self.control.pending_update is not None
+        # An update in its admission window commits on a message (the cutoff), not on a step:
+        # the loop may block on the socket meanwhile instead of spinning beside the staging.
+        pending = self.control.pending_update is not None and not awaiting_cutoff(
+            self.control.pending_update
+        )
         if not pending and self.control.generation_blocked():
             return True  # nothing can run until a control message arrives: poll at the idle pace
         busy = bool(self.planner.running_batches()) or self.prefill_manager.has_work()

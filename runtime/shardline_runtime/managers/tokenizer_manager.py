@@ -31,6 +31,7 @@ from shardline_runtime.managers.io_struct import (
     TokenizedGenerateReqInput,
     UpdateWeightsFromDiskReqInput,
     UpdateWeightsFromDiskReqOutput,
+    WeightUpdateCutoffReqInput,
 )
 from shardline_runtime.managers.request_streams import RequestStreams
 from shardline_runtime.managers.request_validation import (
@@ -144,10 +145,18 @@ class TokenizerManager:
             ServerNotReadyError: refused by the admission gate.
         """
         if pin is not None:
-            pin.check(self.state.weights)
+            pin.check(self._admitted_onto())
         await self.gate.admit()
         if pin is not None:
-            pin.check(self.state.weights)
+            pin.check(self._admitted_onto())
+
+    def _admitted_onto(self) -> WeightsState:
+        """The weights a request admitted now runs on: in an update's admission window, the
+        ones serving (it is served before the commit), not an update whose outcome is open."""
+        weights = self.state.weights
+        if self.gate.window_open and weights.phase.updating:
+            return weights.model_copy(update={"phase": WeightsPhase.SERVING})
+        return weights
 
     async def generate(
         self, req: TokenizedGenerateReqInput, admitted: bool = False, pin: VersionPin | None = None
@@ -212,22 +221,48 @@ class TokenizerManager:
     ) -> UpdateWeightsFromDiskReqOutput:
         """Run a weight update; requests arriving from now until it ends are held. The
         schedulers' ``WeightsState`` (new path, revision, digest, phase times) arrives before
-        the reply."""
+        the reply.
+
+        With ``req.admit_seconds`` the schedulers start staging at once, but new requests are
+        admitted for that many seconds more (served on the old weights before the commit); then
+        the gate closes and a :class:`WeightUpdateCutoffReqInput` tells the schedulers when
+        (an update that ended first sends none)."""
         self.state.mark_updating()
-        self.gate.set_phase(WeightsPhase.LOADING)
-        # Requests admitted before this moment are served before the update pauses; the ones
-        # held from now on run on the new weights.
-        req.requested_at = time.monotonic()
+        window = max(0.0, req.admit_seconds)
+        if window > 0:
+            self.gate.open_window()
+            req.requested_at = None  # the cutoff message brings it
+        else:
+            self.gate.set_phase(WeightsPhase.LOADING)
+            # Requests admitted before this moment are served before the update pauses; the
+            # ones held from now on run on the new weights.
+            req.requested_at = time.monotonic()
         ended: asyncio.Future = asyncio.get_running_loop().create_future()
         self.disk_update = ended
         out = None
         try:
-            out = await self.control.call(req, UpdateWeightsFromDiskReqOutput)
+            sent = asyncio.Event()
+            call = asyncio.ensure_future(
+                self.control.call(req, UpdateWeightsFromDiskReqOutput, sent=sent)
+            )
+            if window > 0:
+                # The window counts from the update's sending; the cutoff must follow it.
+                went_out = asyncio.ensure_future(sent.wait())
+                try:
+                    await asyncio.wait({call, went_out}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    went_out.cancel()
+                done, _ = await asyncio.wait({call}, timeout=window)
+                if not done:
+                    self.gate.close_window()
+                    await self.streams.send(WeightUpdateCutoffReqInput(time.monotonic()))
+            out = await call
             return out
         finally:
             self.disk_update = None
             ended.set_result(out)
             self.state.end_update_if_silent()
+            self.gate.window_open = False
             self.gate.set_phase(self.state.weights.phase)
 
     async def abort_weight_update(self) -> UpdateWeightsFromDiskReqOutput | None:

@@ -122,6 +122,36 @@ def arrived_before(req: Any, requested_at: float | None) -> bool:
     return requested_at is not None and admitted_at is not None and admitted_at < requested_at
 
 
+def awaiting_cutoff(msg: Any) -> bool:
+    """Whether ``msg`` (a pending update, or None) is a disk update whose admission window
+    (``admit_seconds``) has not yet ended: its ``WeightUpdateCutoffReqInput`` has not come."""
+    return (
+        isinstance(msg, UpdateWeightsFromDiskReqInput)
+        and msg.admit_seconds > 0
+        and msg.requested_at is None
+    )
+
+
+def update_admits(msg: Any) -> Callable[[Any], bool]:
+    """Which waiting requests (``Req``) may still start while the update ``msg`` is pending:
+    the ones retracted after they began on the old weights, and for a disk update the ones the
+    HTTP process admitted before it (``arrived_before``): every one while its admission window
+    is open (:func:`awaiting_cutoff`: the HTTP process still admits them)."""
+    if awaiting_cutoff(msg):
+        return lambda req: True
+    cutoff = getattr(msg, "requested_at", None)
+    return lambda req: bool(req.output_ids) or arrived_before(req, cutoff)
+
+
+def cut_off(msg: Any, requested_at: float) -> None:
+    """A ``WeightUpdateCutoffReqInput``: the admission window of the pending update ``msg``
+    ended at ``requested_at`` (the HTTP process's ``time.monotonic``); from now on it waits
+    only for the requests admitted before that. Nothing for no pending update or one that is
+    not awaiting its cutoff (an update that ended first, then a new one)."""
+    if awaiting_cutoff(msg):
+        msg.requested_at = requested_at
+
+
 def start_staging(worker: Any, msg: UpdateWeightsFromDiskReqInput) -> BackgroundStaging | None:
     """Begin staging the disk update ``msg``'s weights on a thread while the scheduler serves;
     None when the update will be refused anyway (a draft path without a draft model)."""
