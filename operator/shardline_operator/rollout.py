@@ -16,7 +16,8 @@ record metrics). Rules:
   ``/health_generate`` passes), so that pass takes no further group out, and a failed return
   check holds the rollout until a later pass returns it. A group counts as updated only once it
   is Ready on the target (a reply from a leader that is not Ready does not count); the rollout
-  completes, with one ``RolloutComplete``, once every group serves the target.
+  completes, with one ``RolloutComplete``, once every group serves the target and is back in
+  routing.
 - The TP group is the unit. A wave updates at most ``weightUpdate.maxUnavailable`` groups at
   once; with ``canary`` the first wave is one group, which must then pass the gate
   (``/health_generate`` plus the optional ``verify`` prompt and latency bound) before the rest
@@ -291,11 +292,20 @@ def _finish(
     failed: frozenset[int],
 ) -> RolloutPlan:
     """Nothing left to update: a rollback ends Failed; a rollout ends (state cleared) once every
-    group is available on the target, with one ``RolloutComplete``."""
+    group is available on the target, back in routing included (the last wave's groups return
+    after the pass that counts them updated, so the rollout, and ``RollingOut``, last until the
+    pass after that), with one ``RolloutComplete``."""
     waiting = [g.index for g in groups if g.index not in failed and not g.serves(target)]
     if waiting and state.phase != ROLLING_BACK:
         message = f"waiting for group {waiting[0]} to be available on {target.revision}"
         out.state = replace(state, message=message)
+        return out
+    returning = [g.index for g in groups if g.index not in failed and not g.routable]
+    if returning and state.phase != ROLLING_BACK:  # the last wave's groups return after this pass
+        names = ", ".join(map(str, returning))
+        plural = "s" if len(returning) > 1 else ""
+        message = f"waiting for group{plural} {names} to return to routing on {target.revision}"
+        out.state = replace(state, message=message)  # the next pass: at once after a wave ended
         return out
     if state.phase == ROLLING_BACK:
         message = f"{state.message}; rolled back to {target.revision}"

@@ -172,12 +172,17 @@ def test_in_place_rollout_through_reconcile(world):
     assert [s[0] for s in leaders.sent] == ["default/llama/g0", "default/llama/g1"]
     leaders.results["default/llama/g1"] = ("success", "")
     leaders.seconds["default/llama/g1"] = {"load_seconds": 0.2, "recapture_seconds": 0.0}  # a CPU pod
+    leaders.info["http://127.0.1.2:8000"] = {"weights_phase": "serving", "model_path": model["path"],
+                                             "weights_revision": "rev-b"}
     writes = len(kube.statuses)
     completed = reconcile(ctx, copy.deepcopy(body))  # the pass that counts the last group updated
     body["status"] = completed.status
     assert "RecapturingGraphs" not in [s.get("phase") for s in kube.statuses[writes:]]  # it captured nothing
-    assert any(e[1] == "RolloutComplete" for e in completed.events)
+    # group 1 returns to routing after that pass's status; the next pass completes the rollout
+    assert completed.status["phase"] == "RollingOut"
+    assert not any(e[1] == "RolloutComplete" for e in completed.events)
     result = reconcile(ctx, copy.deepcopy(body))
+    assert any(e[1] == "RolloutComplete" for e in result.events)
     assert result.status["phase"] == "Ready" and result.status["servedRevision"] == "rev-b"
     assert {n: p["metadata"]["uid"] for n, p in kube.pods().items()} == uids  # no pod restarted
 
@@ -223,7 +228,10 @@ def test_cuda_graph_change_recaptures_in_place(world):
     (key, _, sent), = leaders.sent
     assert sent["cuda_graph_max_bs"] == 16 and sent["recapture_cuda_graph"] and sent["revision"] == "rev-a"
     leaders.results[key] = ("success", "")
-    body["status"] = reconcile(ctx, copy.deepcopy(body)).status
+    # the leader reports it serves: it may return to routing (one without a report never does)
+    leaders.info["http://127.0.0.2:8000"] = {"weights_phase": "serving", "model_path": body["spec"]["model"]["path"],
+                                             "weights_revision": "rev-a"}
+    body["status"] = reconcile(ctx, copy.deepcopy(body)).status  # counts it; it returns
     status = reconcile(ctx, copy.deepcopy(body)).status
     args = kube.objects[("StatefulSet", "default", "llama-g0")]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--cuda-graph-max-bs") + 1] == "16"

@@ -44,7 +44,8 @@ def test_revert_mid_update_is_awaited_then_applied(world):
     assert result.status["phase"] == "UpdatingWeights" and conditions(result.status)["Ready"]["status"] == "False"
     assert leaders.sent[-1] == ("default/llama/g0", "rev-a")  # sent back in the same pass
     leaders.finish("default/llama/g0")
-    completed = run()  # the pass that counts it back on rev-a completes the rollout
+    run()  # the pass that counts it back on rev-a; it returns to routing after it
+    completed = run()  # back in routing: the rollout completes
     assert any(e[1] == "RolloutComplete" for e in completed.events)
     result = run()
     assert result.status["phase"] == "Ready" and result.status["servedRevision"] == "rev-a"
@@ -218,11 +219,12 @@ def test_operator_restart_after_a_lost_update_sends_it_again(world):
     assert leaders.sent.count(("default/llama/g0", "rev-b")) == 2
 
 
-def test_the_pass_that_ends_a_rollout_writes_ready_before_the_group_returns_to_routing(spec_dict):
+def test_the_pass_that_ends_the_last_wave_writes_status_before_the_group_returns_to_routing(spec_dict):
     """Issue 23 item 5: a group's return to routing waits for its ``/health_generate`` (seconds
     on a busy leader); the pass writes its status first, and hands it to the gauges
-    (``on_status_written``), so neither ``Ready`` nor the gauges are held up by it. The group
-    still returns only after the check passed (issue 29)."""
+    (``on_status_written``), so neither is held up by it. The group returns only after the
+    check passed (issue 29), and ``Ready`` with ``RolloutComplete`` come in the pass after,
+    once it is back in routing (issue 23: status never says Ready with a group out)."""
     spec_dict["restartPolicy"] = {"maxGroupRestarts": 3}
     passes = ready_world(spec_dict, LiveLeaders())
     kube, leaders = passes.kube, passes.leaders
@@ -240,12 +242,15 @@ def test_the_pass_that_ends_a_rollout_writes_ready_before_the_group_returns_to_r
     passes.run()  # counts group 0; it returns
     passes.run()  # starts group 1
     leaders.finish("default/llama/g1")
-    result = passes.run()  # counts group 1 and ends the rollout
-    assert any(e[1] == "RolloutComplete" for e in result.events)
+    result = passes.run()  # counts group 1; it returns after the status write
+    assert not any(e[1] == "RolloutComplete" for e in result.events)
     # status and gauges first, then the check
-    assert checked[-1] == ("http://127.0.1.2:8000", "Ready", ("Ready", 3), "false")
+    assert checked[-1] == ("http://127.0.1.2:8000", "RollingOut", ("RollingOut", 3), "false")
     assert kube.pods()["llama-g1-0"]["metadata"]["labels"][labels.LABEL_ROUTABLE] == "true"
-    assert len(passes.written) == 6, "one hand-over a pass"
+    result = passes.run()  # back in routing: the rollout ends
+    assert any(e[1] == "RolloutComplete" for e in result.events)
+    assert result.status["phase"] == "Ready"
+    assert len(passes.written) == 7, "one hand-over a pass"
 
 
 def test_a_group_returns_to_routing_before_the_next_group_leaves_it(world):

@@ -151,3 +151,29 @@ def test_planner_with_two_unavailable_allowed_starts_one_group_beside_one_return
     policy = WeightUpdateSpec(timeout_seconds=60, max_unavailable=2)
     plan = plan_rollout(state, REV_B_MODEL, groups, policy, 0.0)
     assert sorted(plan.start) == [1]
+
+
+def test_rollout_is_not_complete_while_the_last_group_is_out_of_routing(world):
+    """``RolloutComplete`` and ``Ready`` wait for the last wave's group to be back in routing:
+    while its return check fails the deployment is still rolling out, and says why."""
+    passes, leaders, start_rollout = world
+    start_rollout()
+    leaders.finish("default/llama/g0")
+    passes.run()
+    passes.run()
+    leaders.health[URL[1]] = False  # group 1's update succeeds, its return check fails
+    leaders.finish("default/llama/g1")
+    for _ in range(3):
+        result = passes.run()
+        assert out_of_routing(passes.kube) == [1]
+        assert result.status["phase"] != "Ready", "Ready while group 1 was out of routing"
+        assert "RolloutComplete" not in [e[1] for e in result.events]
+    rollout = result.status["rollout"]
+    assert rollout["message"] == "waiting for group 1 to return to routing on rev-b"
+    leaders.health[URL[1]] = True
+    events = [e[1] for e in passes.run().events]  # group 1 returns
+    result = passes.run()
+    events += [e[1] for e in result.events]
+    assert result.status["phase"] == "Ready"
+    assert out_of_routing(passes.kube) == []
+    assert events.count("RolloutComplete") == 1
