@@ -119,7 +119,8 @@ def execute(
     pass that ends a rollout writes ``Ready`` without waiting for their health checks."""
     kube, namespace = ctx.kube, spec.namespace
     failures: dict[tuple[int, str], str] = {}
-    settle_left: dict[int, float] = {}  # group -> gateway settle its update must still admit
+    # group -> gateway settle its update must still admit; None: its leader is still listed
+    settle_left: dict[int, float | None] = {}
     if not _returns_deferred(plan):
         return_to_routing(ctx, client, namespace, plan, deferred=False)
     for action in plan.actions:
@@ -148,7 +149,7 @@ def execute(
             client.start_update(
                 key,
                 action.url,
-                with_admission(action.body, settle_left.get(action.group, 0.0)),
+                with_admission(action.body, settle_left.get(action.group)),
                 action.timeout_seconds,
             )
         elif isinstance(action, AbortUpdate):
@@ -160,13 +161,20 @@ def execute(
     return failures
 
 
-def with_admission(body: Mapping[str, Any], settle_seconds: float) -> Mapping[str, Any]:
-    """The update body with ``admit_seconds``: the leader's gateway settle still to run when
-    the update is sent (``routing_execute.perform_routing``); ``body`` itself when none is
-    left. The runtime stages meanwhile and holds new requests only after it."""
-    if settle_seconds <= 0:
+def with_admission(body: Mapping[str, Any], settle_seconds: float | None) -> Mapping[str, Any]:
+    """The update body for a leader that left routing just before it (``settle_seconds``: what
+    ``routing_execute.perform_routing`` returned; None: it did not leave, ``body`` itself).
+
+    ``keep_ready``: its ``/ready`` stays 200 during the update, since no Service or gateway
+    routes to it, so the pass after the reply need not wait for a readiness probe.
+    ``admit_seconds`` (when some of the gateway settle is left): the runtime stages meanwhile
+    and holds new requests only after it."""
+    if settle_seconds is None:
         return body
-    return {**body, "admit_seconds": round(settle_seconds, 3)}
+    out = {**body, "keep_ready": True}
+    if settle_seconds > 0:
+        out["admit_seconds"] = round(settle_seconds, 3)
+    return out
 
 
 def _returns_deferred(plan: PassPlan) -> bool:

@@ -68,9 +68,9 @@ def _went_away(view: GroupView, result: str) -> bool:
     from the update: an abort while a pod is terminating or unready (a drain aborts the load);
     a failed request only while the leader pod is being deleted or gone (killed while it
     drained; a crash that leaves the pod fails the update, as it always did). A leader that
-    stays is unready during any update longer than its readiness probe's failure threshold
-    (``/ready`` answers 503 while it updates), so unready alone does not excuse a failure: that
-    would turn a bad checkpoint into a wait until the timeout."""
+    stays may be unready during an update longer than its readiness probe's failure threshold
+    (``/ready`` answers 503 while an update sent without ``keep_ready`` runs), so unready alone
+    does not excuse a failure: that would turn a bad checkpoint into a wait until the timeout."""
     if result == "aborted":
         return not (view.live and view.ready)
     return result == "failure" and not view.leader_pod

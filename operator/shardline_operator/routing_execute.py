@@ -7,7 +7,9 @@ The settle does not delay the update: what is left of it once the EndpointSlices
 leader goes into the update request as ``admit_seconds`` (``execute.py``). The runtime starts
 staging the new weights at once and goes on admitting new requests on the old weights for that
 long, so a request a gateway still sends in the settle is served, not held, while the staging
-that the update waits for anyway runs beside it."""
+that the update waits for anyway runs beside it. A leader that left routing is also updated
+with ``keep_ready``: its ``/ready`` stays 200, so the kubelet does not mark it NotReady and the
+pass after the update's reply need not wait for a probe to see it Ready again."""
 
 from __future__ import annotations
 
@@ -60,13 +62,15 @@ def perform_routing(
     namespace: str,
     action: LabelLeader | LeaveRouting | EnterRouting,
     sleep: Callable[[float], None] = time.sleep,
-) -> float:
+) -> float | None:
     """Perform one routing action (raises ``KubeError`` on an API failure). ``client`` is the
     pass's leader client (its ``verify(url, None)`` is the ``/health_generate`` check).
 
     Returns the seconds of the gateway settle still to run after a :class:`LeaveRouting`
     (0.0 .. :data:`GATEWAY_SETTLE_SECONDS`; 0.0 for the other actions): the leader must go on
-    admitting requests that long before its update holds them (the update's ``admit_seconds``)."""
+    admitting requests that long before its update holds them (the update's ``admit_seconds``).
+    None when the EndpointSlices still list the leader after ``action.timeout_seconds``: it
+    did not leave routing, so its update must not keep it Ready (``keep_ready``)."""
     if isinstance(action, LabelLeader):
         _patch_labels(kube, namespace, action.pod, dict(action.labels))
     elif isinstance(action, LeaveRouting):
@@ -84,7 +88,7 @@ def perform_routing(
                     action.services,
                     action.timeout_seconds,
                 )
-                return 0.0
+                return None
             sleep(SLICE_POLL_SECONDS)
         logger.info(
             "group %d: %s left %s in %.2f s",

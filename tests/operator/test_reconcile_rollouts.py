@@ -290,10 +290,28 @@ def test_the_gateway_settle_goes_into_the_update_as_its_admission_window(world, 
     run(path=REV_B, revision="rev-b")
     body = leaders.flights["default/llama/g0"]["body"]
     assert 0.5 < body["admit_seconds"] <= 1.0
+    assert body["keep_ready"] is True
     assert kube.pods()["llama-g0-0"]["metadata"]["labels"][labels.LABEL_ROUTABLE] == "false"
 
 
 def test_an_update_without_a_settle_left_carries_no_admission_window(world):
     kube, leaders, run = world  # the conftest sets the settle to 0
     run(path=REV_B, revision="rev-b")
-    assert "admit_seconds" not in leaders.flights["default/llama/g0"]["body"]
+    body = leaders.flights["default/llama/g0"]["body"]
+    assert "admit_seconds" not in body
+    assert body["keep_ready"] is True  # it left routing all the same
+
+
+def test_a_leader_still_listed_after_the_leave_timeout_is_updated_without_keep_ready(world, monkeypatch):
+    """Issue 23 item 5: ``keep_ready`` (the runtime's ``/ready`` stays 200 during the update) only
+    for a leader that left routing; one the EndpointSlices still list after the leave timeout
+    may still get traffic, so its update lets it go NotReady as before."""
+    monkeypatch.setattr("shardline_operator.routing.LEAVE_TIMEOUT_SECONDS", 0.0)
+    kube, leaders, run = world
+    leader_ip = kube.pods()["llama-g0-0"]["status"]["podIP"]
+    kube.apply({"kind": "EndpointSlice", "metadata": {
+        "name": "llama-abc", "namespace": "default", "labels": {"kubernetes.io/service-name": "llama"}},
+        "endpoints": [{"addresses": [leader_ip]}]})
+    run(path=REV_B, revision="rev-b")
+    body = leaders.flights["default/llama/g0"]["body"]
+    assert "keep_ready" not in body and "admit_seconds" not in body

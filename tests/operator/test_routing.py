@@ -175,6 +175,16 @@ def test_leave_routing_leaves_the_gateway_settle_to_the_update(monkeypatch):
     assert slept == [] and 0.5 < left <= 1.0
 
 
+def test_leave_routing_that_times_out_returns_no_settle(monkeypatch):
+    # The slices still list the leader at the deadline: it did not leave routing, so its update
+    # gets neither an admission window nor keep_ready (``execute.with_admission``).
+    kube = FakeKube()
+    _pod_in(kube)
+    _slice(kube, "10.0.0.1")
+    left = perform_routing(kube, None, "default", LeaveRouting(0, "llama-g0-0", "10.0.0.1", ("llama",), 0), lambda s: None)
+    assert left is None
+
+
 def test_leave_routing_labels_the_leader_unroutable():
     kube = FakeKube()
     _pod_in(kube)

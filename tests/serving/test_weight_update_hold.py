@@ -144,6 +144,41 @@ def test_held_requests_are_counted_in_server_info(hold_server, serving_checkpoin
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("keep_ready, expected", [(True, 200), (False, 503)])
+def test_ready_during_an_update_is_kept_only_when_asked(hold_server, serving_checkpoint,
+                                                        keep_ready, expected):
+    """Issue 23 item 5: an update sent with ``keep_ready`` (by an operator that took the leader
+    out of routing first) leaves ``/ready`` at 200 while it runs, so the kubelet never marks the
+    pod NotReady and the update's end is its reply; without it ``/ready`` is 503 as before."""
+    server = hold_server
+    done: dict = {}
+    stream = threading.Thread(target=_long_stream, args=(server, 3000, done))
+    stream.start()
+    _wait_running(server, 1)  # the update waits for it: it runs until the stream is aborted
+    with cf.ThreadPoolExecutor(1) as pool:
+        update = pool.submit(server.post, "/update_weights_from_disk",
+                             {"model_path": str(serving_checkpoint), "revision": "rev-a",
+                              "keep_ready": keep_ready})
+        try:
+            deadline = time.monotonic() + 60
+            while server.get("/get_server_info").json()["weights_phase"] == "serving":
+                assert time.monotonic() < deadline and not update.done(), "the update never began"
+                time.sleep(0.01)
+            ready = server.get("/ready").status_code
+            phase = server.get("/get_server_info").json()["weights_phase"]  # still updating
+            pending = not update.done()
+        finally:
+            server.post("/abort_request", {"abort_all": True})  # lets the update run now
+        reply = update.result().json()
+    stream.join(120)
+    assert pending and phase != "serving", "the update ended before /ready was asked"
+    assert ready == expected
+    assert reply["success"] is True
+    assert server.get("/ready").status_code == 200
+    wait_for_baseline(server)
+
+
+@pytest.mark.slow
 def test_hold_past_timeout_is_503_with_retry_after(short_hold_server, serving_checkpoint, serving_checkpoint_b):
     server = short_hold_server
     done: dict = {}

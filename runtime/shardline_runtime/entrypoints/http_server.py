@@ -140,9 +140,11 @@ def build_app(tm: TokenizerManager, server_args, metrics, state: dict[str, Any])
     @app.get("/ready")
     async def ready():
         # 503 during a weight update, so balancers send new traffic elsewhere (requests that
-        # still come are held, not refused); /health stays 200.
+        # still come are held, not refused), unless it was sent with keep_ready (its caller
+        # routed traffic away first); /health stays 200.
         phase, draining = tm.state.weights.phase, tm.gate.draining
-        if not state.get("healthy", True) or draining or phase.updating:
+        updating = phase.updating and not tm.gate.keep_ready
+        if not state.get("healthy", True) or draining or updating:
             return error_response(
                 503, f"not ready (weights_phase {phase.value}, draining {draining})"
             )

@@ -172,6 +172,10 @@ class UpdateWeightsRequest(ControlRequest):
     # ones stage; held from then on (0: at once). An operator taking the leader out of routing
     # passes what is left of its gateway settle here.
     admit_seconds: float = Field(0.0, ge=0.0, le=30.0)
+    # /ready stays 200 while this update runs (unless unhealthy, draining or blocked): for a
+    # caller that already routed traffic away from this server (an operator taking the leader
+    # out of routing), so readiness does not flap and the update's end is its reply.
+    keep_ready: bool = False
 
 
 class AbortRequest(ControlRequest):

@@ -133,7 +133,7 @@ def add_weight_update_routes(
             ),
             admit_seconds=body.admit_seconds,
         )
-        out = await tm.update_weights_from_disk(req)
+        out = await tm.update_weights_from_disk(req, keep_ready=body.keep_ready)
         if out.success:
             served_dirs[0] = model_path
             served_dirs[1] = draft_path or served_dirs[1]

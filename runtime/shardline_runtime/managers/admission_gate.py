@@ -9,6 +9,7 @@ One small state machine in the HTTP process, owning its ``asyncio.Event``s:
   503 with ``Retry-After`` (:class:`WeightUpdateHoldTimeout`). A disk update with
   ``admit_seconds`` opens an **admission window** first (:meth:`AdmissionGate.open_window`):
   requests are admitted as when serving, while the new weights stage, until it closes.
+  ``/ready`` is 503 while updating, unless the update was sent with ``keep_ready``.
 - **paused** (``/pause_generation``): new requests wait until ``/continue_generation``.
 - **draining** (SIGTERM): ``/ready`` is 503 but requests are still served; paused ones are
   released with a 503. **closing** (the drain ended): new requests are refused.
@@ -63,6 +64,9 @@ class AdmissionGate:
         self.closing = False
         self.held = 0  # requests waiting for a weight update to end or for generation to continue
         self.window_open = False  # an update's admission window: not held though it runs
+        # the disk update running was sent with keep_ready: /ready stays 200 (requests that
+        # still come are held as usual; the caller routed traffic away first)
+        self.keep_ready = False
         self._serving = asyncio.Event()  # set unless a weight update runs
         self._serving.set()
         self._updating = asyncio.Event()  # the inverse of _serving (first_chunk waits on both)

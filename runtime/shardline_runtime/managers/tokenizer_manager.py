@@ -217,7 +217,7 @@ class TokenizerManager:
     # ---------------------------------------------------------------- state-changing calls
 
     async def update_weights_from_disk(
-        self, req: UpdateWeightsFromDiskReqInput
+        self, req: UpdateWeightsFromDiskReqInput, keep_ready: bool = False
     ) -> UpdateWeightsFromDiskReqOutput:
         """Run a weight update; requests arriving from now until it ends are held. The
         schedulers' ``WeightsState`` (new path, revision, digest, phase times) arrives before
@@ -226,7 +226,11 @@ class TokenizerManager:
         With ``req.admit_seconds`` the schedulers start staging at once, but new requests are
         admitted for that many seconds more (served on the old weights before the commit); then
         the gate closes and a :class:`WeightUpdateCutoffReqInput` tells the schedulers when
-        (an update that ended first sends none)."""
+        (an update that ended first sends none).
+
+        With ``keep_ready`` ``/ready`` stays 200 until it ends (``AdmissionGate.keep_ready``):
+        the caller routed traffic away first. The schedulers never see it."""
+        self.gate.keep_ready = keep_ready
         self.state.mark_updating()
         window = max(0.0, req.admit_seconds)
         if window > 0:
@@ -263,6 +267,7 @@ class TokenizerManager:
             ended.set_result(out)
             self.state.end_update_if_silent()
             self.gate.window_open = False
+            self.gate.keep_ready = False
             self.gate.set_phase(self.state.weights.phase)
 
     async def abort_weight_update(self) -> UpdateWeightsFromDiskReqOutput | None:
