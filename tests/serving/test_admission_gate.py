@@ -132,6 +132,16 @@ def test_first_output_counts_the_update_against_the_hold_budget():
         run(main())
 
 
+async def held_until_serving(gate: AdmissionGate) -> int:
+    """Admit one request, let the gate report serving, and return how many were held meanwhile."""
+    held = asyncio.ensure_future(gate.admit())
+    await asyncio.sleep(0.05)
+    held_meanwhile = gate.held
+    gate.set_phase(WeightsPhase.SERVING)
+    await asyncio.wait_for(held, 1.0)
+    return held_meanwhile
+
+
 def test_requests_are_admitted_during_an_updates_admission_window_and_held_after():
     async def main():
         gate = AdmissionGate(hold_timeout=5.0)
@@ -139,12 +149,7 @@ def test_requests_are_admitted_during_an_updates_admission_window_and_held_after
         gate.set_phase(WeightsPhase.LOADING)  # the schedulers report staging
         await asyncio.wait_for(gate.admit(), 0.5)  # admitted at once, on the old weights
         gate.close_window()
-        held = asyncio.ensure_future(gate.admit())
-        await asyncio.sleep(0.05)
-        held_meanwhile = gate.held
-        gate.set_phase(WeightsPhase.SERVING)
-        await asyncio.wait_for(held, 1.0)
-        return held_meanwhile
+        return await held_until_serving(gate)
 
     assert run(main()) == 1
 
@@ -154,11 +159,6 @@ def test_closing_the_window_holds_even_before_the_schedulers_report_loading():
         gate = AdmissionGate(hold_timeout=5.0)
         gate.open_window()
         gate.close_window()
-        held = asyncio.ensure_future(gate.admit())
-        await asyncio.sleep(0.05)
-        held_meanwhile = gate.held
-        gate.set_phase(WeightsPhase.SERVING)
-        await asyncio.wait_for(held, 1.0)
-        return held_meanwhile
+        return await held_until_serving(gate)
 
     assert run(main()) == 1

@@ -164,20 +164,15 @@ def test_weights_staged_on_a_thread_commit_under_the_schedulers_inference_mode(w
     assert plane.part.weights.revision == "rev-b"
 
 
-def test_a_pending_disk_update_admits_requests_admitted_before_it(worker, ckpts):
+@pytest.mark.parametrize("admitted_at, admitted", [(9.0, True), (11.0, False)])
+def test_a_pending_disk_update_admits_only_requests_admitted_before_it(
+    worker, ckpts, admitted_at, admitted
+):
     plane = Plane(worker, ckpts[0])
     plane.holding_kv = True
     plane.part.start_weight_update(UpdateWeightsFromDiskReqInput(str(ckpts[0]), requested_at=10.0))
-    before = Req("before", [1, 2], SamplingParams(), admitted_at=9.0)
-    assert plane.part.admits()(before)
-
-
-def test_a_pending_disk_update_holds_requests_admitted_after_it(worker, ckpts):
-    plane = Plane(worker, ckpts[0])
-    plane.holding_kv = True
-    plane.part.start_weight_update(UpdateWeightsFromDiskReqInput(str(ckpts[0]), requested_at=10.0))
-    after = Req("after", [1, 2], SamplingParams(), admitted_at=11.0)
-    assert not plane.part.admits()(after)
+    req = Req("r", [1, 2], SamplingParams(), admitted_at=admitted_at)
+    assert bool(plane.part.admits()(req)) is admitted
 
 
 def test_a_pending_update_waits_for_a_queued_request_admitted_before_it(worker, ckpts):
