@@ -86,3 +86,19 @@ def test_cpu_decode_attention_equals_sdpa_per_request(hq, hkv):
                 k, v = k_pool[:, slots[i, :n]], v_pool[:, slots[i, :n]]  # (Hkv, n, D)
                 ref = F.scaled_dot_product_attention(q[i][:, None], k, v, scale=0.3, enable_gqa=True)[:, 0]
                 assert torch.allclose(out[i], ref, atol=1e-6)
+
+
+def test_decode_scratch_views_are_reused_per_shape_and_writable_in_and_out_of_inference_mode():
+    from shardline_runtime.attention.paged_decode import DecodeScratch
+
+    scratch = DecodeScratch()
+    with torch.inference_mode():  # the scheduler's mode
+        k, v = scratch.kv((2, 6, 4), torch.float32, torch.device("cpu"))
+        k_again, v_again = scratch.kv((2, 6, 4), torch.float32, torch.device("cpu"))
+        assert k_again is k and v_again is v  # the next layer gets the same views
+        k.fill_(1.0)
+    v.fill_(2.0)  # a test's forward outside inference mode writes the views made inside it
+    assert k.sum().item() == 48 and v.sum().item() == 96
+    k2, v2 = scratch.kv((2, 8, 4), torch.float32, torch.device("cpu"))  # a longer step: new views
+    assert k2.shape == (2, 8, 4) and k2.data_ptr() != v2.data_ptr()
+    assert not k2.is_inference()

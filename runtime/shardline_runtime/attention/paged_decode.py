@@ -23,25 +23,33 @@ class DecodeScratch:
     def __init__(self, max_bytes: int = 256 << 20):
         self._buf: torch.Tensor | None = None
         self.max_bytes = max_bytes
+        self._views: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None  # last kv()
 
     def kv(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two uninitialised contiguous tensors of ``shape`` (K and V), views of one buffer."""
+        """Two uninitialised contiguous tensors of ``shape`` (K and V), views of one buffer.
+
+        The layers of one pass ask for the same shape: the views of the last call are reused.
+        """
+        key = (shape, dtype, device)
+        if self._views is not None and self._views[0] == key:
+            return self._views[1]
         n = 1
         for s in shape:
             n *= s
-        if 2 * n * torch.empty((), dtype=dtype).element_size() > self.max_bytes:
+        if 2 * n * dtype.itemsize > self.max_bytes:
             return torch.empty(shape, dtype=dtype, device=device), torch.empty(
                 shape, dtype=dtype, device=device
             )
         buf = self._buf
-        if buf is None or buf.dtype != dtype or buf.device != device or buf.numel() < 2 * n:
-            with torch.inference_mode(
-                False
-            ):  # a normal tensor: writable in and out of inference mode
+        # normal tensors and views (made outside inference mode): writable in and out of it
+        with torch.inference_mode(False):
+            if buf is None or buf.dtype != dtype or buf.device != device or buf.numel() < 2 * n:
                 buf = self._buf = torch.empty(2 * n, dtype=dtype, device=device)
-        return buf[:n].view(shape), buf[n : 2 * n].view(shape)
+            views = (buf[:n].view(shape), buf[n : 2 * n].view(shape))
+        self._views = (key, views)
+        return views
 
 
 def decode_attention_cpu(

@@ -104,11 +104,6 @@ def compute_inv_freq(rope_parameters: dict[str, Any], head_dim: int) -> tuple[to
     )
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to q and k.
 
@@ -142,6 +137,9 @@ class RotaryEmbedding(nn.Module):
             "cos_cached", cos, persistent=False
         )  # (max_positions, head_dim) float32
         self.register_buffer("sin_cached", sin, persistent=False)
+        sign = torch.ones(head_dim)
+        sign[: head_dim // 2] = -1.0
+        self.register_buffer("rotate_sign", sign, persistent=False)  # (head_dim,) float32
 
     def _cos_sin(
         self, positions: torch.Tensor, inv_freq: torch.Tensor
@@ -179,9 +177,15 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self._cos_sin(positions, self._dynamic_inv_freq(positions))
         else:
             cos, sin = self.cos_cached[positions], self.sin_cached[positions]
+        # transformers' rotate_half(x) * sin == roll(x, half) * (sin with its first half negated): one roll
+        # instead of two slices, a negation and a cat, with bit-identical results.
         cos = cos.to(q.dtype).unsqueeze(1)  # (T, 1, head_dim)
-        sin = sin.to(q.dtype).unsqueeze(1)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        sin = (sin * self.rotate_sign).to(q.dtype).unsqueeze(1)
+        half = self.head_dim // 2
+        return (
+            q * cos + torch.roll(q, half, dims=-1) * sin,
+            k * cos + torch.roll(k, half, dims=-1) * sin,
+        )
 
 
 _ROPE_CACHE: weakref.WeakValueDictionary[tuple, RotaryEmbedding] = weakref.WeakValueDictionary()

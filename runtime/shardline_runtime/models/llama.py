@@ -146,7 +146,7 @@ class LlamaAttention(nn.Module):
         self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)  # (T, q_size + 2 * kv_size)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = qkv.split_with_sizes([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)  # (T, H_kv, D)
         if self.q_norm is not None and self.k_norm is not None:
