@@ -50,7 +50,14 @@ from hack.scenario.models import write_revisions  # noqa: E402
 from hack.scenario.operator_install import install_operator  # noqa: E402
 from hack.scenario.rollout_fleet import apply, leader_server_infos, patch, two_group_doc, wait_ready  # noqa: E402
 from hack.scenario.rollout_log import rollout_log  # noqa: E402
-from hack.scenario.rollout_timeline import RECOVERED_FACTOR, Timeline, breakdown, p95, recovery  # noqa: E402
+from hack.scenario.rollout_timeline import (  # noqa: E402
+    RECOVERED_FACTOR,
+    Timeline,
+    beside_loads,
+    breakdown,
+    p95,
+    recovery,
+)
 from hack.scenario.traffic import Traffic  # noqa: E402
 
 
@@ -94,6 +101,9 @@ def in_place(cluster, watch, ns: str, revs: dict, model: str, args) -> None:
         base, recovered, worst = recovery(traffic.records, g, patched, end)
         shown = f"{recovered:.2f}" if math.isfinite(recovered) else "never"
         print(f"{g.index:>5}{base:>12.2f}{shown:>21}{worst:>13.2f}")
+    beside, alone = beside_loads(traffic.records, groups, patched, end)
+    print(f"after the patch, requests to groups not updating: p95 {p95(beside):.2f} s while another "
+          f"group loads ({len(beside)} requests), {p95(alone):.2f} s while none does ({len(alone)})")
     # A fleet over its capacity shows a queue that grows through the warmup: its latencies
     # then measure the queue, not the rollout.
     half = patched - args.warmup / 2

@@ -149,3 +149,27 @@ def recovery(records: list[tuple[float, str, float, bool]], group: GroupTimeline
         if p95(window) <= RECOVERED_FACTOR * base:
             return base, start - group.available_at, worst
     return base, math.inf, worst
+
+
+def beside_loads(records: list[tuple[float, str, float, bool]], groups: list[GroupTimeline], start: float,
+                 end: float) -> tuple[list[float], list[float]]:
+    """Latencies (seconds) of the requests sent in ``[start, end)`` to a group that was not
+    updating itself, split by whether another group was updating (``loading_at`` to
+    ``available_at``) when the request was sent: ``(beside a load, beside none)``.
+
+    On one machine that hosts every group (the local cluster) a load takes CPU from the groups
+    still serving; the two lists show how much of the latency after a group's return is that,
+    not the returned group itself. A group whose update was never seen to end counts as updating
+    until ``end``."""
+    spans = {g.ip: (g.loading_at, end if g.available_at is None else g.available_at)
+             for g in groups if g.ip is not None and g.loading_at is not None}
+    beside, alone = [], []
+    for sent, ip, seconds, _ in records:
+        if not start <= sent < end:
+            continue
+        own = spans.get(ip)
+        if own is not None and own[0] <= sent < own[1]:
+            continue  # sent to the updating group itself
+        loading = any(lo <= sent < hi for other, (lo, hi) in spans.items() if other != ip)
+        (beside if loading else alone).append(seconds)
+    return beside, alone

@@ -51,3 +51,21 @@ def test_never_recovered_and_other_leaders_ignored():
 def test_a_group_never_available_has_no_recovery():
     base, recovered, worst = recovery(records([(0, 1.0)]), GroupTimeline(0, IP), 20.0, 60.0)
     assert base == 1.0 and math.isinf(recovered) and math.isnan(worst)
+
+
+def test_requests_beside_another_groups_load_are_split_from_those_beside_none():
+    from hack.scenario.rollout_timeline import beside_loads
+
+    g0 = GroupTimeline(0, "10.0.0.1", loading_at=10.0, available_at=20.0)
+    g1 = GroupTimeline(1, "10.0.0.2", loading_at=25.0, available_at=None)  # never seen to end
+    recs = [
+        (5.0, "10.0.0.2", 9.0, True),  # before the start: left out
+        (12.0, "10.0.0.1", 8.0, True),  # to g0 while it updates itself: left out
+        (12.0, "10.0.0.2", 2.0, True),  # to g1 while g0 loads
+        (22.0, "10.0.0.1", 0.5, True),  # to g0, nothing loading
+        (22.0, "10.0.0.2", 0.4, True),
+        (26.0, "10.0.0.1", 3.0, True),  # to g0 while g1 loads (until the end)
+        (26.0, "10.0.0.2", 7.0, True),  # to g1 while it updates itself: left out
+    ]
+    beside, alone = beside_loads(recs, [g0, g1], start=10.0, end=30.0)
+    assert sorted(beside) == [2.0, 3.0] and sorted(alone) == [0.4, 0.5]

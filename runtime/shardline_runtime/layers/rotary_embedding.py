@@ -117,6 +117,7 @@ class RotaryEmbedding(nn.Module):
     inv_freq: torch.Tensor
     cos_cached: torch.Tensor
     sin_cached: torch.Tensor
+    rotate_sign: torch.Tensor
 
     def __init__(
         self,
