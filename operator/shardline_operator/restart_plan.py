@@ -3,8 +3,8 @@
 A group needs a restart when its StatefulSet's pod template hash differs from the spec's (a
 field that only a new process can take, see ``DeploymentSpec.restart_hash``), or, with
 ``weightUpdate.strategy: Restart``, when it serves another checkpoint than the spec asks for.
-Restarts roll one group at a time, only once every other group is settled (Ready or Failed) and
-no in-place wave is in flight, so capacity drops by at most one group.
+Restarts roll one group at a time, only once every other group is settled (Ready and back in
+routing, or Failed) and no in-place wave is in flight, so capacity drops by at most one group.
 """
 
 from __future__ import annotations
@@ -45,11 +45,23 @@ def next_restart(
 ) -> GroupObservation | None:
     """The group to restart now, or None (none stale, a wave in flight, or another group unsettled).
 
+    A stale group that is out of service (unready, or out of routing) is taken before one that
+    serves.
+
     ``failed``: group index -> the group is marked Failed (counts as settled).
     """
     stale = [g for g in groups if needs_restart(spec, g)]
     if not stale or wave_in_flight:
         return None
-    group = stale[0]
-    settled = all(g.ready or failed.get(g.index, False) for g in groups if g.index != group.index)
+    # A stale group already out of service goes first: restarting it takes no capacity away.
+    group = next((g for g in stale if not _in_service(g)), stale[0])
+    settled = all(_in_service(g) or failed.get(g.index, False) for g in groups if g.index != group.index)
     return group if settled else None
+
+
+def _in_service(group: GroupObservation) -> bool:
+    """Ready and back in routing: a group whose pods are Ready but whose leader has not returned
+    to routing yet (its ``/health_generate`` check pending or failing, after an update or a
+    restart) still counts against ``maxUnavailable`` (issue 23)."""
+    leader = group.leader
+    return group.ready and leader is not None and leader.routable == "true"

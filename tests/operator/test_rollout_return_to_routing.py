@@ -177,3 +177,57 @@ def test_rollout_is_not_complete_while_the_last_group_is_out_of_routing(world):
     assert result.status["phase"] == "Ready"
     assert out_of_routing(passes.kube) == []
     assert events.count("RolloutComplete") == 1
+
+
+def test_a_restart_takes_the_group_already_out_of_routing_first_and_never_a_second_group(world):
+    """A restart counts against ``maxUnavailable`` too. Group 1 is updated but out of routing (its
+    return check failing) when a new runtime image comes: group 1, already out, restarts first
+    (its new pods are routable once Ready); group 0 leaves service only after that, never beside
+    it."""
+    passes, leaders, start_rollout = world
+    start_rollout()
+    leaders.finish("default/llama/g0")
+    passes.run()  # counts group 0 updated; it returns after its check
+    passes.run()  # group 1 leaves routing and is sent its update
+    assert sent_to(leaders, 1)
+    leaders.health[URL[1]] = False  # group 1's update succeeds, its return check fails
+    leaders.finish("default/llama/g1")
+    passes.run()
+    assert out_of_routing(passes.kube) == [1]
+    runtime = dict(passes.body["spec"]["runtime"], image="ghcr.io/shardline/shardline-runtime:0.2.0")
+    result = passes.run(runtime=runtime)
+    restarts = [e[2].split(":")[0] for e in result.events if e[1] == "GroupRestart"]
+    assert restarts == ["group 1"], "the restart did not take the group already out first"
+    assert "llama-g0-0" in passes.kube.pods(), "group 0 left service beside group 1"
+    passes.kube.run_statefulsets()  # group 1's new pods come up Ready (routable from the start)
+    for _ in range(3):
+        result = passes.run()
+        restarts += [e[2].split(":")[0] for e in result.events if e[1] == "GroupRestart"]
+        if len(restarts) > 1:
+            break
+    assert restarts == ["group 1", "group 0"]
+
+
+def test_next_restart_waits_for_a_group_that_is_ready_but_out_of_routing(make_spec):
+    """``next_restart`` alone: the stale group does not go while another is Ready but not back in
+    routing, and goes once it is."""
+    from shardline_operator.observed import GroupObservation, PodObservation
+    from shardline_operator.restart_plan import next_restart
+
+    spec = make_spec()
+
+    def group(index: int, routable: str, template: str) -> GroupObservation:
+        pods = tuple(
+            PodObservation(f"llama-g{index}-{rank}", f"uid-{index}-{rank}", rank, f"10.0.{index}.{rank}",
+                           "Running", True, False, 0, False, None, template,
+                           routable=routable if rank == 0 else None)
+            for rank in range(spec.parallelism.pods_per_group)
+        )
+        sts = {"metadata": {"annotations": {labels.ANNOTATION_RESTART_HASH: template}}}
+        return GroupObservation(index, spec.parallelism.pods_per_group, sts, pods)
+
+    fresh = spec.restart_hash()
+    for routable, expected in (("false", None), ("true", 1)):
+        groups = [group(0, routable, fresh), group(1, "true", "old-template")]
+        chosen = next_restart(spec, groups, {}, wave_in_flight=False)
+        assert (chosen.index if chosen else None) == expected
