@@ -55,7 +55,9 @@ def next_restart(
         return None
     # A stale group already out of service goes first: restarting it takes no capacity away.
     group = next((g for g in stale if not _in_service(g)), stale[0])
-    settled = all(_in_service(g) or failed.get(g.index, False) for g in groups if g.index != group.index)
+    settled = all(
+        _in_service(g) or failed.get(g.index, False) for g in groups if g.index != group.index
+    )
     return group if settled else None
 
 
