@@ -74,7 +74,7 @@ def _views(
                 leader.revision if leader is not None else None,
                 seen.update_seconds,
                 leader is not None,
-                routable=leader is not None and leader.routable == "true",
+                routable=group.routable,
             )
         )
     return views

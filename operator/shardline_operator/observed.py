@@ -146,6 +146,12 @@ class GroupObservation:
         return next((p for p in self.live_pods if p.rank == 0), None)
 
     @property
+    def routable(self) -> bool:
+        """Its leader exists and is labelled ``shardline.dev/routable: "true"`` (in routing)."""
+        leader = self.leader
+        return leader is not None and leader.routable == "true"
+
+    @property
     def served(self) -> ServedModel | None:
         """What the group's StatefulSet says it serves (its annotations), or None without one."""
         if self.statefulset is None:

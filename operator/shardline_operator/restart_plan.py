@@ -65,5 +65,4 @@ def _in_service(group: GroupObservation) -> bool:
     """Ready and back in routing: a group whose pods are Ready but whose leader has not returned
     to routing yet (its ``/health_generate`` check pending or failing, after an update or a
     restart) still counts against ``maxUnavailable`` (issue 23)."""
-    leader = group.leader
-    return group.ready and leader is not None and leader.routable == "true"
+    return group.ready and group.routable

@@ -122,7 +122,7 @@ def plan_routing(
             )
         elif group.index in wave and leader.routable != "false":
             changes[labels.LABEL_ROUTABLE] = "false"
-        elif group.index not in wave and _may_return(group) and leader.routable != "true":
+        elif group.index not in wave and _may_return(group) and not group.routable:
             url = pod_url(leader)
             if url is not None:
                 plan.labels.append(EnterRouting(group.index, leader.name, url))

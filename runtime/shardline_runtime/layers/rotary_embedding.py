@@ -178,8 +178,8 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self._cos_sin(positions, self._dynamic_inv_freq(positions))
         else:
             cos, sin = self.cos_cached[positions], self.sin_cached[positions]
-        # transformers' rotate_half(x) * sin == roll(x, half) * (sin with its first half negated): one roll
-        # instead of two slices, a negation and a cat, with bit-identical results.
+        # transformers' rotate_half(x) * sin == roll(x, half) * (sin, first half negated): one
+        # roll instead of two slices, a negation and a cat, with bit-identical results.
         cos = cos.to(q.dtype).unsqueeze(1)  # (T, 1, head_dim)
         sin = (sin * self.rotate_sign).to(q.dtype).unsqueeze(1)
         half = self.head_dim // 2
