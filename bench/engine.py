@@ -219,7 +219,9 @@ def compare(args) -> list[tuple[str, float, float]]:
 
 def profile_decode(args, steps: int = 6, rounds: int = 3) -> None:
     """torch.profiler over ``steps`` decode steps of each side, ``rounds`` times; prints each
-    operator's self CPU time in ms per step (minimum over rounds), largest first."""
+    operator's self CPU time in ms per step (minimum over rounds), largest first, and the number
+    of ATen operators called per step from Python (not counting the ones they call), the
+    figure that decides a small model's step where every operator costs a few microseconds."""
     import transformers
     from torch.profiler import ProfilerActivity, profile
 
@@ -231,10 +233,16 @@ def profile_decode(args, steps: int = 6, rounds: int = 3) -> None:
         ).to(worker.device).eval()
     batch_prompts = prompts(args.batch_size, args.prompt_len, args.vocab, seed=2)
     per_op = {"Shardline": {}, "transformers": {}}
+    op_calls = {"Shardline": [], "transformers": []}  # top-level ATen calls per step, each round
 
     def record(side, prof):
         for event in prof.key_averages():
             per_op[side].setdefault(event.key, []).append(event.self_cpu_time_total / steps / 1e3)
+        top_level = [
+            e for e in prof.events()
+            if e.name.startswith("aten::") and not (e.cpu_parent and e.cpu_parent.name.startswith("aten::"))
+        ]
+        op_calls[side].append(len(top_level) / steps)
 
     for _ in range(rounds):
         _, _, batch = engine_prefill(worker, batch_prompts)
@@ -266,7 +274,8 @@ def profile_decode(args, steps: int = 6, rounds: int = 3) -> None:
         record("transformers", prof)
     for side, ops in per_op.items():
         rows = sorted(((min(v), k) for k, v in ops.items()), reverse=True)
-        print(f"\n{side}: decode step, batch {args.batch_size}; sum of operators {sum(r[0] for r in rows):.1f} ms")
+        print(f"\n{side}: decode step, batch {args.batch_size}; sum of operators {sum(r[0] for r in rows):.1f} ms; "
+              f"{min(op_calls[side]):.0f} top-level operator calls per step")
         for ms, name in rows[:12]:
             print(f"  {name:52s} {ms:8.2f} ms")
 

@@ -75,16 +75,21 @@ def test_vocab_parallel_embedding_pads_last_rank_with_zero_rows():
         head(torch.tensor([1]))
 
 
-def test_rmsnorm_matches_transformers():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [16, 256, 896, 4096])
+def test_rmsnorm_matches_transformers(dtype, hidden):
+    """Bit for bit, in every dtype: the CPU path's fused ``F.rms_norm`` is not allowed to round
+    differently from transformers' five-op formula."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    x = torch.randn(5, 16) * 3
-    ours, ref = RMSNorm(16, 1e-5), LlamaRMSNorm(16, eps=1e-5)
-    w = torch.randn(16)
-    ours.weight.data.copy_(w)
-    ref.weight.data.copy_(w)
+    torch.manual_seed(hidden)
+    x = (torch.randn(5, hidden) * 3).to(dtype)
+    ours, ref = RMSNorm(hidden, 1e-5), LlamaRMSNorm(hidden, eps=1e-5)
+    w = torch.randn(hidden).to(dtype)
+    ours.weight.data = w.clone()
+    ref.weight.data = w.clone()
     assert torch.equal(ours(x), ref(x))
-    r = torch.randn(5, 16)
+    r = torch.randn(5, hidden).to(dtype)
     normed, residual = ours(x, r)
     assert torch.equal(residual, x + r) and torch.equal(normed, ref(x + r))
 
@@ -122,3 +127,28 @@ def test_linear_in_pieces_equals_f_linear(rows, out_features, bias):
     ours, ref = linear(x, w, b), F.linear(x, w, b)
     assert ours.shape == ref.shape == (rows, out_features)
     assert torch.allclose(ours, ref, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_equals_transformers_apply_rotary_pos_emb_and_follows_a_replaced_table(dtype):
+    """The roll with the sign-folded sine table is transformers' ``rotate_half`` formula bit for
+    bit; a ``sin_cached`` replaced after the first call (the module moved) is the one used."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from shardline_runtime.layers.rotary_embedding import RotaryEmbedding
+
+    rope = RotaryEmbedding(32, {"rope_type": "default", "rope_theta": 10000.0}, 64, 64)
+    torch.manual_seed(0)
+    q, k = torch.randn(5, 4, 32).to(dtype), torch.randn(5, 2, 32).to(dtype)
+    positions = torch.tensor([0, 3, 17, 40, 63])
+
+    def reference():
+        cos = rope.cos_cached[positions].to(dtype)  # (T, head_dim)
+        sin = rope.sin_cached[positions].to(dtype)
+        return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+
+    for got, want in zip(rope(positions, q, k), reference()):
+        assert torch.equal(got, want)
+    rope.sin_cached = rope.sin_cached * 0.5  # what Module.to() does: a new tensor
+    for got, want in zip(rope(positions, q, k), reference()):
+        assert torch.equal(got, want)

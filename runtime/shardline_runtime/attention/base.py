@@ -101,7 +101,8 @@ class AttentionBackend(ABC):
         forward_batch,
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        """q (T, Hq*D), k/v (T, Hkv*D) -> (T, Hq*D); writes k/v into the pool first unless
+        """q (T, Hq*D) or (T, Hq, D), k/v (T, Hkv*D) or (T, Hkv, D) -> (T, Hq*D); writes k/v
+        into the pool first unless
         ``save_kv_cache`` is False (the caller stored them already: the fused rotary + KV-store
         kernel of ``layers/triton_rope_kv.py``)."""
         kv_pool = forward_batch.token_to_kv_pool or self.token_to_kv_pool

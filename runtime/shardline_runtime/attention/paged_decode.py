@@ -81,11 +81,17 @@ def decode_attention_cpu(
     k, v = scratch.kv((hkv, bs * kv_len, d), k_pool.dtype, k_pool.device)
     torch.index_select(k_pool, 1, slots, out=k)
     torch.index_select(v_pool, 1, slots, out=v)
-    k = k.view(hkv, bs, kv_len, d).to(q.dtype)
-    v = v.view(hkv, bs, kv_len, d).to(q.dtype)
+    k = k.view(hkv, bs, kv_len, d)
+    v = v.view(hkv, bs, kv_len, d)
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
     qh = (q * scale).view(bs, hkv, hq // hkv, d).transpose(0, 1)  # (Hkv, bs, group, D)
-    scores = torch.matmul(qh, k.transpose(-1, -2)).float()  # (Hkv, bs, group, L)
+    scores = torch.matmul(qh, k.transpose(-1, -2))  # (Hkv, bs, group, L)
+    if scores.dtype != torch.float32:
+        scores = scores.float()
     scores += bias[None, :, None, :]
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    probs = torch.softmax(scores, dim=-1)
+    if probs.dtype != v.dtype:
+        probs = probs.to(v.dtype)
     out = torch.matmul(probs, v)  # (Hkv, bs, group, D)
     return out.transpose(0, 1).reshape(bs, hq, d)

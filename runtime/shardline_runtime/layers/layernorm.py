@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from shardline_runtime.layers.parameter import set_weight_attrs
 
@@ -28,8 +29,13 @@ class RMSNorm(nn.Module):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.to(torch.float32)
-        variance = x.pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.variance_epsilon)
+        if torch.compiler.is_compiling():  # the primitive ops, for Inductor to fuse
+            variance = x.pow(2).mean(-1, keepdim=True)
+            x = x * torch.rsqrt(variance + self.variance_epsilon)
+        else:
+            # one ATen op instead of five; the same float32 result bit for bit on the CPU
+            # (tests/runtime/test_layers.py compares it with the formula above)
+            x = F.rms_norm(x, (x.shape[-1],), None, self.variance_epsilon)
         return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):

@@ -82,17 +82,16 @@ class RadixAttention(nn.Module):
         backend = forward_batch.attn_backend
         if rotary_emb is None or positions is None:
             return backend.forward(q, k, v, self, forward_batch)
-        q = q.reshape(-1, self.tp_q_head_num, self.head_dim)  # (T, Hq, D)
-        k = k.reshape(-1, self.tp_k_head_num, self.head_dim)  # (T, Hkv, D)
+        if q.dim() != 3 or k.dim() != 3:  # models that split the heads skip two ops per layer
+            q = q.reshape(-1, self.tp_q_head_num, self.head_dim)  # (T, Hq, D)
+            k = k.reshape(-1, self.tp_k_head_num, self.head_dim)  # (T, Hkv, D)
         v = v.reshape(-1, self.tp_k_head_num, self.head_dim)
         stored = self._fused_rope_and_store(q, k, v, forward_batch, positions, rotary_emb)
         if stored is not None:
             q, k = stored
         else:
             q, k = rotary_emb(positions, q, k)
-        q = q.reshape(-1, self.tp_q_head_num * self.head_dim)
-        k = k.reshape(-1, self.tp_k_head_num * self.head_dim)
-        v = v.reshape(-1, self.tp_k_head_num * self.head_dim)
+        # the backend takes (T, H, D) as well as (T, H * D)
         if stored is None:  # any backend, the piecewise graphs' attention split included
             return backend.forward(q, k, v, self, forward_batch)
         return backend.forward(q, k, v, self, forward_batch, save_kv_cache=False)

@@ -141,6 +141,9 @@ class RotaryEmbedding(nn.Module):
         sign = torch.ones(head_dim)
         sign[: head_dim // 2] = -1.0
         self.register_buffer("rotate_sign", sign, persistent=False)  # (head_dim,) float32
+        # sin_cached * rotate_sign, built at the first unfused call (the fused CUDA kernel reads
+        # sin_cached), and again if sin_cached was replaced (moved to another device)
+        self._signed_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _cos_sin(
         self, positions: torch.Tensor, inv_freq: torch.Tensor
@@ -170,18 +173,30 @@ class RotaryEmbedding(nn.Module):
         )
         return 1.0 / (base**exponents)
 
+    def _signed_sin_table(self) -> torch.Tensor:
+        """``sin_cached`` with the first half of each row negated, (max_positions, head_dim)."""
+        if self._signed_sin is None or self._signed_sin[0] is not self.sin_cached:
+            table = self.sin_cached * self.rotate_sign
+            if table.is_cuda and torch.cuda.is_current_stream_capturing():
+                return table  # not kept: it lives in the graph's memory pool
+            self._signed_sin = (self.sin_cached, table)
+        return self._signed_sin[1]
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (T,) int64; q (T, H, head_dim), k (T, H_kv, head_dim) -> rotated q, k."""
-        if self.rope_type == "dynamic" and positions.numel():
-            cos, sin = self._cos_sin(positions, self._dynamic_inv_freq(positions))
-        else:
-            cos, sin = self.cos_cached[positions], self.sin_cached[positions]
         # transformers' rotate_half(x) * sin == roll(x, half) * (sin, first half negated): one
         # roll instead of two slices, a negation and a cat, with bit-identical results.
-        cos = cos.to(q.dtype).unsqueeze(1)  # (T, 1, head_dim)
-        sin = (sin * self.rotate_sign).to(q.dtype).unsqueeze(1)
+        if self.rope_type == "dynamic" and positions.numel():
+            cos, sin = self._cos_sin(positions, self._dynamic_inv_freq(positions))
+            sin = sin * self.rotate_sign
+        else:
+            cos = torch.index_select(self.cos_cached, 0, positions)  # (T, head_dim)
+            sin = torch.index_select(self._signed_sin_table(), 0, positions)
+        if q.dtype != cos.dtype:
+            cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (T, 1, head_dim)
         half = self.head_dim // 2
         return (
             q * cos + torch.roll(q, half, dims=-1) * sin,
