@@ -163,33 +163,23 @@ def observe(
     """List the deployment's children and ask its leaders, up to :data:`LEADER_QUERIES` at the
     same time (read-only; raises ``KubeError``; ``client`` must be safe to call from threads).
 
-    Only the pod list must come before the leaders are asked (it names them); the other lists
-    run beside it and beside the leader queries, so a pass waits for the slowest request rather
-    than for five list round trips and then the leaders (on a loaded control plane each list
-    takes tens of milliseconds).
+    The five lists run at the same time, so a pass waits for the slowest rather than for their
+    sum (on a loaded control plane each takes tens of milliseconds). The leaders are asked only
+    once every list has succeeded: asking hands out what a leader reports once (an update's
+    result, the phases seen while it ran), which a pass that then failed would lose.
     """
     selector = labels.selector_labels(spec.name)
     ns = spec.namespace
-    rollout = RolloutState.from_status(previous_status.get("rollout"))
     asked = range(spec.replicas)
-    workers = _LISTED_BESIDE + max(1, min(len(asked), LEADER_QUERIES))
+    workers = max(_LISTED_BESIDE, min(len(asked), LEADER_QUERIES))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="observe") as pool:
         listed_sts = pool.submit(kube.list, "apps/v1", "StatefulSet", ns, selector)
         listed_policies = pool.submit(
             kube.list, "networking.k8s.io/v1", "NetworkPolicy", ns, selector
         )
         listed_services = pool.submit(kube.list, "v1", "Service", ns, selector)
-        staging_jobs = pool.submit(observe_staging_jobs, kube, spec)
-        pods = {
-            i: tuple(members)
-            for i, members in group_pods(kube.list("v1", "Pod", ns, selector)).items()
-        }
-        # The leaders are asked at once: a pass waits for the slowest, not for their sum (a
-        # busy leader can take a second or more to answer).
-        futures = {
-            i: pool.submit(observe_leader, spec, i, pods.get(i, ()), rollout, client) for i in asked
-        }
-        answered = {i: future.result() for i, future in futures.items()}
+        listed_staging = pool.submit(observe_staging_jobs, kube, spec)
+        listed_pods = kube.list("v1", "Pod", ns, selector)
         statefulsets: dict[int, dict[str, Any]] = {}
         for listed in listed_sts.result():
             group = (listed["metadata"].get("labels") or {}).get(labels.LABEL_GROUP, "")
@@ -201,7 +191,15 @@ def observe(
             for service in listed_services.result()
             if labels.LABEL_REVISION_SERVICE in (service["metadata"].get("labels") or {})
         )
-        staging = staging_jobs.result()
+        staging_jobs = listed_staging.result()
+        pods = {i: tuple(members) for i, members in group_pods(listed_pods).items()}
+        # The leaders are asked at once: a pass waits for the slowest, not for their sum (a
+        # busy leader can take a second or more to answer).
+        rollout = RolloutState.from_status(previous_status.get("rollout"))
+        futures = {
+            i: pool.submit(observe_leader, spec, i, pods.get(i, ()), rollout, client) for i in asked
+        }
+        answered = {i: future.result() for i, future in futures.items()}
     size = spec.parallelism.pods_per_group
     indices = sorted(set(statefulsets) | set(pods) | set(asked))
     groups = {
@@ -220,5 +218,5 @@ def observe(
         policies,
         lora_client=isinstance(client, LoRALeaderClient),
         revision_services=revision_services,
-        staging_jobs=staging,
+        staging_jobs=staging_jobs,
     )

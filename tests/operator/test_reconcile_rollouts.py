@@ -315,3 +315,28 @@ def test_a_leader_still_listed_after_the_leave_timeout_is_updated_without_keep_r
     run(path=REV_B, revision="rev-b")
     body = leaders.flights["default/llama/g0"]["body"]
     assert "keep_ready" not in body and "admit_seconds" not in body
+
+
+def test_a_pass_that_fails_on_a_list_leaves_the_update_result_for_the_next_pass(world, monkeypatch):
+    """A leader hands out an update's result once. ``observe`` asks the leaders only after every
+    list succeeded, so a list failing on a loaded API server cannot lose a failed update (which
+    the next pass would otherwise send again)."""
+    from shardline_operator.kube import KubeError
+
+    kube, leaders, run = world
+    run(path=REV_B, revision="rev-b")
+    leaders.finish("default/llama/g0", ok=False)
+    listed = kube.list
+
+    def list_failing_statefulsets(api_version, kind, namespace, selector):
+        if kind == "StatefulSet":
+            raise KubeError(500, "etcdserver: request timed out")
+        return listed(api_version, kind, namespace, selector)
+
+    monkeypatch.setattr(kube, "list", list_failing_statefulsets)
+    with pytest.raises(KubeError, match="timed out"):
+        run()
+    monkeypatch.setattr(kube, "list", listed)
+    result = run()
+    assert result.status["rollout"]["phase"] == "Failed" and result.status["phase"] == "Degraded"
+    assert leaders.sent == [("default/llama/g0", "rev-b")]  # the failed target is not sent again

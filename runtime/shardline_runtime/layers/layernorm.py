@@ -33,8 +33,8 @@ class RMSNorm(nn.Module):
             variance = x.pow(2).mean(-1, keepdim=True)
             x = x * torch.rsqrt(variance + self.variance_epsilon)
         else:
-            # one ATen op instead of five; the same float32 result bit for bit on the CPU
-            # (tests/runtime/test_layers.py compares it with the formula above)
+            # one call from Python instead of five (ATen runs the same steps inside it); on the
+            # CPU the same result bit for bit (tests/runtime/test_layers.py)
             x = F.rms_norm(x, (x.shape[-1],), None, self.variance_epsilon)
         return self.weight * x.to(dtype)
 

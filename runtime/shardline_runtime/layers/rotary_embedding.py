@@ -141,8 +141,9 @@ class RotaryEmbedding(nn.Module):
         sign = torch.ones(head_dim)
         sign[: head_dim // 2] = -1.0
         self.register_buffer("rotate_sign", sign, persistent=False)  # (head_dim,) float32
-        # sin_cached * rotate_sign, built at the first unfused call (the fused CUDA kernel reads
-        # sin_cached), and again if sin_cached was replaced (moved to another device)
+        # off CUDA: sin_cached * rotate_sign, built at the first call and again if sin_cached was
+        # replaced (moved); one more table of max_positions x head_dim float32 (64 MiB at 128k
+        # positions x 128), so not kept on a GPU, where the fused kernel reads sin_cached
         self._signed_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _cos_sin(
@@ -176,10 +177,7 @@ class RotaryEmbedding(nn.Module):
     def _signed_sin_table(self) -> torch.Tensor:
         """``sin_cached`` with the first half of each row negated, (max_positions, head_dim)."""
         if self._signed_sin is None or self._signed_sin[0] is not self.sin_cached:
-            table = self.sin_cached * self.rotate_sign
-            if table.is_cuda and torch.cuda.is_current_stream_capturing():
-                return table  # not kept: it lives in the graph's memory pool
-            self._signed_sin = (self.sin_cached, table)
+            self._signed_sin = (self.sin_cached, self.sin_cached * self.rotate_sign)
         return self._signed_sin[1]
 
     def forward(
@@ -191,8 +189,11 @@ class RotaryEmbedding(nn.Module):
         if self.rope_type == "dynamic" and positions.numel():
             cos, sin = self._cos_sin(positions, self._dynamic_inv_freq(positions))
             sin = sin * self.rotate_sign
-        else:
+        elif self.sin_cached.is_cuda:  # the unfused path on a GPU (see __init__)
             cos = torch.index_select(self.cos_cached, 0, positions)  # (T, head_dim)
+            sin = torch.index_select(self.sin_cached, 0, positions) * self.rotate_sign
+        else:
+            cos = torch.index_select(self.cos_cached, 0, positions)
             sin = torch.index_select(self._signed_sin_table(), 0, positions)
         if q.dtype != cos.dtype:
             cos, sin = cos.to(q.dtype), sin.to(q.dtype)

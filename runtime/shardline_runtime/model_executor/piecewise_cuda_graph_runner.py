@@ -63,7 +63,7 @@ class _AttentionSplit:
         self.num_tokens = 0
 
     def forward(self, q, k, v, layer, forward_batch):
-        q = q.reshape(q.shape[0], -1)  # (T, Hq * D) whether the layer split the heads or not
+        q = q.reshape(-1, layer.tp_q_head_num * layer.head_dim)  # (T, Hq * D), split heads or not
         if self.mode == "warmup":
             return torch.zeros_like(q)
         if self.mode == "capture":
