@@ -189,12 +189,12 @@ class RotaryEmbedding(nn.Module):
         if self.rope_type == "dynamic" and positions.numel():
             cos, sin = self._cos_sin(positions, self._dynamic_inv_freq(positions))
             sin = sin * self.rotate_sign
-        elif self.sin_cached.is_cuda:  # the unfused path on a GPU (see __init__)
-            cos = torch.index_select(self.cos_cached, 0, positions)  # (T, head_dim)
-            sin = torch.index_select(self.sin_cached, 0, positions) * self.rotate_sign
         else:
-            cos = torch.index_select(self.cos_cached, 0, positions)
-            sin = torch.index_select(self._signed_sin_table(), 0, positions)
+            cos = torch.index_select(self.cos_cached, 0, positions)  # (T, head_dim)
+            if self.sin_cached.is_cuda:  # the unfused path on a GPU: no second table (__init__)
+                sin = torch.index_select(self.sin_cached, 0, positions) * self.rotate_sign
+            else:
+                sin = torch.index_select(self._signed_sin_table(), 0, positions)
         if q.dtype != cos.dtype:
             cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (T, 1, head_dim)
